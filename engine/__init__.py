@@ -1,0 +1,1 @@
+"""The engine core that shmclient talks to: config, scheduler, models, process main."""

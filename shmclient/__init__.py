@@ -1,0 +1,1 @@
+"""shmclient: a same-host EngineCoreClient whose data travels through shared memory."""

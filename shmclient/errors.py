@@ -1,0 +1,69 @@
+"""Every exception shmclient raises, in one place.
+
+Lowest layer together with ``shm`` and ``ring``: imports nothing from the package. Each
+class says who raises it. Users catch ``ShmClientError`` for "anything from us",
+``EngineDeadError`` for "the engine is gone, build a new client".
+"""
+
+from __future__ import annotations
+
+
+class ShmClientError(Exception):
+    """Base of every error shmclient raises on purpose."""
+
+
+class ConfigError(ShmClientError, ValueError):
+    """An ``EngineConfig`` value is invalid; the message names the field."""
+
+
+class InvalidRequestError(ShmClientError, ValueError):
+    """A request was rejected (empty prompt, too long, duplicate id, ...).
+
+    Only that request is refused; the engine keeps serving the others.
+    """
+
+
+class ClientClosedError(ShmClientError, RuntimeError):
+    """This side was closed (``shutdown()`` / ``close()``) and cannot be used again."""
+
+
+class PeerDeadError(ShmClientError, RuntimeError):
+    """The process on the other side of a ring or socket is gone."""
+
+
+class EngineDeadError(PeerDeadError):
+    """The engine core process died or reported a fatal error.
+
+    Every pending and later call on the client raises this; the client cannot recover.
+    """
+
+    def __init__(self, message: str | None = None, *, suppress_context: bool = False) -> None:
+        super().__init__(
+            message
+            or "EngineCore encountered an issue. See stack trace (above) for the root cause."
+        )
+        self.__suppress_context__ = suppress_context
+
+
+class PeerTimeoutError(ShmClientError, TimeoutError):
+    """A bounded wait on the peer ran out. Subclasses say which side is stalled."""
+
+
+class PeerNotConsumingError(PeerTimeoutError):
+    """The ring stayed full for the whole timeout: the peer is not consuming."""
+
+
+class PeerNotProducingError(PeerTimeoutError):
+    """Nothing arrived for the whole timeout: the peer is not producing."""
+
+
+class ShmCapacityError(ShmClientError, OSError):
+    """/dev/shm cannot hold a segment we need; raised at creation, never later."""
+
+
+class UtilityCallError(ShmClientError, RuntimeError):
+    """A utility method raised in the engine: ``Call to <method> method failed: <msg>``."""
+
+
+class SerializationError(ShmClientError, TypeError):
+    """A value cannot cross the boundary (unsupported type, tensor needing grad, ...)."""

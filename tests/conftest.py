@@ -1,0 +1,63 @@
+"""Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, the
+process table and the thread list as it found them."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import psutil
+import pytest
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fail the test if it leaves a /dev/shm entry, a child process or a thread behind.
+
+    Children and threads get a bounded grace period to finish exiting (they are waited on,
+    not slept for); whatever is still there afterwards is killed and reported.
+    """
+    shm_before = _shm_entries()
+    me = psutil.Process()
+    kids_before = {p.pid for p in me.children(recursive=True)}
+    threads_before = set(threading.enumerate())
+    yield
+    gc.collect()
+    problems = []
+
+    new_kids = [p for p in me.children(recursive=True) if p.pid not in kids_before]
+    if new_kids:
+        _, alive = psutil.wait_procs(new_kids, timeout=10)
+        if alive:
+            problems.append(f"child processes left: {[(p.pid, p.cmdline()) for p in alive]}")
+            for p in alive:
+                p.kill()
+            psutil.wait_procs(alive, timeout=5)
+
+    new_threads = [t for t in threading.enumerate() if t not in threads_before]
+    for t in new_threads:
+        t.join(timeout=5)
+    stuck = [t.name for t in new_threads if t.is_alive()]
+    if stuck:
+        problems.append(f"threads left: {stuck}")
+
+    leaked = _shm_entries() - shm_before
+    if leaked:
+        problems.append(f"/dev/shm entries left: {sorted(leaked)}")
+        for name in leaked:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+    if problems:
+        pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)
