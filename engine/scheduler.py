@@ -1,0 +1,323 @@
+"""Continuous batching in the manner of vLLM v1's scheduler: who runs in the next step.
+
+Engine layer, below the core: imports ``engine.model`` (for ``ScheduledChunk``),
+``shmclient.messages`` and ``shmclient.errors`` only; never torch directly, the core, or a
+shmclient client module. It owns the waiting and running queues, the per-step token
+budget with chunked prefill, the KV-block accounting and preemption by recompute, and
+the stop rules. It never runs a model: it hands out ``ScheduledChunk`` lists and takes the
+sampled tokens back in ``update``. A request releases its model state through the
+``on_free`` callback whenever its blocks are released (finish, abort, preemption).
+
+Stop rules, checked after each sampled token, first match wins: EOS (unless
+``ignore_eos``) → STOP with ``stop_reason`` None; a ``stop_token_ids`` member → STOP with
+``stop_reason`` = that token; ``max_tokens`` outputs, or ``max_model_len`` tokens in
+total → LENGTH.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from typing import Any, Callable
+
+from shmclient.errors import InvalidRequestError
+from shmclient.messages import FinishReason, PoolingParams, SamplingParams
+
+from .model import ScheduledChunk
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Request:
+    """The scheduler's view of one request: prompt, outputs so far, progress, blocks."""
+
+    __slots__ = (
+        "request_id", "client_index", "prompt_token_ids", "prompt_embeds",
+        "num_prompt_tokens", "sampling_params", "pooling_params", "eos_token_id",
+        "generator", "output_token_ids", "num_computed_tokens", "num_blocks", "status",
+        "finish_reason", "stop_reason", "num_preemptions", "max_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        prompt_embeds: Any = None,
+        sampling_params: SamplingParams | None = None,
+        pooling_params: PoolingParams | None = None,
+        eos_token_id: int | None = None,
+        client_index: int = 0,
+        generator: Any = None,
+    ) -> None:
+        self.request_id = request_id
+        self.client_index = client_index
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_embeds = prompt_embeds
+        self.num_prompt_tokens = (
+            len(prompt_token_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
+        )
+        if sampling_params is None and pooling_params is None:
+            sampling_params = SamplingParams()
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.eos_token_id = eos_token_id
+        self.generator = generator
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_blocks = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self.max_tokens = sampling_params.max_tokens if pooling_params is None else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    def inputs(self, start: int, end: int) -> tuple[list[int], Any]:
+        """(token ids, embeds rows or None) of positions ``[start, end)``."""
+        p = self.num_prompt_tokens
+        if self.prompt_embeds is not None:
+            embeds = self.prompt_embeds[start:min(end, p)] if start < p else None
+            ids = self.output_token_ids[max(start - p, 0):end - p] if end > p else []
+            return ids, embeds
+        if end <= p:
+            return self.prompt_token_ids[start:end], None
+        if start >= p:
+            return self.output_token_ids[start - p:end - p], None
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p], None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.num_blocks})")
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill and recompute preemption.
+
+    Nothing here blocks. ``add_request`` raises ``InvalidRequestError`` (and changes
+    nothing) for a duplicate live id or a prompt that can never fit.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        max_model_len: int,
+        on_free: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
+        if max_model_len > num_gpu_blocks * block_size:
+            # A lone request could then need more blocks than exist and never finish.
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the KV cache "
+                f"({num_gpu_blocks} blocks x {block_size} tokens)")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_model_len = max_model_len
+        self.on_free = on_free
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_free_blocks = num_gpu_blocks
+        #: Total preemptions so far (tests and stats read it).
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queue changes
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {req.request_id!r} is already live")
+        if req.num_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {req.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.max_model_len}")
+        if self._blocks_for(req.num_prompt_tokens) > self.num_gpu_blocks:
+            raise InvalidRequestError(
+                f"prompt of {req.num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({self.num_gpu_blocks} blocks of {self.block_size} tokens)")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """Finish live requests (abort); unknown or finished ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+            done.append(req)
+        return done
+
+    def preempt_all(self) -> None:
+        """Move every running request back to waiting (recompute later), oldest first."""
+        while self.running:
+            self._preempt(self.running.pop())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's chunks: running requests first, then waiting ones (FCFS).
+
+        A running request that needs a block when none is free preempts the most
+        recently admitted running request (possibly itself). No waiting request is
+        admitted in a step that preempted.
+        """
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: it was the last running request
+            batch.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._allocate(req, req.num_computed_tokens + n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                batch.append(self._chunk(req, n))
+                budget -= n
+        return batch
+
+    def update(self, batch: list[ScheduledChunk], sampled: list[int | None]) -> list[Request]:
+        """Apply one step's results; returns the requests that produced output, in order.
+
+        A request in the result either got one new token (its last output token) or, for a
+        pooling request, finished its prompt; finished ones have ``finish_reason`` set.
+        """
+        changed = []
+        for chunk, token in zip(batch, sampled):
+            req = self.requests[chunk.request_id]
+            req.num_computed_tokens += chunk.num_tokens
+            if chunk.pool_done:
+                self._remove_running(req)
+                self._finish(req, FinishReason.STOP)
+                changed.append(req)
+            elif token is not None:
+                req.output_token_ids.append(token)
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    self._remove_running(req)
+                    self._finish(req, reason)
+                changed.append(req)
+        return changed
+
+    # ---------------------------------------------------------------- introspection
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_free_blocks": self.num_free_blocks,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block accounting or the queues are inconsistent."""
+        live = list(self.waiting) + self.running
+        assert len(live) == len(self.requests), (live, self.requests)
+        assert {r.request_id for r in live} == set(self.requests)
+        held = sum(r.num_blocks for r in live)
+        assert held + self.num_free_blocks == self.num_gpu_blocks, (held, self.num_free_blocks)
+        assert all(r.num_blocks == 0 and r.num_computed_tokens == 0 for r in self.waiting)
+        assert len(self.running) <= self.max_num_seqs
+
+    # ---------------------------------------------------------------- internals
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        extra = self._blocks_for(num_tokens) - req.num_blocks
+        if extra <= 0:
+            return True
+        if extra > self.num_free_blocks:
+            return False
+        self.num_free_blocks -= extra
+        req.num_blocks += extra
+        return True
+
+    def _release(self, req: Request) -> None:
+        self.num_free_blocks += req.num_blocks
+        req.num_blocks = 0
+        req.num_computed_tokens = 0
+        self.on_free(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+
+    def _remove_running(self, req: Request) -> None:
+        self.running.remove(req)
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + n
+        ids, embeds = req.inputs(start, end)
+        last = end == req.num_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=ids,
+            embeds=embeds,
+            start_pos=start,
+            sample=last and req.pooling_params is None,
+            sampling_params=req.sampling_params,
+            generator=req.generator,
+            pooling_params=req.pooling_params,
+            pool_done=last and req.pooling_params is not None,
+        )
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling_params
+        if token == req.eos_token_id and not sp.ignore_eos:
+            return FinishReason.STOP
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
