@@ -1,0 +1,89 @@
+"""EngineConfig: defaults, immutability, msgpack round trip, and one ConfigError per bad
+value, each naming its field and the value."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.config import MiB, EngineConfig
+from shmclient.errors import ConfigError
+
+
+def test_defaults_are_valid_and_documented_values():
+    c = EngineConfig()
+    assert (c.model, c.device, c.transport) == ("mock", "cpu", "shm")
+    assert c.max_model_len == 2048 and c.block_size == 16 and c.num_gpu_blocks is None
+    assert c.kv_cache_memory_bytes == 256 * MiB and c.ring_capacity_bytes == 4 * MiB
+    assert c.tensor_arena_bytes == 64 * MiB and c.gpu_memory_utilization == 0.5
+    assert c.engine_ready_timeout_s is None and c.enable_cuda_ipc is True
+    assert c.fault_injection is None
+
+
+def test_frozen_and_keyword_only():
+    c = EngineConfig()
+    with pytest.raises(AttributeError):
+        c.seed = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        EngineConfig("tiny")  # type: ignore[misc]
+
+
+def test_msgpack_round_trip():
+    c = EngineConfig(model="tiny", device="cuda:1", num_gpu_blocks=7, fault_injection="x:1",
+                     engine_ready_timeout_s=2.5)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
+    assert back == c
+
+
+def test_decoding_validates_too():
+    raw = msgspec.msgpack.encode({"block_size": 0})
+    with pytest.raises(msgspec.ValidationError, match="block_size"):
+        msgspec.msgpack.decode(raw, type=EngineConfig)
+
+
+def test_replace_validates_and_copies():
+    c = EngineConfig()
+    d = c.replace(seed=5, device="cuda")
+    assert (d.seed, d.device, c.seed, c.device) == (5, "cuda", 0, "cpu")
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        c.replace(max_num_seqs=0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model", "gpt2"), ("model", 1), ("device", "gpu"), ("device", "cuda:"),
+    ("device", "cuda:-1"), ("device", "cuda:01"), ("device", "CPU"), ("transport", "tcp"),
+    ("max_model_len", 0), ("max_model_len", 1.5), ("max_model_len", True),
+    ("block_size", 0), ("block_size", -16), ("num_gpu_blocks", 0), ("num_gpu_blocks", "8"),
+    ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("seed", -1), ("seed", 2**64),
+    ("seed", 1.0), ("kv_cache_memory_bytes", 0), ("gpu_memory_utilization", 0.0),
+    ("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", float("nan")),
+    ("gpu_memory_utilization", "0.5"), ("vocab_size", 0), ("hidden_size", 0),
+    ("hidden_size", 66), ("num_layers", 0), ("num_heads", 0), ("eos_token_id", -1),
+    ("eos_token_id", 1024), ("ring_capacity_bytes", 100), ("tensor_arena_bytes", -1),
+    ("spin_us", -1.0), ("spin_us", float("inf")), ("spin_us", None),
+    ("engine_ready_timeout_s", 0), ("engine_ready_timeout_s", -1.0),
+    ("enable_cuda_ipc", 1), ("fault_injection", 3),
+])
+def test_each_bad_value_names_its_field(field, value):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**{field: value})
+    text = str(info.value)
+    assert field in text
+    assert repr(value) in text
+
+
+def test_unknown_model_lists_valid_ones():
+    with pytest.raises(ConfigError, match="'mock', 'tiny'"):
+        EngineConfig(model="llama")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(device="cuda"), dict(device="cuda:12"), dict(model="tiny"), dict(transport="zmq"),
+    dict(num_gpu_blocks=1), dict(spin_us=0), dict(gpu_memory_utilization=1),
+    dict(engine_ready_timeout_s=0.1), dict(fault_injection="raise_in_step:3"),
+    dict(hidden_size=12, num_heads=3), dict(vocab_size=3, eos_token_id=2),
+])
+def test_valid_values(kw):
+    c = EngineConfig(**kw)
+    for k, v in kw.items():
+        assert getattr(c, k) == v
