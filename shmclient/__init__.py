@@ -1,1 +1,95 @@
-"""shmclient: a same-host EngineCoreClient whose data travels through shared memory."""
+"""shmclient: a same-host EngineCoreClient whose data travels through shared memory.
+
+The public surface only (pinned by tests/test_public_api.py). The clients and
+``EngineConfig`` load on first use, so ``import shmclient`` starts nothing and does not
+import the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .client import EngineCoreClient, make_client
+from .errors import (
+    ClientClosedError,
+    ConfigError,
+    EngineDeadError,
+    InvalidRequestError,
+    PeerDeadError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+    PeerTimeoutError,
+    SerializationError,
+    ShmCapacityError,
+    ShmClientError,
+    UtilityCallError,
+)
+from .messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+    UtilityOutput,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "EngineConfig": ("engine.config", "EngineConfig"),
+    "InprocClient": ("shmclient.client_inproc", "InprocClient"),
+    "MPClient": ("shmclient.client_mp", "MPClient"),
+    "SyncMPClient": ("shmclient.client_mp", "SyncMPClient"),
+    "AsyncMPClient": ("shmclient.client_async", "AsyncMPClient"),
+}
+
+__all__ = [
+    "AsyncMPClient",
+    "ClientClosedError",
+    "ConfigError",
+    "EngineConfig",
+    "EngineCoreClient",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineCoreRequestType",
+    "EngineDeadError",
+    "FinishReason",
+    "InprocClient",
+    "InvalidRequestError",
+    "LoRARequest",
+    "MPClient",
+    "PROTOCOL_VERSION",
+    "PeerDeadError",
+    "PeerNotConsumingError",
+    "PeerNotProducingError",
+    "PeerTimeoutError",
+    "PoolingParams",
+    "SamplingParams",
+    "SerializationError",
+    "ShmCapacityError",
+    "ShmClientError",
+    "SyncMPClient",
+    "UtilityCallError",
+    "UtilityOutput",
+    "make_client",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shmclient' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

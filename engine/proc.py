@@ -1,0 +1,257 @@
+"""Engine process main: ``python -m engine.proc <control address> <frontend pid>``.
+
+Top of the engine side: imports engine.core/config and shmclient's channel, control and
+messages (never the client classes). The process attaches the channel the frontend
+created, builds the EngineCore, answers READY and runs the busy loop:
+
+    drain every request available → one step → write the outputs → repeat;
+    with nothing to do, block on the request ring's doorbell (after its spin budget).
+
+It exits when the frontend says SHUTDOWN, closes its end of the channel, or dies (the
+parent pid changes: checked at every blocking-wait slice and every 0.1 s while busy, so a
+SIGKILLed frontend is noticed within about 0.1 s). An exception in the loop is sent as
+ENGINE_CORE_DEAD with its text, flushed, and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from shmclient import control
+from shmclient.channel import (
+    REC_OUTPUTS,
+    REQ_ABORT,
+    REQ_ADD,
+    REQ_UTILITY,
+    ShmChannel,
+    ShmChannelSpec,
+    ZmqChannel,
+    ZmqChannelSpec,
+)
+from shmclient.errors import InvalidRequestError, PeerDeadError, PeerNotProducingError
+from shmclient.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    UtilityOutput,
+    UtilityRequest,
+)
+
+from .config import EngineConfig
+
+_SLICE_S = 0.1
+
+
+class _Shutdown(Exception):
+    """The frontend asked us to stop, or is gone."""
+
+
+class EngineProc:
+    """The loop around one EngineCore. Single-threaded; utility futures may complete on
+    other threads and hand their replies over through a deque."""
+
+    def __init__(self, ctl: zmq.Socket, parent_pid: int, config: EngineConfig, channel: Any):
+        from .core import EngineCore
+
+        self.ctl = ctl
+        self.parent_pid = parent_pid
+        self.config = config
+        self.channel = channel
+        self.core = EngineCore(config)
+        self.replies: deque[EngineCoreOutputs] = deque()
+        self.wait_sleepers: list[tuple[concurrent.futures.Future, int]] = []
+        self.steps = 0
+        self.fault_step: int | None = None
+        fault = config.fault_injection or ""
+        if fault.startswith("raise_in_step:"):
+            self.fault_step = int(fault.split(":", 1)[1])
+        self._last_check = 0.0
+        self._stop = False
+
+    # -- liveness ---------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Checked by every blocking wait: frontend alive and no SHUTDOWN received."""
+        if os.getppid() != self.parent_pid:
+            self._stop = True
+        elif self.ctl.poll(0, zmq.POLLIN):
+            msg = self.ctl.recv_multipart()
+            if msg and msg[0] == control.SHUTDOWN:
+                self._stop = True
+        return not self._stop
+
+    # -- requests ---------------------------------------------------------------------
+    def handle(self, rtype: int, obj: Any) -> None:
+        if rtype == REQ_ADD:
+            try:
+                self.core.add_request(obj)
+            except InvalidRequestError as e:
+                # Reject this request alone: it finishes at once with ABORT and the reason.
+                out = EngineCoreOutput(
+                    request_id=obj.request_id, finish_reason=FinishReason.ABORT, stop_reason=str(e)
+                )
+                self.send(obj.client_index, EngineCoreOutputs(outputs=[out]))
+        elif rtype == REQ_ABORT:
+            self.core.abort_requests(obj)
+        elif rtype == REQ_UTILITY:
+            self.utility(obj)
+        else:
+            raise ValueError(f"unexpected request type 0x{rtype:02x}")
+
+    def utility(self, req: UtilityRequest) -> None:
+        def reply(result: Any = None, failure: str | None = None) -> None:
+            out = UtilityOutput(call_id=req.call_id, failure_message=failure, result=result)
+            self.replies.append(EngineCoreOutputs(utility_output=out))
+
+        try:
+            if req.method == "sleep" and _sleep_mode(req.args) == "wait":
+                # Finish running requests first, then sleep: answered later by the loop.
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                level = req.args[0] if req.args else 1
+                self.wait_sleepers.append((fut, level))
+                fut.add_done_callback(lambda f: _reply_future(f, reply))
+                return
+            result = self.core.call_utility(req.method, tuple(req.args))
+        except Exception as e:
+            reply(failure=f"{type(e).__name__}: {e}")
+            return
+        if isinstance(result, concurrent.futures.Future):
+            result.add_done_callback(lambda f: _reply_future(f, reply))
+        else:
+            reply(result)
+
+    def send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        self.channel.send(REC_OUTPUTS, outputs, timeout=None, alive=self.alive)
+
+    # -- loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop:
+            busy = self.core.has_unfinished_requests()
+            if busy:
+                got = self.channel.try_recv()
+                now = time.monotonic()
+                if now - self._last_check > _SLICE_S:
+                    self._last_check = now
+                    self.alive()
+            else:
+                try:
+                    got = self.channel.recv(timeout=_SLICE_S, alive=self.alive)
+                except PeerNotProducingError:
+                    got = []
+            for rtype, obj in got:
+                self.handle(rtype, obj)
+            if self.core.has_unfinished_requests():
+                self.steps += 1
+                if self.fault_step is not None and self.steps >= self.fault_step:
+                    raise RuntimeError(f"injected fault in step {self.steps}")
+                for client_index, outputs in self.core.step().items():
+                    self.send(client_index, outputs)
+            elif self.wait_sleepers:
+                for fut, level in self.wait_sleepers:
+                    try:
+                        fut.set_result(self.core.sleep(level, "abort"))
+                    except Exception as e:
+                        fut.set_exception(e)
+                self.wait_sleepers.clear()
+            while self.replies:
+                self.send(0, self.replies.popleft())
+
+
+def _sleep_mode(args: Any) -> str:
+    return args[1] if len(args) > 1 else "abort"
+
+
+def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:
+    try:
+        reply(fut.result())
+    except Exception as e:
+        reply(failure=f"{type(e).__name__}: {e}")
+
+
+def _send_dead(ctl: zmq.Socket, text: str) -> None:
+    try:
+        ctl.send_multipart([control.ENGINE_CORE_DEAD, text.encode(errors="replace")])
+    except zmq.ZMQError:
+        pass
+
+
+def _wait_for_parent_forever(parent_pid: int) -> None:
+    """Fault injection 'hang_before_ready': never answer, but still die with the parent."""
+    ev = threading.Event()
+    while os.getppid() == parent_pid:
+        ev.wait(_SLICE_S)
+
+
+def main(argv: list[str]) -> int:
+    address, parent_pid = argv[0], int(argv[1])
+    # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ctx = zmq.Context()
+    ctl = control.engine_socket(ctx, address)
+    proc: EngineProc | None = None
+    channel: Any = None
+    code = 0
+    try:
+        ctl.send_multipart([control.HELLO, str(os.getpid()).encode()])
+        msg = None
+        while msg is None:
+            if os.getppid() != parent_pid:
+                return 0
+            msg = control.recv(ctl, _SLICE_S)
+        _, raw_config, transport, raw_spec = msg
+        config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
+        fault = config.fault_injection or ""
+        if fault.startswith("exit_before_ready:"):
+            os._exit(int(fault.split(":", 1)[1]))
+        if fault == "hang_before_ready":
+            _wait_for_parent_forever(parent_pid)
+            return 0
+        if transport == b"shm":
+            channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
+        else:
+            channel = ZmqChannel.attach(ctx, msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec))
+        proc = EngineProc(ctl, parent_pid, config, channel)
+        info = control.ReadyInfo(
+            pid=os.getpid(),
+            num_gpu_blocks=proc.core.num_gpu_blocks,
+            block_size=proc.core.block_size,
+            max_model_len=proc.core.max_model_len,
+            protocol_version=PROTOCOL_VERSION,
+        )
+        ctl.send_multipart([control.READY, msgspec.msgpack.encode(info)])
+        proc.run()
+    except (PeerDeadError, _Shutdown):
+        code = 0  # the frontend closed its end or went away: a normal exit
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:  # noqa: BLE001 - everything else is fatal and reported
+        traceback.print_exc()
+        _send_dead(ctl, f"{type(e).__name__}: {e}")
+        code = 1
+    finally:
+        if proc is not None:
+            try:
+                proc.core.shutdown()
+            except Exception:  # pragma: no cover
+                traceback.print_exc()
+        if channel is not None:
+            channel.close()
+        ctl.close(linger=2000 if code else 0)
+        ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,373 @@
+"""Duplex message endpoints shared by the client AND the engine: codec + tx + rx.
+
+Middle layer: imports ring, shm, tensors, codec, messages, errors; never clients, asyncio
+or the engine. An endpoint sends ``(record_type, object)`` pairs and receives them decoded.
+Two transports with one interface:
+
+* ``ShmChannel``: a request ring (frontend → engine) and an output ring (engine →
+  frontend) plus one tensor arena per direction. Out-of-band tensor blocks are released by
+  the receiver; the releases ride back on the opposite ring as ``REC_RELEASE`` records,
+  flushed with every send and every receive call.
+* ``ZmqChannel``: the baseline with vLLM's socket layout: ROUTER/DEALER for requests,
+  PUSH/PULL for outputs, tensors as out-of-band frames.
+
+Nothing here waits except ``recv`` / ``send`` with their timeouts; ``try_recv`` never
+blocks. Waiting in an event loop is the caller's business (``fileno()``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import msgspec
+import zmq
+
+from .codec import Decoder, Encoder
+from .errors import PeerDeadError, PeerNotProducingError
+from .messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityRequest,
+)
+from .ring import Ring, RingSpec
+from .shm import Segment
+from .tensors import ShmTensorReceiver, ShmTensorSender
+
+REQ_ADD = EngineCoreRequestType.ADD.code
+REQ_ABORT = EngineCoreRequestType.ABORT.code
+REQ_UTILITY = EngineCoreRequestType.UTILITY.code
+#: engine → frontend: one EngineCoreOutputs batch.
+REC_OUTPUTS = 0x20
+#: either way: tensor blocks the receiver is done with (payload from take_releases()).
+REC_RELEASE = 0x10
+
+_PAYLOAD_TYPES: dict[int, Any] = {
+    REQ_ADD: EngineCoreRequest,
+    REQ_ABORT: list[str],
+    REQ_UTILITY: UtilityRequest,
+    REC_OUTPUTS: EngineCoreOutputs,
+}
+
+Alive = Callable[[], bool]
+
+
+class ShmChannelSpec(msgspec.Struct, frozen=True):
+    """What the engine needs to attach: ring and arena names (engine's point of view)."""
+
+    rx: RingSpec
+    tx: RingSpec
+    tensor_rx: str
+    tensor_tx: str
+    spin_us: float
+
+
+class ZmqChannelSpec(msgspec.Struct, frozen=True):
+    input_address: str
+    output_address: str
+
+
+def _decoders(tensors: ShmTensorReceiver | None) -> dict[int, Decoder]:
+    return {t: Decoder(typ, tensors=tensors) for t, typ in _PAYLOAD_TYPES.items()}
+
+
+class ShmChannel:
+    """One side of a shared-memory duplex channel."""
+
+    def __init__(
+        self,
+        tx: Ring,
+        rx: Ring,
+        tensor_tx: Segment,
+        tensor_rx: Segment,
+        owned: list[Any],
+    ) -> None:
+        self.tx = tx
+        self.rx = rx
+        self._tx_segment = tensor_tx
+        self._rx_segment = tensor_rx
+        self._tensor_tx = ShmTensorSender(tensor_tx)
+        self._tensor_rx = ShmTensorReceiver(tensor_rx)
+        self._encoder = Encoder(tensors=self._tensor_tx)
+        self._decoders = _decoders(self._tensor_rx)
+        self._owned = owned  # things to unlink once the peer attached (owner side only)
+        self._send_lock = threading.Lock()
+        self._held_release: bytes | None = None
+        self._closed = False
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        *,
+        ring_capacity: int,
+        arena_bytes: int,
+        spin_us: float,
+        wake_fd: bool,
+    ) -> tuple["ShmChannel", ShmChannelSpec]:
+        """Create both rings and both arenas (frontend side). Returns the channel and the
+        spec the engine attaches with. Raises ShmCapacityError when /dev/shm is too small;
+        on any failure everything created so far is removed again."""
+        made: list[Any] = []
+        try:
+            req = Ring.create("producer", ring_capacity, spin_us=spin_us)
+            made.append(req)
+            out = Ring.create(
+                "consumer", ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd
+            )
+            made.append(out)
+            arena_req = Segment.create(arena_bytes, prefix="shmc-t")
+            made.append(arena_req)
+            arena_out = Segment.create(arena_bytes, prefix="shmc-t")
+            made.append(arena_out)
+        except BaseException:
+            for m in reversed(made):
+                m.unlink()
+                m.close()
+            raise
+        spec = ShmChannelSpec(
+            rx=req.spec,
+            tx=out.spec,
+            tensor_rx=arena_req.name,
+            tensor_tx=arena_out.name,
+            spin_us=spin_us,
+        )
+        return cls(req, out, arena_req, arena_out, owned=made), spec
+
+    @classmethod
+    def attach(cls, spec: ShmChannelSpec) -> "ShmChannel":
+        """Attach to a channel created by the peer (engine side)."""
+        rx = Ring.attach(spec.rx, "consumer", spin_us=spec.spin_us)
+        try:
+            tx = Ring.attach(spec.tx, "producer", spin_us=spec.spin_us)
+            try:
+                seg_rx = Segment.attach(spec.tensor_rx)
+                try:
+                    seg_tx = Segment.attach(spec.tensor_tx)
+                except BaseException:
+                    seg_rx.close()
+                    raise
+            except BaseException:
+                tx.close()
+                raise
+        except BaseException:
+            rx.close()
+            raise
+        return cls(tx, rx, seg_tx, seg_rx, owned=[])
+
+    def peer_attached(self) -> None:
+        """Owner: the peer has attached, remove every name from /dev/shm now."""
+        for m in self._owned:
+            m.unlink()
+
+    # -- sending ----------------------------------------------------------------------
+    def send(
+        self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
+    ) -> None:
+        """Encode and send one message (plus any pending tensor releases) with one
+        doorbell. Blocks only while the ring is full (backpressure), up to ``timeout``;
+        raises PeerNotConsumingError / PeerDeadError / ClientClosedError."""
+        payload = self._encoder.encode(obj)
+        with self._send_lock:
+            rel = self._take_releases()
+            if rel is None:
+                self.tx.send(rtype, payload, timeout=timeout, alive=alive)
+            else:
+                self.tx.send_batch(
+                    [(REC_RELEASE, rel), (rtype, payload)], timeout=timeout, alive=alive
+                )
+
+    def _take_releases(self) -> bytes | None:
+        """Pending releases: those a full ring held back, then the receiver's new ones."""
+        rel = self._tensor_rx.take_releases()
+        held, self._held_release = self._held_release, None
+        if held is not None:
+            self.tx.send(REC_RELEASE, held)  # keeps release order; ring had room before
+        return rel
+
+    def flush_releases(self) -> None:
+        """Send pending tensor releases without blocking; if the ring is full they are
+        kept and go out with the next message or flush (never lost)."""
+        with self._send_lock:
+            rel = self._held_release or self._tensor_rx.take_releases()
+            self._held_release = None
+            if rel is not None and not self.tx.try_send(REC_RELEASE, rel):
+                self._held_release = rel
+
+    # -- receiving --------------------------------------------------------------------
+    def _decode(self, records: Sequence[tuple[int, Any]]) -> list[tuple[int, Any]]:
+        out = []
+        for rtype, payload in records:
+            if rtype == REC_RELEASE:
+                self._tensor_tx.on_release(bytes(payload))
+                continue
+            dec = self._decoders.get(rtype)
+            if dec is None:
+                raise ValueError(f"unknown record type 0x{rtype:02x} on the ring")
+            out.append((rtype, dec.decode(payload)))
+        return out
+
+    def try_recv(self) -> list[tuple[int, Any]]:
+        """Every message available now, decoded, in order; [] if none. Never blocks."""
+        self.flush_releases()
+        return self._decode(self.rx.try_recv())
+
+    def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
+        """Spin, then block until at least one record arrives (may decode to [] when only
+        releases came). Raises PeerNotProducingError on timeout, PeerDeadError."""
+        self.flush_releases()
+        return self._decode(self.rx.recv(timeout=timeout, alive=alive))
+
+    def fileno(self) -> int:
+        """A file descriptor that becomes readable when something was published."""
+        return self.rx.fileno()
+
+    def drain_wake(self) -> None:
+        self.rx.drain_wake_fd()
+
+    @property
+    def peer_closed(self) -> bool:
+        return self.rx.peer_closed or self.tx.peer_closed
+
+    def stats(self) -> dict[str, Any]:
+        return {"tx": self.tx.stats(), "rx": self.rx.stats(), "tensors": self._tensor_tx.stats()}
+
+    def close(self) -> None:
+        """Tell the peer we are gone (wakes it if blocked), remove names, unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        for m in self._owned:
+            m.unlink()
+        self.tx.close()
+        self.rx.close()
+        self._tensor_tx.close()
+        self._tensor_rx.close()
+        self._tx_segment.close()
+        self._rx_segment.close()
+
+
+class ZmqChannel:
+    """One side of the ZMQ data path (the baseline transport).
+
+    Frontend: ROUTER bound for requests (the engine's DEALER registers with one empty
+    message), PULL bound for outputs. Engine: DEALER and PUSH connected. Each message is
+    ``[type byte, msgpack frame, *tensor frames]``.
+    """
+
+    ENGINE_IDENTITY = b"\x00\x00"
+
+    def __init__(self, ctx: zmq.Context, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
+        self._ctx = ctx
+        self._tx = tx
+        self._rx = rx
+        self._frontend = frontend
+        self._encoder = Encoder()
+        self._decoders = _decoders(None)
+        self._send_lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(rx, zmq.POLLIN)
+        self._closed = False
+
+    @classmethod
+    def create(cls, ctx: zmq.Context, base: str) -> tuple["ZmqChannel", ZmqChannelSpec]:
+        spec = ZmqChannelSpec(input_address=f"{base}-in", output_address=f"{base}-out")
+        tx = ctx.socket(zmq.ROUTER)
+        rx = ctx.socket(zmq.PULL)
+        for s in (tx, rx):
+            s.setsockopt(zmq.LINGER, 0)
+        tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        tx.bind(spec.input_address)
+        rx.bind(spec.output_address)
+        return cls(ctx, tx, rx, frontend=True), spec
+
+    @classmethod
+    def attach(cls, ctx: zmq.Context, spec: ZmqChannelSpec) -> "ZmqChannel":
+        rx = ctx.socket(zmq.DEALER)
+        rx.setsockopt(zmq.IDENTITY, cls.ENGINE_IDENTITY)
+        tx = ctx.socket(zmq.PUSH)
+        for s in (tx, rx):
+            s.setsockopt(zmq.LINGER, 0)
+        rx.connect(spec.input_address)
+        tx.connect(spec.output_address)
+        rx.send(b"")  # registration: lets the ROUTER route to us
+        return cls(ctx, tx, rx, frontend=False)
+
+    def wait_registered(self, timeout: float) -> None:
+        """Frontend: wait for the engine DEALER's registration message."""
+        if not self._tx.poll(int(timeout * 1000), zmq.POLLIN):
+            raise PeerNotProducingError("engine did not connect to the request socket")
+        self._tx.recv_multipart()
+
+    def peer_attached(self) -> None:  # nothing to unlink: abstract socket names
+        pass
+
+    def send(
+        self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
+    ) -> None:
+        frames = self._encoder.encode_frames(obj)
+        head = [self.ENGINE_IDENTITY] if self._frontend else []
+        with self._send_lock:
+            self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)
+
+    def flush_releases(self) -> None:  # tensors travel as frames: nothing to release
+        pass
+
+    def _decode_msg(self, frames: list[zmq.Frame]) -> tuple[int, Any]:
+        rtype = frames[0].bytes[0]
+        dec = self._decoders.get(rtype)
+        if dec is None:
+            raise ValueError(f"unknown message type 0x{rtype:02x} on the socket")
+        return rtype, dec.decode_frames([f.buffer for f in frames[1:]])
+
+    def try_recv(self) -> list[tuple[int, Any]]:
+        out = []
+        while True:
+            try:
+                frames = self._rx.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            if len(frames) == 1 and len(frames[0]) == 0:
+                continue  # stray registration echo
+            out.append(self._decode_msg(frames))
+
+    def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            got = self.try_recv()
+            if got:
+                return got
+            if alive is not None and not alive():
+                raise PeerDeadError("peer is gone")
+            slice_s = 0.1
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerNotProducingError(
+                        f"nothing arrived within {timeout} s: the peer is not producing"
+                    )
+                slice_s = min(slice_s, left)
+            self._poller.poll(int(slice_s * 1000) + 1)
+
+    def fileno(self) -> int:
+        return self._rx.getsockopt(zmq.FD)
+
+    def drain_wake(self) -> None:
+        # ZMQ_FD is edge-triggered; reading ZMQ_EVENTS re-arms it.
+        self._rx.getsockopt(zmq.EVENTS)
+
+    @property
+    def peer_closed(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._tx.close(linger=0)
+        self._rx.close(linger=0)

@@ -1,0 +1,185 @@
+"""``AsyncMPClient``: the MP client for asyncio frontends.
+
+Top layer: imports client_mp and asyncio. Like pyzmq's asyncio socket over its sync one,
+it tries the channel at once and waits on a file descriptor only when it would block: the
+output ring's wake FIFO (``transport="shm"``) or the ZMQ socket's FD, registered with
+``loop.add_reader``. The reader callback drains the channel whenever something arrives,
+so utility replies and outputs are handled in the loop even with no caller waiting, and
+without a thread hop per message. Before parking, ``get_output_async`` spins on the ring
+for the configured spin budget (``spin_us``; it holds the loop for at most that long).
+
+Every method has an ``_async`` form: ``add_request_async``, ``get_output_async``,
+``abort_requests_async``, ``call_utility_async`` and one per utility method (generated
+from the base class's table, so each stays one line). The client binds to the first
+running loop that uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+from .client import UTILITY_METHODS, EngineCoreClient
+from .client_mp import MPClient
+from .errors import PeerDeadError, PeerNotProducingError
+from .launcher import weak_callback
+from .messages import EngineCoreOutputs, EngineCoreRequest
+
+
+class AsyncMPClient(MPClient):
+    _asyncio = True
+
+    def __init__(self, config: Any) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future | None = None
+        self._fd: int | None = None
+        super().__init__(config)
+        self._spin_s = config.spin_us * 1e-6 if config.transport == "shm" else 0.0
+        self.resources.before_close(self._remove_reader_hook())
+
+    # -- loop binding -----------------------------------------------------------------
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return loop
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("this AsyncMPClient is already used by another event loop")
+        self._ensure_alive()
+        self._loop = loop
+        self._fd = self.channel.fileno()
+        loop.add_reader(self._fd, weak_callback(self._on_readable))
+        return loop
+
+    def _remove_reader_hook(self) -> Any:
+        # Holds only what it needs (not the client), so it can run from the finalizer.
+        state = self.__dict__
+
+        def remove() -> None:
+            loop, fd = state.get("_loop"), state.get("_fd")
+            if loop is None or fd is None or loop.is_closed():
+                return
+            try:
+                if _running_loop() is loop:
+                    loop.remove_reader(fd)
+                else:
+                    loop.call_soon_threadsafe(loop.remove_reader, fd)
+            except RuntimeError:
+                pass
+
+        return remove
+
+    def _on_readable(self) -> None:
+        self.channel.drain_wake()
+        try:
+            got = self.channel.try_recv()
+        except PeerDeadError:
+            got = []
+        if got:
+            self._dispatch(got)
+            self._wake_waiter()
+        if self.channel.peer_closed and self._loop is not None and self._fd is not None:
+            # The engine closed its end (it is exiting): stop watching a descriptor that
+            # now stays readable; the monitor reports the death to waiters.
+            self._loop.remove_reader(self._fd)
+
+    def _wake_waiter(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _on_engine_dead(self) -> None:
+        """Monitor thread: hand the news to the loop (futures belong to it)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no loop bound: no future or waiter exists
+        try:
+            loop.call_soon_threadsafe(self._fail_in_loop)
+        except RuntimeError:  # loop closed meanwhile
+            pass
+
+    def _fail_in_loop(self) -> None:
+        self._fail_all_futures()
+        self._wake_waiter()
+
+    # -- async API --------------------------------------------------------------------
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self._bind_loop()
+        self.add_request(request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        self.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next output batch; raises EngineDeadError once the engine is gone."""
+        outputs = self._outputs
+        if outputs:
+            return outputs.popleft()
+        loop = self._bind_loop()
+        while True:
+            if self.resources.dead.is_set() or self._closed:
+                raise self._dead_error()
+            try:
+                got = (
+                    self.channel.recv(timeout=self._spin_s, alive=self.resources.alive)
+                    if self._spin_s > 0
+                    else self.channel.try_recv()
+                )
+            except (PeerNotProducingError, PeerDeadError):
+                # Dead peer: park below; the monitor's report wakes us with its reason.
+                got = []
+            if got:
+                self._dispatch(got)
+            if outputs:
+                return outputs.popleft()
+            self._waiter = waiter = loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+            if outputs:
+                return outputs.popleft()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        loop = self._bind_loop()
+        fut = loop.create_future()
+        self._new_call(method, args, fut)
+        return await fut
+
+    # Sync forms need a thread that may block; in an event loop use the _async forms.
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        raise TypeError("AsyncMPClient: use 'await get_output_async()'")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise TypeError("AsyncMPClient: use 'await call_utility_async(method, *args)'")
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        super().shutdown(timeout)
+        if self._loop is not None and not self._loop.is_closed() and _running_loop() is self._loop:
+            self._fail_in_loop()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _make_async(name: str) -> Any:
+    sig = inspect.signature(getattr(EngineCoreClient, name))
+    post = {"list_loras": set, "get_supported_tasks": tuple}.get(name)
+
+    async def method(self: AsyncMPClient, *args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        result = await self.call_utility_async(name, *bound.args[1:])
+        return post(result) if post is not None else result
+
+    method.__name__ = method.__qualname__ = f"{name}_async"
+    method.__doc__ = f"Async form of ``{name}``: {getattr(EngineCoreClient, name).__doc__ or ''}"
+    return method
+
+
+for _name in UTILITY_METHODS:
+    setattr(AsyncMPClient, f"{_name}_async", _make_async(_name))

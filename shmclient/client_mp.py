@@ -1,0 +1,256 @@
+"""``MPClient`` (the protocol, written once) and ``SyncMPClient``.
+
+Top layer: imports client, launcher, channel, messages, errors. The engine runs in its own
+process; requests and outputs travel over the channel (shared-memory rings by default,
+ZMQ sockets with ``transport="zmq"``). Only waiting differs between the sync and the async
+client: ``_dispatch`` (outputs to the queue, utility replies to their futures, finished
+requests forgotten) is shared.
+
+Why no reader thread in ``SyncMPClient``: a thread-to-thread hand-off through
+``queue.Queue`` costs ~10–18 µs per message on a 2-core machine, several times a ring
+hop, and a spinning reader thread holds the GIL the caller needs. So the caller's own
+thread reads the ring. Several threads may wait at once (``get_output`` in one,
+``call_utility`` in others): one of them leads and reads, dispatching everything it reads,
+the others wait on a condition. The monitor thread (launcher) watches the engine; on its
+death every waiter and every pending utility future gets EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY
+from .client import EngineCoreClient, check_request
+from .errors import (
+    ClientClosedError,
+    EngineDeadError,
+    PeerDeadError,
+    PeerNotProducingError,
+    UtilityCallError,
+)
+from .launcher import EngineResources, weak_callback
+from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
+
+
+class MPClient(EngineCoreClient):
+    """The engine core in a background process; shared by the sync and async clients."""
+
+    _asyncio = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config  # never mutated: capacity comes back in attributes
+        self.resources = EngineResources()
+        self._finalizer = weakref.finalize(self, self.resources.shutdown)
+        try:
+            info = self.resources.start(
+                config, wake_fd=self._asyncio and config.transport == "shm"
+            )
+        except BaseException:
+            self._finalizer()
+            raise
+        self.engine_pid = info.pid
+        self.num_gpu_blocks = info.num_gpu_blocks
+        self.block_size = info.block_size
+        self.max_model_len = info.max_model_len
+        self.channel = self.resources.channel
+        self._call_ids = itertools.count(1)
+        self._futures: dict[int, Any] = {}
+        self._outputs: deque[EngineCoreOutputs] = deque()
+        self._live: set[str] = set()
+        self._closed = False
+        self.resources.on_dead(weak_callback(self._on_engine_dead))
+
+    # -- state ------------------------------------------------------------------------
+    def _dead_error(self) -> EngineDeadError:
+        if self._closed:
+            return EngineDeadError("the client was shut down")
+        return EngineDeadError(self.resources.dead_reason or None)
+
+    def _ensure_alive(self) -> None:
+        if self._closed:
+            raise ClientClosedError("this client was shut down")
+        if self.resources.dead.is_set():
+            raise self._dead_error()
+
+    def _on_engine_dead(self) -> None:
+        """Called from the monitor thread once the engine is gone."""
+
+    # -- sending (never waits for the engine, only for ring space) ---------------------
+    def _send(self, rtype: int, obj: Any) -> None:
+        self._ensure_alive()
+        try:
+            self.channel.send(rtype, obj, timeout=None, alive=self.resources.alive)
+        except PeerDeadError as e:
+            raise self._dead_error() from e
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate (InvalidRequestError), then queue. EngineDeadError if the engine is
+        gone. Blocks only while the request ring is full."""
+        self._ensure_alive()
+        check_request(
+            request,
+            max_model_len=self.max_model_len,
+            hidden_size=self.config.hidden_size,
+            vocab_size=self.config.vocab_size,
+        )
+        from .errors import InvalidRequestError
+
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already live")
+        self._live.add(request.request_id)
+        try:
+            self._send(REQ_ADD, request)
+        except BaseException:
+            self._live.discard(request.request_id)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort; rides the same ordered ring as the adds. A quiet no-op once the engine
+        is dead or for []."""
+        if not request_ids or self._closed or self.resources.dead.is_set():
+            return
+        try:
+            self._send(REQ_ABORT, list(request_ids))
+        except EngineDeadError:
+            pass
+
+    def _new_call(self, method: str, args: tuple, future: Any) -> None:
+        self._ensure_alive()
+        call_id = next(self._call_ids)
+        self._futures[call_id] = (method, future)
+        try:
+            self._send(REQ_UTILITY, UtilityRequest(0, call_id, method, args))
+        except BaseException:
+            self._futures.pop(call_id, None)
+            raise
+
+    # -- receiving --------------------------------------------------------------------
+    def _dispatch(self, got: list[tuple[int, Any]]) -> None:
+        """Sort what arrived: utility replies resolve their futures (never reach
+        get_output), output batches are queued in order."""
+        for rtype, outs in got:
+            if rtype != REC_OUTPUTS:
+                continue
+            u = outs.utility_output
+            if u is not None:
+                entry = self._futures.pop(u.call_id, None)
+                if entry is not None:
+                    method, fut = entry
+                    if u.failure_message is None:
+                        self._set_future(fut, result=u.result)
+                    else:
+                        self._set_future(
+                            fut,
+                            exc=UtilityCallError(
+                                f"Call to {method} method failed: {u.failure_message}"
+                            ),
+                        )
+                if not outs.outputs:
+                    continue
+            for o in outs.outputs:
+                if o.finish_reason is not None:
+                    self._live.discard(o.request_id)
+            self._outputs.append(outs)
+
+    @staticmethod
+    def _set_future(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:
+        if fut.done():  # cancelled by its caller: the late reply is dropped
+            return
+        try:
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+        except (concurrent.futures.InvalidStateError, Exception):
+            pass
+
+    def _fail_all_futures(self) -> None:
+        err = self._dead_error()
+        for _, (_, fut) in list(self._futures.items()):
+            self._set_future(fut, exc=err)
+        self._futures.clear()
+
+    # -- lifecycle --------------------------------------------------------------------
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine (SHUTDOWN, then SIGTERM, then SIGKILL after ``timeout``) and
+        free every resource. Idempotent; pending calls get EngineDeadError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self.resources.shutdown(timeout)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.resources.dead.is_set()
+
+
+class SyncMPClient(MPClient):
+    """Blocking client: ``get_output()`` waits for the next batch in the caller's thread."""
+
+    def __init__(self, config: Any) -> None:
+        self._cond = threading.Condition()
+        self._leading = False
+        super().__init__(config)
+
+    def _on_engine_dead(self) -> None:
+        with self._cond:
+            self._fail_all_futures()
+            self._cond.notify_all()
+
+    def _pump(self, done: Any, deadline: float | None) -> None:
+        """Wait until ``done()``: lead (read the channel and dispatch) or follow (wait on
+        the condition while another thread leads). Raises EngineDeadError, TimeoutError."""
+        cond = self._cond
+        while True:
+            with cond:
+                while True:
+                    if done():
+                        return
+                    if self.resources.dead.is_set():
+                        raise self._dead_error()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("no output from the engine within the timeout")
+                    if not self._leading:
+                        self._leading = True
+                        break
+                    cond.wait(left)
+            got: list = []
+            try:
+                got = self.channel.recv(timeout=left, alive=self.resources.alive)
+            except PeerNotProducingError:
+                pass
+            except PeerDeadError as e:
+                if not self.resources.dead.is_set():
+                    # The ring saw the peer close before the monitor saw the exit.
+                    self.resources.dead.wait(2.0)
+                raise self._dead_error() from e
+            finally:
+                with cond:
+                    self._leading = False
+                    self._dispatch(got)
+                    cond.notify_all()
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next output batch; blocks until one arrives. Raises EngineDeadError (within
+        ~0.2 s of the engine's death), TimeoutError when ``timeout`` runs out."""
+        outputs = self._outputs
+        if outputs:
+            return outputs.popleft()
+        self._ensure_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._pump(lambda: bool(outputs), deadline)
+        return outputs.popleft()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._new_call(method, args, fut)
+        self._pump(fut.done, None)
+        return fut.result()

@@ -1,0 +1,296 @@
+"""Start, watch and stop the engine core process; own everything a client holds.
+
+Upper-middle layer: imports control, channel, shm, errors, zmq; not the client classes and
+not ``engine`` (the engine runs as ``python -m engine.proc`` in a fresh interpreter, which
+is what CUDA needs: no fork). ``EngineResources`` is the finalizer-owned bag, as vLLM's
+BackgroundResources: the client registers ``weakref.finalize(client, resources.shutdown)``,
+so a failure half-way through construction, ``shutdown()`` or plain garbage collection all
+end the same way: engine stopped (SHUTDOWN, then SIGTERM, then SIGKILL), monitor thread
+joined, sockets closed before the ZMQ context terminates, /dev/shm names removed.
+
+Engine death is detected from the OS, not from timeouts: the monitor thread polls the
+control socket (ENGINE_CORE_DEAD) and a pidfd of the engine process (exit), and calls the
+registered death callbacks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from . import control
+from .channel import ShmChannel, ZmqChannel
+from .messages import PROTOCOL_VERSION
+
+logger = logging.getLogger("shmclient")
+
+READY_TIMEOUT_ENV = "SHMCLIENT_ENGINE_READY_TIMEOUT_S"
+DEFAULT_READY_TIMEOUT_S = 600.0
+_POLL_S = 0.1
+
+
+def ready_timeout_s(config: Any) -> float:
+    """The ready timeout: EngineConfig.engine_ready_timeout_s, else the env variable."""
+    value = getattr(config, "engine_ready_timeout_s", None)
+    if value is not None:
+        return float(value)
+    raw = os.environ.get(READY_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_READY_TIMEOUT_S
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{READY_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class EngineResources:
+    """Everything one MP client owns. Holds no reference to the client itself."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context | None = None
+        self.ctl: zmq.Socket | None = None
+        self.channel: ShmChannel | ZmqChannel | None = None
+        self.proc: subprocess.Popen | None = None
+        self.monitor: threading.Thread | None = None
+        self.dead = threading.Event()
+        self.dead_reason = ""
+        self._callbacks: list[Callable[[], None]] = []
+        self._before_close: list[Callable[[], None]] = []
+        self._shutting_down = False
+        self._shutdown_done = False
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+
+    # -- start ------------------------------------------------------------------------
+    def start(self, config: Any, *, wake_fd: bool) -> control.ReadyInfo:
+        """Create the channel, spawn the engine and wait for READY. Raises TimeoutError
+        (ready timeout) or RuntimeError (engine died during start-up). On failure the
+        caller must call ``shutdown()`` (the finalizer does)."""
+        timeout = ready_timeout_s(config)
+        self.ctx = zmq.Context()
+        address = control.make_address("ctl")
+        self.ctl = control.frontend_socket(self.ctx, address)
+        if config.transport == "shm":
+            self.channel, spec = ShmChannel.create(
+                ring_capacity=config.ring_capacity_bytes,
+                arena_bytes=config.tensor_arena_bytes,
+                spin_us=config.spin_us,
+                wake_fd=wake_fd,
+            )
+        else:
+            self.channel, spec = ZmqChannel.create(self.ctx, address[:-4])
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.proc", address, str(os.getpid())],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        info = self._handshake(config, spec, timeout)
+        if isinstance(self.channel, ZmqChannel):
+            self.channel.wait_registered(timeout=max(1.0, timeout))
+        self.channel.peer_attached()
+        self.monitor = threading.Thread(
+            target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
+        )
+        self.monitor.start()
+        return info
+
+    def _handshake(self, config: Any, spec: Any, timeout: float) -> control.ReadyInfo:
+        assert self.ctl is not None and self.proc is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = control.recv(self.ctl, min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            if msg is None:
+                rc = self.proc.poll()
+                if rc is not None:
+                    raise RuntimeError(
+                        f"Engine core initialization failed: the engine process "
+                        f"{self.proc.pid} exited before it was ready ({describe_exit(rc)}). "
+                        "See its output above for the root cause."
+                    )
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        "Timed out waiting for engine core processes to start. This is "
+                        "often caused by slow weight loading for large models. Waited "
+                        f"{timeout:g} s; set {READY_TIMEOUT_ENV} (now "
+                        f"{os.environ.get(READY_TIMEOUT_ENV, 'unset')}) or "
+                        "EngineConfig.engine_ready_timeout_s to wait longer."
+                    )
+                continue
+            kind = msg[0]
+            if kind == control.HELLO:
+                self.ctl.send_multipart(
+                    [
+                        control.START,
+                        msgspec.msgpack.encode(config),
+                        config.transport.encode(),
+                        msgspec.msgpack.encode(spec),
+                    ]
+                )
+            elif kind == control.READY:
+                info = msgspec.msgpack.decode(msg[1], type=control.ReadyInfo)
+                if info.protocol_version != PROTOCOL_VERSION:
+                    raise RuntimeError(
+                        f"engine speaks protocol {info.protocol_version}, this client "
+                        f"{PROTOCOL_VERSION}: install the same shmclient version on both"
+                    )
+                return info
+            elif kind == control.ENGINE_CORE_DEAD:
+                text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
+                raise RuntimeError(f"Engine core initialization failed: {text}")
+
+    # -- death ------------------------------------------------------------------------
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the monitor thread) once the engine is dead."""
+        self._callbacks.append(callback)
+        if self.dead.is_set():
+            callback()
+
+    def before_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` at the start of shutdown, before the channel is closed."""
+        self._before_close.append(hook)
+
+    def alive(self) -> bool:
+        """Liveness check handed to every blocking wait on the channel."""
+        return not self.dead.is_set()
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead.is_set():
+            return
+        self.dead_reason = reason
+        self.dead.set()
+        if not self._shutting_down:
+            logger.error("%s", reason)
+        for cb in list(self._callbacks):
+            try:
+                cb()
+            except Exception:  # pragma: no cover - a callback bug must not kill the monitor
+                logger.exception("engine death callback failed")
+
+    def _monitor_loop(self) -> None:
+        assert self.ctl is not None and self.proc is not None
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            pidfd: int | None = os.pidfd_open(self.proc.pid)
+            poller.register(pidfd, zmq.POLLIN)
+        except (AttributeError, OSError):  # pragma: no cover - old kernels
+            pidfd = None
+        try:
+            while True:
+                events = dict(poller.poll(None if pidfd is not None else _POLL_S * 1000))
+                if self.ctl in events:
+                    msg = self.ctl.recv_multipart()
+                    if msg[0] == control.ENGINE_CORE_DEAD:
+                        text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
+                        self._mark_dead(f"Engine core process reported a fatal error: {text}")
+                if self._wake_r in events:
+                    if not self.dead.is_set():
+                        try:
+                            self.ctl.send_multipart([control.SHUTDOWN], zmq.NOBLOCK)
+                        except zmq.ZMQError:
+                            pass
+                    return
+                if (pidfd is not None and pidfd in events) or self.proc.poll() is not None:
+                    rc = self.proc.wait()
+                    if not self._shutting_down:
+                        self._mark_dead(
+                            f"Engine core process {self.proc.pid} died unexpectedly "
+                            f"({describe_exit(rc)})."
+                        )
+                    return
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+            self.ctl.close(linger=0)
+
+    # -- stop -------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop everything; idempotent, callable from any thread and from a finalizer.
+        Waits up to ``timeout`` for a clean exit, then SIGTERM, then SIGKILL."""
+        with self._lock:
+            if self._shutdown_done:
+                return
+            self._shutdown_done = True
+            self._shutting_down = True
+        for hook in self._before_close:
+            try:
+                hook()
+            except Exception:  # pragma: no cover
+                logger.exception("shutdown hook failed")
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        mon = self.monitor
+        if mon is not None and mon is not threading.current_thread():
+            mon.join(timeout=2.0)
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc is not None:
+            self._stop_process(self.proc, timeout)
+        self._mark_dead("the client was shut down")
+        if mon is None and self.ctl is not None:
+            self.ctl.close(linger=0)
+        if self.ctx is not None:
+            if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
+                self.ctx.destroy(linger=0)
+            else:
+                self.ctx.term()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
+        try:
+            proc.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            logger.warning("engine process %d did not exit in %.1f s: SIGTERM", proc.pid, timeout)
+        proc.terminate()
+        try:
+            proc.wait(timeout=2.0)
+            return
+        except subprocess.TimeoutExpired:
+            logger.warning("engine process %d ignored SIGTERM: SIGKILL", proc.pid)
+        proc.kill()
+        proc.wait()
+
+
+def weak_callback(method: Callable[[], None]) -> Callable[[], None]:
+    """Wrap a bound method so the resources never keep its object alive."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call() -> None:
+        m = ref()
+        if m is not None:
+            m()
+
+    return call
