@@ -74,9 +74,13 @@ class EngineProc:
         self.wait_sleepers: list[tuple[concurrent.futures.Future, int]] = []
         self.steps = 0
         self.fault_step: int | None = None
+        self.step_delay = 0.0
         fault = config.fault_injection or ""
         if fault.startswith("raise_in_step:"):
             self.fault_step = int(fault.split(":", 1)[1])
+        elif fault.startswith("step_delay:"):
+            # Stands in for a real model's step time in tests of a busy engine.
+            self.step_delay = float(fault.split(":", 1)[1])
         self._last_check = 0.0
         self._stop = False
 
@@ -157,6 +161,8 @@ class EngineProc:
                     raise RuntimeError(f"injected fault in step {self.steps}")
                 for client_index, outputs in self.core.step().items():
                     self.send(client_index, outputs)
+                if self.step_delay:
+                    time.sleep(self.step_delay)
             elif self.wait_sleepers:
                 for fut, level in self.wait_sleepers:
                     try:

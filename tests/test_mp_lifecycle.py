@@ -1,0 +1,238 @@
+"""Multiprocess client lifecycle: start-up failures, engine death, shutdown, GC, orphans.
+
+Each test builds its own client (these tests kill engines); the autouse ``no_leaks``
+fixture checks that no process, thread or /dev/shm entry survives any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from engine.config import EngineConfig
+from shmclient import EngineDeadError, SyncMPClient, make_client
+from shmclient.launcher import READY_TIMEOUT_ENV
+
+from .drivers import req
+
+TRANSPORTS = ("shm", "zmq")
+
+
+def cfg(transport: str = "shm", **kw) -> EngineConfig:
+    return EngineConfig(model="mock", transport=transport, max_model_len=256, **kw)
+
+
+def test_make_client_kinds():
+    with pytest.raises(NotImplementedError):
+        make_client(False, True, cfg())
+    c = make_client(True, False, cfg())
+    try:
+        assert type(c).__name__ == "SyncMPClient"
+        assert c.num_gpu_blocks > 0 and c.block_size == 16 and c.max_model_len == 256
+        assert psutil.pid_exists(c.engine_pid)
+    finally:
+        c.shutdown()
+        c.shutdown()  # twice is safe
+    assert not psutil.pid_exists(c.engine_pid) or psutil.Process(c.engine_pid).status() == "zombie"
+
+
+def test_ready_timeout_names_the_setting(monkeypatch):
+    monkeypatch.setenv(READY_TIMEOUT_ENV, "1.5")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as ei:
+        SyncMPClient(cfg(fault_injection="hang_before_ready"))
+    elapsed = time.monotonic() - t0
+    assert 0.9 * 1.5 <= elapsed <= 1.5 * 1.5, elapsed
+    msg = str(ei.value)
+    assert "Timed out waiting for engine core processes to start" in msg
+    assert READY_TIMEOUT_ENV in msg and "1.5" in msg
+
+
+def test_ready_timeout_from_config():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        SyncMPClient(cfg(fault_injection="hang_before_ready", engine_ready_timeout_s=1.0))
+    assert 0.9 <= time.monotonic() - t0 <= 1.5
+
+
+def test_startup_crash_is_reported_with_exit_code_not_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="initialization failed.*exit code 7"):
+        SyncMPClient(cfg(fault_injection="exit_before_ready:7", engine_ready_timeout_s=60))
+    # Start-up of a fresh interpreter takes a few seconds; the failure must come from the
+    # exit (detected within a poll slice), far before the 60 s timeout.
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exception_in_engine_loop_reaches_client(transport):
+    c = SyncMPClient(cfg(transport, fault_injection="raise_in_step:3"))
+    try:
+        c.add_request(req("boom", max_tokens=50))
+        with pytest.raises(EngineDeadError, match="injected fault in step 3"):
+            for _ in range(10):
+                c.get_output(timeout=30)
+        with pytest.raises(EngineDeadError):
+            c.add_request(req("after", max_tokens=1))
+        c.abort_requests(["boom"])  # quiet no-op
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkill_engine_sync(transport):
+    c = SyncMPClient(cfg(transport, fault_injection="step_delay:0.01"))
+    try:
+        c.add_request(req("long", max_tokens=200))
+        c.get_output(timeout=30)
+        # A utility call that the engine answers only when the running request ends.
+        result: dict = {}
+
+        def pending_call():
+            try:
+                c.call_utility("sleep", 1, "wait")
+            except BaseException as e:  # noqa: BLE001
+                result["util"] = e
+
+        def blocked_get():
+            try:
+                while True:
+                    c.get_output(timeout=30)
+            except BaseException as e:  # noqa: BLE001
+                result["get"] = e
+
+        threads = [threading.Thread(target=pending_call), threading.Thread(target=blocked_get)]
+        for t in threads:
+            t.start()
+        os.kill(c.engine_pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        for t in threads:
+            t.join(timeout=5)
+        assert time.monotonic() - t_kill < 2.5
+        assert isinstance(result.get("util"), EngineDeadError), result
+        assert isinstance(result.get("get"), EngineDeadError), result
+        assert "SIGKILL" in str(result["get"])
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            c.add_request(req("late", max_tokens=1))
+        with pytest.raises(EngineDeadError):
+            c.echo(1)
+        assert time.monotonic() - t0 < 0.01
+        c.abort_requests(["long"])
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_sigkill_engine_async(transport):
+    c = make_client(True, True, cfg(transport, fault_injection="step_delay:0.01"))
+    try:
+        await c.add_request_async(req("long", max_tokens=200))
+        await asyncio.wait_for(c.get_output_async(), 30)
+        util = asyncio.ensure_future(c.sleep_async(1, "wait"))
+
+        async def drain():
+            while True:
+                await c.get_output_async()
+
+        getter = asyncio.ensure_future(drain())
+        await asyncio.sleep(0)  # let both start waiting
+        os.kill(c.engine_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for fut in (util, getter):
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(fut, 2.5)
+        assert time.monotonic() - t0 < 2.5
+        with pytest.raises(EngineDeadError):
+            await c.add_request_async(req("late", max_tokens=1))
+        await c.abort_requests_async(["long"])
+    finally:
+        c.shutdown()
+
+
+async def test_cancelled_async_utility_leaves_client_usable():
+    c = make_client(True, True, cfg(fault_injection="step_delay:0.01"))
+    try:
+        await c.add_request_async(req("hold", max_tokens=60))
+        slow = asyncio.ensure_future(c.sleep_async(1, "wait"))
+        await asyncio.sleep(0)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert await asyncio.wait_for(c.echo_async("still here"), 10) == "still here"
+        got = 0
+        while got < 60:
+            out = await asyncio.wait_for(c.get_output_async(), 10)
+            got += sum(len(o.new_token_ids) for o in out.outputs)
+        # The late reply to the cancelled call arrives and is dropped quietly.
+        assert await asyncio.wait_for(c.is_sleeping_async(), 10) is True
+        await c.wake_up_async()
+    finally:
+        c.shutdown()
+
+
+def test_garbage_collection_stops_engine():
+    c = SyncMPClient(cfg())
+    pid = c.engine_pid
+    proc = psutil.Process(pid)
+    del c
+    gc.collect()
+    proc.wait(timeout=10)
+    assert not psutil.pid_exists(pid) or proc.status() == psutil.STATUS_ZOMBIE
+
+
+def test_shutdown_escalates_when_engine_ignores_it():
+    c = SyncMPClient(cfg())
+    try:
+        os.kill(c.engine_pid, signal.SIGSTOP)  # a hung engine: answers nothing
+        t0 = time.monotonic()
+        c.shutdown(timeout=0.5)
+        assert time.monotonic() - t0 < 5
+        assert psutil.Process(c.engine_pid).status() == psutil.STATUS_ZOMBIE if psutil.pid_exists(c.engine_pid) else True
+    finally:
+        c.shutdown()
+
+
+FRONTEND = textwrap.dedent(
+    """
+    import sys, threading
+    from engine.config import EngineConfig
+    from shmclient import make_client
+    c = make_client(True, False, EngineConfig(model="mock", transport=sys.argv[1]))
+    print(c.engine_pid, flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_frontend_sigkill_engine_exits(transport):
+    before = set(os.listdir("/dev/shm"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    fe = subprocess.Popen(
+        [sys.executable, "-c", FRONTEND, transport], stdout=subprocess.PIPE, cwd=root, text=True
+    )
+    try:
+        engine_pid = int(fe.stdout.readline())
+        engine = psutil.Process(engine_pid)
+        fe.kill()
+        fe.wait(timeout=10)
+        t0 = time.monotonic()
+        engine.wait(timeout=10)
+        assert time.monotonic() - t0 < 10
+    finally:
+        if fe.poll() is None:
+            fe.kill()
+            fe.wait()
+        fe.stdout.close()
+    assert set(os.listdir("/dev/shm")) <= before
