@@ -1,0 +1,970 @@
+"""SPSC ring of variable-length records in a named shared-memory segment.
+
+Lowest layer, with ``shm``, ``doorbell`` and ``errors`` (its only imports from the
+package); it knows nothing of codecs, clients, asyncio or the engine. It owns the ring's
+layout, the record format, wrap-around, fragmentation of messages larger than the ring,
+batching, backpressure and the ring's statistics. ``try_*`` methods never block; ``send``,
+``send_batch``, ``recv`` and ``recv_into`` with a timeout spin, then block (see
+``doorbell.wait_token``).
+
+Layout: a 4 KiB header, then ``capacity`` data bytes. The header holds magic, version and
+capacity; one 64-byte line written only by the producer (published-batch counter,
+records, bytes); one producer line of rarely-changing statistics; one with the
+producer's closed flag; and the same again for the consumer (released-batch counter,
+records, bytes, spins, blocks; closed flag). A record is an 8-byte header (u32 payload
+length, u8 type, u8 flags, 2 spare bytes) followed by the payload, padded to 8 bytes. A
+record that does not fit before the end is preceded by a PAD record covering the rest;
+the last record of a batch carries END_OF_BATCH; a message longer than ``max_record`` is
+cut into fragments (MORE_FRAGMENTS / CONTINUATION, the first one prefixed with the u64
+total length) and each fragment is published as its own batch, so the consumer can free
+each one while the next is written; it reassembles into one buffer of exactly the
+message's size.
+
+Memory ordering. Python promises nothing about when plain stores into shared memory
+become visible to another process, and on weakly ordered CPUs (aarch64) they may become
+visible out of order and loads may be satisfied early. So no decision that matters rests
+on a plain load of a shared counter. The authority is two POSIX counting semaphores:
+``items`` counts published batches, ``spaces`` counts released batches. POSIX (Base
+Definitions 4.12, Memory Synchronization) lists sem_post, sem_wait, sem_trywait and
+sem_timedwait among the functions that synchronize memory; glibc implements post as an
+atomic add with release order and the waits as atomic read-modify-writes with acquire
+order (STLXR/LDAXR or LSE LDADDL/CASA on aarch64, locked instructions on x86-64). Every
+post and wait is a read-modify-write of the same word, so a wait that takes a token
+synchronizes with every post before it in that word's modification order: everything
+the poster stored before posting is visible after the wait. Hence:
+
+* The producer writes every record of a batch, sets END_OF_BATCH on the last, stores its
+  published counter, then posts ``items`` once. The consumer takes one token (trywait
+  while spinning, timed wait when blocked) and only then reads, at its own local read
+  position, up to END_OF_BATCH; the bytes it reads were stored before a post it has
+  synchronized with. A producer killed mid-batch never posted, so nothing of that batch
+  is ever read: no partial record can be seen.
+* The consumer posts ``spaces`` once per batch after it has finished with the batch's
+  bytes (copied them out, or the handler given views returned). The producer keeps a
+  local deque of the end positions of batches it published; each ``spaces`` token pops
+  one and frees the space up to it. It never reads the consumer's position.
+* A side's ``close()`` sets its closed flag and then posts both semaphores once, so a
+  blocked peer (or another thread of the same side) wakes. The token is told apart from
+  a real one by the poster's counter read *after* the wait: the published (released)
+  counter is stored before each post, so after taking the (k+1)-th token a real batch
+  is there exactly when the counter exceeds k; otherwise the token is a close.
+* The shared counters are also read with plain loads while spinning, as hints only: a
+  memoryview load costs ~50 ns where a failed trywait raises BusyError (~1 µs). When
+  the hint moves and the semaphore's value is non-zero, the spinner tries the
+  semaphore; a BusyError then only means "not visible yet, keep spinning".
+* No wake-up can be lost: a counting semaphore remembers every post. A batch that does
+  not fit is published as far as it is written before the producer waits, so a
+  half-written batch never holds space the consumer cannot free.
+
+Threads: each ring end takes a local lock around every operation, so several threads of
+one process may share an end while the ring itself stays single-producer single-consumer.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import weakref
+from collections import deque
+from typing import Callable, Literal, Sequence, Union
+
+import msgspec
+import posix_ipc
+
+from . import doorbell as db
+from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
+from .shm import Segment
+
+__all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec"]
+
+DEFAULT_CAPACITY = 4 << 20
+MAGIC = 0x31474E4952434D53  # b"SMCRING1", little-endian
+VERSION = 1
+HEADER_BYTES = 4096
+REC_HDR = 8
+MAX_PAYLOAD = 0xFFFF_FFFF
+MIN_CAPACITY = 64
+MAX_CAPACITY = 1 << 32
+
+# record flags
+EOB, PAD, MORE, CONT = 0x01, 0x02, 0x04, 0x08
+
+# header slots (u64 index = byte offset // 8); each group starts a 64-byte line
+_MAGIC, _VERSION, _CAPACITY = 0, 1, 2
+_HEAD, _P_RECORDS, _P_BYTES = 8, 9, 10  # producer hot line (head = published batches)
+_P_SPINS, _P_BLOCKS, _WRAPS, _WAITS_FULL, _FRAGMENTS = 16, 17, 18, 19, 20
+_P_CLOSED = 24
+_TAIL, _C_RECORDS, _C_BYTES, _C_SPINS, _C_BLOCKS = 32, 33, 34, 35, 36  # consumer hot line
+_C_CLOSED = 40
+
+_REC = struct.Struct("<IBB")
+_U64 = struct.Struct("<Q")
+_P_HOT = struct.Struct("<3Q").pack_into
+_C_HOT = struct.Struct("<5Q").pack_into
+
+BytesLike = Union[bytes, bytearray, memoryview]
+Role = Literal["producer", "consumer"]
+
+
+class RingSpec(msgspec.Struct, frozen=True):
+    """Everything the peer process needs to attach (msgpack-able)."""
+
+    segment: str
+    items: str
+    spaces: str
+    capacity: int
+    wake_fifo: str = ""
+
+
+class _Resources:
+    """OS resources of one ring end; owned by a finalizer, not by the Ring itself."""
+
+    def __init__(self, owner: bool) -> None:
+        self.owner = owner
+        self.seg: Segment | None = None
+        self.sems: list[posix_ipc.Semaphore] = []
+        self.fds: list[int] = []
+        self.views: list[memoryview] = []
+        self.fifo = ""
+        self.unlinked = not owner
+
+    def unlink(self) -> None:
+        if self.unlinked:
+            return
+        self.unlinked = True
+        if self.seg is not None:
+            self.seg.unlink()
+        for s in self.sems:
+            db.unlink_semaphore(s.name)
+        if self.fifo:
+            db.remove_wake_fifo(self.fifo)
+
+    def release(self) -> None:
+        for v in self.views:
+            v.release()
+        self.views.clear()
+        if self.seg is not None:
+            self.seg.close()
+        for s in self.sems:
+            try:
+                s.close()
+            except posix_ipc.ExistentialError:
+                pass
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+        self.unlink()
+
+
+def _as_bytes(payload) -> memoryview:
+    mv = memoryview(payload)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _bad_type(rtype) -> ValueError:
+    return ValueError(f"record type must be an int in 0..255, got {rtype!r}")
+
+
+def _too_big(n: int) -> ValueError:
+    return ValueError(f"payload of {n} bytes is larger than a record can carry ({MAX_PAYLOAD} bytes)")
+
+
+class Ring:
+    """One end of a shared-memory ring. Build with ``Ring.create`` or ``Ring.attach``.
+
+    Producer methods: ``try_send``, ``send``, ``send_batch``. Consumer methods:
+    ``try_recv``, ``recv``, ``recv_into``, ``fileno``, ``drain_wake_fd``. Calling a
+    method of the other role raises TypeError; any use after ``close()`` raises
+    ClientClosedError.
+    """
+
+    role: Role
+    _peer: str
+
+    def __init__(self) -> None:
+        raise TypeError("use Ring.create() or Ring.attach()")
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def create(
+        cls,
+        role: Role,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        prefix: str = "shmc",
+        spin_us: float = 30.0,
+        consumer_wake_fd: bool = False,
+        liveness_interval: float = 0.1,
+    ) -> "Ring":
+        """Create a ring (owner side) and return this process's end of it.
+
+        ``capacity``: data bytes, a multiple of 8 between 64 and 4 GiB. Raises
+        ShmCapacityError if /dev/shm cannot hold it (nothing is left behind),
+        ValueError for bad arguments. Call ``unlink()`` once the peer has attached.
+        Does not block.
+        """
+        kind = _role_class(role)
+        if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
+            raise ValueError(
+                f"capacity must be a multiple of 8 between {MIN_CAPACITY} and {MAX_CAPACITY}, got {capacity!r}"
+            )
+        _check_tuning(spin_us, liveness_interval)
+        res = _Resources(owner=True)
+        try:
+            res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix)
+            q = res.seg.buf[:HEADER_BYTES].cast("Q")
+            q[_CAPACITY] = capacity
+            q[_VERSION] = VERSION
+            q[_MAGIC] = MAGIC
+            q.release()
+            res.sems.append(db.create_semaphore(prefix))
+            res.sems.append(db.create_semaphore(prefix))
+            if consumer_wake_fd:
+                res.fifo = db.make_wake_fifo()
+            spec = RingSpec(res.seg.name, res.sems[0].name, res.sems[1].name, capacity, res.fifo)
+            return kind._build(spec, res, spin_us, liveness_interval)
+        except BaseException:
+            res.release()
+            raise
+
+    @classmethod
+    def attach(
+        cls, spec: RingSpec, role: Role, *, spin_us: float = 30.0, liveness_interval: float = 0.1
+    ) -> "Ring":
+        """Attach to a ring another process created (peer side). Raises FileNotFoundError
+        if a name is gone, ValueError if the segment is not a ring of ``spec.capacity``.
+        Does not block."""
+        kind = _role_class(role)
+        _check_tuning(spin_us, liveness_interval)
+        res = _Resources(owner=False)
+        try:
+            res.seg = Segment.attach(spec.segment)
+            q = res.seg.buf[:HEADER_BYTES].cast("Q") if res.seg.size >= HEADER_BYTES else None
+            ok = (
+                q is not None
+                and q[_MAGIC] == MAGIC
+                and q[_VERSION] == VERSION
+                and q[_CAPACITY] == spec.capacity
+                and res.seg.size >= HEADER_BYTES + spec.capacity
+            )
+            if q is not None:
+                q.release()
+            if not ok:
+                raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
+            res.sems.append(db.open_semaphore(spec.items))
+            res.sems.append(db.open_semaphore(spec.spaces))
+            return kind._build(spec, res, spin_us, liveness_interval)
+        except BaseException:
+            res.release()
+            raise
+
+    @classmethod
+    def _build(cls, spec: RingSpec, res: _Resources, spin_us: float, interval: float) -> "Ring":
+        self = object.__new__(cls)
+        self.spec = spec
+        self.capacity = spec.capacity
+        self.max_record = spec.capacity - REC_HDR
+        self._res = res
+        seg = res.seg
+        assert seg is not None
+        self._q = seg.buf[:HEADER_BYTES].cast("Q")
+        self._data = seg.buf[HEADER_BYTES : HEADER_BYTES + spec.capacity]
+        res.views += [self._q, self._data]
+        self._items, self._spaces = res.sems
+        self._spin_s = spin_us * 1e-6
+        self._interval = interval
+        self._lock = threading.RLock()
+        self._closed = False
+        self._peer_gone = False
+        self._final_stats: dict[str, int] | None = None
+        self._finalizer = weakref.finalize(self, res.release)
+        self._init_role()
+        return self
+
+    def _init_role(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def unlink(self) -> None:
+        """Remove every name (segment, both semaphores, wake FIFO) so that nothing is
+        left in /dev/shm whatever happens later. Owner only (a no-op on the attached
+        side); call it once the peer has attached; idempotent. Does not block."""
+        self._res.unlink()
+
+    def close(self) -> None:
+        """Tell the peer this side has gone, wake anything blocked on the ring, unmap,
+        and (owner) unlink. Idempotent. Waits for an operation in progress on another
+        thread of this side to finish (it is woken first)."""
+        if self._closed:
+            return
+        try:
+            self._final_stats = self._read_stats()
+        except ValueError:  # pragma: no cover - views already gone
+            pass
+        self._closed = True
+        try:
+            self._q[_P_CLOSED if self.role == "producer" else _C_CLOSED] = 1
+            self._items.release()
+            self._spaces.release()
+            self._after_close_posts()
+        finally:
+            got = self._lock.acquire(timeout=10.0)
+            try:
+                self._finalizer()
+            finally:
+                if got:
+                    self._lock.release()
+
+    def _after_close_posts(self) -> None:
+        pass
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def peer_closed(self) -> bool:
+        """True once the other side has called ``close()`` (plain read; a hint)."""
+        if self._closed:
+            return self._peer_gone
+        return self._peer_gone or bool(self._q[_C_CLOSED if self.role == "producer" else _P_CLOSED])
+
+    def stats(self) -> dict[str, int]:
+        """Counters of both sides, read from the shared header (after ``close()``: as
+        they were when closed). Does not block."""
+        if self._closed:
+            return dict(self._final_stats or {})
+        return self._read_stats()
+
+    def _read_stats(self) -> dict[str, int]:
+        q = self._q
+        return {
+            "capacity": self.capacity,
+            "tx_records": q[_P_RECORDS],
+            "tx_bytes": q[_P_BYTES],
+            "tx_batches": q[_HEAD],
+            "tx_spins": q[_P_SPINS],
+            "tx_blocks": q[_P_BLOCKS],
+            "wraps": q[_WRAPS],
+            "waits_on_full": q[_WAITS_FULL],
+            "fragments": q[_FRAGMENTS],
+            "rx_records": q[_C_RECORDS],
+            "rx_bytes": q[_C_BYTES],
+            "rx_batches": q[_TAIL],
+            "rx_spins": q[_C_SPINS],
+            "rx_blocks": q[_C_BLOCKS],
+        }
+
+    def _closed_error(self) -> ClientClosedError:
+        return ClientClosedError(f"this {self.role} end of the ring was closed")
+
+    def _check_wait(self, slices: int) -> None:
+        if self._closed:
+            raise self._closed_error()
+        # The peer's close() sets its flag and then posts; give that post one slice to
+        # arrive (it carries any data published before it) before trusting the flag.
+        if slices and self._q[_C_CLOSED if self.role == "producer" else _P_CLOSED]:
+            self._peer_gone = True
+            raise PeerDeadError(f"the {self._peer} closed the ring")
+
+    def _lock_for(self, timeout: float | None) -> None:
+        if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            err = PeerNotConsumingError if self.role == "producer" else PeerNotProducingError
+            raise err(f"another thread held this {self.role} end for the whole timeout ({timeout} s)")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.capacity} bytes"
+        return f"<Ring {self.role} {self.spec.segment} {state}>"
+
+    # ----------------------------------------------------------------- wrong role
+
+    def _wrong(self, name: str) -> TypeError:
+        other = "consumer" if self.role == "producer" else "producer"
+        return TypeError(f"{name}() is a {other} method; this end of the ring is the {self.role}")
+
+    def try_send(self, rtype: int, payload: BytesLike) -> bool:
+        raise self._wrong("try_send")
+
+    def send(self, rtype: int, payload: BytesLike, *, timeout: float | None = None, alive=None) -> None:
+        raise self._wrong("send")
+
+    def send_batch(self, records: Sequence[tuple[int, BytesLike]], *, timeout: float | None = None, alive=None) -> None:
+        raise self._wrong("send_batch")
+
+    def try_recv(self) -> list[tuple[int, bytes]]:
+        raise self._wrong("try_recv")
+
+    def recv(self, *, timeout: float | None = None, alive=None) -> list[tuple[int, bytes]]:
+        raise self._wrong("recv")
+
+    def recv_into(self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None) -> int:
+        raise self._wrong("recv_into")
+
+    def fileno(self) -> int:
+        raise self._wrong("fileno")
+
+    def drain_wake_fd(self) -> None:
+        raise self._wrong("drain_wake_fd")
+
+
+def _check_tuning(spin_us: float, interval: float) -> None:
+    if not spin_us >= 0:
+        raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
+    if not interval > 0:
+        raise ValueError(f"liveness_interval must be > 0 seconds, got {interval!r}")
+
+
+def _role_class(role: str) -> type[Ring]:
+    if role == "producer":
+        return _Producer
+    if role == "consumer":
+        return _Consumer
+    raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+
+
+class _Producer(Ring):
+    """The writing end. Local state only: write position, freed position, and the end
+    positions of published batches not yet released."""
+
+    role = "producer"
+    _peer = "consumer"
+
+    def _init_role(self) -> None:
+        self._wpos = 0  # bytes written, monotonic
+        self._fpos = 0  # bytes freed by the consumer, monotonic
+        self._extents: deque[int] = deque()  # end position of each unreleased batch
+        self._published = 0
+        self._reclaimed = 0
+        self._records = 0
+        self._bytes = 0
+        self._last = -1  # offset of the last header of the unpublished batch
+        self._last_flags = 0
+        self._pend_records = 0
+        self._pend_bytes = 0
+        self._frag_chunk = max(8, (self.capacity // 4 - 16) & -8)
+        self._want_wake = bool(self.spec.wake_fifo)
+        self._wake: int | None = None
+        if self._want_wake:
+            self._open_wake()
+
+    # ---- public
+
+    def try_send(self, rtype: int, payload: BytesLike) -> bool:
+        """Write one record and publish it if it fits now; False if it does not (a
+        message longer than ``max_record`` never fits here: use ``send``). Never blocks.
+        Raises ValueError (type not in 0..255, payload over 4 GiB), PeerDeadError (the
+        consumer closed), ClientClosedError."""
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._q[_C_CLOSED]:
+                self._consumer_gone()
+            try:
+                return self._put(rtype, payload, len(payload), False, None, None)
+            finally:
+                self._publish()
+
+    def send(self, rtype: int, payload: BytesLike, *, timeout: float | None = None, alive=None) -> None:
+        """Write one record and publish it, waiting for space while the ring is full
+        (spin ``spin_us``, then block; never drops, never grows). ``timeout`` bounds each
+        wait without progress (None: forever); ``alive`` runs every ``liveness_interval``
+        while blocked. Raises PeerNotConsumingError, PeerDeadError, ValueError,
+        ClientClosedError. A message longer than the ring is sent in fragments; if it
+        fails half-way the consumer drops the part it got."""
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        self._lock_for(timeout)
+        try:
+            if self._closed:
+                raise self._closed_error()
+            if self._q[_C_CLOSED]:
+                self._consumer_gone()
+            self._put(rtype, payload, len(payload), True, timeout, alive)
+        finally:
+            if not self._closed:
+                self._publish()
+            self._lock.release()
+
+    def send_batch(
+        self, records: Sequence[tuple[int, BytesLike]], *, timeout: float | None = None, alive=None
+    ) -> None:
+        """Write several records and publish them with one doorbell when they fit (else
+        publish what is written, wait, go on). Blocks and raises like ``send``; when it
+        raises, the records before the failing one may have been sent."""
+        self._lock_for(timeout)
+        try:
+            if self._closed:
+                raise self._closed_error()
+            if self._q[_C_CLOSED]:
+                self._consumer_gone()
+            put = self._put
+            for rtype, payload in records:
+                if type(payload) is not bytes:
+                    payload = _as_bytes(payload)
+                put(rtype, payload, len(payload), True, timeout, alive)
+        finally:
+            if not self._closed:
+                self._publish()
+            self._lock.release()
+
+    def unlink(self) -> None:
+        if self._want_wake and self._wake is None and not self._closed:
+            self._open_wake()  # the consumer has attached by now; later the name is gone
+        super().unlink()
+
+    # ---- writing
+
+    def _put(self, rtype, mv, n: int, wait: bool, timeout, alive) -> bool:
+        size = (n + 15) & -8  # header + payload padded to 8
+        cap = self.capacity
+        if size > cap:
+            if n > MAX_PAYLOAD:
+                raise _too_big(n)
+            if not wait:
+                return False
+            self._put_fragments(rtype, mv, n, timeout, alive)
+            return True
+        wpos = self._wpos
+        pos = wpos % cap
+        if size > cap - pos or size > cap - (wpos - self._fpos):
+            pos = self._reserve(size, wait, timeout, alive)
+            if pos < 0:
+                return False
+            wpos = self._wpos
+        data = self._data
+        try:
+            _REC.pack_into(data, pos, n, rtype, 0)
+        except struct.error:
+            raise _bad_type(rtype) from None
+        data[pos + 8 : pos + 8 + n] = mv
+        self._last = pos
+        self._last_flags = 0
+        self._wpos = wpos + size
+        self._pend_records += 1
+        self._pend_bytes += n
+        if pos + size == cap:
+            self._q[_WRAPS] += 1
+        return True
+
+    def _put_fragments(self, rtype, mv, n: int, timeout, alive) -> None:
+        try:
+            _REC.pack(0, rtype, 0)
+        except struct.error:
+            raise _bad_type(rtype) from None
+        self._publish()
+        data = self._data
+        chunk = self._frag_chunk
+        off = 0
+        while off < n:
+            take = min(chunk, n - off)
+            first = off == 0
+            plen = take + 8 if first else take
+            size = (plen + 15) & -8
+            pos = self._reserve(size, True, timeout, alive)
+            flags = (0 if first else CONT) | (MORE if off + take < n else 0)
+            _REC.pack_into(data, pos, plen, rtype, flags)
+            body = pos + 8
+            if first:
+                _U64.pack_into(data, body, n)
+                body += 8
+            data[body : body + take] = mv[off : off + take]
+            self._last = pos
+            self._last_flags = flags
+            self._wpos += size
+            off += take
+            if off == n:
+                self._pend_records += 1
+                self._pend_bytes += n
+            self._q[_FRAGMENTS] += 1
+            self._publish()
+
+    def _reserve(self, size: int, wait: bool, timeout, alive) -> int:
+        """Offset where ``size`` bytes fit contiguously, padding the end of the ring
+        when the record must wrap; -1 if it does not fit and ``wait`` is False."""
+        cap = self.capacity
+        while True:
+            wpos = self._wpos
+            pos = wpos % cap
+            room = cap - pos
+            free = cap - (wpos - self._fpos)
+            if size <= room:
+                if size <= free:
+                    return pos
+            elif room <= free:
+                _REC.pack_into(self._data, pos, 0, 0, PAD)
+                self._last = pos
+                self._last_flags = PAD
+                self._wpos = wpos + room
+                self._q[_WRAPS] += 1
+                continue
+            if self._reclaim():
+                continue
+            if not wait:
+                return -1
+            self._publish()  # never wait on space a half-written batch holds
+            self._wait_space(timeout, alive)
+
+    def _publish(self) -> None:
+        last = self._last
+        if last < 0:
+            return
+        self._data[last + 5] = self._last_flags | EOB
+        self._last = -1
+        self._published = p = self._published + 1
+        self._records = r = self._records + self._pend_records
+        self._bytes = b = self._bytes + self._pend_bytes
+        self._pend_records = self._pend_bytes = 0
+        self._extents.append(self._wpos)
+        _P_HOT(self._q, _HEAD * 8, p, r, b)  # stored before the post that publishes it
+        self._items.release()
+        if self._want_wake:
+            fd = self._wake if self._wake is not None else self._open_wake()
+            if fd is not None:
+                db.ring_wake(fd)
+
+    # ---- space
+
+    def _reclaim(self) -> bool:
+        spaces = self._spaces
+        got = False
+        while spaces.value:
+            try:
+                spaces.acquire(0)
+            except db.BusyError:
+                break
+            self._on_space()
+            got = True
+        return got
+
+    def _on_space(self) -> None:
+        """A ``spaces`` token was taken: free the oldest batch, or learn of a close."""
+        if self._closed:
+            raise self._closed_error()
+        if self._q[_TAIL] > self._reclaimed:
+            self._fpos = self._extents.popleft()
+            self._reclaimed += 1
+        elif self._q[_C_CLOSED]:
+            self._consumer_gone()
+
+    def _wait_space(self, timeout, alive) -> None:
+        if self._peer_gone:
+            self._consumer_gone()
+        q = self._q
+        q[_WAITS_FULL] += 1
+        r = db.wait_token(
+            self._spaces, q, _TAIL, self._reclaimed, self._spin_s, timeout, alive,
+            self._interval, self._check_wait, self._peer,
+        )
+        if r == db.TIMED_OUT:
+            used = self._wpos - self._fpos
+            raise PeerNotConsumingError(
+                f"the peer is not consuming: no space was released in the ring for {timeout} s "
+                f"({used} of {self.capacity} bytes still unread)"
+            )
+        q[_P_SPINS if r == db.SPUN else _P_BLOCKS] += 1
+        self._on_space()
+
+    def _consumer_gone(self):
+        self._peer_gone = True
+        raise PeerDeadError("the consumer closed the ring")
+
+    # ---- wake fifo
+
+    def _open_wake(self) -> int | None:
+        fd = db.open_wake_writer(self.spec.wake_fifo)
+        if fd is not None:
+            self._wake = fd
+            self._res.fds.append(fd)
+        return fd
+
+    def _after_close_posts(self) -> None:
+        if self._wake is not None:
+            db.ring_wake(self._wake)
+
+
+class _Consumer(Ring):
+    """The reading end. Local state only: read position, batches taken and released,
+    and the buffer of a fragmented message being reassembled."""
+
+    role = "consumer"
+    _peer = "producer"
+
+    def _init_role(self) -> None:
+        self._rpos = 0
+        self._taken = 0
+        self._released = 0
+        self._records = 0
+        self._bytes = 0
+        self._spins = 0
+        self._blocks = 0
+        self._open = False  # holding the token of a batch not fully read
+        self._frag: bytearray | None = None
+        self._frag_off = 0
+        self._wake_r = -1
+        if self.spec.wake_fifo:
+            r, w = db.open_wake_reader(self.spec.wake_fifo)
+            self._res.fds += [r, w]
+            self._wake_r = r
+
+    # ---- public
+
+    def try_recv(self) -> list[tuple[int, bytes]]:
+        """Every complete record available now, in order, copied out; [] if none.
+        Never blocks. Raises PeerDeadError once the producer has closed and everything
+        it sent has been read; ClientClosedError."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            out: list[tuple[int, bytes]] = []
+            self._drain(out)
+            if not out and self._peer_gone:
+                raise PeerDeadError("the producer closed the ring")
+            return out
+
+    def recv(self, *, timeout: float | None = None, alive=None) -> list[tuple[int, bytes]]:
+        """At least one record: everything available, copied out. Spins ``spin_us``,
+        then blocks; ``timeout`` bounds each wait without progress (None: forever);
+        ``alive`` runs every ``liveness_interval`` while blocked. Raises
+        PeerNotProducingError, PeerDeadError, ClientClosedError."""
+        self._lock_for(timeout)
+        try:
+            if self._closed:
+                raise self._closed_error()
+            out: list[tuple[int, bytes]] = []
+            while True:
+                self._drain(out)
+                if out:
+                    return out
+                if self._peer_gone:
+                    raise PeerDeadError("the producer closed the ring")
+                self._wait_item(timeout, alive)
+        finally:
+            self._lock.release()
+
+    def recv_into(
+        self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None
+    ) -> int:
+        """Zero-copy receive: call ``handler(rtype, view)`` for every record available,
+        in order; ``view`` points into the ring and is valid only during the call (it is
+        released afterwards). Each batch is released to the producer once the handler
+        has returned for its last record. ``timeout=0`` (default) never blocks and may
+        return 0; otherwise waits like ``recv`` for at least one record. Returns the
+        number of records handled. If the handler raises, that record counts as
+        consumed and the exception propagates; the rest come with the next call."""
+        self._lock_for(timeout)
+        try:
+            if self._closed:
+                raise self._closed_error()
+            while True:
+                count = self._drain_views(handler)
+                if count:
+                    return count
+                if self._peer_gone:
+                    raise PeerDeadError("the producer closed the ring")
+                if timeout is not None and timeout <= 0:
+                    return 0
+                self._wait_item(timeout, alive)
+        finally:
+            self._lock.release()
+
+    def fileno(self) -> int:
+        """A descriptor that becomes readable when a batch is published (for
+        ``loop.add_reader``). Call ``drain_wake_fd()`` and then ``try_recv()``."""
+        if self._closed:
+            raise self._closed_error()
+        if self._wake_r < 0:
+            raise ValueError("this ring was created without consumer_wake_fd=True")
+        return self._wake_r
+
+    def drain_wake_fd(self) -> None:
+        """Consume pending wake bytes. Never blocks."""
+        db.drain_wake(self.fileno())
+
+    # ---- taking batches
+
+    def _take(self) -> bool:
+        """Take the token of the next published batch if one is there. Never blocks."""
+        items = self._items
+        if not items.value:
+            return False
+        try:
+            items.acquire(0)
+        except db.BusyError:
+            return False
+        return self._on_item()
+
+    def _on_item(self) -> bool:
+        """An ``items`` token was taken: a batch is there, or the producer closed."""
+        if self._closed:
+            raise self._closed_error()
+        if self._q[_HEAD] > self._taken:
+            self._taken += 1
+            self._open = True
+            return True
+        if self._q[_P_CLOSED]:
+            self._peer_gone = True
+        return False
+
+    def _wait_item(self, timeout, alive) -> None:
+        r = db.wait_token(
+            self._items, self._q, _HEAD, self._taken, self._spin_s, timeout, alive,
+            self._interval, self._check_wait, self._peer,
+        )
+        if r == db.TIMED_OUT:
+            raise PeerNotProducingError(
+                f"the peer is not producing: nothing was published in the ring for {timeout} s"
+            )
+        if r == db.SPUN:
+            self._spins += 1
+        else:
+            self._blocks += 1
+        self._on_item()
+
+    def _release(self) -> None:
+        """Give the current batch's space back to the producer."""
+        self._open = False
+        self._released += 1
+        _C_HOT(self._q, _TAIL * 8, self._released, self._records, self._bytes, self._spins, self._blocks)
+        self._spaces.release()
+
+    # ---- reading
+
+    def _drain(self, out: list) -> None:
+        budget = self.capacity  # at most about one ring's worth per call
+        while budget > 0 and (self._open or self._take()):
+            budget -= self._read_batch(out)
+
+    def _read_batch(self, out: list) -> int:
+        data = self._data
+        cap = self.capacity
+        unpack = _REC.unpack_from
+        start = rpos = self._rpos
+        pos = rpos % cap
+        nrec = nbytes = 0
+        while True:
+            n, t, f = unpack(data, pos)
+            size = (n + 15) & -8
+            if f & PAD:
+                size = cap - pos
+            elif pos + size > cap:
+                raise self._corrupt(pos, n)
+            elif f & (MORE | CONT):
+                msg = self._fragment(t, f, pos, n)
+                if msg is not None:
+                    out.append((t, bytes(msg)))
+                    nrec += 1
+                    nbytes += len(msg)
+            else:
+                if self._frag is not None:
+                    self._frag = None  # the producer gave up on that message
+                out.append((t, data[pos + 8 : pos + 8 + n].tobytes()))
+                nrec += 1
+                nbytes += n
+            rpos += size
+            pos += size
+            if pos == cap:
+                pos = 0
+            if f & EOB:
+                break
+        self._rpos = rpos
+        self._records += nrec
+        self._bytes += nbytes
+        self._release()
+        return rpos - start
+
+    def _drain_views(self, handler) -> int:
+        data = self._data
+        cap = self.capacity
+        unpack = _REC.unpack_from
+        count = 0
+        budget = cap
+        while budget > 0 and (self._open or self._take()):
+            while True:  # one batch; state is advanced before the handler runs
+                rpos = self._rpos
+                pos = rpos % cap
+                n, t, f = unpack(data, pos)
+                size = (n + 15) & -8
+                view = None
+                if f & PAD:
+                    size = cap - pos
+                elif pos + size > cap:
+                    raise self._corrupt(pos, n)
+                elif f & (MORE | CONT):
+                    msg = self._fragment(t, f, pos, n)
+                    if msg is not None:
+                        view = memoryview(msg)
+                else:
+                    self._frag = None
+                    view = data[pos + 8 : pos + 8 + n]
+                self._rpos = rpos + size
+                budget -= size
+                if view is None:
+                    if f & EOB:
+                        self._release()
+                        break
+                    continue
+                count += 1
+                self._records += 1
+                self._bytes += len(view)
+                try:
+                    handler(t, view)
+                finally:
+                    try:
+                        view.release()
+                    except BufferError:
+                        pass  # the handler kept an export; its problem to drop it
+                    if self._closed:
+                        raise self._closed_error()
+                    if f & EOB:
+                        self._release()
+                if f & EOB:
+                    break
+        return count
+
+    def _fragment(self, t: int, f: int, pos: int, n: int) -> bytearray | None:
+        """Copy one fragment into the reassembly buffer; the buffer once complete."""
+        data = self._data
+        if not f & CONT:
+            total = _U64.unpack_from(data, pos + 8)[0]
+            if n < 8 or total > MAX_PAYLOAD or n - 8 > total:
+                raise self._corrupt(pos, n)
+            buf = bytearray(total)
+            off = n - 8
+            buf[:off] = data[pos + 16 : pos + 8 + n]
+            self._frag = buf
+        else:
+            buf = self._frag
+            off = self._frag_off
+            if buf is None or off + n > len(buf):
+                raise self._corrupt(pos, n)
+            buf[off : off + n] = data[pos + 8 : pos + 8 + n]
+            off += n
+        self._frag_off = off
+        if f & MORE:
+            return None
+        self._frag = None
+        if off != len(buf):
+            raise self._corrupt(pos, n)
+        return buf
+
+    def _corrupt(self, pos: int, n: int) -> RuntimeError:
+        return RuntimeError(
+            f"ring {self.spec.segment!r} is corrupt: record of {n} bytes at offset {pos} "
+            f"of {self.capacity} (read position {self._rpos})"
+        )
