@@ -207,12 +207,18 @@ class EngineCore:
             raise InvalidRequestError(
                 f"{rid}: give prompt_token_ids or prompt_embeds, not both")
         if embeds is not None:
-            n = self._check_embeds(rid, embeds)
+            self._check_embeds(rid, embeds)
+            n = int(embeds.shape[0])
+        elif not isinstance(ids, list):
+            raise InvalidRequestError(
+                f"{rid}: prompt_token_ids must be a list of int, got {type(ids).__name__}")
         else:
-            n = self._check_ids(rid, ids)
+            n = len(ids)
         if n > self.max_model_len:
             raise InvalidRequestError(
                 f"{rid}: prompt of {n} tokens is longer than max_model_len={self.max_model_len}")
+        if ids is not None:
+            self._check_ids(rid, ids)
         if r.sampling_params is not None and r.pooling_params is not None:
             raise InvalidRequestError(
                 f"{rid}: give sampling_params or pooling_params, not both")
@@ -231,19 +237,15 @@ class EngineCore:
                        pooling_params=r.pooling_params, eos_token_id=eos,
                        client_index=r.client_index, generator=generator)
 
-    def _check_ids(self, rid: str, ids: Any) -> int:
-        if not isinstance(ids, list):
-            raise InvalidRequestError(
-                f"{rid}: prompt_token_ids must be a list of int, got {type(ids).__name__}")
+    def _check_ids(self, rid: str, ids: list) -> None:
         vocab = self.model.vocab_size
         for i, t in enumerate(ids):
             if type(t) is not int or not 0 <= t < vocab:
                 raise InvalidRequestError(
                     f"{rid}: prompt_token_ids[{i}]={t!r} is outside the vocabulary "
                     f"[0, {vocab})")
-        return len(ids)
 
-    def _check_embeds(self, rid: str, embeds: Any) -> int:
+    def _check_embeds(self, rid: str, embeds: Any) -> None:
         hidden = self.model.hidden_size
         if not isinstance(embeds, torch.Tensor):
             raise InvalidRequestError(
@@ -257,7 +259,6 @@ class EngineCore:
                 f"{rid}: prompt_embeds must be floating point, got {embeds.dtype}")
         if embeds.shape[0] == 0:
             raise InvalidRequestError(f"{rid}: empty prompt: prompt_embeds has no rows")
-        return int(embeds.shape[0])
 
     # ---------------------------------------------------------------- utilities
 

@@ -1,0 +1,388 @@
+"""EngineCore with the mock model: the output stream, aborts, stops, validation, pooling,
+capacity sizing and the utility methods. No client, no transport."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import UTILITY_METHODS, EngineCore, derive_seed
+from engine.model import mock_next_token
+from shmclient.errors import ConfigError, InvalidRequestError
+from shmclient.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+)
+
+CFG = EngineConfig()
+
+
+def predict(prompt: list[int], n: int, embeds_rows: int = 0) -> list[int]:
+    """Tokens the mock generates after ``prompt`` (or after ``embeds_rows`` embedding rows)."""
+    last, pos = (0, embeds_rows - 1) if embeds_rows else (prompt[-1], len(prompt) - 1)
+    out = []
+    for _ in range(n):
+        last = mock_next_token(last, pos, CFG.vocab_size, CFG.eos_token_id)
+        pos += 1
+        out.append(last)
+    return out
+
+
+def req(rid: str, prompt=(1, 2, 3), max_tokens: int = 20, client_index: int = 0,
+        **kw) -> EngineCoreRequest:
+    sp = kw.pop("sampling_params", SamplingParams(max_tokens=max_tokens))
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt) if prompt else None,
+                             sampling_params=sp, client_index=client_index, **kw)
+
+
+class Run:
+    """Collects everything step() emits, checking each request finishes exactly once."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.tokens: dict[str, list[int]] = {}
+        self.outputs: dict[str, list] = {}
+        self.finish: dict[str, FinishReason] = {}
+        self.steps = 0
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        res = self.core.step()
+        self.steps += 1
+        for client, outs in res.items():
+            for o in outs.outputs:
+                assert o.request_id not in self.finish, f"output after finish: {o}"
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                self.outputs.setdefault(o.request_id, []).append((client, o))
+                if o.finished:
+                    self.finish[o.request_id] = o.finish_reason
+                    assert o.request_id in outs.finished_requests
+        return res
+
+    def drain(self, limit: int = 10_000) -> "Run":
+        while self.core.has_unfinished_requests():
+            self.step()
+            assert self.steps < limit
+        return self
+
+
+@pytest.fixture
+def core():
+    c = EngineCore(CFG)
+    yield c
+    c.shutdown()
+
+
+def test_ten_requests_get_exactly_max_tokens(core):
+    for i in range(10):
+        core.add_request(req(f"r{i}", [5, i + 1]))
+    run = Run(core).drain()
+    for i in range(10):
+        assert run.tokens[f"r{i}"] == predict([5, i + 1], 20)
+        assert run.finish[f"r{i}"] is FinishReason.LENGTH
+        *first, (_, last) = run.outputs[f"r{i}"]
+        assert last.finished and not any(o.finished for _, o in first)
+    assert run.steps == 20
+    assert core.step() == {}  # nothing to do: nothing to report
+
+
+def test_abort_every_second_request(core):
+    for i in range(10):
+        core.add_request(req(f"r{i}"))
+        if i % 2:
+            core.abort_requests([f"r{i}"])
+    run = Run(core)
+    run.step()
+    core.abort_requests(["r0"])  # running now
+    run.drain()
+    for i in range(1, 10, 2):
+        assert run.finish[f"r{i}"] is FinishReason.ABORT and run.tokens[f"r{i}"] == []
+    assert run.finish["r0"] is FinishReason.ABORT and len(run.tokens["r0"]) == 1
+    for i in range(2, 10, 2):
+        assert run.finish[f"r{i}"] is FinishReason.LENGTH and len(run.tokens[f"r{i}"]) == 20
+    # Aborting finished and unknown requests is harmless and emits nothing.
+    core.abort_requests(["r2", "r1", "nope"])
+    core.abort_requests([])
+    assert not core.has_unfinished_requests() and core.step() == {}
+    assert core.scheduler.num_free_blocks == core.num_gpu_blocks
+
+
+def test_abort_twice_emits_once_and_blocks_id_reuse_until_reported(core):
+    core.add_request(req("a"))
+    core.abort_requests(["a", "a"])
+    core.abort_requests(["a"])
+    with pytest.raises(InvalidRequestError, match="already live"):
+        core.add_request(req("a"))
+    assert core.has_unfinished_requests()
+    out = core.step()[0]
+    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("a", FinishReason.ABORT)]
+    core.add_request(req("a", max_tokens=2))  # reported: the id is free again
+    assert Run(core).drain().tokens["a"] == predict([1, 2, 3], 2)
+
+
+def test_outputs_are_routed_by_client_index(core):
+    core.add_request(req("x", client_index=0, max_tokens=2))
+    core.add_request(req("y", client_index=3, max_tokens=2))
+    res = core.step()
+    assert sorted(res) == [0, 3]
+    assert [o.request_id for o in res[3].outputs] == ["y"]
+    core.abort_requests(["y"])
+    res = core.step()
+    assert res[3].outputs[0].finish_reason is FinishReason.ABORT
+    assert res[3].finished_requests == {"y"} and res[0].finished_requests == {"x"}
+
+
+def test_stop_tokens_and_eos(core):
+    seq = predict([1, 2, 3], 20)
+    core.add_request(req("stop", sampling_params=SamplingParams(
+        max_tokens=20, stop_token_ids=[seq[4]])))
+    core.add_request(req("eos", eos_token_id=seq[6]))
+    core.add_request(req("ign", eos_token_id=seq[6], sampling_params=SamplingParams(
+        max_tokens=20, ignore_eos=True)))
+    run = Run(core).drain()
+    assert run.tokens["stop"] == seq[:5] and run.finish["stop"] is FinishReason.STOP
+    assert run.outputs["stop"][-1][1].stop_reason == seq[4]
+    assert run.tokens["eos"] == seq[:7] and run.finish["eos"] is FinishReason.STOP
+    assert run.outputs["eos"][-1][1].stop_reason is None
+    assert run.tokens["ign"] == seq and run.finish["ign"] is FinishReason.LENGTH
+
+
+def test_mock_never_emits_config_eos():
+    # (31 * 0 + 7 * pos + 11) % 1024 == 2 for no pos, so look for a colliding case directly.
+    last = next(t for t in range(1024) if (31 * t + 11) % 1024 == CFG.eos_token_id)
+    assert mock_next_token(last, 0, 1024, CFG.eos_token_id) == CFG.eos_token_id + 1
+
+
+def test_max_model_len_finishes_with_length():
+    c = EngineCore(CFG.replace(max_model_len=16))
+    c.add_request(req("a", list(range(10)), max_tokens=100))
+    run = Run(c).drain()
+    assert len(run.tokens["a"]) == 6 and run.finish["a"] is FinishReason.LENGTH
+
+
+def test_chunked_prefill_spans_steps_and_matches_big_budget():
+    prompt = [(i * 13) % 1000 + 3 for i in range(300)]
+    results = {}
+    for budget in (64, 8192):
+        c = EngineCore(CFG.replace(max_num_batched_tokens=budget))
+        c.add_request(req("long", prompt, max_tokens=5))
+        c.add_request(req("short", [4, 5], max_tokens=5))
+        run = Run(c)
+        first = run.step()
+        results[budget] = (run.drain().tokens, run.steps)
+        if budget == 64:
+            assert first == {}  # the long prompt uses the whole budget of the first step
+    assert results[64][0] == results[8192][0]
+    assert results[64][1] > results[8192][1] == 5
+
+
+def test_preemption_keeps_tokens_identical():
+    prompts = {f"r{i}": [i + 3] * (10 + i) for i in range(6)}
+    runs = []
+    for blocks in (None, 6):
+        c = EngineCore(CFG.replace(num_gpu_blocks=blocks, block_size=8) if blocks
+                       else CFG.replace(block_size=8))
+        for rid, p in prompts.items():
+            c.add_request(req(rid, p, max_tokens=25))
+        runs.append((Run(c).drain(), c.scheduler.num_preemptions))
+    (plain, n0), (tight, n1) = runs
+    assert n0 == 0 and n1 > 0
+    assert plain.tokens == tight.tokens
+    assert all(r is FinishReason.LENGTH for r in tight.finish.values())
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: req("e", prompt=()), "empty prompt"),
+    (lambda: req("e", prompt=list(range(3000))), "max_model_len"),
+    (lambda: req("e", sampling_params=SamplingParams(max_tokens=0)), "max_tokens"),
+    (lambda: req("e", sampling_params=SamplingParams(temperature=-1.0)), "temperature"),
+    (lambda: req("e", sampling_params=SamplingParams(top_p=0.0)), "top_p"),
+    (lambda: req("e", sampling_params=SamplingParams(top_k=-2)), "top_k"),
+    (lambda: req("e", sampling_params=SamplingParams(seed=2**70)), "seed"),
+    (lambda: req("e", prompt=[1, 1024]), r"prompt_token_ids\[1\]=1024"),
+    (lambda: req("e", prompt=[-1]), "outside the vocabulary"),
+    (lambda: req("e", prompt=None, prompt_embeds=torch.zeros(3, 32)), "expected hidden size 64"),
+    (lambda: req("e", prompt=None, prompt_embeds=torch.zeros(64)), r"\[num_tokens, 64\]"),
+    (lambda: req("e", prompt=None, prompt_embeds=torch.zeros(0, 64)), "empty prompt"),
+    (lambda: req("e", prompt=None, prompt_embeds=torch.zeros(2, 64, dtype=torch.long)),
+     "floating point"),
+    (lambda: req("e", prompt=None, prompt_embeds=[[0.0] * 64]), "torch.Tensor"),
+    (lambda: req("e", prompt_embeds=torch.zeros(2, 64)), "not both"),
+    (lambda: req("e", pooling_params=PoolingParams()), "not both"),
+    (lambda: req("e", sampling_params=None, pooling_params=PoolingParams(task="classify")),
+     "not supported"),
+    (lambda: req("", ), "request_id"),
+    (lambda: req("e", client_index=-1), "client_index"),
+    (lambda: req("live"), "already live"),
+])
+def test_invalid_requests_are_rejected_alone(core, make, match):
+    core.add_request(req("live", max_tokens=3))
+    run = Run(core)
+    run.step()
+    before = (dict(core.scheduler.requests), core.scheduler.num_free_blocks)
+    with pytest.raises(InvalidRequestError, match=match):
+        core.add_request(make())
+    assert (dict(core.scheduler.requests), core.scheduler.num_free_blocks) == before
+    core.add_request(req("after", max_tokens=3))
+    run.drain()
+    assert len(run.tokens["live"]) == 3 and len(run.tokens["after"]) == 3
+    assert "e" not in run.outputs
+
+
+def test_default_sampling_params_when_none_given(core):
+    core.add_request(EngineCoreRequest(request_id="d", prompt_token_ids=[7]))
+    run = Run(core).drain()
+    assert len(run.tokens["d"]) == SamplingParams().max_tokens
+
+
+def test_prompt_embeds_generate_by_documented_rule(core):
+    core.add_request(req("emb", prompt=None, prompt_embeds=torch.randn(5, 64), max_tokens=4))
+    assert Run(core).drain().tokens["emb"] == predict([], 4, embeds_rows=5)
+
+
+def test_pooling_with_ids_and_embeds():
+    c = EngineCore(CFG.replace(max_num_batched_tokens=16))
+    emb = torch.randn(40, 64, dtype=torch.bfloat16)
+    c.add_request(req("ids", [3, 1, 4], sampling_params=None, pooling_params=PoolingParams()))
+    c.add_request(req("emb", prompt=None, prompt_embeds=emb, sampling_params=None,
+                      pooling_params=PoolingParams()))
+    c.add_request(req("norm", [3, 4], sampling_params=None,
+                      pooling_params=PoolingParams(normalize=True)))
+    run = Run(c).drain()
+    outs = {rid: o for rid, [(_, o)] in run.outputs.items()}  # exactly one output each
+    assert all(o.finish_reason is FinishReason.STOP and o.new_token_ids == []
+               for o in outs.values())
+    assert torch.equal(outs["emb"].pooling_output, emb.float().mean(0))
+    assert torch.equal(outs["ids"].pooling_output,
+                       torch.tensor([float([3, 1, 4][j % 3]) for j in range(64)]))
+    assert torch.allclose(outs["norm"].pooling_output.norm(), torch.tensor(1.0))
+    assert run.steps == 3  # the 40 embedding rows were chunked by the 16-token budget
+
+
+def test_capacity_from_memory_budget_and_fitted_max_model_len():
+    c = EngineCore(CFG)
+    per_token = 2 * CFG.num_layers * CFG.hidden_size * 4
+    assert c.num_gpu_blocks == CFG.kv_cache_memory_bytes // (per_token * CFG.block_size)
+    assert c.max_model_len == 2048 and c.block_size == 16
+    small = EngineCore(CFG.replace(kv_cache_memory_bytes=per_token * 16 * 10 + 5))
+    assert small.num_gpu_blocks == 10 and small.max_model_len == 160
+    given = EngineCore(CFG.replace(num_gpu_blocks=3, block_size=4, max_model_len=100))
+    assert (given.num_gpu_blocks, given.max_model_len) == (3, 12)
+    with pytest.raises(InvalidRequestError, match="max_model_len=12"):
+        given.add_request(req("x", list(range(13))))
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes"):
+        EngineCore(CFG.replace(kv_cache_memory_bytes=100))
+
+
+def test_cuda_device_without_cuda_is_a_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match="device"):
+        EngineCore(CFG.replace(device="cuda"))
+
+
+# --------------------------------------------------------------------- utilities
+
+def test_utility_methods_exist_and_unknown_ones_fail(core):
+    for name in UTILITY_METHODS:
+        assert callable(getattr(core, name))
+    for bad in ("nope", "step", "add_request", "shutdown", "__init__", "_make_request"):
+        with pytest.raises(ValueError, match=f"unknown utility method '{bad}'"):
+            core.call_utility(bad, ())
+    core.add_request(req("still", max_tokens=2))
+    assert len(Run(core).drain().tokens["still"]) == 2
+
+
+def test_echo_and_simple_utilities(core):
+    t = torch.arange(6).reshape(2, 3)
+    assert core.call_utility("echo", (t,)) is t
+    assert core.call_utility("echo", ({"a": [1, None]},)) == {"a": [1, None]}
+    assert core.call_utility("echo", (None,)) is None
+    assert core.call_utility("get_supported_tasks", ()) == ("generate", "embed")
+    assert core.call_utility("reset_prefix_cache", ()) is True
+    assert core.call_utility("profile", (True,)) is None and core.profiling
+    core.call_utility("profile", (False,))
+    assert not core.profiling
+    assert core.call_utility("execute_dummy_batch", ()) is None
+    assert core.call_utility("collective_rpc", ("num_cached_requests",)) == [0]
+    with pytest.raises(ValueError):
+        core.collective_rpc("_caches")
+    with pytest.raises(AttributeError):
+        core.collective_rpc("no_such_method")
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait"])
+def test_sleep_and_wake_up(core, mode):
+    core.add_request(req("a", max_tokens=5))
+    run = Run(core)
+    run.step()
+    core.call_utility("sleep", (1, mode))
+    assert core.is_sleeping()
+    if mode == "abort":
+        run.step()
+        assert run.finish["a"] is FinishReason.ABORT and not core.has_unfinished_requests()
+    else:
+        for _ in range(3):
+            run.step()  # nothing scheduled while asleep
+        assert run.tokens["a"] == predict([1, 2, 3], 1) and "a" not in run.finish
+    core.wake_up(["weights"])
+    assert core.is_sleeping()
+    core.wake_up(["kv_cache"])
+    assert not core.is_sleeping()
+    core.add_request(req("b", max_tokens=3))
+    run.drain()
+    assert len(run.tokens["b"]) == 3
+    if mode == "wait":  # resumed (recomputed) after wake-up, no token lost or repeated
+        assert run.tokens["a"] == predict([1, 2, 3], 5)
+
+
+def test_sleep_and_wake_up_reject_bad_arguments(core):
+    with pytest.raises(ValueError, match="level"):
+        core.sleep(3)
+    with pytest.raises(ValueError, match="mode"):
+        core.sleep(1, "later")
+    with pytest.raises(ValueError, match="tags"):
+        core.wake_up(["gpu"])
+    assert not core.is_sleeping()
+
+
+def test_lora_bookkeeping(core):
+    assert core.list_loras() == set()
+    assert core.add_lora(LoRARequest("a", 1, "/x"))
+    # A LoRARequest that crossed the wire as an untyped msgpack array is accepted too.
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(LoRARequest("b", 2)))
+    assert core.call_utility("add_lora", (wire,))
+    assert core.list_loras() == {1, 2}
+    assert core.pin_lora(1) and not core.pin_lora(9)
+    assert core.remove_lora(1) and not core.remove_lora(1)
+    assert core.list_loras() == {2}
+
+
+def test_save_sharded_state_writes_model_state(core, tmp_path):
+    core.save_sharded_state(str(tmp_path / "ckpt"))
+    files = os.listdir(tmp_path / "ckpt")
+    assert files == ["model-rank-0-part-0.pt"]
+    assert torch.load(tmp_path / "ckpt" / files[0]) == {}
+
+
+def test_shutdown_is_idempotent():
+    c = EngineCore(CFG)
+    c.add_request(req("a"))
+    c.shutdown()
+    c.shutdown()
+    assert not c.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="shut down"):
+        c.add_request(req("b"))
+
+
+def test_derived_seed_is_stable_and_request_specific():
+    assert derive_seed(0, "a") == derive_seed(0, "a")
+    assert len({derive_seed(0, "a"), derive_seed(1, "a"), derive_seed(0, "b")}) == 3
+    assert 0 <= derive_seed(123, "x") < 2**63
