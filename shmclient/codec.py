@@ -85,8 +85,13 @@ _TORCH_DTYPES: dict[str, Any] = {}
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
+_QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+
+
 def _dtype_name(dtype) -> str:
     name = str(dtype)[6:]  # "torch.bfloat16" -> "bfloat16"
+    if name in _QUANTIZED:
+        raise SerializationError(f"cannot serialize a tensor of quantized dtype {dtype}")
     _DTYPE_NAMES[dtype] = name
     return name
 
@@ -96,8 +101,8 @@ def _torch_dtype(name: str):
     if dt is None:
         torch = _torch()
         dt = getattr(torch, name, None)
-        if not isinstance(dt, torch.dtype):
-            raise SerializationError(f"unknown torch dtype {name!r} in message")
+        if not isinstance(dt, torch.dtype) or name in _QUANTIZED:
+            raise SerializationError(f"unknown or unsupported torch dtype {name!r} in message")
         _TORCH_DTYPES[name] = dt
     return dt
 
@@ -268,7 +273,7 @@ class Encoder:
         if torch_src and 0 < nbytes <= _SMALL:
             # Small: one ctypes read of the (contiguous) tensor, then a bytes concat. ~3x
             # cheaper than going through a numpy view; ``src`` is alive throughout.
-            src = src.contiguous()
+            src = contiguous(src)
             hdr = _hdr_encode([dtype, shape, None, extra])
             raw = ctypes.string_at(src.data_ptr(), nbytes)
             return msgspec.msgpack.Ext(code, _HLEN.pack(len(hdr)) + hdr + raw)
@@ -287,17 +292,38 @@ class Encoder:
         return msgspec.msgpack.Ext(code, data)
 
 
+def contiguous(t):
+    """``t`` as a dense C-ordered tensor; also for dtypes torch cannot copy (uint1...int7,
+    float8 variants on some builds), which are copied as same-sized integers."""
+    if t.is_contiguous():
+        return t
+    try:
+        return t.contiguous()
+    except (NotImplementedError, RuntimeError):
+        import torch
+
+        as_int = _SAME_SIZE_INT[t.dtype.itemsize]
+        return t.view(getattr(torch, as_int)).contiguous().view(t.dtype)
+
+
+_SAME_SIZE_INT = {1: "uint8", 2: "int16", 4: "int32", 8: "int64", 16: "complex128"}
+
+
 def _contiguous_bytes(src, torch_src: bool) -> memoryview:
     """A flat byte view of ``src``'s values in C order (copies only if not contiguous).
 
     The view keeps the memory it shows alive, so it may outlive ``src`` (zmq frames).
     """
     if torch_src:
-        if src.numel() == 0:
+        n = src.numel()
+        if n == 0:
             return memoryview(b"")
         import torch
 
-        return memoryview(src.detach().contiguous().view(-1).view(torch.uint8).numpy())
+        flat = contiguous(src).view(-1)
+        if flat.stride(0) != 1:  # dense, but a size-1 dim kept an odd stride
+            flat = flat.as_strided((n,), (1,))
+        return memoryview(flat.view(torch.uint8).numpy())
     import numpy as np
 
     a = np.ascontiguousarray(src)
