@@ -1,7 +1,7 @@
 """``EngineCore``: one engine, driven one ``step()`` at a time, with no IO of its own.
 
 Engine layer, top of ``engine`` below the process main (``engine.proc``): imports the
-config, the scheduler, the models, torch, and ``shmclient.messages`` / ``shmclient.errors``
+config, the request checks, the scheduler, the models, torch, and ``shmclient.messages`` / ``shmclient.errors``
 only; never a transport, a socket, a thread, or a shmclient client module. It owns the
 model, the scheduler and the request lifecycle: validation at add time, aborts, turning
 sampled tokens into ``EngineCoreOutputs`` per client, and the utility methods a frontend
@@ -11,8 +11,6 @@ and returns when its work is done; none waits for anything outside the process.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 from typing import Any
 
@@ -26,13 +24,13 @@ from shmclient.messages import (
     EngineCoreRequest,
     FinishReason,
     LoRARequest,
-    PoolingParams,
     SamplingParams,
 )
 
 from .config import EngineConfig
 from .model import SAMPLING_EPS, Model, ScheduledChunk, build_model
-from .scheduler import Request, Scheduler
+from .request import Request, check_request, derive_seed
+from .scheduler import Scheduler
 
 SUPPORTED_TASKS = ("generate", "embed")
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
@@ -43,12 +41,6 @@ UTILITY_METHODS = frozenset({
     "execute_dummy_batch", "collective_rpc", "save_sharded_state", "get_supported_tasks",
     "add_lora", "remove_lora", "list_loras", "pin_lora",
 })
-
-
-def derive_seed(config_seed: int, request_id: str) -> int:
-    """The sampling seed of a request that gave none: stable across processes and runs."""
-    digest = hashlib.blake2b(f"{config_seed}/{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class EngineCore:
@@ -190,75 +182,21 @@ class EngineCore:
     # ---------------------------------------------------------------- validation
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
+        check_request(r, vocab_size=self.model.vocab_size, hidden_size=self.model.hidden_size,
+                      max_model_len=self.max_model_len)
         rid = r.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequestError(f"request_id must be a non-empty str, got {rid!r}")
         if rid in self.scheduler.requests or rid in self._aborted_ids:
             raise InvalidRequestError(f"request_id {rid!r} is already live")
-        if type(r.client_index) is not int or r.client_index < 0:
-            raise InvalidRequestError(f"{rid}: client_index must be an int >= 0, "
-                                      f"got {r.client_index!r}")
-        ids = r.prompt_token_ids or None
-        embeds = r.prompt_embeds
-        if ids is None and embeds is None:
-            raise InvalidRequestError(
-                f"{rid}: empty prompt: give prompt_token_ids or prompt_embeds")
-        if ids is not None and embeds is not None:
-            raise InvalidRequestError(
-                f"{rid}: give prompt_token_ids or prompt_embeds, not both")
-        if embeds is not None:
-            self._check_embeds(rid, embeds)
-            n = int(embeds.shape[0])
-        elif not isinstance(ids, list):
-            raise InvalidRequestError(
-                f"{rid}: prompt_token_ids must be a list of int, got {type(ids).__name__}")
-        else:
-            n = len(ids)
-        if n > self.max_model_len:
-            raise InvalidRequestError(
-                f"{rid}: prompt of {n} tokens is longer than max_model_len={self.max_model_len}")
-        if ids is not None:
-            self._check_ids(rid, ids)
-        if r.sampling_params is not None and r.pooling_params is not None:
-            raise InvalidRequestError(
-                f"{rid}: give sampling_params or pooling_params, not both")
         generator = None
-        if r.pooling_params is not None:
-            _check_pooling(rid, r.pooling_params)
-            sp = None
-        else:
-            sp = r.sampling_params or SamplingParams()
-            _check_sampling(rid, sp)
-            if sp.temperature >= SAMPLING_EPS:
-                seed = sp.seed if sp.seed is not None else derive_seed(self.config.seed, rid)
-                generator = self.model.make_generator(seed)
+        sp = None if r.pooling_params is not None else r.sampling_params or SamplingParams()
+        if sp is not None and sp.temperature >= SAMPLING_EPS:
+            seed = sp.seed if sp.seed is not None else derive_seed(self.config.seed, rid)
+            generator = self.model.make_generator(seed)
         eos = r.eos_token_id if r.eos_token_id is not None else self.config.eos_token_id
-        return Request(rid, prompt_token_ids=ids, prompt_embeds=embeds, sampling_params=sp,
+        return Request(rid, prompt_token_ids=r.prompt_token_ids or None,
+                       prompt_embeds=r.prompt_embeds, sampling_params=sp,
                        pooling_params=r.pooling_params, eos_token_id=eos,
                        client_index=r.client_index, generator=generator)
-
-    def _check_ids(self, rid: str, ids: list) -> None:
-        vocab = self.model.vocab_size
-        for i, t in enumerate(ids):
-            if type(t) is not int or not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"{rid}: prompt_token_ids[{i}]={t!r} is outside the vocabulary "
-                    f"[0, {vocab})")
-
-    def _check_embeds(self, rid: str, embeds: Any) -> None:
-        hidden = self.model.hidden_size
-        if not isinstance(embeds, torch.Tensor):
-            raise InvalidRequestError(
-                f"{rid}: prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
-        if embeds.ndim != 2 or embeds.shape[1] != hidden:
-            raise InvalidRequestError(
-                f"{rid}: prompt_embeds must have shape [num_tokens, {hidden}] "
-                f"(expected hidden size {hidden}), got {list(embeds.shape)}")
-        if not embeds.dtype.is_floating_point:
-            raise InvalidRequestError(
-                f"{rid}: prompt_embeds must be floating point, got {embeds.dtype}")
-        if embeds.shape[0] == 0:
-            raise InvalidRequestError(f"{rid}: empty prompt: prompt_embeds has no rows")
 
     # ---------------------------------------------------------------- utilities
 
@@ -363,29 +301,3 @@ class EngineCore:
             return False
         self._pinned_loras.add(lora_id)
         return True
-
-
-def _check_sampling(rid: str, sp: SamplingParams) -> None:
-    def bad(field: str, why: str) -> None:
-        raise InvalidRequestError(
-            f"{rid}: sampling_params.{field}={getattr(sp, field)!r} is invalid: {why}")
-
-    if type(sp.max_tokens) is not int or sp.max_tokens < 1:
-        bad("max_tokens", "must be an int >= 1")
-    if not isinstance(sp.temperature, (int, float)) or not (
-            math.isfinite(sp.temperature) and sp.temperature >= 0):
-        bad("temperature", "must be a finite number >= 0")
-    if not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if type(sp.top_k) is not int or sp.top_k < -1:
-        bad("top_k", "must be an int >= 0 (0 or -1: off)")
-    if sp.seed is not None and (type(sp.seed) is not int or not -2**63 <= sp.seed < 2**64):
-        bad("seed", "must be an int in [-2**63, 2**64) or None")
-    if not all(type(t) is int for t in sp.stop_token_ids):
-        bad("stop_token_ids", "must be a list of int")
-
-
-def _check_pooling(rid: str, pp: PoolingParams) -> None:
-    if pp.task != "embed":
-        raise InvalidRequestError(
-            f"{rid}: pooling_params.task={pp.task!r} is not supported; supported: 'embed'")

@@ -1,7 +1,7 @@
 """Continuous batching in the manner of vLLM v1's scheduler: who runs in the next step.
 
 Engine layer, below the core: imports ``engine.model`` (for ``ScheduledChunk``),
-``shmclient.messages`` and ``shmclient.errors`` only; never torch directly, the core, or a
+``engine.request``, ``shmclient.messages`` and ``shmclient.errors`` only; never torch directly, the core, or a
 shmclient client module. It owns the waiting and running queues, the per-step token
 budget with chunked prefill, the KV-block accounting and preemption by recompute, and
 the stop rules. It never runs a model: it hands out ``ScheduledChunk`` lists and takes the
@@ -16,86 +16,14 @@ total → LENGTH.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
 from shmclient.errors import InvalidRequestError
-from shmclient.messages import FinishReason, PoolingParams, SamplingParams
+from shmclient.messages import FinishReason
 
 from .model import ScheduledChunk
-
-
-class RequestStatus(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
-
-
-class Request:
-    """The scheduler's view of one request: prompt, outputs so far, progress, blocks."""
-
-    __slots__ = (
-        "request_id", "client_index", "prompt_token_ids", "prompt_embeds",
-        "num_prompt_tokens", "sampling_params", "pooling_params", "eos_token_id",
-        "generator", "output_token_ids", "num_computed_tokens", "num_blocks", "status",
-        "finish_reason", "stop_reason", "num_preemptions", "max_tokens",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        *,
-        prompt_token_ids: list[int] | None = None,
-        prompt_embeds: Any = None,
-        sampling_params: SamplingParams | None = None,
-        pooling_params: PoolingParams | None = None,
-        eos_token_id: int | None = None,
-        client_index: int = 0,
-        generator: Any = None,
-    ) -> None:
-        self.request_id = request_id
-        self.client_index = client_index
-        self.prompt_token_ids = prompt_token_ids
-        self.prompt_embeds = prompt_embeds
-        self.num_prompt_tokens = (
-            len(prompt_token_ids) if prompt_embeds is None else int(prompt_embeds.shape[0])
-        )
-        if sampling_params is None and pooling_params is None:
-            sampling_params = SamplingParams()
-        self.sampling_params = sampling_params
-        self.pooling_params = pooling_params
-        self.eos_token_id = eos_token_id
-        self.generator = generator
-        self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0
-        self.num_blocks = 0
-        self.status = RequestStatus.WAITING
-        self.finish_reason: FinishReason | None = None
-        self.stop_reason: int | None = None
-        self.num_preemptions = 0
-        self.max_tokens = sampling_params.max_tokens if pooling_params is None else 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids)
-
-    def inputs(self, start: int, end: int) -> tuple[list[int], Any]:
-        """(token ids, embeds rows or None) of positions ``[start, end)``."""
-        p = self.num_prompt_tokens
-        if self.prompt_embeds is not None:
-            embeds = self.prompt_embeds[start:min(end, p)] if start < p else None
-            ids = self.output_token_ids[max(start - p, 0):end - p] if end > p else []
-            return ids, embeds
-        if end <= p:
-            return self.prompt_token_ids[start:end], None
-        if start >= p:
-            return self.output_token_ids[start - p:end - p], None
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p], None
-
-    def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.num_blocks})")
+from .request import Request, RequestStatus
 
 
 class Scheduler:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import UTILITY_METHODS, EngineCore, derive_seed
+from engine.core import UTILITY_METHODS, EngineCore
+from engine.request import derive_seed
 from engine.model import mock_next_token
 from shmclient.errors import ConfigError, InvalidRequestError
 from shmclient.messages import (

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.model import MockModel, mock_next_token
-from engine.scheduler import Request, RequestStatus, Scheduler
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
 from shmclient.errors import InvalidRequestError
 from shmclient.messages import FinishReason, PoolingParams, SamplingParams
 
