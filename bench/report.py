@@ -1,0 +1,613 @@
+"""Reporting for ``python -m bench``: summaries, machine facts, tables, JSON and plots.
+
+Nothing here measures anything. ``summarize`` turns raw samples into the figures every
+section reports; ``machine_facts`` describes the machine and the package versions;
+``format_report`` renders the readable tables; ``write_json`` and the ``plot_*``
+functions write the results folder. Matplotlib is optional (the ``bench`` extra): without
+it the plot functions return a note instead of a path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+#: Percentiles reported for every sample set (linear interpolation between order
+#: statistics, numpy's default method).
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+
+#: Packages whose versions go into the JSON (distribution names).
+PACKAGES = ("torch", "numpy", "msgspec", "pyzmq", "posix_ipc", "psutil", "matplotlib", "shmclient")
+
+# -- statistics ----------------------------------------------------------------------
+
+
+def pkey(p: float) -> str:
+    """Key of a percentile in a summary: 50 -> 'p50', 99.9 -> 'p99.9'."""
+    return "p" + (f"{p:g}")
+
+
+def summarize(samples_ns: Sequence[int] | np.ndarray, unit: str = "us") -> dict[str, Any]:
+    """Summary of durations given in nanoseconds, reported in ``unit`` ('us' or 'ns').
+
+    Keys: n, unit, mean, std (population), min, p50, p90, p99, p99.9, max. An empty input
+    gives n=0 and None for every figure.
+    """
+    scale = {"us": 1e-3, "ns": 1.0, "ms": 1e-6}[unit]
+    a = np.asarray(samples_ns, dtype=np.float64)
+    out: dict[str, Any] = {"n": int(a.size), "unit": unit}
+    names = ["mean", "std", "min"] + [pkey(p) for p in PERCENTILES] + ["max"]
+    if a.size == 0:
+        out.update({k: None for k in names})
+        return out
+    a = a * scale
+    out["mean"] = float(a.mean())
+    out["std"] = float(a.std())
+    out["min"] = float(a.min())
+    for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES)):
+        out[pkey(p)] = float(v)
+    out["max"] = float(a.max())
+    return out
+
+
+def overhead_ratio(shm: float | None, zmq: float | None, inproc: float | None) -> float | None:
+    """(shm - inproc) / (zmq - inproc): the share of zmq's added latency that shm adds.
+
+    None when a figure is missing or zmq adds nothing over inproc (no meaningful ratio).
+    """
+    if shm is None or zmq is None or inproc is None:
+        return None
+    denom = zmq - inproc
+    if denom <= 0:
+        return None
+    return (shm - inproc) / denom
+
+
+# -- machine facts -------------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    for name in (dist, dist.replace("_", "-"), dist.replace("-", "_")):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    # Not installed as a distribution (e.g. run from a checkout): ask the module.
+    module = {"pyzmq": "zmq", "posix_ipc": "posix_ipc"}.get(dist, dist)
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return str(getattr(mod, "__version__", getattr(mod, "VERSION", None)) or "") or None
+
+
+def _git_commit() -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(
+            ["git", "-C", root, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def machine_facts() -> dict[str, Any]:
+    """CPU, memory, OS, Python, package versions, GPU (if torch sees one) and the date."""
+    facts: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": _cpu_model(),
+        "cpu_count_logical": os.cpu_count(),
+        "machine": platform.machine(),
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "packages": {p: _version(p) for p in PACKAGES},
+        "git_commit": _git_commit(),
+    }
+    try:
+        import psutil
+
+        facts["cpu_count_physical"] = psutil.cpu_count(logical=False)
+        facts["memory_total_bytes"] = psutil.virtual_memory().total
+        facts["load_average"] = list(os.getloadavg())
+    except Exception:
+        pass
+    try:
+        import zmq
+
+        facts["libzmq"] = zmq.zmq_version()
+    except Exception:
+        pass
+    gpu: dict[str, Any] | None = None
+    try:
+        import torch
+
+        facts["torch_cuda_build"] = torch.version.cuda
+        if torch.cuda.is_available():
+            gpu = {
+                "count": torch.cuda.device_count(),
+                "name": torch.cuda.get_device_name(0),
+                "capability": list(torch.cuda.get_device_capability(0)),
+                "memory_total_bytes": torch.cuda.get_device_properties(0).total_memory,
+            }
+    except Exception as e:  # torch missing or broken: say so, do not fail the run
+        facts["torch_error"] = f"{type(e).__name__}: {e}"
+    facts["gpu"] = gpu
+    return facts
+
+
+# -- tables --------------------------------------------------------------------------
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and not math.isfinite(v):
+        return "-"
+    if isinstance(v, (int, float)):
+        av = abs(v)
+        if av >= 1e6:
+            return f"{v:,.0f}"
+        if av >= 100 or isinstance(v, int):
+            return f"{v:,.0f}" if av >= 1000 else f"{v:.0f}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _ratio(v: float | None, base: float | None) -> str:
+    if v is None or base is None or base == 0:
+        return "-"
+    return f"{v / base:.2f}x"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
+    """A plain-text table; ``align`` is one 'l' or 'r' per column (default: first left)."""
+    rows = [[_fmt(c) for c in r] for r in rows]
+    headers = list(headers)
+    align = align or ("l" + "r" * (len(headers) - 1))
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, c in enumerate(r):
+            widths[i] = max(widths[i], len(c))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)
+        ).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def baseline_of(config: str) -> str | None:
+    """The zmq configuration a configuration is compared with, in the same run.
+
+    'sync-shm' -> 'sync-zmq', 'async-shm@tiny' -> 'async-zmq@tiny', 'inproc' ->
+    'sync-zmq'; a zmq configuration is its own baseline.
+    """
+    kind, _, model = config.partition("@")
+    suffix = f"@{model}" if model else ""
+    if kind == "inproc":
+        return "sync-zmq" + suffix
+    mode, _, transport = kind.partition("-")
+    if transport in ("shm", "zmq"):
+        return f"{mode}-zmq{suffix}"
+    return None
+
+
+def latency_ratios(latency: dict[str, Any]) -> dict[str, Any]:
+    """Issue 4's figure per model and mode: (shm - inproc) / (zmq - inproc) on p50."""
+    out: dict[str, Any] = {}
+    models = sorted({c.partition("@")[2] for c in latency})
+    targets = {"sync": 0.15, "async": 0.25}
+    for model in models:
+        sfx = f"@{model}" if model else ""
+        inproc = latency.get("inproc" + sfx, {}).get("summary", {}).get("p50")
+        for mode, target in targets.items():
+            shm = latency.get(f"{mode}-shm{sfx}", {}).get("summary", {}).get("p50")
+            zmq = latency.get(f"{mode}-zmq{sfx}", {}).get("summary", {}).get("p50")
+            if shm is None or zmq is None or inproc is None:
+                continue
+            r = overhead_ratio(shm, zmq, inproc)
+            out[f"{mode}{sfx}"] = {
+                "model": model or "mock",
+                "mode": mode,
+                "inproc_p50_us": inproc,
+                "shm_p50_us": shm,
+                "zmq_p50_us": zmq,
+                "shm_added_us": shm - inproc,
+                "zmq_added_us": zmq - inproc,
+                "ratio": r,
+                "target": target,
+                "met": None if r is None else bool(r <= target),
+            }
+    return out
+
+
+def _latency_section(res: dict[str, Any]) -> list[str]:
+    lat = res.get("latency") or {}
+    if not lat:
+        return []
+    meta = res.get("latency_meta", {})
+    lines = [
+        "",
+        f"Round-trip latency: add_request -> finished output, max_tokens=1 (µs; "
+        f"{meta.get('rounds', '?')} rounds in rotation, {meta.get('warmup', '?')} warm-up "
+        "round trips per block excluded)",
+    ]
+    rows = []
+    for cfg, entry in lat.items():
+        s = entry["summary"]
+        base = lat.get(baseline_of(cfg) or "", {}).get("summary", {})
+        rows.append(
+            [
+                cfg,
+                s["n"],
+                s["p50"],
+                s["p99"],
+                s["p99.9"],
+                s["mean"],
+                _ratio(s["p50"], base.get("p50")),
+                _ratio(s["p99"], base.get("p99")),
+                _ratio(s["p99.9"], base.get("p99.9")),
+            ]
+        )
+    lines.append(
+        table(
+            ["config", "n", "p50", "p99", "p99.9", "mean", "p50/zmq", "p99/zmq", "p99.9/zmq"],
+            rows,
+        )
+    )
+    ratios = res.get("latency_ratios") or {}
+    if ratios:
+        lines.append("")
+        lines.append("Share of zmq's added latency that shm adds, (shm - inproc) / (zmq - inproc), p50:")
+        for key, r in ratios.items():
+            verdict = "-" if r["ratio"] is None else ("met" if r["met"] else "NOT met")
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f} ({r['ratio'] * 100:.1f} %)"
+            lines.append(
+                f"  {r['mode']:<5} {r['model']:<6} shm adds {r['shm_added_us']:.1f} µs, zmq adds "
+                f"{r['zmq_added_us']:.1f} µs -> {ratio}; target <= {r['target']:.2f}: {verdict}"
+            )
+    return lines
+
+
+def _streaming_section(res: dict[str, Any]) -> list[str]:
+    st = res.get("streaming") or {}
+    if not st:
+        return []
+    meta = res.get("streaming_meta", {})
+    lines = [
+        "",
+        f"Streaming: N concurrent requests x {meta.get('tokens', '?')} tokens "
+        f"({meta.get('rounds', '?')} runs per cell; outputs/s is the median run; CPU is the "
+        "whole frontend process per output batch, inproc includes the engine)",
+    ]
+    rows = []
+    for cfg, by_n in st.items():
+        for n, e in by_n.items():
+            base_cfg = baseline_of(cfg)
+            base = (st.get(base_cfg or "", {}) or {}).get(n, {})
+            rows.append(
+                [
+                    cfg,
+                    int(n),
+                    e["outputs_per_s"],
+                    _ratio(e["outputs_per_s"], base.get("outputs_per_s")),
+                    e["batches"],
+                    e["wall_us_per_batch"],
+                    e["gap_us"]["p99"],
+                    e["client_cpu_us_per_batch"],
+                    _ratio(e["client_cpu_us_per_batch"], base.get("client_cpu_us_per_batch")),
+                ]
+            )
+    lines.append(
+        table(
+            [
+                "config",
+                "N",
+                "outputs/s",
+                "vs zmq",
+                "batches",
+                "µs/batch",
+                "gap p99 µs",
+                "CPU µs/batch",
+                "CPU vs zmq",
+            ],
+            rows,
+        )
+    )
+    return lines
+
+
+def _idle_section(res: dict[str, Any]) -> list[str]:
+    idle = res.get("idle_cpu") or {}
+    if not idle:
+        return []
+    meta = res.get("idle_meta", {})
+    lines = [
+        "",
+        f"Idle CPU, % of one core (idle {meta.get('settle_s', '?')} s first, then measured "
+        f"over {meta.get('window_s', '?')} s with a caller parked in get_output; "
+        "target < 2 % each)",
+    ]
+    rows = []
+    for cfg, e in idle.items():
+        if "error" in e:
+            rows.append([cfg, "-", "-", "-", e["error"]])
+            continue
+        ok = e["client_pct"] < 2.0 and e["engine_pct"] < 2.0
+        rows.append(
+            [
+                cfg,
+                f"{e['client_pct']:.2f}",
+                f"{e['engine_pct']:.2f}",
+                "met" if ok else "NOT met",
+                e.get("source", ""),
+            ]
+        )
+    lines.append(table(["config", "client %", "engine %", "< 2 %", "source"], rows, "lrrll"))
+    return lines
+
+
+def _flatten_numbers(obj: Any, prefix: str = "", limit: int = 40) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+
+    def walk(o: Any, p: str) -> None:
+        if len(out) >= limit:
+            return
+        if isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{p}.{k}" if p else str(k))
+        elif isinstance(o, (list, tuple)) and len(o) <= 64:
+            for i, v in enumerate(o):
+                walk(v, f"{p}[{i}]")
+        elif isinstance(o, (int, float, str, bool)) and not isinstance(o, bool) or o is None:
+            out.append((p, o))
+
+    walk(obj, prefix)
+    return out
+
+
+def _external_section(title: str, data: Any) -> list[str]:
+    """Render what another benchmark module returned: its own 'table' text if it gives
+    one, else a table of its records, else its numeric leaves."""
+    if data is None:
+        return []
+    lines = ["", title]
+    if isinstance(data, dict) and isinstance(data.get("table"), str):
+        lines.append(data["table"].rstrip())
+        return lines
+    records = find_records(data)
+    if records:
+        keys: list[str] = []
+        for r in records:
+            for k, v in r.items():
+                if k not in keys and isinstance(v, (int, float, str)) and not isinstance(v, bool):
+                    keys.append(k)
+        keys = keys[:10]
+        lines.append(table(keys, [[r.get(k) for k in keys] for r in records[:60]]))
+        if len(records) > 60:
+            lines.append(f"... {len(records) - 60} more rows in the JSON")
+        return lines
+    for k, v in _flatten_numbers(data):
+        lines.append(f"  {k} = {_fmt(v, 3)}")
+    return lines
+
+
+def find_records(data: Any) -> list[dict[str, Any]]:
+    """The first list of flat dict records found in ``data`` (depth-first), else [].
+
+    Lists under a key get that key as a 'series' field when they do not carry one."""
+    if isinstance(data, list) and data and all(isinstance(x, dict) for x in data):
+        if any(isinstance(v, (int, float)) for x in data for v in x.values()):
+            return data
+    if isinstance(data, dict):
+        found: list[dict[str, Any]] = []
+        for k, v in data.items():
+            sub = find_records(v)
+            if sub:
+                for r in sub:
+                    found.append(r if "series" in r else {"series": k, **r})
+        return found
+    return []
+
+
+def format_report(res: dict[str, Any]) -> str:
+    """Every table of a results dict, as printed at the end of a run."""
+    facts = res.get("machine", {})
+    head = (
+        f"shmclient benchmark ({'quick' if res.get('args', {}).get('quick') else 'full'} run, "
+        f"{facts.get('date', '?')}): {facts.get('cpu_count_logical', '?')} CPUs "
+        f"({facts.get('cpu_model', '?')}), Python {facts.get('python', '?')}"
+    )
+    gpu = facts.get("gpu")
+    if gpu:
+        head += f", GPU {gpu.get('name')}"
+    lines = [head]
+    lines += _latency_section(res)
+    lines += _streaming_section(res)
+    lines += _idle_section(res)
+    lines += _external_section("Tensor transfer sweep (bench.tensors):", res.get("tensors"))
+    lines += _external_section("Raw ring ping-pong vs pyzmq ipc (bench.ring):", res.get("ring"))
+    skipped = res.get("skipped") or []
+    if skipped:
+        lines.append("")
+        lines.append("Skipped:")
+        lines += [f"  {s}" for s in skipped]
+    return "\n".join(lines)
+
+
+# -- files ---------------------------------------------------------------------------
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple, set)):
+        return [_jsonable(v) for v in o]
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, (str, int, float, bool)) or o is None:
+        return o
+    return repr(o)
+
+
+def write_json(path: str, data: Any) -> str:
+    """Write ``data`` as indented JSON (numpy scalars, sets, inf/nan made JSON-safe)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(data), f, indent=1, sort_keys=False)
+        f.write("\n")
+    return path
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'shmclient[bench]')"
+
+
+def plot_latency_cdf(
+    samples_ns: dict[str, Sequence[int]], path: str, title: str = "Round-trip latency"
+) -> str:
+    """One CDF line per configuration (x: µs, log scale). Returns the path, or a note
+    starting with 'plots skipped' when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return MATPLOTLIB_MISSING
+    fig, ax = plt.subplots(figsize=(8, 5))
+    try:
+        for cfg, s in samples_ns.items():
+            a = np.sort(np.asarray(s, dtype=np.float64)) * 1e-3
+            if a.size == 0:
+                continue
+            y = np.arange(1, a.size + 1) / a.size
+            ax.plot(a, y, label=f"{cfg} (p50 {np.percentile(a, 50):.1f} µs)", lw=1.4)
+        ax.set_xscale("log")
+        ax.set_xlabel("round trip, µs (log)")
+        ax.set_ylabel("fraction of requests ≤ x")
+        ax.set_ylim(0, 1.0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(title)
+        ax.legend(fontsize=8, loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
+
+
+SIZE_KEYS = ("size_bytes", "nbytes", "bytes", "size", "payload_bytes", "message_bytes")
+TIME_KEYS = (
+    "p50_us",
+    "median_us",
+    "time_us",
+    "us",
+    "mean_us",
+    "p50_ns",
+    "median_ns",
+    "time_ns",
+    "ns",
+    "p50_s",
+    "seconds",
+)
+
+
+def transfer_series(data: Any) -> dict[str, list[tuple[float, float]]]:
+    """(size in bytes, time in µs) points per series, from a tensor-sweep result.
+
+    Reads records that carry one of SIZE_KEYS and one of TIME_KEYS (or a nested 'summary'
+    / 'stats' dict with 'p50'); the series name is made of the records' string fields.
+    """
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in find_records(data):
+        size = next((r[k] for k in SIZE_KEYS if isinstance(r.get(k), (int, float))), None)
+        t_us = None
+        for k in TIME_KEYS:
+            v = r.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                t_us = v * (1e-3 if k.endswith("ns") else 1e6 if k.endswith("s") and not k.endswith("us") else 1.0)
+                break
+        if t_us is None:
+            for k in ("summary", "stats"):
+                v = r.get(k)
+                if isinstance(v, dict) and isinstance(v.get("p50"), (int, float)):
+                    unit = v.get("unit", "us")
+                    t_us = v["p50"] * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}.get(unit, 1.0)
+                    break
+        if size is None or t_us is None or size <= 0 or t_us <= 0:
+            continue
+        name = " ".join(
+            str(v) for k, v in r.items() if isinstance(v, str) and k not in ("unit",)
+        ) or "transfer"
+        series.setdefault(name, []).append((float(size), float(t_us)))
+    for pts in series.values():
+        pts.sort()
+    return series
+
+
+def plot_transfer(series: dict[str, list[tuple[float, float]]], path: str) -> str:
+    """Transfer time against size, log-log, one line per series. Returns the path or a
+    note starting with 'plots skipped'."""
+    plt = _pyplot()
+    if plt is None:
+        return MATPLOTLIB_MISSING
+    if not series:
+        return "plots skipped: no (size, time) points to plot"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    try:
+        for name, pts in series.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("size, bytes (log)")
+        ax.set_ylabel("transfer time, µs (log)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title("Tensor transfer time against size")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return path
