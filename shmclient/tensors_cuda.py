@@ -1,0 +1,194 @@
+"""CUDA tensors between processes by IPC handle, on torch's own CUDA IPC reductions.
+
+Transport layer, used only by ``tensors`` (imported on the first CUDA tensor): imports
+torch, ``errors`` and the standard library; never clients, asyncio, the engine or the
+codec. It owns the keep-alive table of sent CUDA tensors, the GPU-UUID device mapping and
+the decision "IPC handle or host copy".
+
+What torch 2.x does for us (``torch.multiprocessing.reductions.reduce_tensor`` →
+``UntypedStorage._share_cuda_``): it exports a ``cudaIpcMemHandle`` for the whole
+caching-allocator segment holding the storage, plus the storage's offset in it; it wraps
+the storage in a ref-counted "sent data" record whose counter lives in a shared-memory
+file, so the producer's allocator does not reuse the block while a consumer holds it
+(blocks whose counter is not yet zero wait in a limbo list, emptied by
+``torch.cuda.ipc_collect()`` or on allocation failure); and it creates an interprocess
+CUDA event recorded on the producer's *current stream* of that device at share time
+(after 1000 live events it synchronizes that stream instead). On the consumer,
+``rebuild_cuda_tensor`` makes the consumer's current stream wait on that event, opens the
+handle once per allocation (a C++ cache of mapped pointers, and a Python cache of live
+storages keyed by handle and offset, both weak) and decrements the counter when its
+storage dies, after synchronizing its stream. So: writes the producer issued on its
+current stream before sending are complete before the consumer's kernels read; work on
+other streams must be synchronized by the producer first.
+
+On top, this module: keeps every sent tensor alive in a table until the receiver releases
+its id (same channel as the shm blocks), sends the GPU's UUID instead of a device index
+and maps it to the receiver's own index (``CUDA_VISIBLE_DEVICES`` may order GPUs
+differently per process; no context is created on any other GPU), counts how often a
+handle had to be opened, and falls back to a host copy (logged once per reason) when IPC
+is disabled or the peer does not see that GPU. Nothing here blocks except torch's own
+stream synchronization in a storage's destructor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.multiprocessing.reductions as _reductions
+
+from .errors import SerializationError
+
+log = logging.getLogger("shmclient")
+
+CUDA_IPC = 2  # handle kind, as in ``tensors``
+
+_uuid_to_index: dict[str, int] | None = None
+_uuid_lock = threading.Lock()
+
+
+def local_gpu_uuids() -> list[str]:
+    """UUIDs of the GPUs this process sees, in index order (empty without CUDA).
+
+    Meant for the handshake: the receiver reports them, the sender passes them as
+    ``peer_gpu_uuids``.
+    """
+    return list(_uuid_map())
+
+
+def local_index_for_uuid(uuid: str) -> int | None:
+    """This process's device index of the GPU ``uuid``, or None if it does not see it."""
+    return _uuid_map().get(uuid)
+
+
+def _uuid_map() -> dict[str, int]:
+    global _uuid_to_index
+    if _uuid_to_index is None:
+        with _uuid_lock:
+            if _uuid_to_index is None:
+                m: dict[str, int] = {}
+                if torch.cuda.is_available():
+                    for i in range(torch.cuda.device_count()):
+                        m[str(torch.cuda.get_device_properties(i).uuid)] = i
+                _uuid_to_index = m
+    return _uuid_to_index
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def ipc_unavailable_reason(
+    enabled: bool, uuid: str | None, peer_gpu_uuids: "set[str] | None"
+) -> str | None:
+    """Why a tensor on GPU ``uuid`` cannot be shared by handle, or None if it can."""
+    if not enabled:
+        return "CUDA IPC is disabled (enable_cuda_ipc=False)"
+    if peer_gpu_uuids is not None and not peer_gpu_uuids:
+        return "the receiving process has no CUDA device"
+    if uuid is None:
+        return "the tensor's GPU has no UUID"
+    if peer_gpu_uuids is not None and uuid not in peer_gpu_uuids:
+        return f"the receiving process does not see GPU {uuid}"
+    return None
+
+
+class CudaIpcSender:
+    """Keeps shared CUDA tensors alive until the receiver releases them."""
+
+    def __init__(self, enabled: bool = True, peer_gpu_uuids: "list[str] | None" = None) -> None:
+        self.enabled = enabled
+        self.peer = None if peer_gpu_uuids is None else set(peer_gpu_uuids)
+        self._live: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._logged: set[str] = set()
+        self._released_since_collect = 0
+
+    def share(self, t: torch.Tensor, bid: int) -> list | None:
+        """The handle for ``t`` (kept alive under ``bid``), or None for a host copy."""
+        uuid = device_uuid(t.device.index) if self.enabled else None
+        reason = ipc_unavailable_reason(self.enabled, uuid, self.peer)
+        if reason is None:
+            try:
+                _, args = _reductions.reduce_tensor(t.detach())
+            except Exception as e:  # e.g. expandable segments on an old driver
+                reason = f"torch could not export an IPC handle ({e})"
+        if reason is not None:
+            if reason not in self._logged:
+                self._logged.add(reason)
+                log.warning("CUDA tensors are sent as host copies: %s", reason)
+            return None
+        (_cls, size, stride, offset, _scls, dtype, _dev, handle, st_size, st_offset,
+         _grad, rc_handle, rc_offset, ev_handle, ev_sync) = args
+        with self._lock:
+            self._live[bid] = t
+        return [CUDA_IPC, bid, uuid, handle, st_size, st_offset, list(size), list(stride),
+                offset, str(dtype)[6:], rc_handle, rc_offset, ev_handle, bool(ev_sync)]
+
+    def release(self, bid: int) -> bool:
+        """Drop the tensor kept under ``bid``; False if unknown."""
+        with self._lock:
+            found = self._live.pop(bid, None) is not None
+            if found:
+                self._released_since_collect += 1
+        return found
+
+    def collect(self) -> None:
+        """Let torch free blocks whose consumers are gone (its IPC limbo)."""
+        if self._released_since_collect:
+            self._released_since_collect = 0
+            torch.cuda.ipc_collect()
+
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def close(self) -> None:
+        with self._lock:
+            self._live.clear()
+        if torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()
+
+
+class CudaIpcReceiver:
+    """Opens CUDA handles on the local device with the same UUID."""
+
+    def __init__(self) -> None:
+        self.opened = 0  # handles actually opened (cache misses)
+        self._live: dict[int, Any] = {}
+
+    def open(self, handle: list, released) -> torch.Tensor:
+        """The tensor for ``handle``; its id is appended to ``released`` when the returned
+        tensor object is garbage (torch's own ref-count keeps the producer's block out of
+        reuse for as long as any view of the storage lives)."""
+        (_, bid, uuid, h, st_size, st_offset, size, stride, offset, dtype_name,
+         rc_handle, rc_offset, ev_handle, ev_sync) = handle
+        index = local_index_for_uuid(uuid)
+        if index is None:
+            released.append(bid)
+            raise SerializationError(
+                f"received a CUDA IPC handle for GPU {uuid}, which this process does not see; "
+                "the sender must be given peer_gpu_uuids=local_gpu_uuids() from this side"
+            )
+        dtype = getattr(torch, dtype_name)
+        if h is not None and _reductions.storage_from_cache(None, (h, st_offset)) is None:
+            self.opened += 1
+        # TypedStorage, as reduce_tensor sends: the class whose methods torch expects here.
+        t = _reductions.rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
+            dtype, index, h, st_size, st_offset, False, rc_handle, rc_offset, ev_handle,
+            ev_sync,
+        )
+        live = self._live
+
+        def dropped(_ref, bid=bid):
+            released.append(bid)
+            live.pop(bid, None)
+
+        live[bid] = weakref.ref(t, dropped)
+        return t
+
+    def close(self) -> None:
+        self._live.clear()
