@@ -1,12 +1,13 @@
 """``EngineCore``: one engine, driven one ``step()`` at a time, with no IO of its own.
 
 Engine layer, top of ``engine`` below the process main (``engine.proc``): imports the
-config, the request checks, the scheduler, the models, torch, and ``shmclient.messages`` / ``shmclient.errors``
-only; never a transport, a socket, a thread, or a shmclient client module. It owns the
-model, the scheduler and the request lifecycle: validation at add time, aborts, turning
-sampled tokens into ``EngineCoreOutputs`` per client, and the utility methods a frontend
-may call by name (``UTILITY_METHODS`` / ``call_utility``). Every method runs synchronously
-and returns when its work is done; none waits for anything outside the process.
+config, the request checks, the scheduler, the models, torch, and ``shmclient.messages``
+/ ``shmclient.errors`` only; never a transport, a socket, a thread, or a shmclient client
+module. It owns the model, the scheduler and the request lifecycle: validation at add
+time, aborts, turning sampled tokens into ``EngineCoreOutputs`` per client, and the
+utility methods a frontend may call by name (``UTILITY_METHODS`` / ``call_utility``).
+Every method runs synchronously and returns when its work is done; none waits for
+anything outside the process.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class EngineCore:
     def _blocks_from_budget(self) -> int:
         cfg = self.config
         if cfg.is_cuda:
-            free, _total = torch.cuda.mem_get_info(self.model.device)
+            free, _total = torch.cuda.mem_get_info(torch.device(cfg.device))
             budget = int(free * cfg.gpu_memory_utilization)
             field = f"gpu_memory_utilization={cfg.gpu_memory_utilization} (of {free} free bytes)"
         else:

@@ -125,14 +125,15 @@ def mock_next_token(last: int, pos: int, vocab_size: int, eos_token_id: int) -> 
 
 
 def mock_pool(prompt_token_ids: Any, prompt_embeds: Any, hidden_size: int,
-              normalize: bool = False) -> torch.Tensor:
-    """The mock pooling rule (see the module docstring)."""
+              normalize: bool = False, device: Any = "cpu") -> torch.Tensor:
+    """The mock pooling rule (see the module docstring); ids give a tensor on ``device``,
+    embeds one on their own device."""
     if prompt_embeds is not None:
         out = prompt_embeds.float().mean(0)
     else:
         ids = list(prompt_token_ids)
         out = torch.tensor([float(ids[j % len(ids)]) for j in range(hidden_size)],
-                           dtype=torch.float32)
+                           dtype=torch.float32, device=device)
     if normalize:
         out = torch.nn.functional.normalize(out, dim=0)
     return out
@@ -146,7 +147,7 @@ class MockModel(Model):
         self.vocab_size = config.vocab_size
         self.eos_token_id = config.eos_token_id
         self.kv_bytes_per_token = kv_bytes_per_token(config)
-        self.device = torch.device("cpu")
+        self.device = torch.device(config.device)  # only where pooled vectors live
 
     def execute(self, batch: list[ScheduledChunk]) -> list[int | None]:
         out: list[int | None] = []
@@ -163,7 +164,8 @@ class MockModel(Model):
         pass
 
     def pool(self, request_id, prompt_token_ids, prompt_embeds, params) -> torch.Tensor:
-        return mock_pool(prompt_token_ids, prompt_embeds, self.hidden_size, params.normalize)
+        return mock_pool(prompt_token_ids, prompt_embeds, self.hidden_size, params.normalize,
+                         self.device)
 
 
 def build_model(config: EngineConfig) -> Model:

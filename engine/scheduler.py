@@ -1,17 +1,18 @@
 """Continuous batching in the manner of vLLM v1's scheduler: who runs in the next step.
 
 Engine layer, below the core: imports ``engine.model`` (for ``ScheduledChunk``),
-``engine.request``, ``shmclient.messages`` and ``shmclient.errors`` only; never torch directly, the core, or a
-shmclient client module. It owns the waiting and running queues, the per-step token
-budget with chunked prefill, the KV-block accounting and preemption by recompute, and
-the stop rules. It never runs a model: it hands out ``ScheduledChunk`` lists and takes the
-sampled tokens back in ``update``. A request releases its model state through the
-``on_free`` callback whenever its blocks are released (finish, abort, preemption).
+``engine.request``, ``shmclient.messages`` and ``shmclient.errors`` only; never torch
+directly, the core, or a shmclient client module. It owns the waiting and running queues,
+the per-step token budget with chunked prefill, the KV-block accounting and preemption by
+recompute, and the stop rules. It never runs a model: it hands out ``ScheduledChunk``
+lists and takes the sampled tokens back in ``update``. A request releases its model state
+through the ``on_free`` callback whenever its blocks are released (finish, abort,
+preemption).
 
-Stop rules, checked after each sampled token, first match wins: EOS (unless
-``ignore_eos``) → STOP with ``stop_reason`` None; a ``stop_token_ids`` member → STOP with
-``stop_reason`` = that token; ``max_tokens`` outputs, or ``max_model_len`` tokens in
-total → LENGTH.
+Order is first come, first served (``priority`` is not used). Stop rules, checked after
+each sampled token, first match wins: EOS (unless ``ignore_eos``) → STOP with
+``stop_reason`` None; a ``stop_token_ids`` member → STOP with ``stop_reason`` = that
+token; ``max_tokens`` outputs, or ``max_model_len`` tokens in total → LENGTH.
 """
 
 from __future__ import annotations

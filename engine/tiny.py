@@ -5,10 +5,10 @@ torch, ``engine.config``, ``engine.model`` and ``shmclient.messages`` only; neve
 scheduler, the core or a shmclient client module. It owns its weights and a KV cache per
 request (grown on demand; the scheduler's block accounting bounds its total size).
 
-Architecture: token embedding plus sinusoidal positions,
-``num_layers`` pre-norm blocks (causal multi-head self-attention, GELU MLP of 4x width),
-a final LayerNorm and a separate LM head (logits of std ~2 over the vocabulary, so
-greedy decoding does not just repeat its input). float32 on ``config.device``. Weights come from a local
+Architecture: token embedding plus sinusoidal positions, ``num_layers`` pre-norm blocks
+(causal multi-head self-attention, GELU MLP of 4x width), a final LayerNorm and a
+separate LM head (logits of std ~2 over the vocabulary, so greedy decoding does not just
+repeat its input). float32 on ``config.device``. Weights come from a local
 ``torch.Generator`` seeded with ``config.seed`` on cpu, so they are the same on every
 device and the global torch RNG is never touched. Chunks run one request at a time.
 Sampling: greedy below ``SAMPLING_EPS`` temperature, else temperature, top-k, top-p and
