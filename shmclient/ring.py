@@ -85,7 +85,7 @@ HEADER_BYTES = 4096
 REC_HDR = 8
 MAX_PAYLOAD = 0xFFFF_FFFF
 MIN_CAPACITY = 64
-MAX_CAPACITY = 1 << 32
+MAX_CAPACITY = 1 << 40
 
 # record flags
 EOB, PAD, MORE, CONT = 0x01, 0x02, 0x04, 0x08
@@ -205,7 +205,7 @@ class Ring:
     ) -> "Ring":
         """Create a ring (owner side) and return this process's end of it.
 
-        ``capacity``: data bytes, a multiple of 8 between 64 and 4 GiB. Raises
+        ``capacity``: data bytes, a multiple of 8, at least 64. Raises
         ShmCapacityError if /dev/shm cannot hold it (nothing is left behind),
         ValueError for bad arguments. Call ``unlink()`` once the peer has attached.
         Does not block.
@@ -270,7 +270,8 @@ class Ring:
         self = object.__new__(cls)
         self.spec = spec
         self.capacity = spec.capacity
-        self.max_record = spec.capacity - REC_HDR
+        self.max_record = min(spec.capacity - REC_HDR, MAX_PAYLOAD)
+        self._fit = self.max_record + 15 & -8  # largest record size written unfragmented
         self._res = res
         seg = res.seg
         assert seg is not None
@@ -465,16 +466,16 @@ class _Producer(Ring):
 
     def try_send(self, rtype: int, payload: BytesLike) -> bool:
         """Write one record and publish it if it fits now; False if it does not (a
-        message longer than ``max_record`` never fits here: use ``send``). Never blocks.
-        Raises ValueError (type not in 0..255, payload over 4 GiB), PeerDeadError (the
-        consumer closed), ClientClosedError."""
+        message longer than ``max_record`` never fits here: use ``send``; a record that
+        must wrap may first need the consumer to release the padding). Never waits for
+        space (it may wait for another thread of this side to finish its call). Raises
+        ValueError (type not in 0..255, payload over 4 GiB), PeerDeadError (the consumer
+        closed), ClientClosedError."""
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
         with self._lock:
-            if self._closed:
-                raise self._closed_error()
-            if self._q[_C_CLOSED]:
-                self._consumer_gone()
+            if self._fast(rtype, payload):
+                return True
             try:
                 return self._put(rtype, payload, len(payload), False, None, None)
             finally:
@@ -489,17 +490,54 @@ class _Producer(Ring):
         fails half-way the consumer drops the part it got."""
         if type(payload) is not bytes:
             payload = _as_bytes(payload)
-        self._lock_for(timeout)
+        lock = self._lock
+        if timeout is None:
+            lock.acquire()
+        else:
+            self._lock_for(timeout)
         try:
-            if self._closed:
-                raise self._closed_error()
-            if self._q[_C_CLOSED]:
-                self._consumer_gone()
+            if self._fast(rtype, payload):
+                return
             self._put(rtype, payload, len(payload), True, timeout, alive)
         finally:
             if not self._closed:
                 self._publish()
-            self._lock.release()
+            lock.release()
+
+    def _fast(self, rtype, payload) -> bool:
+        """The common case, in one piece: nothing pending, the record fits before the
+        end and in the free space. Writes and publishes it, or returns False having
+        changed nothing. Caller holds the lock."""
+        if self._closed:
+            raise self._closed_error()
+        q = self._q
+        if q[_C_CLOSED]:
+            self._consumer_gone()
+        n = len(payload)
+        size = (n + 15) & -8
+        cap = self.capacity
+        wpos = self._wpos
+        pos = wpos % cap
+        if size > cap - pos or size > cap - (wpos - self._fpos) or self._last >= 0:
+            return False
+        data = self._data
+        try:
+            _REC.pack_into(data, pos, n, rtype, EOB)
+        except struct.error:
+            raise _bad_type(rtype) from None
+        data[pos + 8 : pos + 8 + n] = payload
+        self._wpos = wpos = wpos + size
+        self._extents.append(wpos)
+        self._published = b = self._published + 1
+        self._records = r = self._records + 1
+        self._bytes = t = self._bytes + n
+        _P_HOT(q, _HEAD * 8, b, r, t)  # stored before the post that publishes it
+        self._items.release()
+        if self._want_wake:
+            self._ring_wake()
+        if pos + size == cap:
+            q[_WRAPS] += 1
+        return True
 
     def send_batch(
         self, records: Sequence[tuple[int, BytesLike]], *, timeout: float | None = None, alive=None
@@ -533,7 +571,7 @@ class _Producer(Ring):
     def _put(self, rtype, mv, n: int, wait: bool, timeout, alive) -> bool:
         size = (n + 15) & -8  # header + payload padded to 8
         cap = self.capacity
-        if size > cap:
+        if size > self._fit:
             if n > MAX_PAYLOAD:
                 raise _too_big(n)
             if not wait:
@@ -634,9 +672,7 @@ class _Producer(Ring):
         _P_HOT(self._q, _HEAD * 8, p, r, b)  # stored before the post that publishes it
         self._items.release()
         if self._want_wake:
-            fd = self._wake if self._wake is not None else self._open_wake()
-            if fd is not None:
-                db.ring_wake(fd)
+            self._ring_wake()
 
     # ---- space
 
@@ -693,6 +729,11 @@ class _Producer(Ring):
             self._res.fds.append(fd)
         return fd
 
+    def _ring_wake(self) -> None:
+        fd = self._wake if self._wake is not None else self._open_wake()
+        if fd is not None:
+            db.ring_wake(fd)
+
     def _after_close_posts(self) -> None:
         if self._wake is not None:
             db.ring_wake(self._wake)
@@ -742,7 +783,11 @@ class _Consumer(Ring):
         then blocks; ``timeout`` bounds each wait without progress (None: forever);
         ``alive`` runs every ``liveness_interval`` while blocked. Raises
         PeerNotProducingError, PeerDeadError, ClientClosedError."""
-        self._lock_for(timeout)
+        lock = self._lock
+        if timeout is None:
+            lock.acquire()
+        else:
+            self._lock_for(timeout)
         try:
             if self._closed:
                 raise self._closed_error()
@@ -755,7 +800,7 @@ class _Consumer(Ring):
                     raise PeerDeadError("the producer closed the ring")
                 self._wait_item(timeout, alive)
         finally:
-            self._lock.release()
+            lock.release()
 
     def recv_into(
         self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None
@@ -846,47 +891,61 @@ class _Consumer(Ring):
     # ---- reading
 
     def _drain(self, out: list) -> None:
-        budget = self.capacity  # at most about one ring's worth per call
-        while budget > 0 and (self._open or self._take()):
-            budget -= self._read_batch(out)
-
-    def _read_batch(self, out: list) -> int:
+        """Copy out every record of every batch available now (about one ring's worth
+        at most). Token, read and release are inline here: this is the hot path."""
+        items = self._items
+        q = self._q
         data = self._data
         cap = self.capacity
         unpack = _REC.unpack_from
-        start = rpos = self._rpos
-        pos = rpos % cap
-        nrec = nbytes = 0
-        while True:
-            n, t, f = unpack(data, pos)
-            size = (n + 15) & -8
-            if f & PAD:
-                size = cap - pos
-            elif pos + size > cap:
-                raise self._corrupt(pos, n)
-            elif f & (MORE | CONT):
-                msg = self._fragment(t, f, pos, n)
-                if msg is not None:
-                    out.append((t, bytes(msg)))
+        budget = cap
+        while budget > 0:
+            if not self._open:
+                if not items.value:
+                    return
+                try:
+                    items.acquire(0)
+                except db.BusyError:
+                    return
+                if not self._on_item():
+                    return
+            start = rpos = self._rpos
+            pos = rpos % cap
+            nrec = nbytes = 0
+            while True:
+                n, t, f = unpack(data, pos)
+                size = (n + 15) & -8
+                if f & PAD:
+                    size = cap - pos
+                elif pos + size > cap:
+                    raise self._corrupt(pos, n)
+                elif f & (MORE | CONT):
+                    msg = self._fragment(t, f, pos, n)
+                    if msg is not None:
+                        out.append((t, bytes(msg)))
+                        nrec += 1
+                        nbytes += len(msg)
+                else:
+                    if self._frag is not None:
+                        self._frag = None  # the producer gave up on that message
+                    out.append((t, data[pos + 8 : pos + 8 + n].tobytes()))
                     nrec += 1
-                    nbytes += len(msg)
-            else:
-                if self._frag is not None:
-                    self._frag = None  # the producer gave up on that message
-                out.append((t, data[pos + 8 : pos + 8 + n].tobytes()))
-                nrec += 1
-                nbytes += n
-            rpos += size
-            pos += size
-            if pos == cap:
-                pos = 0
-            if f & EOB:
-                break
-        self._rpos = rpos
-        self._records += nrec
-        self._bytes += nbytes
-        self._release()
-        return rpos - start
+                    nbytes += n
+                rpos += size
+                pos += size
+                if pos == cap:
+                    pos = 0
+                if f & EOB:
+                    break
+            self._rpos = rpos
+            budget -= rpos - start
+            # release the batch: counters first, then the post that hands the space back
+            self._open = False
+            self._released = rel = self._released + 1
+            self._records = r = self._records + nrec
+            self._bytes = nb = self._bytes + nbytes
+            _C_HOT(q, _TAIL * 8, rel, r, nb, self._spins, self._blocks)
+            self._spaces.release()
 
     def _drain_views(self, handler) -> int:
         data = self._data

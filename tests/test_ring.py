@@ -1,0 +1,804 @@
+"""The shared-memory ring within one process: both ends on one segment.
+
+Records, wrap-around, fragments, batches, backpressure and timeouts, liveness, close,
+names and modes in /dev/shm, the wake FIFO, threads, zero-copy reads and statistics.
+Cross-process behaviour lives in ``test_ring_procs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import select
+import stat
+import threading
+import time
+import zlib
+
+import msgspec
+import posix_ipc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmclient import doorbell, ring as ring_mod
+from shmclient.errors import (
+    ClientClosedError,
+    PeerDeadError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+    ShmCapacityError,
+)
+from shmclient.ring import DEFAULT_CAPACITY, Ring, RingSpec
+from shmclient.shm import Segment, shm_free_bytes
+
+SHM = "/dev/shm"
+
+
+def _shm_path(name: str) -> str:
+    return os.path.join(SHM, name.lstrip("/"))
+
+
+def _sem_path(name: str) -> str:
+    return os.path.join(SHM, "sem." + name.lstrip("/"))
+
+
+class Pair:
+    """A producer that owns the ring and a consumer attached to it, in this process."""
+
+    def __init__(self, capacity: int = 4096, **kw) -> None:
+        cw = kw.pop("consumer_wake_fd", False)
+        self.p = Ring.create("producer", capacity, consumer_wake_fd=cw, **kw)
+        try:
+            self.c = Ring.attach(self.p.spec, "consumer", **kw)
+        except BaseException:
+            self.p.close()
+            raise
+        self.p.unlink()
+
+    def close(self) -> None:
+        self.p.close()
+        self.c.close()
+
+    def drain(self) -> list[tuple[int, bytes]]:
+        out = []
+        while True:
+            got = self.c.try_recv()
+            if not got:
+                return out
+            out += got
+
+
+@pytest.fixture
+def pair():
+    made = []
+
+    def make(capacity: int = 4096, **kw) -> Pair:
+        pr = Pair(capacity, **kw)
+        made.append(pr)
+        return pr
+
+    yield make
+    for pr in made:
+        pr.close()
+
+
+def payload(i: int, n: int) -> bytes:
+    """``n`` bytes determined by ``i`` (cheap, and different for neighbours)."""
+    block = i.to_bytes(8, "little") * 2 + bytes([i & 0xFF]) * 15 + b"\x5a"
+    return (block * (n // len(block) + 1))[:n]
+
+
+# ---------------------------------------------------------------- records and layout
+
+
+def test_round_trip_types_and_payload_kinds(pair):
+    pr = pair()
+    assert pr.p.try_send(0, b"")
+    assert pr.p.try_send(255, b"abc")
+    assert pr.p.try_send(7, bytearray(b"bytearray"))
+    assert pr.p.try_send(8, memoryview(b"xxmemoryview")[2:])
+    import numpy as np
+
+    arr = np.arange(6, dtype=np.uint32)
+    assert pr.p.try_send(9, arr)  # any contiguous buffer, taken as its bytes
+    assert pr.c.try_recv() == [
+        (0, b""),
+        (255, b"abc"),
+        (7, b"bytearray"),
+        (8, b"memoryview"),
+        (9, arr.tobytes()),
+    ]
+    assert pr.c.try_recv() == []
+
+
+def test_spec_is_msgpack_able(pair):
+    pr = pair()
+    spec = msgspec.msgpack.decode(msgspec.msgpack.encode(pr.p.spec), type=RingSpec)
+    assert spec == pr.p.spec
+    assert pr.p.capacity == spec.capacity == 4096
+    assert pr.p.max_record == 4096 - 8
+
+
+def test_default_capacity():
+    r = Ring.create("consumer")
+    try:
+        assert r.capacity == DEFAULT_CAPACITY == 4 << 20
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("rtype", [-1, 256, "a", None])
+def test_bad_record_type(pair, rtype):
+    pr = pair()
+    with pytest.raises(ValueError, match="0..255"):
+        pr.p.try_send(rtype, b"x")
+    with pytest.raises(ValueError, match="0..255"):
+        pr.p.send(rtype, b"x" * 10_000, timeout=1)  # fragmented path checks too
+    assert pr.c.try_recv() == []
+    assert pr.p.try_send(1, b"ok") and pr.c.try_recv() == [(1, b"ok")]
+
+
+def test_payload_larger_than_u32_is_refused(pair):
+    pr = pair()
+    big = mmap.mmap(-1, (1 << 32) + 1)  # address space only; never touched
+    try:
+        with pytest.raises(ValueError, match=str((1 << 32) + 1)):
+            pr.p.send(1, big)
+        with pytest.raises(ValueError, match=str((1 << 32) + 1)):
+            pr.p.try_send(1, big)
+    finally:
+        big.close()
+
+
+@pytest.mark.parametrize("capacity", [63, 100, 0, 32])
+def test_bad_capacity(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        Ring.create("producer", capacity)
+
+
+def test_bad_role_and_tuning():
+    with pytest.raises(ValueError, match="role"):
+        Ring.create("reader", 1024)
+    with pytest.raises(ValueError, match="spin_us"):
+        Ring.create("producer", 1024, spin_us=-1)
+    with pytest.raises(ValueError, match="liveness_interval"):
+        Ring.create("producer", 1024, liveness_interval=0)
+    with pytest.raises(TypeError):
+        Ring()
+
+
+def test_wrong_role_methods(pair):
+    pr = pair()
+    for name, args in [("try_recv", ()), ("recv", ()), ("recv_into", (print,)), ("fileno", ()), ("drain_wake_fd", ())]:
+        with pytest.raises(TypeError, match="consumer method"):
+            getattr(pr.p, name)(*args)
+    for name, args in [("try_send", (1, b"")), ("send", (1, b"")), ("send_batch", ([],))]:
+        with pytest.raises(TypeError, match="producer method"):
+            getattr(pr.c, name)(*args)
+
+
+def test_exact_fit_and_max_record(pair):
+    pr = pair(64)
+    assert pr.p.max_record == 56
+    for i in range(5):  # a record that fills the whole ring, several times over
+        assert pr.p.try_send(i, payload(i, 56))
+        assert not pr.p.try_send(9, b"")  # full: not even an empty record
+        assert pr.c.try_recv() == [(i, payload(i, 56))]
+    assert pr.p.try_send(1, payload(1, 20))  # now at offset 32
+    assert pr.c.try_recv() == [(1, payload(1, 20))]
+    # Must wrap: the 32 bytes to the end are padded and published, but the record needs
+    # the whole ring, so it fits only once the consumer has released the padding.
+    assert not pr.p.try_send(2, payload(2, 56))
+    assert pr.c.try_recv() == []
+    assert pr.p.try_send(2, payload(2, 56))
+    assert pr.c.try_recv() == [(2, payload(2, 56))]
+    s = pr.p.stats()
+    assert s["wraps"] >= 6 and s["tx_records"] == s["rx_records"] == 7
+
+
+def test_wrap_with_pad_in_the_middle_of_a_batch(pair):
+    pr = pair(128)
+    assert pr.p.try_send(1, payload(1, 64))  # 72 bytes used
+    assert pr.c.try_recv() == [(1, payload(1, 64))]
+    recs = [(2, payload(2, 30)), (3, payload(3, 40))]  # 40 fits at 72..112, 48 wraps
+    pr.p.send_batch(recs, timeout=1)
+    assert pr.c.try_recv() == recs
+    assert pr.p.stats()["tx_batches"] == 2
+
+
+def _sizes_near(cap: int):
+    mr = cap - 8
+    edge = st.sampled_from([0, 1, 7, 8, 9, mr - 9, mr - 8, mr - 7, mr - 1, mr, cap // 2 - 8, cap // 2])
+    return st.one_of(edge, st.integers(0, mr), st.integers(0, min(64, mr)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    cap=st.sampled_from([64, 128, 200, 1024]),
+    data=st.data(),
+)
+def test_random_sizes_one_process(cap, data):
+    """Interleave try_send / try_recv at random; order and content must survive wraps."""
+    sizes = data.draw(st.lists(_sizes_near(cap), min_size=1, max_size=60))
+    recv_every = data.draw(st.integers(1, 6))
+    pr = Pair(cap)
+    try:
+        sent, got = [], []
+        for i, n in enumerate(sizes):
+            rec = (i % 256, payload(i, n))
+            if pr.p.try_send(*rec):
+                sent.append(rec)
+            else:
+                got += pr.drain()
+                if not pr.p.try_send(*rec):  # it had to wrap: padding published first
+                    got += pr.drain()
+                    assert pr.p.try_send(*rec), "an empty ring takes any record <= max_record"
+                sent.append(rec)
+            if i % recv_every == 0:
+                got += pr.c.try_recv()
+        got += pr.drain()
+        assert got == sent
+        s = pr.p.stats()
+        assert s["tx_records"] == s["rx_records"] == len(sent)
+        assert s["tx_bytes"] == s["rx_bytes"] == sum(len(b) for _, b in sent)
+        assert s["tx_batches"] == s["rx_batches"]
+    finally:
+        pr.close()
+
+
+# ---------------------------------------------------------------- batches
+
+
+def test_batch_is_one_doorbell_and_read_in_one_call(pair):
+    pr = pair(4096)
+    recs = [(i, payload(i, i * 3)) for i in range(20)]
+    pr.p.send_batch(recs)
+    pr.p.send_batch(recs[:3])
+    assert pr.p.stats()["tx_batches"] == 2
+    assert pr.c.try_recv() == recs + recs[:3]  # every batch available, one call
+    s = pr.c.stats()
+    assert s["rx_batches"] == 2 and s["rx_records"] == 23
+
+
+def test_batch_larger_than_free_space_is_split_not_deadlocked(pair):
+    pr = pair(256)
+    recs = [(i, payload(i, 50)) for i in range(30)]  # ~1.7 KiB through 256 bytes
+    got = []
+    t = threading.Thread(target=pr.p.send_batch, args=(recs,), kwargs={"timeout": 10})
+    t.start()
+    while len(got) < len(recs):
+        got += pr.c.recv(timeout=10)
+    t.join(10)
+    assert got == recs
+    assert pr.p.stats()["waits_on_full"] > 0
+
+
+# ---------------------------------------------------------------- messages larger than the ring
+
+
+def test_oversize_messages_intact_in_order_with_small_ones(pair):
+    pr = pair(1024)
+    msgs = []
+    for i in range(12):
+        n = [5000, 1017, 3 * 1024 + 1, 10, 1016][i % 5]
+        msgs.append((i, payload(i, n)))
+    errors = []
+
+    def produce():
+        try:
+            for rtype, body in msgs:
+                pr.p.send(rtype, body, timeout=10)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    got = []
+    while len(got) < len(msgs):
+        got += pr.c.recv(timeout=10)
+    t.join(10)
+    assert not errors
+    assert got == msgs
+    s = pr.c.stats()
+    assert s["fragments"] > 0 and s["rx_records"] == len(msgs)
+
+
+def test_oversize_message_zero_copy(pair):
+    pr = pair(512)
+    body = payload(3, 40_000)
+    t = threading.Thread(target=pr.p.send, args=(4, body), kwargs={"timeout": 10})
+    t.start()
+    seen = []
+    while not seen:
+        pr.c.recv_into(lambda rt, v: seen.append((rt, zlib.crc32(v), len(v))), timeout=10)
+    t.join(10)
+    assert seen == [(4, zlib.crc32(body), len(body))]
+
+
+def test_try_send_never_fragments(pair):
+    pr = pair(256)
+    assert pr.p.try_send(1, b"x" * 249) is False  # > max_record: use send()
+    assert pr.c.try_recv() == []
+
+
+def test_abandoned_fragmented_message_is_dropped(pair):
+    pr = pair(256)
+    with pytest.raises(PeerNotConsumingError):
+        pr.p.send(1, payload(1, 2000), timeout=0.05)  # nobody reads: stalls mid-message
+    pr.c.try_recv()  # reads the fragments that got through; nothing complete
+    pr.p.send(2, b"after", timeout=1)
+    got = pr.drain()
+    assert got == [(2, b"after")]
+
+
+# ---------------------------------------------------------------- zero-copy reads
+
+
+def test_recv_into_views_are_released_after_the_call(pair):
+    pr = pair()
+    pr.p.send_batch([(1, b"one"), (2, b"two")])
+    kept = []
+
+    def handler(rtype, view):
+        assert bytes(view) == {1: b"one", 2: b"two"}[rtype]
+        kept.append(view)
+
+    assert pr.c.recv_into(handler) == 2
+    with pytest.raises(ValueError):
+        bytes(kept[0])  # released: cannot read bytes the producer may overwrite
+    assert pr.c.recv_into(handler) == 0
+
+
+def test_recv_into_handler_error_consumes_that_record_only(pair):
+    pr = pair(128)
+    recs = [(i, payload(i, 20)) for i in range(3)]
+    pr.p.send_batch(recs)
+
+    def bad(rtype, view):
+        if rtype == 1:
+            raise KeyError("boom")
+        got.append((rtype, bytes(view)))
+
+    got = []
+    with pytest.raises(KeyError):
+        pr.c.recv_into(bad)
+    assert got == [recs[0]]
+    assert pr.c.recv_into(bad) == 1
+    assert got == [recs[0], recs[2]]
+    s = pr.c.stats()  # the batch was released once its last record was handled
+    assert s["rx_batches"] == s["tx_batches"] == 1 and s["rx_records"] == 3
+    assert not pr.p.try_send(5, payload(5, 120))  # needs the whole ring: pads first
+    assert pr.c.try_recv() == []
+    assert pr.p.try_send(5, payload(5, 120))
+    assert pr.c.try_recv() == [(5, payload(5, 120))]
+
+
+def test_close_inside_handler_with_exported_view(pair):
+    import numpy as np
+
+    pr = pair()
+    pr.p.send_batch([(1, b"12345678"), (2, b"x")])
+    keep = []
+
+    def handler(rtype, view):
+        keep.append(np.frombuffer(view, dtype=np.uint8))  # an export outlives the call
+        pr.c.close()
+
+    with pytest.raises(ClientClosedError):
+        pr.c.recv_into(handler)
+    assert bytes(keep[0]) == b"12345678"  # mapping stays alive while the export does
+    keep.clear()
+
+
+# ---------------------------------------------------------------- waiting
+
+
+def test_full_ring_times_out_saying_peer_not_consuming(pair):
+    pr = pair(128, liveness_interval=0.02)
+    assert pr.p.try_send(1, payload(1, 100))
+    t0 = time.perf_counter()
+    with pytest.raises(PeerNotConsumingError, match="the peer is not consuming") as ei:
+        pr.p.send(2, payload(2, 100), timeout=0.15)
+    dt = time.perf_counter() - t0
+    assert 0.14 <= dt < 1.0
+    msg = str(ei.value).lower()
+    assert "bigger" not in msg and "larger" not in msg and "shm-size" not in msg
+    assert pr.p.stats()["waits_on_full"] == 1
+
+
+def test_empty_ring_times_out_saying_peer_not_producing(pair):
+    pr = pair(liveness_interval=0.02)
+    t0 = time.perf_counter()
+    with pytest.raises(PeerNotProducingError, match="the peer is not producing"):
+        pr.c.recv(timeout=0.15)
+    assert 0.14 <= time.perf_counter() - t0 < 1.0
+    with pytest.raises(PeerNotProducingError):
+        pr.c.recv_into(print, timeout=0.01)
+    with pytest.raises(PeerNotProducingError):
+        pr.c.recv(timeout=0)
+
+
+@pytest.mark.parametrize("side", ["consumer", "producer"])
+def test_liveness_check_runs_at_the_interval_and_raises(pair, side):
+    pr = pair(128, liveness_interval=0.03, spin_us=0)
+    calls = []
+
+    def alive():
+        calls.append(time.perf_counter())
+        return len(calls) < 4
+
+    t0 = time.perf_counter()
+    with pytest.raises(PeerDeadError, match="liveness"):
+        if side == "consumer":
+            pr.c.recv(alive=alive)  # timeout None: forever, but liveness still checked
+        else:
+            assert pr.p.try_send(1, payload(1, 100))
+            pr.p.send(2, payload(2, 100), alive=alive)
+    dt = time.perf_counter() - t0
+    assert len(calls) == 4
+    assert 0.08 <= dt < 1.0  # three intervals of 0.03 s, bounded
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert max(gaps) < 0.5
+
+
+def test_dead_peer_that_published_first_is_read_before_the_error(pair):
+    pr = pair(liveness_interval=0.02)
+    pr.p.try_send(1, b"last words")
+    assert pr.c.recv(alive=lambda: False) == [(1, b"last words")]
+    with pytest.raises(PeerDeadError):
+        pr.c.recv(alive=lambda: False)
+
+
+def test_blocked_waiter_uses_no_cpu(pair):
+    pr = pair(spin_us=30, liveness_interval=0.1)
+    used = []
+
+    def wait():
+        t0 = time.thread_time()
+        with pytest.raises(PeerNotProducingError):
+            pr.c.recv(timeout=0.5)
+        used.append(time.thread_time() - t0)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    t.join(5)
+    assert used and used[0] < 0.05  # < 10 % of the 0.5 s, in practice ~1 ms
+
+
+def test_zero_spin_budget_still_delivers(pair):
+    pr = pair(spin_us=0)
+    t = threading.Thread(target=lambda: pr.p.send(3, b"z", timeout=5))
+    t.start()
+    assert pr.c.recv(timeout=5) == [(3, b"z")]
+    t.join(5)
+
+
+# ---------------------------------------------------------------- close
+
+
+def test_producer_close_seen_after_pending_data(pair):
+    pr = pair()
+    pr.p.send_batch([(1, b"a"), (2, b"b")])
+    assert not pr.c.peer_closed
+    pr.p.close()
+    assert pr.c.peer_closed
+    assert pr.c.recv(timeout=1) == [(1, b"a"), (2, b"b")]
+    with pytest.raises(PeerDeadError, match="closed"):
+        pr.c.recv(timeout=1)
+    with pytest.raises(PeerDeadError):
+        pr.c.try_recv()
+
+
+def test_consumer_close_seen_by_blocked_producer(pair):
+    pr = pair(128, liveness_interval=5.0)  # the close post wakes it, not the liveness tick
+    assert pr.p.try_send(1, payload(1, 100))
+    errors = []
+
+    def produce():
+        try:
+            pr.p.send(2, payload(2, 100), timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=produce)
+    t.start()
+    t0 = time.perf_counter()
+    pr.c.close()
+    t.join(10)
+    assert isinstance(errors[0], PeerDeadError)
+    assert time.perf_counter() - t0 < 4.0
+    assert pr.p.peer_closed
+    with pytest.raises(PeerDeadError):
+        pr.p.try_send(3, b"x")
+
+
+def test_close_wakes_own_blocked_thread(pair):
+    pr = pair(liveness_interval=5.0)
+    errors = []
+
+    def consume():
+        try:
+            pr.c.recv(timeout=20)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    t0 = time.perf_counter()
+    pr.c.close()
+    t.join(10)
+    assert isinstance(errors[0], ClientClosedError)
+    assert time.perf_counter() - t0 < 4.0
+
+
+def test_use_after_close_and_idempotence(pair):
+    pr = pair()
+    pr.p.try_send(1, b"x")
+    pr.c.try_recv()
+    pr.p.close()
+    pr.p.close()
+    pr.p.unlink()
+    for call in (lambda: pr.p.try_send(1, b""), lambda: pr.p.send(1, b""), lambda: pr.p.send_batch([])):
+        with pytest.raises(ClientClosedError):
+            call()
+    assert pr.p.stats()["tx_records"] == 1  # as it was at close
+    pr.c.close()
+    with pytest.raises(ClientClosedError):
+        pr.c.try_recv()
+    with pytest.raises(ClientClosedError):
+        pr.c.recv(timeout=0)
+    with pytest.raises(ClientClosedError):
+        pr.c.recv_into(print)
+    assert pr.c.closed
+
+
+# ---------------------------------------------------------------- names and lifecycle
+
+
+def test_names_mode_0600_and_all_gone_after_unlink():
+    p = Ring.create("consumer", 1024, consumer_wake_fd=True, prefix="shmctest")
+    try:
+        spec = p.spec
+        paths = [_shm_path(spec.segment), _sem_path(spec.items), _sem_path(spec.spaces)]
+        for path in paths + [spec.wake_fifo]:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        assert stat.S_ISFIFO(os.stat(spec.wake_fifo).st_mode)
+        assert stat.S_IMODE(os.stat(os.path.dirname(spec.wake_fifo)).st_mode) == 0o700
+        assert all(os.path.basename(x).split(".")[-1].startswith("shmctest-") for x in paths)
+        c = Ring.attach(spec, "producer")
+        try:
+            p.unlink()
+            p.unlink()
+            for path in paths + [spec.wake_fifo, os.path.dirname(spec.wake_fifo)]:
+                assert not os.path.exists(path), path
+            assert c.try_send(1, b"still works")  # names gone, mappings and fds stay
+            p.drain_wake_fd()
+            assert p.try_recv() == [(1, b"still works")]
+        finally:
+            c.close()
+    finally:
+        p.close()
+    with pytest.raises(FileNotFoundError):
+        Ring.attach(spec, "producer")
+
+
+def test_close_without_unlink_removes_names():
+    p = Ring.create("producer", 1024, consumer_wake_fd=True)
+    spec = p.spec
+    p.close()
+    assert not os.path.exists(_shm_path(spec.segment))
+    assert not os.path.exists(_sem_path(spec.items))
+    assert not os.path.exists(spec.wake_fifo)
+
+
+def test_attached_side_never_unlinks(pair):
+    pr = Pair.__new__(Pair)
+    pr.p = Ring.create("producer", 1024)
+    try:
+        pr.c = Ring.attach(pr.p.spec, "consumer")
+        pr.c.unlink()
+        pr.c.close()
+        assert os.path.exists(_shm_path(pr.p.spec.segment))
+        assert os.path.exists(_sem_path(pr.p.spec.items))
+    finally:
+        pr.p.close()
+
+
+def test_name_clash_fails_loudly_and_leaves_nothing(monkeypatch):
+    taken = posix_ipc.Semaphore(None, posix_ipc.O_CREX, mode=0o600)
+    try:
+        before = set(os.listdir(SHM))
+        monkeypatch.setattr(doorbell, "make_name", lambda prefix="shmc": taken.name)
+        with pytest.raises(FileExistsError, match="already exists"):
+            Ring.create("producer", 1024)
+        assert set(os.listdir(SHM)) == before
+        seg = Segment.create(64)
+        try:
+            with pytest.raises(FileExistsError):
+                Segment.create(64, name=seg.name)
+        finally:
+            seg.close()
+            seg.unlink()
+    finally:
+        taken.unlink()
+        taken.close()
+
+
+def test_ring_larger_than_free_shm_fails_at_create_and_leaves_nothing():
+    before = set(os.listdir(SHM))
+    too_big = (shm_free_bytes() + (64 << 20)) & -8
+    with pytest.raises(ShmCapacityError, match=str(too_big + ring_mod.HEADER_BYTES)):
+        Ring.create("producer", too_big)
+    assert set(os.listdir(SHM)) == before
+
+
+def test_attach_checks_the_segment_is_a_ring():
+    p = Ring.create("producer", 1024)
+    try:
+        spec = p.spec
+        with pytest.raises(ValueError, match="not a version"):
+            Ring.attach(RingSpec(spec.segment, spec.items, spec.spaces, 2048), "consumer")
+        seg = Segment.create(8192)
+        try:
+            with pytest.raises(ValueError, match="not a version"):
+                Ring.attach(RingSpec(seg.name, spec.items, spec.spaces, 1024), "consumer")
+        finally:
+            seg.close()
+            seg.unlink()
+    finally:
+        p.close()
+
+
+# ---------------------------------------------------------------- threads
+
+
+def _stamp(tid: int, seq: int, n: int) -> bytes:
+    body = payload(tid * 1_000_003 + seq, n)
+    head = tid.to_bytes(2, "little") + seq.to_bytes(4, "little")
+    return head + zlib.crc32(head + body).to_bytes(4, "little") + body
+
+
+def test_threaded_producer_keeps_records_intact(pair):
+    pr = pair(2048)
+    n_threads, per = 4, 400
+    errors = []
+
+    def produce(tid):
+        try:
+            for seq in range(per):
+                size = (seq * 37 + tid * 11) % 700
+                if seq % 3:
+                    pr.p.send(tid, _stamp(tid, seq, size), timeout=10)
+                else:
+                    pr.p.send_batch([(tid, _stamp(tid, seq, size))], timeout=10)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    nxt = [0] * n_threads
+    total = 0
+    while total < n_threads * per:
+        for rtype, body in pr.c.recv(timeout=10):
+            tid = int.from_bytes(body[:2], "little")
+            seq = int.from_bytes(body[2:6], "little")
+            assert rtype == tid
+            assert zlib.crc32(body[:6] + body[10:]) == int.from_bytes(body[6:10], "little")
+            assert seq == nxt[tid]  # per-thread order kept
+            nxt[tid] += 1
+            total += 1
+    for t in threads:
+        t.join(10)
+    assert not errors
+
+
+def test_threaded_consumer_shares_one_end(pair):
+    pr = pair(1024)
+    n = 2000
+    got: list[int] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def consume():
+        while not done.is_set():
+            try:
+                recs = pr.c.recv(timeout=0.05)
+            except PeerNotProducingError:
+                continue
+            with lock:
+                got.extend(int.from_bytes(b, "little") for _, b in recs)
+                if len(got) >= n:
+                    done.set()
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for i in range(n):
+        pr.p.send(1, i.to_bytes(4, "little"), timeout=10)
+    assert done.wait(10)
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == list(range(n))
+
+
+# ---------------------------------------------------------------- wake fd
+
+
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+@pytest.mark.parametrize("owner", ["consumer", "producer"])
+def test_wake_fd_readable_when_a_batch_is_published(owner):
+    if owner == "consumer":
+        c = Ring.create("consumer", 1024, consumer_wake_fd=True)
+        p = Ring.attach(c.spec, "producer")
+        c.unlink()
+    else:
+        p = Ring.create("producer", 1024, consumer_wake_fd=True)
+        c = Ring.attach(p.spec, "consumer")
+        p.unlink()  # the producer opens its end before the name goes
+    try:
+        fd = c.fileno()
+        assert not _readable(fd)
+        p.send_batch([(1, b"a"), (2, b"b")])
+        assert _readable(fd)
+        c.drain_wake_fd()
+        assert not _readable(fd)
+        assert c.try_recv() == [(1, b"a"), (2, b"b")]
+        p.close()
+        assert _readable(fd)  # close wakes too; never a POLLHUP storm afterwards
+        c.drain_wake_fd()
+        assert not _readable(fd)
+        with pytest.raises(PeerDeadError):
+            c.try_recv()
+    finally:
+        p.close()
+        c.close()
+
+
+def test_fileno_needs_the_flag(pair):
+    pr = pair()
+    with pytest.raises(ValueError, match="consumer_wake_fd"):
+        pr.c.fileno()
+
+
+async def test_wake_fd_with_an_event_loop(pair):
+    pr = pair(consumer_wake_fd=True)
+    loop = asyncio.get_running_loop()
+    got: list = []
+    done = loop.create_future()
+
+    def on_wake():
+        pr.c.drain_wake_fd()
+        got.extend(pr.c.try_recv())
+        if len(got) >= 50 and not done.done():
+            done.set_result(None)
+
+    loop.add_reader(pr.c.fileno(), on_wake)
+    try:
+        t = threading.Thread(target=lambda: [pr.p.send(1, payload(i, i), timeout=5) for i in range(50)])
+        t.start()
+        await asyncio.wait_for(done, 5)
+        t.join(5)
+    finally:
+        loop.remove_reader(pr.c.fileno())
+    assert got == [(1, payload(i, i)) for i in range(50)]
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_stats_from_both_sides(pair):
+    pr = pair(256)
+    pr.p.send_batch([(1, b"x" * 10), (2, b"y" * 20)])
+    assert pr.c.try_recv()
+    a, b = pr.p.stats(), pr.c.stats()
+    assert a == b
+    assert a["tx_records"] == 2 and a["tx_bytes"] == 30 and a["tx_batches"] == 1
+    assert a["rx_records"] == 2 and a["rx_bytes"] == 30 and a["rx_batches"] == 1
+    for key in ("tx_spins", "tx_blocks", "rx_spins", "rx_blocks", "wraps", "waits_on_full", "fragments"):
+        assert key in a
