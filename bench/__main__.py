@@ -191,7 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": report.machine_facts(),
         "skipped": [],
         "errors": [],
+        "notes": [],
     }
+    load = res["machine"].get("load_average")
+    if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
+        msg = (
+            f"the machine is busy (load average {load[0]:.2f} on {os.cpu_count()} CPUs): "
+            "expect noisy figures, tails above all"
+        )
+        res["notes"].append(msg)
+        progress("warning: " + msg)
     try:
         from engine.config import EngineConfig
 
@@ -205,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         got = clients.run(specs, opts, progress)
         res["skipped"] += got.pop("skipped")
         res["errors"] += got.pop("errors")
+        res["notes"] += got.pop("notes")
         res.update({k: v for k, v in got.items() if v or k.endswith("_meta")})
         if res.get("latency"):
             res["latency_ratios"] = report.latency_ratios(res["latency"])
@@ -212,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in args.only:
             _external(name, args.quick, progress, res)
     res["duration_s"] = time.perf_counter() - t_start
+    try:
+        res["machine"]["load_average_end"] = list(os.getloadavg())
+    except OSError:
+        pass
 
     # Files: samples apart (large), summaries in results.json, then the plots.
     samples = res.pop("latency_samples_ns", {}) or {}

@@ -641,6 +641,7 @@ def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> 
         "idle_cpu": {},
         "skipped": [],
         "errors": [],
+        "notes": [],
     }
     want = set(opts.sections)
     rounds = max(1, opts.rounds)
@@ -669,12 +670,19 @@ def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> 
         try:
             for spec in group:
                 progress(f"starting {spec.name}")
-                try:
-                    s = Session(spec, opts.base_config)
-                except Exception as e:
-                    msg = f"{spec.name}: could not start the client: {type(e).__name__}: {e}"
-                    res["skipped"].append(msg)
-                    progress(msg)
+                s = None
+                for attempt in (1, 2):
+                    try:
+                        s = Session(spec, opts.base_config)
+                        break
+                    except Exception as e:
+                        msg = f"{spec.name}: could not start the client: {type(e).__name__}: {e}"
+                        progress(msg + ("; trying once more" if attempt == 1 else ""))
+                        if attempt == 1:
+                            res["notes"].append(f"{msg} (first attempt; retried)")
+                        else:
+                            res["skipped"].append(msg)
+                if s is None:
                     continue
                 sessions.append(s)
                 progress(f"{spec.name} ready in {s.start_s:.1f} s (engine pid {s.engine_pid})")

@@ -457,6 +457,11 @@ def format_report(res: dict[str, Any]) -> str:
     lines += _idle_section(res)
     lines += _external_section("Tensor transfer sweep (bench.tensors):", res.get("tensors"))
     lines += _external_section("Raw ring ping-pong vs pyzmq ipc (bench.ring):", res.get("ring"))
+    notes = res.get("notes") or []
+    if notes:
+        lines.append("")
+        lines.append("Notes:")
+        lines += [f"  {n}" for n in notes]
     skipped = res.get("skipped") or []
     if skipped:
         lines.append("")
