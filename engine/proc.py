@@ -140,9 +140,10 @@ class EngineProc:
 
     # -- loop -------------------------------------------------------------------------
     def run(self) -> None:
+        core = self.core
         while not self._stop:
-            busy = self.core.has_unfinished_requests()
-            if busy:
+            # A sleeping engine schedules nothing: it waits like an idle one.
+            if core.has_unfinished_requests() and not core.is_sleeping():
                 got = self.channel.try_recv()
                 now = time.monotonic()
                 if now - self._last_check > _SLICE_S:
@@ -155,18 +156,18 @@ class EngineProc:
                     got = []
             for rtype, obj in got:
                 self.handle(rtype, obj)
-            if self.core.has_unfinished_requests():
+            if core.has_unfinished_requests() and not core.is_sleeping():
                 self.steps += 1
                 if self.fault_step is not None and self.steps >= self.fault_step:
                     raise RuntimeError(f"injected fault in step {self.steps}")
-                for client_index, outputs in self.core.step().items():
+                for client_index, outputs in core.step().items():
                     self.send(client_index, outputs)
                 if self.step_delay:
                     time.sleep(self.step_delay)
-            elif self.wait_sleepers:
+            if self.wait_sleepers and not core.has_unfinished_requests():
                 for fut, level in self.wait_sleepers:
                     try:
-                        fut.set_result(self.core.sleep(level, "abort"))
+                        fut.set_result(core.sleep(level, "abort"))
                     except Exception as e:
                         fut.set_exception(e)
                 self.wait_sleepers.clear()

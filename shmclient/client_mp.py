@@ -52,7 +52,9 @@ class MPClient(EngineCoreClient):
                 config, wake_fd=self._asyncio and config.transport == "shm"
             )
         except BaseException:
-            self._finalizer()
+            # The engine never became ready: no graceful exit to wait for.
+            self._finalizer.detach()
+            self.resources.shutdown(timeout=0.0)
             raise
         self.engine_pid = info.pid
         self.num_gpu_blocks = info.num_gpu_blocks

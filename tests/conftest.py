@@ -5,12 +5,27 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 
 import psutil
 import pytest
 
 SHM_DIR = "/dev/shm"
+
+
+_PID_IN_NAME = re.compile(r"^(?:sem\.)?shmc[\w]*-(\d+)-")
+
+
+def _ours(name: str, pids: set[int]) -> bool:
+    """Is this /dev/shm entry this test's? shmclient names carry the creator's pid: ours
+    if that is this process or one of its children, or a process that is gone (a child
+    that already exited); a live stranger's entry (a parallel test run) is not ours."""
+    m = _PID_IN_NAME.match(name)
+    if m is None:
+        return False
+    pid = int(m.group(1))
+    return pid in pids or not psutil.pid_exists(pid)
 
 
 def _shm_entries() -> set[str]:
@@ -36,6 +51,7 @@ def no_leaks(request):
     problems = []
 
     new_kids = [p for p in me.children(recursive=True) if p.pid not in kids_before]
+    pids = {os.getpid(), *kids_before, *(p.pid for p in new_kids)}
     if new_kids:
         _, alive = psutil.wait_procs(new_kids, timeout=10)
         if alive:
@@ -51,7 +67,7 @@ def no_leaks(request):
     if stuck:
         problems.append(f"threads left: {stuck}")
 
-    leaked = _shm_entries() - shm_before
+    leaked = {n for n in _shm_entries() - shm_before if _ours(n, pids)}
     if leaked:
         problems.append(f"/dev/shm entries left: {sorted(leaked)}")
         for name in leaked:

@@ -55,10 +55,15 @@ async def test_ten_requests_get_exactly_max_tokens(mock_client):
 
 async def test_abort_every_second_request(mock_client):
     ids = [f"ab-{i}" for i in range(10)]
+    # The mock model computes nothing, so a step takes microseconds: pause the scheduler
+    # so that no step can run between an add and its abort. sleep, adds, aborts and
+    # wake_up ride one ordered stream, which is what this checks.
+    await mock_client.util("sleep", 1)
     for n, i in enumerate(ids):
         await mock_client.add(req(i, max_tokens=20))
         if n % 2:
             await mock_client.abort([i])
+    await mock_client.util("wake_up")
     res = await mock_client.collect(ids)
     for n, i in enumerate(ids):
         if n % 2:
