@@ -1,0 +1,480 @@
+"""CPU tensors out of band through the shared-memory arena: correctness, reuse safety,
+bounded memory, fallbacks, and a cross-process run over the ring."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import struct
+import threading
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmclient import tensors as tensors_mod
+from shmclient.codec import Decoder, Encoder
+from shmclient.errors import SerializationError, ShmCapacityError
+from shmclient.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, UtilityOutput
+from shmclient.shm import Segment
+from shmclient.tensors import ALIGN, ShmTensorReceiver, ShmTensorSender
+
+MiB = 1 << 20
+
+
+def raw(x) -> bytes:
+    """Values' bytes in C order, for bit-exact comparison."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).tobytes()
+    if x.numel() == 0:
+        return b""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+        x.dtype.itemsize, x.dtype
+    )
+    return x.view(as_int).contiguous().numpy().tobytes()
+
+
+def digest(x) -> str:
+    return f"{x.dtype}|{tuple(x.shape)}|" + hashlib.blake2b(raw(x), digest_size=16).hexdigest()
+
+
+def mine() -> set[str]:
+    """This process's entries in /dev/shm (other processes may use it meanwhile)."""
+    return {n for n in os.listdir("/dev/shm") if f"-{os.getpid()}-" in n}
+
+
+class Pair:
+    """Both ends of one arena in this process, plus codecs over them."""
+
+    def __init__(self, size: int = 4 * MiB, view_from: int = tensors_mod.VIEW_FROM, threshold=256):
+        seg = Segment.create(size)
+        try:
+            peer = Segment.attach(seg.name)
+        finally:
+            seg.unlink()
+        self.sender = ShmTensorSender(seg)
+        self.receiver = ShmTensorReceiver(peer, view_from=view_from)
+        self.enc = Encoder(self.sender, inline_threshold=threshold)
+        self.dec = Decoder(tensors=self.receiver)
+
+    def send(self, obj, type_=None):
+        msg = self.enc.encode(obj)
+        out = (Decoder(type_, tensors=self.receiver) if type_ else self.dec).decode(msg)
+        self.flush()
+        return out
+
+    def flush(self) -> None:
+        rel = self.receiver.take_releases()
+        if rel is not None:
+            self.sender.on_release(rel)
+
+    def stats(self) -> dict:
+        return self.sender.stats()
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_roundtrips_through_the_arena(pair):
+    base = torch.randn(64, 48)
+    cases = [
+        base,
+        base.to(torch.bfloat16),
+        base[:, ::3],  # non-contiguous
+        base.t(),
+        torch.randint(0, 2, (300,)).bool(),
+        torch.randn(40, 30, dtype=torch.complex64),
+        torch.randint(-128, 127, (1000,), dtype=torch.int8),
+        torch.randn(1000).to(torch.float16),
+        torch.zeros(0, 1000),
+        torch.tensor(1.25),
+        torch.randint(0, 255, (5000,), dtype=torch.uint8).view(torch.float8_e4m3fn),
+        torch.randint(0, 255, (600,), dtype=torch.uint8).view(torch.uint1)[::2],
+    ]
+    for t in cases:
+        out = pair.send(t)
+        assert out.dtype == t.dtype and out.shape == t.shape and raw(out) == raw(t), t.dtype
+    a = np.asfortranarray(np.random.default_rng(1).random((70, 50)))
+    out = pair.send(a)
+    assert out.flags.f_contiguous and raw(out) == raw(a)
+    out = pair.send(a.astype(">i4")[::2])
+    assert out.dtype.str == ">i4" and raw(out) == raw(a.astype(">i4")[::2])
+    del out
+    gc.collect()
+    pair.flush()
+    assert pair.stats()["used_bytes"] == 0
+
+
+def test_message_structs_with_out_of_band_tensors(pair):
+    emb = torch.randn(128, 256, dtype=torch.bfloat16)
+    got = pair.send(EngineCoreRequest(request_id="r", prompt_embeds=emb), EngineCoreRequest)
+    assert raw(got.prompt_embeds) == raw(emb)
+    outs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(request_id=str(i), pooling_output=torch.randn(1024)) for i in range(3)],
+        utility_output=UtilityOutput(call_id=1, result=[(torch.randn(2000), np.arange(4000))]),
+    )
+    got = pair.send(outs, EngineCoreOutputs)
+    for a, b in zip(got.outputs, outs.outputs):
+        assert raw(a.pooling_output) == raw(b.pooling_output)
+    assert raw(got.utility_output.result[0][1]) == raw(outs.utility_output.result[0][1])
+
+
+def test_inline_or_out_of_band_by_size(pair):
+    pair.send(torch.zeros(63))  # 252 bytes: inline
+    assert pair.stats()["sent_arena"] == 0
+    pair.send(torch.zeros(64))  # 256 bytes: out of band
+    assert pair.stats()["sent_arena"] == 1
+    msg = pair.enc.encode(torch.zeros(1 << 16))
+    assert len(msg) < 100  # only the handle travels
+    pair.dec.decode(msg)
+
+
+def test_small_blocks_are_copied_out_and_released_at_once():
+    p = Pair(view_from=64 * 1024)
+    try:
+        small = p.dec.decode(p.enc.encode(torch.randn(1000)))  # 4 KB: copy
+        assert p.receiver.in_use() == 0
+        p.flush()
+        assert p.stats()["used_bytes"] == 0
+        big = p.dec.decode(p.enc.encode(torch.randn(1 << 15)))  # 128 KiB: view
+        assert p.receiver.in_use() == 1
+        p.flush()
+        assert p.stats()["used_bytes"] == 128 * 1024
+        del big
+        p.flush()
+        assert p.stats()["used_bytes"] == 0 and small.sum() == small.sum()
+    finally:
+        p.close()
+
+
+def test_block_not_reused_while_a_view_is_alive():
+    p = Pair(size=1 * MiB, view_from=0)
+    try:
+        first = torch.arange(1 << 16, dtype=torch.int32)  # 256 KiB
+        held = p.send(first)
+        part = held[1000:1010]
+        as_np = held.numpy()[::7]
+        del held  # slices of it still read the block
+        expect_part, expect_np = part.clone(), as_np.copy()
+        for i in range(200):
+            junk = torch.full((1 << 15,), i, dtype=torch.int32)  # 128 KiB each
+            out = p.send(junk)
+            assert torch.equal(out, junk)
+            del out
+            p.flush()
+            assert torch.equal(part, expect_part) and np.array_equal(as_np, expect_np)
+        assert p.stats()["used_bytes"] == 256 * 1024  # only the held block
+        del part
+        p.flush()
+        assert p.stats()["used_bytes"] == 256 * 1024  # ``as_np`` still holds it
+        del as_np
+        p.flush()
+        assert p.stats()["used_bytes"] == 0
+    finally:
+        p.close()
+
+
+def test_releases_in_any_order_coalesce_the_arena():
+    p = Pair(size=4 * MiB, view_from=0)
+    try:
+        held = [p.send(torch.randn(random.Random(i).randint(100, 5000))) for i in range(200)]
+        used = p.stats()["used_bytes"]
+        assert used > 0 and p.stats()["blocks_in_flight"] == 200
+        random.Random(7).shuffle(held)
+        while held:
+            del held[-1]
+            if len(held) % 17 == 0:
+                p.flush()
+        p.flush()
+        s = p.stats()
+        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["free_extents"] == 1
+    finally:
+        p.close()
+
+
+def test_many_transfers_do_not_grow_memory():
+    p = Pair(size=8 * MiB, view_from=16 * 1024)
+    proc = psutil.Process()
+    shm_before = mine()
+    try:
+        sizes = [64, 1000, 5000, 40_000, 200_000]
+        rss0 = None
+        keep = []
+        for i in range(10_000):
+            t = torch.from_numpy(np.full(sizes[i % len(sizes)], i, np.float32))
+            out = p.dec.decode(p.enc.encode(t))
+            assert out[-1].item() == i
+            keep.append(out)
+            if len(keep) > 5:  # hold a few, drop the oldest: releases out of send order
+                keep.pop(random.Random(i).randrange(len(keep)))
+            if i % 3 == 0:
+                p.flush()
+            if i == 1000:
+                rss0 = proc.memory_info().rss
+        keep.clear()
+        del out, t
+        p.flush()
+        s = p.stats()
+        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["free_extents"] == 1
+        assert s["peak_used_bytes"] < 8 * MiB and s["sent_one_off"] == 0
+        assert proc.memory_info().rss - rss0 < 16 * MiB
+        assert mine() == shm_before
+    finally:
+        p.close()
+
+
+def test_full_arena_and_oversize_fall_back_to_one_off_segments():
+    p = Pair(size=1 * MiB, view_from=0)
+    try:
+        held = [p.send(torch.randn(1 << 16)) for _ in range(4)]  # 4 x 256 KiB: full
+        s = p.stats()
+        assert s["used_bytes"] == 1 * MiB and s["sent_one_off"] == 0
+        extra = torch.randn(1 << 16)
+        out = p.send(extra)
+        assert torch.equal(out, extra) and p.stats()["sent_one_off"] == 1
+        big = torch.randn(3 * MiB // 4)  # bigger than the whole arena
+        out2 = p.send(big)
+        assert torch.equal(out2, big) and p.stats()["sent_one_off"] == 2
+        assert p.stats()["one_offs_in_flight"] == 0  # the receiver released them on attach
+        for _ in range(50):  # one-offs do not pile up
+            p.send(big)
+        assert p.stats()["one_offs_in_flight"] == 0
+        del held
+        p.flush()
+        assert p.send(extra).sum() == extra.sum() and p.stats()["sent_one_off"] == 52
+    finally:
+        p.close()
+
+
+def test_undelivered_one_off_is_unlinked_by_sender_close():
+    p = Pair(size=64 * 1024)
+    before = mine()
+    p.enc.encode(torch.randn(1 << 16))  # never decoded
+    created = mine() - before
+    assert len(created) == 1 and p.stats()["one_offs_in_flight"] == 1
+    p.close()
+    assert mine() == before
+
+
+def test_no_room_in_dev_shm_sends_inline(monkeypatch):
+    p = Pair(size=64 * 1024)
+
+    def full(*a, **k):
+        raise ShmCapacityError("no space")
+
+    monkeypatch.setattr(tensors_mod.Segment, "create", full)
+    try:
+        t = torch.randn(1 << 16)
+        msg = p.enc.encode(t)
+        assert len(msg) > t.nbytes and p.stats()["sent_inline_fallback"] == 1
+        assert torch.equal(p.dec.decode(msg), t)
+    finally:
+        p.close()
+
+
+def test_failed_encode_frees_its_blocks(pair):
+    with pytest.raises(SerializationError, match="builtins.object"):
+        pair.enc.encode([torch.randn(10_000), object()])
+    assert pair.stats()["used_bytes"] == 0
+
+
+def test_views_released_from_other_threads_and_cycles():
+    p = Pair(view_from=0)
+    try:
+        views = [p.send(torch.randn(1000)) for _ in range(64)]
+        cyc = []
+        for v in views[:16]:  # a view kept only by a reference cycle
+            box = [v]
+            box.append(box)
+            cyc.append(box)
+        del box, v
+        rest = views[16:]
+        del views
+        cyc.clear()  # the cycles now only die in gc
+        workers = [threading.Thread(target=lambda chunk: chunk.clear(), args=(rest[i::4],)) for i in range(4)]
+        del rest
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        taker = threading.Thread(target=lambda: gc.collect())
+        taker.start()
+        taker.join()
+        gc.collect()
+        p.flush()
+        assert p.stats()["used_bytes"] == 0 and p.receiver.in_use() == 0
+    finally:
+        p.close()
+
+
+def test_received_views_outlive_receiver_close():
+    p = Pair(view_from=0)
+    t = torch.randn(10_000)
+    out = p.send(t)
+    p.close()
+    assert torch.equal(out, t)  # still mapped
+    del out
+
+
+def test_malformed_handles_rejected(pair):
+    with pytest.raises(SerializationError, match="outside the arena"):
+        pair.receiver.get([0, 1, 4 * MiB - 100], 1000)
+    with pytest.raises(SerializationError, match="kind"):
+        pair.receiver.get([9, 1, 0], 10)
+    with pytest.raises(SerializationError, match="gone"):
+        pair.receiver.get([1, 5, "/shmc-t-0-doesnotexist"], 10)
+
+
+def test_release_of_unknown_ids_is_ignored(pair):
+    pair.sender.on_release(struct.pack("<3Q", 123, 456, 789))
+    pair.send(torch.randn(1000))
+    assert pair.stats()["used_bytes"] == 0
+
+
+def test_blocks_are_aligned(pair):
+    hs = [pair.sender.put(torch.zeros(n, dtype=torch.uint8), n) for n in (1, 300, 257, 4096)]
+    assert all(h[2] % ALIGN == 0 for h in hs)
+    for h in hs:
+        pair.sender.cancel(h)
+    assert pair.stats()["used_bytes"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.complex128, torch.uint8]),
+    view_from=st.sampled_from([0, 1 << 40]),
+)
+def test_hypothesis_arena_roundtrip(shape, dtype, view_from):
+    p = Pair(size=1 * MiB, view_from=view_from, threshold=0)
+    try:
+        t = torch.randint(0, 2, shape).to(dtype) if dtype is torch.bool else torch.randint(0, 100, shape).to(dtype)
+        out = p.send(t)
+        assert out.dtype == t.dtype and out.shape == t.shape and raw(out) == raw(t)
+        del out
+        p.flush()
+        assert p.stats()["used_bytes"] == 0
+    finally:
+        p.close()
+
+
+# -- across processes -------------------------------------------------------------------
+
+MSG, REL, DIGEST, READY, STOP, BYE = 1, 2, 3, 4, 5, 6
+
+
+@pytest.fixture(scope="module")
+def _resource_tracker():
+    """Spawning starts multiprocessing's resource tracker, which lives as long as this
+    process; start it first so the per-test leak check does not count it."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def _child(data_spec, back_spec, arena_name: str) -> None:
+    from shmclient.ring import Ring
+
+    rx = Ring.attach(data_spec, "consumer")
+    tx = Ring.attach(back_spec, "producer")
+    receiver = ShmTensorReceiver(Segment.attach(arena_name), view_from=32 * 1024)
+    dec = Decoder(tensors=receiver)
+    held: list = []
+    tx.send(READY, b"", timeout=10)
+    try:
+        while True:
+            for rtype, payload in rx.recv(timeout=30):
+                if rtype == STOP:
+                    held.clear()
+                    rel = receiver.take_releases()
+                    if rel:
+                        tx.send(REL, rel, timeout=10)
+                    tx.send(BYE, b"", timeout=10)
+                    return
+                seq, x = dec.decode(payload)
+                tx.send(DIGEST, f"{seq}:{digest(x)}".encode(), timeout=10)
+                held.append(x)
+                if len(held) > 8:
+                    held.pop(seq * 7 % len(held))  # drop an arbitrary one
+                del x
+                rel = receiver.take_releases()
+                if rel:
+                    tx.send(REL, rel, timeout=10)
+    finally:
+        receiver.close()
+        rx.close()
+        tx.close()
+
+
+def test_across_processes_over_the_ring(_resource_tracker):
+    from shmclient.ring import Ring
+
+    data = Ring.create("producer", 1 * MiB)
+    back = Ring.create("consumer", 1 * MiB)
+    arena = Segment.create(4 * MiB)
+    sender = ShmTensorSender(arena)
+    enc = Encoder(sender)
+    ctx = mp.get_context("spawn")
+    child = ctx.Process(target=_child, args=(data.spec, back.spec, arena.name))
+    child.start()
+    expected: dict[int, str] = {}
+    got: dict[int, str] = {}
+
+    def pump(records) -> bool:
+        done = False
+        for rtype, payload in records:
+            if rtype == REL:
+                sender.on_release(payload)
+            elif rtype == DIGEST:
+                seq, d = bytes(payload).decode().split(":", 1)
+                got[int(seq)] = d
+            elif rtype == BYE:
+                done = True
+        return done
+
+    try:
+        assert back.recv(timeout=60)[0][0] == READY
+        data.unlink()
+        back.unlink()
+        arena.unlink()
+        rng = np.random.default_rng(3)
+        dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.complex64, torch.bool]
+        for seq in range(600):
+            n = int(rng.choice([10, 3000, 20_000, 100_000] * 10 + [1_500_000]))
+            dt = dtypes[seq % len(dtypes)]
+            t = torch.from_numpy(rng.integers(0, 2, n, dtype=np.uint8)).to(dt)
+            if seq % 4 == 0:
+                t = t[::2]
+            expected[seq] = digest(t)
+            data.send(MSG, enc.encode([seq, t]), timeout=30)
+            pump(back.try_recv())
+        data.send(STOP, b"", timeout=30)
+        while not pump(back.recv(timeout=30)):
+            pass
+        child.join(30)
+        assert child.exitcode == 0
+        assert got == expected
+        s = sender.stats()
+        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["one_offs_in_flight"] == 0
+        assert s["sent_arena"] > 300 and s["sent_one_off"] > 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        sender.close()
+        data.close()
+        back.close()
