@@ -17,6 +17,7 @@ import importlib
 import os
 import sys
 import time
+import traceback
 from typing import Any, Sequence
 
 from . import clients, report
@@ -141,9 +142,19 @@ def _external(name: str, quick: bool, progress: Progress, res: dict[str, Any]) -
         res[name] = fn(quick)
     except Exception as e:
         res["errors"].append(f"{name}: {type(e).__name__}: {e}")
+        res.setdefault("tracebacks", {})[name] = traceback.format_exc()
         progress(f"{name}: failed: {type(e).__name__}: {e}")
         return
     progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+    render = getattr(mod, "report", None)
+    if callable(render):
+        try:
+            text = render(res[name])
+        except Exception as e:
+            res["notes"].append(f"{name}: bench.{name}.report() failed: {type(e).__name__}: {e}")
+        else:
+            if isinstance(text, str):
+                res.setdefault("tables", {})[name] = text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -396,14 +396,17 @@ def _flatten_numbers(obj: Any, prefix: str = "", limit: int = 40) -> list[tuple[
     return out
 
 
-def _external_section(title: str, data: Any) -> list[str]:
-    """Render what another benchmark module returned: its own 'table' text if it gives
-    one, else a table of its records, else its numeric leaves."""
+def _external_section(title: str, data: Any, text: str | None = None) -> list[str]:
+    """Render what another benchmark module returned: the text its own report() made
+    (``text``) or a 'table' string in it, else a table of its records, else its numeric
+    leaves."""
     if data is None:
         return []
     lines = ["", title]
-    if isinstance(data, dict) and isinstance(data.get("table"), str):
-        lines.append(data["table"].rstrip())
+    if text is None and isinstance(data, dict) and isinstance(data.get("table"), str):
+        text = data["table"]
+    if text is not None:
+        lines.append(text.rstrip())
         return lines
     records = find_records(data)
     if records:
@@ -455,8 +458,13 @@ def format_report(res: dict[str, Any]) -> str:
     lines += _latency_section(res)
     lines += _streaming_section(res)
     lines += _idle_section(res)
-    lines += _external_section("Tensor transfer sweep (bench.tensors):", res.get("tensors"))
-    lines += _external_section("Raw ring ping-pong vs pyzmq ipc (bench.ring):", res.get("ring"))
+    tables = res.get("tables") or {}
+    lines += _external_section(
+        "Tensor transfer sweep (bench.tensors):", res.get("tensors"), tables.get("tensors")
+    )
+    lines += _external_section(
+        "Raw ring ping-pong vs pyzmq ipc (bench.ring):", res.get("ring"), tables.get("ring")
+    )
     notes = res.get("notes") or []
     if notes:
         lines.append("")
