@@ -199,7 +199,8 @@ def test_preemption_keeps_tokens_identical():
     assert all(r is FinishReason.LENGTH for r in tight.finish.values())
 
 
-@pytest.mark.parametrize("make,match", [
+# Checked in one test (the autouse leak check costs ~0.1 s a test).
+BAD_REQUESTS = [
     (lambda: req("e", prompt=()), "empty prompt"),
     (lambda: req("e", prompt=list(range(3000))), "max_model_len"),
     (lambda: req("e", sampling_params=SamplingParams(max_tokens=0)), "max_tokens"),
@@ -222,19 +223,23 @@ def test_preemption_keeps_tokens_identical():
     (lambda: req("", ), "request_id"),
     (lambda: req("e", client_index=-1), "client_index"),
     (lambda: req("live"), "already live"),
-])
-def test_invalid_requests_are_rejected_alone(core, make, match):
-    core.add_request(req("live", max_tokens=3))
-    run = Run(core)
-    run.step()
-    before = (dict(core.scheduler.requests), core.scheduler.num_free_blocks)
-    with pytest.raises(InvalidRequestError, match=match):
-        core.add_request(make())
-    assert (dict(core.scheduler.requests), core.scheduler.num_free_blocks) == before
-    core.add_request(req("after", max_tokens=3))
-    run.drain()
-    assert len(run.tokens["live"]) == 3 and len(run.tokens["after"]) == 3
-    assert "e" not in run.outputs
+]
+
+
+def test_invalid_requests_are_rejected_alone():
+    for make, match in BAD_REQUESTS:
+        core = EngineCore(CFG)
+        core.add_request(req("live", max_tokens=3))
+        run = Run(core)
+        run.step()
+        before = (dict(core.scheduler.requests), core.scheduler.num_free_blocks)
+        with pytest.raises(InvalidRequestError, match=match):
+            core.add_request(make())
+        assert (dict(core.scheduler.requests), core.scheduler.num_free_blocks) == before
+        core.add_request(req("after", max_tokens=3))
+        run.drain()
+        assert len(run.tokens["live"]) == 3 and len(run.tokens["after"]) == 3, match
+        assert "e" not in run.outputs
 
 
 def test_default_sampling_params_when_none_given(core):
