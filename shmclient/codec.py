@@ -229,6 +229,10 @@ class Encoder:
         dtype = _DTYPE_NAMES.get(t.dtype) or _dtype_name(t.dtype)
         shape = list(t.shape)
         extra = None
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
         if t.is_cuda:
             handle = self.tensors.put_cuda(t) if self.tensors is not None else None
             if handle is not None:
@@ -239,10 +243,6 @@ class Encoder:
                 log.info("CUDA tensors are sent as host copies: no tensor transport configured")
             extra = _device_uuid(t.device)
             t = t.detach().to("cpu")
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
         return self._place(EXT_TORCH, dtype, shape, extra, t, t.nbytes, torch_src=True)
 
     def _encode_numpy(self, a, np, scalar: bool) -> msgspec.msgpack.Ext:

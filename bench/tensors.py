@@ -1,0 +1,376 @@
+"""Benchmark of tensor transfer between two processes: shared-memory arena vs pyzmq.
+
+Run ``python -m bench.tensors [--quick] [--json PATH]``; ``run(quick)`` returns the
+figures as a dict for a top-level ``python -m bench``. For each size (4 KiB … 256 MiB;
+``--quick`` stops at 64 MiB) it times a CPU tensor from "about to encode" in one process
+to "decoded into a torch.Tensor" in the other (both clocks are CLOCK_MONOTONIC of the
+same host), one transfer at a time, warm-up excluded:
+
+* ``shm view``: codec + ``ShmTensorSender`` (one copy into the arena) + the ring for the
+  metadata; the receiver gets a zero-copy view (the default for >= 64 KiB);
+* ``shm copy``: the same with the receiver copying the block out (the default < 64 KiB);
+* ``zmq``: codec ``encode_frames`` over pyzmq ipc:// PUSH/PULL with ``copy=False``
+  frames, decoded zero-copy from the received frame (vLLM's path);
+* the in-process limit: one memcpy into a preallocated buffer (``np.copyto``), plus
+  ``torch.Tensor.copy_`` and ``clone`` for reference.
+
+With CUDA, it also times the hand-off of a CUDA tensor by IPC handle (first open of a
+new allocation, and a handle into an allocation the receiver already has open).
+
+Not a test: it asserts nothing, it reports medians and p99s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import struct
+import sys
+import time
+
+import numpy as np
+import torch
+
+from shmclient.codec import Decoder, Encoder
+from shmclient.ring import Ring
+from shmclient.shm import Segment
+from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+
+CTX = mp.get_context("spawn")
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+QUICK_SIZES = SIZES[:5]
+MSG, ACK, STOP = 1, 2, 3
+_T = struct.Struct("<d")
+
+
+def _reps(size: int, quick: bool) -> int:
+    n = 300 if size <= 64 * KiB else 60 if size <= MiB else 15 if size <= 16 * MiB else 9 if size <= 64 * MiB else 5
+    return max(5, n // 3) if quick else n
+
+
+def _summary(samples: list[float]) -> dict:
+    s = sorted(samples)
+    return {
+        "median_us": statistics.median(s) * 1e6,
+        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+        "min_us": s[0] * 1e6,
+        "n": len(s),
+    }
+
+
+# -- receivers (child processes) ---------------------------------------------------------
+
+
+def _shm_receiver(data_spec, back_spec, arena: str, view_from: int) -> None:
+    rx = Ring.attach(data_spec, "consumer")
+    tx = Ring.attach(back_spec, "producer")
+    receiver = ShmTensorReceiver(Segment.attach(arena), view_from=view_from)
+    dec = Decoder(tensors=receiver)
+    tx.send(ACK, b"", timeout=60)
+    try:
+        while True:
+            for rtype, payload in rx.recv(timeout=120):
+                if rtype == STOP:
+                    return
+                t = dec.decode(payload)
+                t1 = time.perf_counter()
+                del t
+                tx.send(ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
+    finally:
+        receiver.close()
+        rx.close()
+        tx.close()
+
+
+def _zmq_receiver(data_addr: str, back_addr: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(data_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(back_addr)
+    dec = Decoder()
+    push.send(b"")
+    try:
+        while True:
+            frames = pull.recv_multipart(copy=False)
+            if len(frames) == 1 and frames[0].bytes == b"stop":
+                return
+            t = dec.decode_frames(frames)
+            t1 = time.perf_counter()
+            del t, frames
+            push.send(_T.pack(t1))
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+
+
+def _cuda_receiver(data_spec, back_spec, arena: str) -> None:
+    rx = Ring.attach(data_spec, "consumer")
+    tx = Ring.attach(back_spec, "producer")
+    receiver = ShmTensorReceiver(Segment.attach(arena))
+    dec = Decoder(tensors=receiver)
+    tx.send(ACK, b"", timeout=60)
+    try:
+        while True:
+            for rtype, payload in rx.recv(timeout=120):
+                if rtype == STOP:
+                    return
+                t = dec.decode(payload)
+                t1 = time.perf_counter()
+                del t
+                tx.send(ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
+    finally:
+        receiver.close()
+        rx.close()
+        tx.close()
+
+
+# -- senders (this process) --------------------------------------------------------------
+
+
+def _source(size: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8))
+
+
+def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
+    arena = Segment.create(max(sizes) + MiB)
+    data = Ring.create("producer", 1 * MiB)
+    back = Ring.create("consumer", 1 * MiB)
+    sender = ShmTensorSender(arena)
+    child = CTX.Process(target=_shm_receiver, args=(data.spec, back.spec, arena.name, view_from))
+    child.start()
+    out: dict = {}
+    try:
+        back.recv(timeout=120)
+        data.unlink(), back.unlink(), arena.unlink()
+        enc = Encoder(sender)
+        for size in sizes:
+            src = _source(size)
+            samples = []
+            for i in range(_reps(size, quick) + 2):
+                t0 = time.perf_counter()
+                data.send(MSG, enc.encode(src), timeout=60)
+                (rtype, payload), = back.recv(timeout=60)
+                (t1,) = _T.unpack_from(payload)
+                if len(payload) > 8:
+                    sender.on_release(bytes(payload[8:]))
+                if i >= 2:
+                    samples.append(t1 - t0)
+            out[size] = _summary(samples)
+            assert sender.stats()["used_bytes"] == 0
+        data.send(STOP, b"", timeout=10)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        sender.close()
+        data.close()
+        back.close()
+    return out
+
+
+def _bench_zmq(sizes: list[int], quick: bool) -> dict:
+    import tempfile
+
+    import zmq
+
+    tmp = tempfile.mkdtemp(prefix="shmc-bench-")
+    data_addr, back_addr = f"ipc://{tmp}/data", f"ipc://{tmp}/back"
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.bind(data_addr)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(back_addr)
+    child = CTX.Process(target=_zmq_receiver, args=(data_addr, back_addr))
+    child.start()
+    out: dict = {}
+    try:
+        pull.recv()
+        enc = Encoder(inline_threshold=256)
+        for size in sizes:
+            src = _source(size)
+            samples = []
+            for i in range(_reps(size, quick) + 2):
+                t0 = time.perf_counter()
+                push.send_multipart(enc.encode_frames(src), copy=False)
+                (t1,) = _T.unpack(pull.recv())
+                if i >= 2:
+                    samples.append(t1 - t0)
+            out[size] = _summary(samples)
+        push.send(b"stop")
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+        for name in ("data", "back"):
+            try:
+                os.unlink(os.path.join(tmp, name))
+            except OSError:
+                pass
+        os.rmdir(tmp)
+    return out
+
+
+def _bench_memcpy(sizes: list[int], quick: bool) -> dict:
+    out: dict = {}
+    for size in sizes:
+        src = _source(size)
+        dst = torch.empty_like(src)
+        s, d = src.numpy(), dst.numpy()
+        res = {}
+        for name, fn in (
+            ("np_copyto", lambda: np.copyto(d, s)),
+            ("torch_copy_", lambda: dst.copy_(src)),
+            ("torch_clone", lambda: src.clone()),
+        ):
+            samples = []
+            for i in range(_reps(size, quick) + 2):
+                t0 = time.perf_counter()
+                fn()
+                if i >= 2:
+                    samples.append(time.perf_counter() - t0)
+            res[name] = _summary(samples)
+        out[size] = res
+    return out
+
+
+def _bench_cuda(sizes: list[int], quick: bool) -> dict:
+    """Hand-off of CUDA tensors by IPC handle: a fresh allocation each time (the handle
+    is opened), and slices of one allocation the receiver keeps open (cached)."""
+    arena = Segment.create(4 * MiB)
+    data = Ring.create("producer", 1 * MiB)
+    back = Ring.create("consumer", 1 * MiB)
+    sender = ShmTensorSender(arena)
+    child = CTX.Process(target=_cuda_receiver, args=(data.spec, back.spec, arena.name))
+    child.start()
+    out: dict = {}
+    try:
+        back.recv(timeout=120)
+        data.unlink(), back.unlink(), arena.unlink()
+        enc = Encoder(sender)
+        for size in sizes:
+            samples = []
+            for i in range(min(_reps(size, quick), 30) + 2):
+                t = torch.empty(size, dtype=torch.uint8, device="cuda").fill_(i % 251)
+                t0 = time.perf_counter()
+                data.send(MSG, enc.encode(t), timeout=60)
+                (rtype, payload), = back.recv(timeout=60)
+                (t1,) = _T.unpack_from(payload)
+                if len(payload) > 8:
+                    sender.on_release(bytes(payload[8:]))
+                del t
+                if i >= 2:
+                    samples.append(t1 - t0)
+            out[size] = _summary(samples)
+        data.send(STOP, b"", timeout=10)
+        child.join(30)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        sender.close()
+        data.close()
+        back.close()
+    return out
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def run(quick: bool = False) -> dict:
+    """All measurements as a dict (sizes as string keys, times in microseconds)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    sizes = QUICK_SIZES if quick else SIZES
+    result = {
+        "host": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_avg_1m": os.getloadavg()[0],
+            "machine": platform.machine(),
+        },
+        "quick": quick,
+        "memcpy": _bench_memcpy(sizes, quick),
+        "shm_view": _bench_shm(sizes, quick, view_from=0),
+        "shm_copy": _bench_shm(sizes, quick, view_from=1 << 62),
+        "zmq": _bench_zmq(sizes, quick),
+    }
+    if torch.cuda.is_available():
+        result["cuda_ipc"] = _bench_cuda(sizes, quick)
+    result["host"]["load_avg_1m_after"] = os.getloadavg()[0]
+    return _stringify(result)
+
+
+def _stringify(d):
+    if isinstance(d, dict):
+        return {str(k): _stringify(v) for k, v in d.items()}
+    return d
+
+
+def _fmt_size(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def table(result: dict) -> str:
+    """A plain-text table of medians (p99) in microseconds."""
+    mem, view, copy, zq = (result[k] for k in ("memcpy", "shm_view", "shm_copy", "zmq"))
+    lines = [
+        "CPU tensor, process A -> torch.Tensor in process B; median (p99) in us",
+        f"{'size':>8} | {'memcpy':>9} | {'copy_':>9} | {'shm view':>19} | {'shm copy':>19} | "
+        f"{'zmq copy=False':>19} | view/memcpy",
+    ]
+    for key in mem:
+        size = int(key)
+        m = mem[key]["np_copyto"]["median_us"]
+
+        def cell(x):
+            return f"{x['median_us']:9.1f} ({x['p99_us']:7.1f})"
+
+        lines.append(
+            f"{_fmt_size(size):>8} | {m:9.1f} | {mem[key]['torch_copy_']['median_us']:9.1f} | "
+            f"{cell(view[key])} | {cell(copy[key])} | {cell(zq[key])} | "
+            f"{view[key]['median_us'] / m:5.2f}x"
+        )
+    if "cuda_ipc" in result:
+        lines.append("CUDA tensor hand-off by IPC handle (fresh allocation each time); median (p99) in us")
+        for key, x in result["cuda_ipc"].items():
+            lines.append(f"{_fmt_size(int(key)):>8} | {x['median_us']:9.1f} ({x['p99_us']:7.1f})")
+    h = result["host"]
+    lines.append(
+        f"host: {h['cpus']} CPUs, torch {h['torch']} ({h['torch_threads']} threads), "
+        f"load average {h['load_avg_1m']:.1f} -> {h['load_avg_1m_after']:.1f}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.tensors", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repetitions")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
+    args = p.parse_args(argv)
+    result = run(args.quick)
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
