@@ -48,6 +48,11 @@ the poster stored before posting is visible after the wait. Hence:
   a real one by the poster's counter read *after* the wait: the published (released)
   counter is stored before each post, so after taking the (k+1)-th token a real batch
   is there exactly when the counter exceeds k; otherwise the token is a close.
+* Shared counters are written only by memoryview item assignment: one aligned 8-byte
+  store, so a reader sees the old or the new value, never a mix. Never struct.pack_into:
+  it zero-fills its destination before writing the fields, and a peer reading the
+  published counter while the next batch is being published would see 0 and take a
+  real batch's token for a close.
 * The shared counters are also read with plain loads while spinning, as hints only: a
   memoryview load costs ~50 ns where a failed trywait raises BusyError (~1 µs). When
   the hint moves and the semaphore's value is non-zero, the spinner tries the
@@ -100,8 +105,6 @@ _C_CLOSED = 40
 
 _REC = struct.Struct("<IBB")
 _U64 = struct.Struct("<Q")
-_P_HOT = struct.Struct("<3Q").pack_into
-_C_HOT = struct.Struct("<5Q").pack_into
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Role = Literal["producer", "consumer"]
@@ -529,9 +532,9 @@ class _Producer(Ring):
         self._wpos = wpos = wpos + size
         self._extents.append(wpos)
         self._published = b = self._published + 1
-        self._records = r = self._records + 1
-        self._bytes = t = self._bytes + n
-        _P_HOT(q, _HEAD * 8, b, r, t)  # stored before the post that publishes it
+        self._records = q[_P_RECORDS] = self._records + 1
+        self._bytes = q[_P_BYTES] = self._bytes + n
+        q[_HEAD] = b  # one aligned 8-byte store, before the post that publishes it
         self._items.release()
         if self._want_wake:
             self._ring_wake()
@@ -664,12 +667,13 @@ class _Producer(Ring):
             return
         self._data[last + 5] = self._last_flags | EOB
         self._last = -1
+        q = self._q
         self._published = p = self._published + 1
-        self._records = r = self._records + self._pend_records
-        self._bytes = b = self._bytes + self._pend_bytes
+        self._records = q[_P_RECORDS] = self._records + self._pend_records
+        self._bytes = q[_P_BYTES] = self._bytes + self._pend_bytes
         self._pend_records = self._pend_bytes = 0
         self._extents.append(self._wpos)
-        _P_HOT(self._q, _HEAD * 8, p, r, b)  # stored before the post that publishes it
+        q[_HEAD] = p  # one aligned 8-byte store, before the post that publishes it
         self._items.release()
         if self._want_wake:
             self._ring_wake()
@@ -876,16 +880,18 @@ class _Consumer(Ring):
                 f"the peer is not producing: nothing was published in the ring for {timeout} s"
             )
         if r == db.SPUN:
-            self._spins += 1
+            self._spins = self._q[_C_SPINS] = self._spins + 1
         else:
-            self._blocks += 1
+            self._blocks = self._q[_C_BLOCKS] = self._blocks + 1
         self._on_item()
 
     def _release(self) -> None:
         """Give the current batch's space back to the producer."""
         self._open = False
-        self._released += 1
-        _C_HOT(self._q, _TAIL * 8, self._released, self._records, self._bytes, self._spins, self._blocks)
+        q = self._q
+        q[_C_RECORDS] = self._records
+        q[_C_BYTES] = self._bytes
+        self._released = q[_TAIL] = self._released + 1
         self._spaces.release()
 
     # ---- reading
@@ -941,10 +947,9 @@ class _Consumer(Ring):
             budget -= rpos - start
             # release the batch: counters first, then the post that hands the space back
             self._open = False
-            self._released = rel = self._released + 1
-            self._records = r = self._records + nrec
-            self._bytes = nb = self._bytes + nbytes
-            _C_HOT(q, _TAIL * 8, rel, r, nb, self._spins, self._blocks)
+            self._records = q[_C_RECORDS] = self._records + nrec
+            self._bytes = q[_C_BYTES] = self._bytes + nbytes
+            self._released = q[_TAIL] = self._released + 1
             self._spaces.release()
 
     def _drain_views(self, handler) -> int:

@@ -1,0 +1,437 @@
+"""Benchmark of the shared-memory ring against pyzmq ipc:// PUSH/PULL, two processes.
+
+Run ``python -m bench.ring [--quick] [--json PATH]``; ``run(quick)`` returns the figures
+as a dict for a top-level ``python -m bench``. Measures, in one run:
+
+* ping-pong round trip p50 / p99 (µs) for 64 B, 4 KiB, 1 MiB, 16 MiB records, through
+  the ring (default 4 MiB ring, so 16 MiB travels in fragments) and through two zmq
+  PUSH/PULL pairs; warm-up excluded. The echo side reads zero-copy (``recv_into``) and
+  sends the view back; the timing side copies small records out (``recv``) and reads
+  large ones zero-copy.
+* one-way throughput: 64 B messages per second (one doorbell each, and batches of 64)
+  and 1 MiB GB/s (zero-copy read, and copied out), zmq alongside;
+* idle CPU of a consumer blocked past its spin budget (psutil, over ~2 s);
+* the cost per batch of the wake FIFO write (for event-loop consumers).
+
+Not a test: it asserts nothing, it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import msgspec
+import psutil
+import zmq
+
+from shmclient.ring import Ring, RingSpec
+
+CTX = mp.get_context("spawn")
+STOP = 255
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [64, 4 * KiB, 1 * MiB, 16 * MiB]
+SPIN_US = 30.0
+
+
+def _enc(r: Ring) -> bytes:
+    return msgspec.msgpack.encode(r.spec)
+
+
+def _dec(b: bytes) -> RingSpec:
+    return msgspec.msgpack.decode(b, type=RingSpec)
+
+
+def _parent_alive(ppid: int):
+    return lambda: os.getppid() == ppid
+
+
+def _pct(sorted_ns: list[int], q: float) -> float:
+    return sorted_ns[min(len(sorted_ns) - 1, int(len(sorted_ns) * q))] / 1e3
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def _ring_echo(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
+    rx = Ring.attach(_dec(spec_in), "consumer", spin_us=SPIN_US)
+    tx = Ring.attach(_dec(spec_out), "producer", spin_us=SPIN_US)
+    alive = _parent_alive(ppid)
+    stop = []
+
+    def echo(rtype: int, view: memoryview) -> None:
+        if rtype == STOP:
+            stop.append(1)
+        else:
+            tx.send(rtype, view, alive=alive)
+
+    try:
+        while not stop:
+            rx.recv_into(echo, timeout=None, alive=alive)
+    finally:
+        rx.close()
+        tx.close()
+
+
+def _zmq_echo(addr_in: str, addr_out: str) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(addr_in)
+    push.connect(addr_out)
+    try:
+        while True:
+            frame = pull.recv(copy=False)
+            if len(frame) == 0:
+                return
+            push.send(frame, copy=False)
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+
+
+def _ring_flood(spec: bytes, size: int, count: int, batch: int, ppid: int) -> None:
+    tx = Ring.attach(_dec(spec), "producer", spin_us=SPIN_US)
+    alive = _parent_alive(ppid)
+    msg = b"\xab" * size
+    try:
+        if batch > 1:
+            recs = [(1, msg)] * batch
+            for _ in range(count // batch):
+                tx.send_batch(recs, alive=alive)
+        else:
+            send = tx.send
+            for _ in range(count):
+                send(1, msg, alive=alive)
+        tx.send(STOP, b"", alive=alive)
+    finally:
+        tx.close()
+
+
+def _zmq_flood(addr: str, size: int, count: int) -> None:
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(addr)
+    msg = b"\xab" * size
+    copy = size < 64 * KiB
+    try:
+        for _ in range(count):
+            push.send(msg, copy=copy)
+        push.send(b"")
+    finally:
+        push.close(linger=-1)
+        ctx.term()
+
+
+def _ring_idle(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
+    rx = Ring.attach(_dec(spec_in), "consumer", spin_us=SPIN_US)
+    tx = Ring.attach(_dec(spec_out), "producer")
+    try:
+        tx.send(1, b"blocking now")
+        rx.recv(alive=_parent_alive(ppid))  # spins SPIN_US, then sleeps on the semaphore
+    finally:
+        rx.close()
+        tx.close()
+
+
+def _start(target, *args) -> mp.Process:
+    p = CTX.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def _finish(p: mp.Process) -> None:
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def _counts(size: int, quick: bool) -> tuple[int, int]:
+    """(measured round trips, warm-up) for a size."""
+    if size <= 4 * KiB:
+        return (5_000, 500) if quick else (20_000, 2_000)
+    if size <= MiB:
+        return (300, 30) if quick else (2_000, 200)
+    return (20, 3) if quick else (100, 10)
+
+
+def ring_round_trips(quick: bool) -> dict:
+    out_ring = Ring.create("producer", spin_us=SPIN_US)
+    in_ring = Ring.create("consumer", spin_us=SPIN_US)
+    child = _start(_ring_echo, _enc(out_ring), _enc(in_ring), os.getpid())
+    alive = child.is_alive
+    res = {}
+    try:
+        got = []
+
+        def seen(rtype: int, view: memoryview) -> None:
+            got.append(len(view))
+
+        for size in SIZES:
+            n, warm = _counts(size, quick)
+            msg = b"\x5a" * size
+            lat = []
+            small = size <= 4 * KiB
+            for i in range(n + warm):
+                t0 = time.perf_counter_ns()
+                out_ring.send(1, msg, alive=alive)
+                if small:
+                    rec = in_ring.recv(alive=alive)
+                else:
+                    got.clear()
+                    while not got:
+                        in_ring.recv_into(seen, timeout=None, alive=alive)
+                lat.append(time.perf_counter_ns() - t0)
+                if i == 0:
+                    out_ring.unlink()
+                    in_ring.unlink()
+                    assert (len(rec[0][1]) if small else got[0]) == size
+            lat = sorted(lat[warm:])
+            res[size] = {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99), "n": n}
+        out_ring.send(STOP, b"")
+        _finish(child)
+        res["stats"] = in_ring.stats()
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        out_ring.close()
+        in_ring.close()
+    return res
+
+
+def zmq_round_trips(quick: bool, tmp: str) -> dict:
+    ctx = zmq.Context()
+    a_out, a_in = f"ipc://{tmp}/rt-out", f"ipc://{tmp}/rt-in"
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(a_out)
+    pull.bind(a_in)
+    child = _start(_zmq_echo, a_out, a_in)
+    res = {}
+    try:
+        for size in SIZES:
+            n, warm = _counts(size, quick)
+            msg = b"\x5a" * size
+            copy = size < 64 * KiB
+            lat = []
+            for _ in range(n + warm):
+                t0 = time.perf_counter_ns()
+                push.send(msg, copy=copy)
+                frame = pull.recv(copy=copy)
+                lat.append(time.perf_counter_ns() - t0)
+            assert len(frame) == size
+            lat = sorted(lat[warm:])
+            res[size] = {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99), "n": n}
+        push.send(b"")
+        _finish(child)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+    return res
+
+
+def ring_one_way(size: int, count: int, *, batch: int = 1, zero_copy: bool = True) -> float:
+    """Messages per second, consumer here, producer in a child."""
+    r = Ring.create("consumer", spin_us=SPIN_US)
+    child = _start(_ring_flood, _enc(r), size, count, batch, os.getpid())
+    marks: list[int] = []
+    done = []
+
+    def seen(rtype: int, view: memoryview) -> None:
+        if rtype == STOP:
+            done.append(1)
+        elif not marks:
+            marks.append(time.perf_counter_ns())
+
+    try:
+        if zero_copy:
+            while not done:
+                r.recv_into(seen, timeout=None, alive=child.is_alive)
+        else:
+            while not done:
+                for rtype, body in r.recv(alive=child.is_alive):
+                    seen(rtype, body)
+        t1 = time.perf_counter_ns()
+        _finish(child)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        r.close()
+    return (count - 1) / ((t1 - marks[0]) / 1e9)
+
+
+def zmq_one_way(size: int, count: int, tmp: str) -> float:
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp}/flood-{size}"
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(addr)
+    child = _start(_zmq_flood, addr, size, count)
+    copy = size < 64 * KiB
+    try:
+        pull.recv(copy=copy)
+        t0 = time.perf_counter_ns()
+        while len(pull.recv(copy=copy)):
+            pass
+        t1 = time.perf_counter_ns()
+        _finish(child)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        pull.close(linger=0)
+        ctx.term()
+    return (count - 1) / ((t1 - t0) / 1e9)
+
+
+def idle_cpu(seconds: float) -> float:
+    """Percent of one core used by a consumer blocked past its spin budget."""
+    to_child = Ring.create("producer")
+    from_child = Ring.create("consumer")
+    child = _start(_ring_idle, _enc(to_child), _enc(from_child), os.getpid())
+    try:
+        from_child.recv(timeout=60, alive=child.is_alive)  # it is about to block
+        proc = psutil.Process(child.pid)
+        c0, t0 = proc.cpu_times(), time.perf_counter()
+        time.sleep(seconds)  # the measurement window, not a synchronisation
+        c1, t1 = proc.cpu_times(), time.perf_counter()
+        to_child.send(STOP, b"")
+        _finish(child)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        to_child.close()
+        from_child.close()
+    used = (c1.user - c0.user) + (c1.system - c0.system)
+    return 100.0 * used / (t1 - t0)
+
+
+def wake_fifo_cost(n: int) -> dict:
+    """CPU ns per published batch, in-process, with and without the wake FIFO."""
+    out = {}
+    for wake in (False, True):
+        p = Ring.create("producer", 1 << 20, consumer_wake_fd=wake)
+        c = Ring.attach(p.spec, "consumer")
+        p.unlink()
+        try:
+            msg = b"x" * 64
+            best = float("inf")
+            for _ in range(5):
+                t = time.process_time_ns()
+                for _ in range(n):
+                    p.try_send(1, msg)
+                t = time.process_time_ns() - t
+                best = min(best, t / n)
+                c.try_recv()
+                if wake:
+                    c.drain_wake_fd()
+            out["with_fifo_ns" if wake else "without_fifo_ns"] = best
+        finally:
+            p.close()
+            c.close()
+    out["extra_ns_per_batch"] = out["with_fifo_ns"] - out["without_fifo_ns"]
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    """Every figure of this benchmark, as a JSON-able dict."""
+    tmp = tempfile.mkdtemp(prefix="shmc-bench-")
+    try:
+        ring_rt = ring_round_trips(quick)
+        zmq_rt = zmq_round_trips(quick, tmp)
+        n64 = 100_000 if quick else 400_000
+        nmb = 500 if quick else 3_000
+        tput = {
+            "ring_64B_msgs_per_s": ring_one_way(64, n64, zero_copy=False),
+            "ring_64B_batched64_msgs_per_s": ring_one_way(64, n64, batch=64, zero_copy=False),
+            "zmq_64B_msgs_per_s": zmq_one_way(64, n64, tmp),
+            "ring_1MiB_GBps_zero_copy": ring_one_way(MiB, nmb) * MiB / 1e9,
+            "ring_1MiB_GBps_copy_out": ring_one_way(MiB, nmb, zero_copy=False) * MiB / 1e9,
+            "zmq_1MiB_GBps": zmq_one_way(MiB, nmb, tmp) * MiB / 1e9,
+        }
+        idle = idle_cpu(1.0 if quick else 2.0)
+        wake = wake_fifo_cost(20_000 if quick else 100_000)
+    finally:
+        for f in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, f))
+        os.rmdir(tmp)
+    rt = {}
+    for size in SIZES:
+        r, z = ring_rt[size], zmq_rt[size]
+        rt[_label(size)] = {
+            "ring_p50_us": r["p50_us"],
+            "ring_p99_us": r["p99_us"],
+            "zmq_p50_us": z["p50_us"],
+            "zmq_p99_us": z["p99_us"],
+            "ratio_p50": z["p50_us"] / r["p50_us"],
+            "ratio_p99": z["p99_us"] / r["p99_us"],
+            "round_trips": r["n"],
+        }
+    return {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_1m": os.getloadavg()[0]},
+        "quick": quick,
+        "spin_us": SPIN_US,
+        "round_trip": rt,
+        "throughput": tput,
+        "idle_consumer_cpu_percent": idle,
+        "wake_fifo": wake,
+        "ring_stats_after_round_trips": ring_rt["stats"],
+    }
+
+
+def _label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB" if size >= KiB else f"{size} B"
+
+
+def report(res: dict) -> str:
+    lines = [f"ring vs pyzmq ipc PUSH/PULL   (cpus={res['machine']['cpus']}, load={res['machine']['load_1m']:.2f})", ""]
+    lines.append(f"{'round trip':>10} | {'ring p50':>9} {'p99':>9} | {'zmq p50':>9} {'p99':>9} | {'zmq/ring p50':>12} {'p99':>6}")
+    for label, r in res["round_trip"].items():
+        lines.append(
+            f"{label:>10} | {r['ring_p50_us']:9.1f} {r['ring_p99_us']:9.1f} | {r['zmq_p50_us']:9.1f} "
+            f"{r['zmq_p99_us']:9.1f} | {r['ratio_p50']:11.1f}x {r['ratio_p99']:5.1f}x"
+        )
+    t = res["throughput"]
+    lines += [
+        "",
+        f"one way 64 B : ring {t['ring_64B_msgs_per_s'] / 1e6:.2f} M msg/s "
+        f"(batches of 64: {t['ring_64B_batched64_msgs_per_s'] / 1e6:.2f}), zmq {t['zmq_64B_msgs_per_s'] / 1e6:.2f} M msg/s",
+        f"one way 1 MiB: ring {t['ring_1MiB_GBps_zero_copy']:.1f} GB/s zero-copy read, "
+        f"{t['ring_1MiB_GBps_copy_out']:.1f} GB/s copied out; zmq {t['zmq_1MiB_GBps']:.1f} GB/s",
+        f"idle consumer: {res['idle_consumer_cpu_percent']:.2f} % of a core",
+        f"wake FIFO: +{res['wake_fifo']['extra_ns_per_batch']:.0f} ns per batch "
+        f"({res['wake_fifo']['without_fifo_ns']:.0f} -> {res['wake_fifo']['with_fifo_ns']:.0f} ns per try_send)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (~10 s)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    res = run(args.quick)
+    print(report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
