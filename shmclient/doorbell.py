@@ -32,8 +32,13 @@ TIMED_OUT, SPUN, BLOCKED = 0, 1, 2
 
 
 def create_semaphore(prefix: str) -> posix_ipc.Semaphore:
-    """A new semaphore, value 0, created exclusively with mode 0600. Does not block."""
-    return posix_ipc.Semaphore(make_name(prefix), posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    """A new semaphore, value 0, created exclusively (O_CREAT | O_EXCL) with mode 0600.
+    ``FileExistsError`` on a name clash. Does not block."""
+    name = make_name(prefix)
+    try:
+        return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    except posix_ipc.ExistentialError as e:
+        raise FileExistsError(f"semaphore {name!r} already exists") from e
 
 
 def open_semaphore(name: str) -> posix_ipc.Semaphore:
