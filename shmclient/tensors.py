@@ -11,14 +11,15 @@ done with back through ``take_releases()``, which the channel carries to the sen
 ``on_release()``. Only then is a block reused, so a block is never rewritten while the
 receiver may still read it, and releases may come in any order.
 
-Receive policy (measured by ``python -m bench.tensors`` on a 2-core x86-64 VM; the
-numbers are in the module's ``RECEIVE_POLICY`` note below): blocks of at least
+Receive policy (measured; the figures are in ``RECEIVE_POLICY`` below): blocks of at least
 ``view_from`` bytes (default 64 KiB) are handed out as zero-copy views whose lifetime
-keeps the block allocated; the release is queued by a weakref callback on the view's
-owning memoryview when the last tensor or array over it is dropped (a deque append: safe
-from any thread and during GC, never takes a lock). Smaller blocks are copied out and
-released at once: the copy costs less than tracking a view and the block returns to the
-arena immediately.
+keeps the block allocated; the release is queued by a weakref callback on the block's
+ndarray (the base of every numpy view and the buffer owner of every tensor made from it)
+when the last of them is dropped: a deque append, safe from any thread and during GC,
+never a lock. Smaller blocks are copied out and released at once: the copy costs about
+the same as tracking a view and the block returns to the arena immediately. The sender
+copies in with numpy (a plain memcpy): torch's multi-threaded ``copy_`` was several times
+slower than one memcpy on a busy 2-core host.
 
 When the arena is full or a tensor is bigger than it, the sender does not wait: it
 puts the tensor in a one-off segment of its own and sends ``[ONE_OFF, id, name]``. The
@@ -60,9 +61,17 @@ VIEW_FROM = 64 * 1024
 _ID = struct.Struct("<Q")
 
 RECEIVE_POLICY = """
-Receive of one block, median of 200, 2-core x86-64 VM, after warm-up:
-  4 KiB : copy out + immediate release 1.3 us | view + weakref release 3.1 us
-  64 MiB: copy out (torch copy_)      14.9 ms | view 0.004 ms (a memcpy is 10-15 ms)
+Receiver side of one block (get + wrap as a tensor + drop + release round trip), median,
+3 runs, 2-core x86-64 VM with a load average of ~3.5 from other work:
+  size     copy out + immediate release   zero-copy view + weakref release
+  4 KiB    8.6-9.0 us                      8.6-9.2 us
+  16 KiB   8.9-9.9 us                      8.9-9.5 us
+  64 KiB   10.5-11.4 us                    9.1-9.5 us
+  1 MiB    95-123 us                       17-23 us
+  64 MiB   23.6-32.1 ms                    0.12-0.16 ms
+Below 64 KiB the copy costs at most ~1.5 us more and gives the block back at once, so a
+small tensor the user keeps for long never pins (and fragments) the arena; from 64 KiB
+up the view wins, and for large tensors it is what keeps a transfer near one memcpy.
 """
 
 
