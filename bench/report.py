@@ -566,34 +566,70 @@ TIME_KEYS = (
 )
 
 
+def _time_us(r: dict[str, Any]) -> float | None:
+    """A record's typical time in µs: the first of TIME_KEYS present, or the p50 of a
+    nested 'summary' / 'stats' dict."""
+    for k in TIME_KEYS:
+        v = r.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if k.endswith("ns"):
+                return v * 1e-3
+            if k.endswith("us"):
+                return float(v)
+            return v * 1e6  # seconds
+    for k in ("summary", "stats"):
+        v = r.get(k)
+        if isinstance(v, dict) and isinstance(v.get("p50"), (int, float)):
+            unit = v.get("unit", "us")
+            return v["p50"] * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}.get(unit, 1.0)
+    return None
+
+
+def _as_size(key: Any) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key > 0 else None
+    if isinstance(key, str) and key.isdigit():
+        return int(key) or None
+    return None
+
+
 def transfer_series(data: Any) -> dict[str, list[tuple[float, float]]]:
     """(size in bytes, time in µs) points per series, from a tensor-sweep result.
 
-    Reads records that carry one of SIZE_KEYS and one of TIME_KEYS (or a nested 'summary'
-    / 'stats' dict with 'p50'); the series name is made of the records' string fields.
+    Understands two layouts: nested dicts where one level of keys are sizes in bytes
+    ({"shm_view": {"4096": {"median_us": ...}}, "memcpy": {"4096": {"np_copyto": {...}}}};
+    the other keys name the series), and lists of records carrying one of SIZE_KEYS
+    (the list's key and the records' string fields name the series). A time is the
+    first of TIME_KEYS found, or the p50 of a nested 'summary' / 'stats' dict.
     """
     series: dict[str, list[tuple[float, float]]] = {}
-    for r in find_records(data):
-        size = next((r[k] for k in SIZE_KEYS if isinstance(r.get(k), (int, float))), None)
-        t_us = None
-        for k in TIME_KEYS:
-            v = r.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                t_us = v * (1e-3 if k.endswith("ns") else 1e6 if k.endswith("s") and not k.endswith("us") else 1.0)
-                break
-        if t_us is None:
-            for k in ("summary", "stats"):
-                v = r.get(k)
-                if isinstance(v, dict) and isinstance(v.get("p50"), (int, float)):
-                    unit = v.get("unit", "us")
-                    t_us = v["p50"] * {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}.get(unit, 1.0)
-                    break
-        if size is None or t_us is None or size <= 0 or t_us <= 0:
-            continue
-        name = " ".join(
-            str(v) for k, v in r.items() if isinstance(v, str) and k not in ("unit",)
-        ) or "transfer"
-        series.setdefault(name, []).append((float(size), float(t_us)))
+
+    def add(name: str, size: float, t_us: float | None) -> None:
+        if t_us is not None and size > 0 and t_us > 0:
+            series.setdefault(name or "transfer", []).append((float(size), float(t_us)))
+
+    def walk(o: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(o, dict):
+            t_us = _time_us(o)
+            sizes = [_as_size(p) for p in path]
+            size = next((z for z in sizes if z is not None), None)
+            if size is None:
+                size = next(
+                    (o[k] for k in SIZE_KEYS if isinstance(o.get(k), (int, float))), None
+                )
+            if t_us is not None and size is not None:
+                name = " ".join(str(p) for p, z in zip(path, sizes) if z is None)
+                extra = [str(v) for k, v in o.items() if isinstance(v, str) and k != "unit"]
+                add(" ".join([name, *extra]).strip(), size, t_us)
+                return
+            for k, v in o.items():
+                walk(v, (*path, k))
+        elif isinstance(o, list):
+            for v in o:
+                if isinstance(v, dict):
+                    walk(v, path)
+
+    walk(data, ())
     for pts in series.values():
         pts.sort()
     return series

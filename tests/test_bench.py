@@ -165,6 +165,15 @@ def test_transfer_series_and_plot(tmp_path):
     series = report.transfer_series(data)
     assert set(series) == {"shm", "zmq"}
     assert series["zmq"][0] == (1024.0, pytest.approx(99.0))
+    nested = {
+        "host": {"cpus": 2},
+        "memcpy": {"4096": {"np_copyto": {"median_us": 1.0}}, "65536": {"np_copyto": {"median_us": 3.0}}},
+        "shm_view": {"4096": {"median_us": 5.0, "p99_us": 9.0, "n": 3}},
+    }
+    assert report.transfer_series(nested) == {
+        "memcpy np_copyto": [(4096.0, 1.0), (65536.0, 3.0)],
+        "shm_view": [(4096.0, 5.0)],
+    }
     out = report.plot_transfer(series, str(tmp_path / "t.png"))
     with open(out, "rb") as f:
         assert f.read(8) == PNG_MAGIC
