@@ -478,3 +478,16 @@ def test_across_processes_over_the_ring(_resource_tracker):
         sender.close()
         data.close()
         back.close()
+
+
+def test_large_copies_split_over_threads_are_exact():
+    n = tensors_mod.PARALLEL_FROM * 2 + 77  # odd size, several chunks
+    p = Pair(size=24 * MiB, view_from=0)
+    try:
+        src = torch.from_numpy(np.random.default_rng(5).integers(0, 255, n, dtype=np.uint8))
+        out = p.send(src)
+        assert torch.equal(out, src) and p.stats()["sent_arena"] == 1
+        nc = src[: n - 77].view(torch.int32).view(-1, 1024)[:, ::2]  # strided: not split
+        assert torch.equal(p.send(nc), nc)
+    finally:
+        p.close()
