@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--idle-settle", type=float, help="seconds idle before measuring (quick 2, full 5)")
     p.add_argument("--idle-window", type=float, help="seconds measured idle (quick 2, full 5)")
+    p.add_argument(
+        "--set",
+        metavar="FIELD=VALUE",
+        action="append",
+        default=[],
+        help="an EngineConfig field for every configuration, e.g. --set spin_us=100 "
+        "(repeatable; transport, model and device are set per configuration)",
+    )
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     return p
 
@@ -115,6 +123,30 @@ def _cuda() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def _base_config(items: Sequence[str]) -> Any:
+    """EngineConfig() with the ``--set FIELD=VALUE`` changes (values read as Python
+    literals where they parse, else as strings); None without changes."""
+    if not items:
+        return None
+    import ast
+
+    from engine.config import EngineConfig
+
+    changes: dict[str, Any] = {}
+    for item in items:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or field not in EngineConfig.__struct_fields__:
+            raise ValueError(f"expected FIELD=VALUE with an EngineConfig field, got {item!r}")
+        if field in ("transport", "model", "device"):
+            raise ValueError(f"{field} is set per configuration (use --configs / --models)")
+        try:
+            changes[field] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            changes[field] = text.strip()
+    return EngineConfig().replace(**changes)
 
 
 class Progress:
@@ -176,6 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"python -m bench: {e}", file=sys.stderr)
         return 2
+    try:
+        base_config = _base_config(args.set)
+    except (ValueError, Exception) as e:
+        print(f"python -m bench: --set: {e}", file=sys.stderr)
+        return 2
     stream_models = tuple(m.strip() for m in args.stream_models.split(",") if m.strip())
     opts = clients.Options(
         sections=tuple(s for s in args.only if s in clients.SECTIONS),
@@ -187,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream_models=stream_models,
         idle_settle_s=args.idle_settle if args.idle_settle is not None else d["idle_settle"],
         idle_window_s=args.idle_window if args.idle_window is not None else d["idle_window"],
+        base_config=base_config,
     )
     if opts.samples < 1 or opts.rounds < 1 or opts.warmup < 0 or opts.tokens < 1:
         print("python -m bench: --samples, --rounds, --tokens must be >= 1, --warmup >= 0", file=sys.stderr)
@@ -222,9 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from engine.config import EngineConfig
 
-        res["engine_config"] = {
-            f: getattr(EngineConfig(), f) for f in EngineConfig.__struct_fields__
-        }
+        cfg = base_config if base_config is not None else EngineConfig()
+        res["engine_config"] = {f: getattr(cfg, f) for f in EngineConfig.__struct_fields__}
     except Exception:
         pass
 
@@ -262,14 +299,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"Round trip, max_tokens=1, {model} model",
             )
             plots.append(r)
-            for cfg, s in group.items():
-                plots.append(
-                    report.plot_latency_cdf(
-                        {cfg: s},
-                        os.path.join(out, f"latency_cdf_{cfg.replace('@', '_')}.png"),
-                        f"Round trip, max_tokens=1: {cfg}",
-                    )
-                )
         if res.get("tensors") is not None:
             plots.append(
                 report.plot_transfer(
