@@ -165,6 +165,8 @@ class ShmTensorSender:
         """
         if self._closed:
             raise SerializationError("tensor sender is closed")
+        if nbytes <= 0:
+            return None  # nothing to place: inline is free
         with self._lock:
             offset = self._alloc(nbytes)
             if offset is not None:
