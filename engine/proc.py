@@ -40,6 +40,7 @@ from shmclient.channel import (
     ZmqChannelSpec,
 )
 from shmclient.errors import InvalidRequestError, PeerDeadError, PeerNotProducingError
+from shmclient.tensors_cuda import local_gpu_uuids
 from shmclient.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> int:
             if os.getppid() != parent_pid:
                 return 0
             msg = control.recv(ctl, _SLICE_S)
-        _, raw_config, transport, raw_spec = msg
+        _, raw_config, transport, raw_spec, raw_gpus = msg
         config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
         fault = config.fault_injection or ""
         if fault.startswith("exit_before_ready:"):
@@ -229,6 +230,7 @@ def main(argv: list[str]) -> int:
             channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
         else:
             channel = ZmqChannel.attach(ctx, msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec))
+        channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
         proc = EngineProc(ctl, parent_pid, config, channel)
         info = control.ReadyInfo(
             pid=os.getpid(),
@@ -236,6 +238,7 @@ def main(argv: list[str]) -> int:
             block_size=proc.core.block_size,
             max_model_len=proc.core.max_model_len,
             protocol_version=PROTOCOL_VERSION,
+            gpu_uuids=local_gpu_uuids(),
         )
         ctl.send_multipart([control.READY, msgspec.msgpack.encode(info)])
         proc.run()

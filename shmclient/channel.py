@@ -62,6 +62,7 @@ class ShmChannelSpec(msgspec.Struct, frozen=True):
     tensor_rx: str
     tensor_tx: str
     spin_us: float
+    enable_cuda_ipc: bool = True
 
 
 class ZmqChannelSpec(msgspec.Struct, frozen=True):
@@ -83,12 +84,13 @@ class ShmChannel:
         tensor_tx: Segment,
         tensor_rx: Segment,
         owned: list[Any],
+        enable_cuda_ipc: bool = True,
     ) -> None:
         self.tx = tx
         self.rx = rx
         self._tx_segment = tensor_tx
         self._rx_segment = tensor_rx
-        self._tensor_tx = ShmTensorSender(tensor_tx)
+        self._tensor_tx = ShmTensorSender(tensor_tx, enable_cuda_ipc=enable_cuda_ipc)
         self._tensor_rx = ShmTensorReceiver(tensor_rx)
         self._encoder = Encoder(tensors=self._tensor_tx)
         self._decoders = _decoders(self._tensor_rx)
@@ -106,6 +108,7 @@ class ShmChannel:
         arena_bytes: int,
         spin_us: float,
         wake_fd: bool,
+        enable_cuda_ipc: bool = True,
     ) -> tuple["ShmChannel", ShmChannelSpec]:
         """Create both rings and both arenas (frontend side). Returns the channel and the
         spec the engine attaches with. Raises ShmCapacityError when /dev/shm is too small;
@@ -133,8 +136,9 @@ class ShmChannel:
             tensor_rx=arena_req.name,
             tensor_tx=arena_out.name,
             spin_us=spin_us,
+            enable_cuda_ipc=enable_cuda_ipc,
         )
-        return cls(req, out, arena_req, arena_out, owned=made), spec
+        return cls(req, out, arena_req, arena_out, made, enable_cuda_ipc), spec
 
     @classmethod
     def attach(cls, spec: ShmChannelSpec) -> "ShmChannel":
@@ -155,12 +159,17 @@ class ShmChannel:
         except BaseException:
             rx.close()
             raise
-        return cls(tx, rx, seg_tx, seg_rx, owned=[])
+        return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc)
 
     def peer_attached(self) -> None:
         """Owner: the peer has attached, remove every name from /dev/shm now."""
         for m in self._owned:
             m.unlink()
+
+    def set_peer_gpus(self, uuids: list[str]) -> None:
+        """The GPUs the peer sees (from the handshake): CUDA tensors on other GPUs, or
+        to a peer without CUDA, travel as host copies."""
+        self._tensor_tx.set_peer_gpus(list(uuids))
 
     # -- sending ----------------------------------------------------------------------
     def send(
@@ -302,6 +311,9 @@ class ZmqChannel:
         self._tx.recv_multipart()
 
     def peer_attached(self) -> None:  # nothing to unlink: abstract socket names
+        pass
+
+    def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
         pass
 
     def send(

@@ -73,7 +73,7 @@ def check_request(
             f"request {rid!r}: the prompt has {n} tokens, more than max_model_len "
             f"({max_model_len})"
         )
-    if embeds is None and vocab_size is not None:
+    if embeds is None and vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):  # type: ignore[arg-type]
         bad = [t for t in ids if not (0 <= t < vocab_size)]  # type: ignore[union-attr]
         if bad:
             raise InvalidRequestError(

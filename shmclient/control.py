@@ -10,7 +10,7 @@ One PAIR socket per engine, bound by the frontend on an abstract unix socket
 Every message is one multipart message whose first frame is its kind:
 
     engine → frontend   HELLO <pid>            the engine process is up
-    frontend → engine   START <config> <transport> <channel spec>
+    frontend → engine   START <config> <transport> <channel spec> <frontend GPU UUIDs>
     engine → frontend   READY <ReadyInfo>      channel attached, core built
     engine → frontend   ENGINE_CORE_DEAD <error text>   (one frame kind, flushed before exit)
     frontend → engine   SHUTDOWN
@@ -39,6 +39,8 @@ class ReadyInfo(msgspec.Struct, frozen=True):
     block_size: int
     max_model_len: int
     protocol_version: int
+    #: GPUs the engine sees (UUIDs), so the frontend knows where CUDA IPC can go.
+    gpu_uuids: list[str] = []
 
 
 def make_address(tag: str = "ctl") -> str:

@@ -31,6 +31,7 @@ import zmq
 from . import control
 from .channel import ShmChannel, ZmqChannel
 from .messages import PROTOCOL_VERSION
+from .tensors_cuda import local_gpu_uuids
 
 logger = logging.getLogger("shmclient")
 
@@ -97,6 +98,7 @@ class EngineResources:
                 arena_bytes=config.tensor_arena_bytes,
                 spin_us=config.spin_us,
                 wake_fd=wake_fd,
+                enable_cuda_ipc=config.enable_cuda_ipc,
             )
         else:
             self.channel, spec = ZmqChannel.create(self.ctx, address[:-4])
@@ -112,6 +114,7 @@ class EngineResources:
         if isinstance(self.channel, ZmqChannel):
             self.channel.wait_registered(timeout=max(1.0, timeout))
         self.channel.peer_attached()
+        self.channel.set_peer_gpus(info.gpu_uuids)
         self.monitor = threading.Thread(
             target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
         )
@@ -148,6 +151,7 @@ class EngineResources:
                         msgspec.msgpack.encode(config),
                         config.transport.encode(),
                         msgspec.msgpack.encode(spec),
+                        msgspec.msgpack.encode(local_gpu_uuids()),
                     ]
                 )
             elif kind == control.READY:

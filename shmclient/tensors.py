@@ -155,6 +155,13 @@ class ShmTensorSender:
         self._used = self._peak = 0
         self._n = collections.Counter()
 
+    def set_peer_gpus(self, peer_gpu_uuids: "list[str] | None") -> None:
+        """The GPUs the receiver sees, once the handshake has told us (before any send)."""
+        with self._lock:
+            self._cuda_args = (self._cuda_args[0], peer_gpu_uuids)
+            if self._cuda is not None:
+                self._cuda.peer = None if peer_gpu_uuids is None else set(peer_gpu_uuids)
+
     # -- sending --------------------------------------------------------------------------
 
     def put(self, src: Any, nbytes: int) -> list | None:
