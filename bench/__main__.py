@@ -27,13 +27,13 @@ SECTIONS = ("latency", "streaming", "idle", "tensors", "ring")
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {
     "quick": {
-        "samples": 1200,
+        "samples": 1000,
         "rounds": 2,
-        "warmup": 100,
+        "warmup": 50,
         "streams": "1,16",
         "tokens": 64,
         "idle_settle": 2.0,
-        "idle_window": 2.0,
+        "idle_window": 1.5,
         "configs": "all",
         # The tiny model's realism check, shortened: no async clients.
         "tiny_configs": "inproc,sync-shm,sync-zmq",
@@ -94,16 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-cuda added when a GPU is visible)",
     )
     p.add_argument("--only", type=_sections, default=SECTIONS, help="sections: " + ",".join(SECTIONS))
-    p.add_argument("--samples", type=int, help="round trips per latency figure (quick 1200, full 3000)")
+    p.add_argument("--samples", type=int, help="round trips per latency figure (quick 1000, full 3000)")
     p.add_argument("--rounds", type=int, help="rounds in rotation (quick 2, full 3)")
-    p.add_argument("--warmup", type=int, help="warm-up round trips per block, excluded (quick 100, full 200)")
+    p.add_argument("--warmup", type=int, help="warm-up round trips per block, excluded (quick 50, full 200)")
     p.add_argument("--streams", type=_ints, help="concurrent requests N (quick 1,16; full 1,16,256)")
     p.add_argument("--tokens", type=int, help="tokens per streamed request M (64)")
     p.add_argument(
         "--stream-models", default="mock", help="models the streaming section runs for (mock)"
     )
     p.add_argument("--idle-settle", type=float, help="seconds idle before measuring (quick 2, full 5)")
-    p.add_argument("--idle-window", type=float, help="seconds measured idle (quick 2, full 5)")
+    p.add_argument("--idle-window", type=float, help="seconds measured idle (quick 1.5, full 5)")
     p.add_argument(
         "--set",
         metavar="FIELD=VALUE",

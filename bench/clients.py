@@ -546,7 +546,7 @@ def measure_idle(
         return {}
     progress(f"idle CPU: all clients idle {settle_s:g} s, then {window_s:g} s measured")
     time.sleep(settle_s)
-    park_s = window_s + 1.0
+    park_s = 0.2 + window_s + 0.2  # parked through the whole window, back soon after
     waiters: list[tuple[Session, Any, int]] = []
     notes: dict[str, str] = {}
 
