@@ -57,19 +57,45 @@ def unlink_semaphore(name: str) -> None:
         pass
 
 
+class Spin:
+    """The spin budget of one waiter: ``base`` seconds as configured, stretched while
+    spinning a little longer would have avoided blocking.
+
+    Waking a blocked process costs more than a short spin on some hosts (tens of µs on a
+    virtual machine whose idle vCPU has to be woken). Then a ping-pong whose sides both
+    fall asleep once stays asleep: each reply arrives after the other side's budget ran
+    out. So when a blocked wait ends within ``SLACK`` of the spin giving up, the next
+    budget doubles (at most ``STRETCH`` × base); a wait that blocked for longer (the
+    peer was idle) resets it to base. A base of 0 never spins.
+    """
+
+    __slots__ = ("base", "budget")
+    STRETCH = 8
+    SLACK = 200e-6
+
+    def __init__(self, base: float) -> None:
+        self.base = self.budget = base
+
+    def after_block(self, blocked_for: float) -> None:
+        if blocked_for < self.SLACK:
+            self.budget = min(self.budget * 2.0, self.base * self.STRETCH)
+        else:
+            self.budget = self.base
+
+
 def wait_token(
     sem: posix_ipc.Semaphore,
     hints: memoryview,
     idx: int,
     seen: int,
-    spin_s: float,
+    spin: Spin,
     timeout: float | None,
     alive: Callable[[], bool] | None,
     interval: float,
     check: Callable[[int], None],
     peer: str,
 ) -> int:
-    """Take one token from ``sem``: spin for ``spin_s`` seconds, then block.
+    """Take one token from ``sem``: spin for ``spin.budget`` seconds, then block.
 
     While spinning it reads ``hints[idx]`` (a plain counter the poster bumps before
     posting) and only tries the semaphore once that differs from ``seen`` and the
@@ -84,8 +110,9 @@ def wait_token(
     acquire = sem.acquire
     now = perf_counter()
     deadline = None if timeout is None else now + timeout
-    if spin_s > 0.0:
-        end = now + spin_s
+    budget = spin.budget
+    if budget > 0.0:
+        end = now + budget
         if deadline is not None and deadline < end:
             end = deadline
         while True:
@@ -95,7 +122,8 @@ def wait_token(
                     return SPUN
                 except BusyError:
                     pass
-            if perf_counter() >= end:
+            now = perf_counter()
+            if now >= end:
                 break
     slices = 0
     while True:
@@ -122,6 +150,8 @@ def wait_token(
                 t = interval
         try:
             acquire(t)
+            if budget > 0.0:
+                spin.after_block(perf_counter() - now)
             return BLOCKED
         except BusyError:
             slices += 1

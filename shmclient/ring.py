@@ -282,7 +282,7 @@ class Ring:
         self._data = seg.buf[HEADER_BYTES : HEADER_BYTES + spec.capacity]
         res.views += [self._q, self._data]
         self._items, self._spaces = res.sems
-        self._spin_s = spin_us * 1e-6
+        self._spin = db.Spin(spin_us * 1e-6)
         self._interval = interval
         self._lock = threading.RLock()
         self._closed = False
@@ -708,7 +708,7 @@ class _Producer(Ring):
         q = self._q
         q[_WAITS_FULL] += 1
         r = db.wait_token(
-            self._spaces, q, _TAIL, self._reclaimed, self._spin_s, timeout, alive,
+            self._spaces, q, _TAIL, self._reclaimed, self._spin, timeout, alive,
             self._interval, self._check_wait, self._peer,
         )
         if r == db.TIMED_OUT:
@@ -872,7 +872,7 @@ class _Consumer(Ring):
 
     def _wait_item(self, timeout, alive) -> None:
         r = db.wait_token(
-            self._items, self._q, _HEAD, self._taken, self._spin_s, timeout, alive,
+            self._items, self._q, _HEAD, self._taken, self._spin, timeout, alive,
             self._interval, self._check_wait, self._peer,
         )
         if r == db.TIMED_OUT:
@@ -913,8 +913,14 @@ class _Consumer(Ring):
                     items.acquire(0)
                 except db.BusyError:
                     return
-                if not self._on_item():
+                # what _on_item() does, inline
+                if self._closed:
+                    raise self._closed_error()
+                if q[_HEAD] <= self._taken:
+                    if q[_P_CLOSED]:
+                        self._peer_gone = True
                     return
+                self._taken += 1
             start = rpos = self._rpos
             pos = rpos % cap
             nrec = nbytes = 0

@@ -802,3 +802,17 @@ def test_stats_from_both_sides(pair):
     assert a["rx_records"] == 2 and a["rx_bytes"] == 30 and a["rx_batches"] == 1
     for key in ("tx_spins", "tx_blocks", "rx_spins", "rx_blocks", "wraps", "waits_on_full", "fragments"):
         assert key in a
+
+
+def test_spin_budget_stretches_only_while_the_peer_answers_right_after_we_block():
+    s = doorbell.Spin(30e-6)
+    s.after_block(50e-6)  # the token came just after the spin gave up
+    assert s.budget == pytest.approx(60e-6)
+    for _ in range(10):
+        s.after_block(10e-6)
+    assert s.budget == pytest.approx(30e-6 * doorbell.Spin.STRETCH)  # bounded
+    s.after_block(0.05)  # the peer was idle: back to the configured budget
+    assert s.budget == pytest.approx(30e-6)
+    z = doorbell.Spin(0.0)
+    z.after_block(1e-6)
+    assert z.budget == 0.0  # zero means never spin
