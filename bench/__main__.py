@@ -28,6 +28,7 @@ SECTIONS = ("latency", "streaming", "idle", "tensors", "ring")
 DEFAULTS = {
     "quick": {
         "samples": 1000,
+        "tiny_samples": 1000,
         "rounds": 2,
         "warmup": 50,
         "streams": "1,16",
@@ -40,6 +41,7 @@ DEFAULTS = {
     },
     "full": {
         "samples": 3000,
+        "tiny_samples": 2100,
         "rounds": 3,
         "warmup": 200,
         "streams": "1,16,256",
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--only", type=_sections, default=SECTIONS, help="sections: " + ",".join(SECTIONS))
     p.add_argument("--samples", type=int, help="round trips per latency figure (quick 1000, full 3000)")
+    p.add_argument(
+        "--tiny-samples", type=int, help="round trips per tiny-model latency figure (quick 1000, full 2100)"
+    )
     p.add_argument("--rounds", type=int, help="rounds in rotation (quick 2, full 3)")
     p.add_argument("--warmup", type=int, help="warm-up round trips per block, excluded (quick 50, full 200)")
     p.add_argument("--streams", type=_ints, help="concurrent requests N (quick 1,16; full 1,16,256)")
@@ -217,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = clients.Options(
         sections=tuple(s for s in args.only if s in clients.SECTIONS),
         samples=args.samples if args.samples is not None else d["samples"],
+        tiny_samples=(
+            args.tiny_samples
+            if args.tiny_samples is not None
+            else args.samples if args.samples is not None else d["tiny_samples"]
+        ),
         rounds=args.rounds if args.rounds is not None else d["rounds"],
         warmup=args.warmup if args.warmup is not None else d["warmup"],
         streams=args.streams or _ints(d["streams"]),
@@ -226,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         idle_window_s=args.idle_window if args.idle_window is not None else d["idle_window"],
         base_config=base_config,
     )
-    if opts.samples < 1 or opts.rounds < 1 or opts.warmup < 0 or opts.tokens < 1:
+    if opts.samples < 1 or (opts.tiny_samples or 1) < 1 or opts.rounds < 1 or opts.warmup < 0 or opts.tokens < 1:
         print("python -m bench: --samples, --rounds, --tokens must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
     out = args.out or os.path.join(

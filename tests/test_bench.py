@@ -259,7 +259,7 @@ def test_tiny_mp_run_latency_and_idle(tmp_path):
     )  # fmt: skip
     data = _load(out)
     assert rc == 0, data["errors"]
-    assert set(data["latency"]) == {"async-shm"}
+    assert set(data.get("latency", {})) == {"async-shm"}, data["skipped"]
     for cfg in ("async-shm",):
         assert data["latency"][cfg]["summary"]["n"] == 10
         idle = data["idle_cpu"][cfg]
