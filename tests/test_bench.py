@@ -180,6 +180,14 @@ def test_transfer_series_and_plot(tmp_path):
     assert report.plot_transfer({}, str(tmp_path / "none.png")).startswith("plots skipped")
 
 
+def test_plots_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    note = report.plot_latency_cdf({"a": [1000, 2000]}, str(tmp_path / "x.png"))
+    assert note.startswith("plots skipped") and "matplotlib" in note
+    assert report.plot_transfer({"a": [(1.0, 1.0)]}, str(tmp_path / "y.png")) == note
+    assert not os.listdir(tmp_path)
+
+
 def test_format_report_renders_every_section():
     res = {
         "args": {"quick": True},
