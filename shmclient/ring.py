@@ -91,6 +91,7 @@ REC_HDR = 8
 MAX_PAYLOAD = 0xFFFF_FFFF
 MIN_CAPACITY = 64
 MAX_CAPACITY = 1 << 40
+SCRATCH_KEEP = 64 << 20  # a reassembly buffer up to this size is reused
 
 # record flags
 EOB, PAD, MORE, CONT = 0x01, 0x02, 0x04, 0x08
@@ -787,8 +788,9 @@ class _Consumer(Ring):
         self._spins = 0
         self._blocks = 0
         self._open = False  # holding the token of a batch not fully read
-        self._frag: bytearray | None = None
+        self._frag: memoryview | None = None  # the message being reassembled
         self._frag_off = 0
+        self._scratch: bytearray | None = None
         self._wake_r = -1
         if self.spec.wake_fifo:
             r, w = db.open_wake_reader(self.spec.wake_fifo)
@@ -963,9 +965,10 @@ class _Consumer(Ring):
                 elif f & (MORE | CONT):
                     msg = self._fragment(t, f, pos, n)
                     if msg is not None:
-                        out.append((t, bytes(msg)))
+                        out.append((t, msg.tobytes()))
                         nrec += 1
                         nbytes += len(msg)
+                        msg.release()
                 else:
                     if self._frag is not None:
                         self._frag = None  # the producer gave up on that message
@@ -1007,7 +1010,7 @@ class _Consumer(Ring):
                 elif f & (MORE | CONT):
                     msg = self._fragment(t, f, pos, n)
                     if msg is not None:
-                        view = memoryview(msg)
+                        view = msg
                 else:
                     self._frag = None
                     view = data[pos + 8 : pos + 8 + n]
@@ -1036,14 +1039,22 @@ class _Consumer(Ring):
                     break
         return count
 
-    def _fragment(self, t: int, f: int, pos: int, n: int) -> bytearray | None:
-        """Copy one fragment into the reassembly buffer; the buffer once complete."""
+    def _fragment(self, t: int, f: int, pos: int, n: int) -> memoryview | None:
+        """Copy one fragment into the reassembly buffer; a view of exactly the message
+        once complete. The buffer is kept for the next message (up to SCRATCH_KEEP
+        bytes), which saves faulting in fresh pages for every large message."""
         data = self._data
         if not f & CONT:
             total = _U64.unpack_from(data, pos + 8)[0]
             if n < 8 or total > MAX_PAYLOAD or n - 8 > total:
                 raise self._corrupt(pos, n)
-            buf = bytearray(total)
+            scratch = self._scratch
+            if scratch is not None and len(scratch) >= total:
+                buf = memoryview(scratch)[:total]
+            else:
+                scratch = bytearray(total)
+                self._scratch = scratch if total <= SCRATCH_KEEP else None
+                buf = memoryview(scratch)
             off = n - 8
             buf[:off] = data[pos + 16 : pos + 8 + n]
             self._frag = buf
