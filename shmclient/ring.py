@@ -5,7 +5,8 @@ package); it knows nothing of codecs, clients, asyncio or the engine. It owns th
 layout, the record format, wrap-around, fragmentation of messages larger than the ring,
 batching, backpressure and the ring's statistics. ``try_*`` methods never block; ``send``,
 ``send_batch``, ``recv`` and ``recv_into`` with a timeout spin, then block (see
-``doorbell.wait_token``).
+``doorbell.wait_token``; the spin budget is ``spin_us``, stretched up to 8x while the
+peer answers right after we block, see ``doorbell.Spin``).
 
 Layout: a 4 KiB header, then ``capacity`` data bytes. The header holds magic, version and
 capacity; one 64-byte line written only by the producer (published-batch counter,
@@ -17,8 +18,8 @@ record that does not fit before the end is preceded by a PAD record covering the
 the last record of a batch carries END_OF_BATCH; a message longer than ``max_record`` is
 cut into fragments (MORE_FRAGMENTS / CONTINUATION, the first one prefixed with the u64
 total length) and each fragment is published as its own batch, so the consumer can free
-each one while the next is written; it reassembles into one buffer of exactly the
-message's size.
+each one while the next is written; it reassembles them into one buffer, kept for the
+next large message (up to 64 MiB) so that its pages are not faulted in again.
 
 Memory ordering. Python promises nothing about when plain stores into shared memory
 become visible to another process, and on weakly ordered CPUs (aarch64) they may become
@@ -209,10 +210,13 @@ class Ring:
     ) -> "Ring":
         """Create a ring (owner side) and return this process's end of it.
 
-        ``capacity``: data bytes, a multiple of 8, at least 64. Raises
-        ShmCapacityError if /dev/shm cannot hold it (nothing is left behind),
-        ValueError for bad arguments. Call ``unlink()`` once the peer has attached.
-        Does not block.
+        ``capacity``: data bytes, a multiple of 8, at least 64. ``spin_us``: how long a
+        waiter spins before it blocks (0: never spins). ``consumer_wake_fd``: also make
+        a FIFO the consumer can watch with an event loop (``fileno()``); the producer
+        then writes a byte per published batch (a system call, ~1 µs). ``liveness_interval``:
+        seconds between ``alive()`` checks while blocked. Raises ShmCapacityError if
+        /dev/shm cannot hold it (nothing is left behind), ValueError for bad
+        arguments. Call ``unlink()`` once the peer has attached. Does not block.
         """
         kind = _role_class(role)
         if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
