@@ -534,10 +534,12 @@ class _Producer(Ring):
                 if pos + size == cap:
                     q[_WRAPS] += 1
                 return
-            self._put(rtype, payload, n, True, timeout, alive)
+            try:
+                self._put(rtype, payload, n, True, timeout, alive)
+            finally:
+                if not self._closed:
+                    self._publish()
         finally:
-            if not self._closed:
-                self._publish()
             lock.release()
 
     def _fast(self, rtype, payload) -> bool:
