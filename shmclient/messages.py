@@ -2,9 +2,11 @@
 
 Lowest layer: imports only msgspec and the standard library (tensors are typed ``Any`` so
 that this module does not import torch; the codec's extension hook carries them).
-Every struct is ``array_like`` (a msgpack array in field order) with ``omit_defaults``, so
-trailing defaulted fields are not sent. Fields are only ever appended; a decoder reading an
-older message that lacks trailing defaulted fields fills in their defaults.
+Every struct is ``array_like`` (a msgpack array in field order) and declares
+``omit_defaults`` as vLLM's do; msgspec does not yet honour ``omit_defaults`` for
+array-like structs (msgspec issue #720), so today every field is written, which keeps
+encoding in C. Fields are only ever appended, and a decoder reading an older, shorter
+message fills the missing trailing fields with their defaults (tests/test_messages.py).
 """
 
 from __future__ import annotations
