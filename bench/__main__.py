@@ -14,8 +14,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Sequence
@@ -38,6 +42,7 @@ DEFAULTS = {
         "configs": "all",
         # The tiny model's realism check, shortened: no async clients.
         "tiny_configs": "inproc,sync-shm,sync-zmq",
+        "section_timeout": 180.0,
     },
     "full": {
         "samples": 3000,
@@ -50,6 +55,7 @@ DEFAULTS = {
         "idle_window": 5.0,
         "configs": "all",
         "tiny_configs": "all",
+        "section_timeout": 900.0,
     },
 }
 
@@ -117,7 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="an EngineConfig field for every configuration, e.g. --set spin_us=100 "
         "(repeatable; transport, model and device are set per configuration)",
     )
+    p.add_argument(
+        "--section-timeout",
+        type=float,
+        help="seconds the tensors and ring sections may take each (quick 180, full 900)",
+    )
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
+    # Internal: the child process that runs one external section.
+    p.add_argument("--run-section", choices=("tensors", "ring"), help=argparse.SUPPRESS)
+    p.add_argument("--section-json", help=argparse.SUPPRESS)
     return p
 
 
@@ -163,41 +177,103 @@ class Progress:
         print(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=self.stream, flush=True)
 
 
-def _external(name: str, quick: bool, progress: Progress, res: dict[str, Any]) -> None:
-    """Run ``bench.<name>.run(quick)`` if that module is there; note why not otherwise."""
+def _external(
+    name: str, quick: bool, progress: Progress, res: dict[str, Any], timeout_s: float
+) -> None:
+    """Run ``bench.<name>.run(quick)`` if that module is there; note why not otherwise.
+
+    It runs in a child process of its own (a fresh interpreter, none of this run's
+    clients or threads) in its own session, killed with everything it started if it
+    takes longer than ``timeout_s``: a hang there must not hang the whole benchmark.
+    """
     try:
         mod = importlib.import_module(f"bench.{name}")
     except ImportError as e:
         res["skipped"].append(f"{name}: bench.{name} is not importable ({e})")
         progress(f"{name}: skipped, bench.{name} is not importable ({e})")
         return
-    fn = getattr(mod, "run", None)
-    if not callable(fn):
+    if not callable(getattr(mod, "run", None)):
         res["skipped"].append(f"{name}: bench.{name} has no run(quick)")
         return
-    progress(f"{name}: running bench.{name}.run(quick={quick})")
+    progress(f"{name}: running bench.{name}.run(quick={quick}) in a child process")
     t0 = time.perf_counter()
+    fd, path = tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".json")
+    os.close(fd)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "bench", "--run-section", name, "--section-json", path]
+    if quick:
+        cmd.append("--quick")
     try:
-        res[name] = fn(quick)
-    except Exception as e:
-        res["errors"].append(f"{name}: {type(e).__name__}: {e}")
-        res.setdefault("tracebacks", {})[name] = traceback.format_exc()
-        progress(f"{name}: failed: {type(e).__name__}: {e}")
-        return
-    progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
-    render = getattr(mod, "report", None) or getattr(mod, "table", None)
-    if callable(render):
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True
+        )
         try:
-            text = render(res[name])
-        except Exception as e:
-            res["notes"].append(f"{name}: bench.{name}.report() failed: {type(e).__name__}: {e}")
-        else:
-            if isinstance(text, str):
-                res.setdefault("tables", {})[name] = text
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            msg = f"{name}: bench.{name}.run() did not finish within {timeout_s:g} s; killed"
+            res["errors"].append(msg)
+            progress(msg)
+            return
+        try:
+            with open(path, encoding="utf-8") as f:
+                got = json.load(f)
+        except (OSError, ValueError):
+            got = {}
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if rc != 0 or "result" not in got:
+        err = got.get("error") or f"the child process exited with status {rc}"
+        res["errors"].append(f"{name}: {err}")
+        if got.get("traceback"):
+            res.setdefault("tracebacks", {})[name] = got["traceback"]
+        progress(f"{name}: failed: {err}")
+        return
+    res[name] = got["result"]
+    if got.get("table"):
+        res.setdefault("tables", {})[name] = got["table"]
+    if got.get("note"):
+        res["notes"].append(got["note"])
+    progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+
+
+def _run_section(name: str, quick: bool, path: str) -> int:
+    """In the child: run ``bench.<name>.run(quick)``, write {result, table} or {error,
+    traceback} as JSON to ``path``."""
+    out: dict[str, Any] = {}
+    rc = 0
+    try:
+        mod = importlib.import_module(f"bench.{name}")
+        out["result"] = mod.run(quick)
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        rc = 1
+    else:
+        render = getattr(mod, "report", None) or getattr(mod, "table", None)
+        if callable(render):
+            try:
+                text = render(out["result"])
+                if isinstance(text, str):
+                    out["table"] = text
+            except Exception as e:
+                out["note"] = f"{name}: bench.{name}'s table failed: {type(e).__name__}: {e}"
+    report.write_json(path, out)
+    return rc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.run_section:
+        return _run_section(args.run_section, args.quick, args.section_json)
     d = DEFAULTS["quick" if args.quick else "full"]
     progress = Progress()
     models = args.models or ("mock,tiny,tiny-cuda" if _cuda() else "mock,tiny")
@@ -285,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             res["latency_ratios"] = report.latency_ratios(res["latency"])
     for name in ("tensors", "ring"):
         if name in args.only:
-            _external(name, args.quick, progress, res)
+            _external(name, args.quick, progress, res, args.section_timeout or d["section_timeout"])
     res["duration_s"] = time.perf_counter() - t_start
     try:
         res["machine"]["load_average_end"] = list(os.getloadavg())
