@@ -83,6 +83,7 @@ def test_overhead_ratio_and_latency_ratios():
     assert r["async"]["ratio"] == pytest.approx(0.25) and r["async"]["met"] is True
     assert r["sync"]["target"] == 0.15 and r["async"]["target"] == 0.25
     assert r["sync@tiny"]["ratio"] == pytest.approx(0.10) and r["sync@tiny"]["model"] == "tiny"
+    assert r["sync@tiny"]["target"] is None and r["sync@tiny"]["met"] is None
 
 
 def test_baseline_of():
