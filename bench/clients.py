@@ -581,6 +581,7 @@ def measure_idle(
     eng_b = {s.name: process_cpu(s.engine_pid) for s in mp}  # type: ignore[arg-type]
     proc_b = process_cpu(me)
     elapsed_ns = time.perf_counter_ns() - t_a
+    names = {t: _thread_name(t) for t in all_tids}  # while the waiters still exist
     for s, w, _ in waiters:
         if isinstance(w, threading.Thread):
             w.join(park_s + 30)
@@ -608,7 +609,7 @@ def measure_idle(
             dp = _delta(th_a[t], th_b[t], "psutil_ns") or 0
             client_ns += d
             client_psutil_ns += dp
-            threads[_thread_name(t) + ("" if t != wtid else " (waiting caller)")] = d / elapsed_ns * 100
+            threads[names[t] + ("" if t != wtid else " (waiting caller)")] = d / elapsed_ns * 100
         eng_ns = _delta(eng_a[s.name], eng_b[s.name], key) or 0
         eng_psutil_ns = _delta(eng_a[s.name], eng_b[s.name], "psutil_ns") or 0
         entry: dict[str, Any] = {
