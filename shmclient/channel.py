@@ -97,6 +97,8 @@ class ShmChannel:
         self._owned = owned  # things to unlink once the peer attached (owner side only)
         self._send_lock = threading.Lock()
         self._held_release: bytes | None = None
+        self._released = self._tensor_rx._released  # peeked at without a lock
+        self._got: list[tuple[int, Any]] = []
         self._closed = False
 
     # -- construction -----------------------------------------------------------------
@@ -199,6 +201,8 @@ class ShmChannel:
     def flush_releases(self) -> None:
         """Send pending tensor releases without blocking; if the ring is full they are
         kept and go out with the next message or flush (never lost)."""
+        if self._held_release is None and not self._released:
+            return  # the common case, without a lock
         with self._send_lock:
             rel = self._held_release or self._tensor_rx.take_releases()
             self._held_release = None
@@ -206,28 +210,39 @@ class ShmChannel:
                 self._held_release = rel
 
     # -- receiving --------------------------------------------------------------------
-    def _decode(self, records: Sequence[tuple[int, Any]]) -> list[tuple[int, Any]]:
-        out = []
-        for rtype, payload in records:
-            if rtype == REC_RELEASE:
-                self._tensor_tx.on_release(bytes(payload))
-                continue
-            dec = self._decoders.get(rtype)
-            if dec is None:
-                raise ValueError(f"unknown record type 0x{rtype:02x} on the ring")
-            out.append((rtype, dec.decode(payload)))
-        return out
+    def _on_record(self, rtype: int, view: memoryview) -> None:
+        """Decode one record straight from the ring (the view is valid during the call;
+        the decoder copies what it keeps)."""
+        dec = self._decoders.get(rtype)
+        if dec is not None:
+            self._got.append((rtype, dec.decode(view)))
+        elif rtype == REC_RELEASE:
+            self._tensor_tx.on_release(bytes(view))
+        else:
+            raise ValueError(f"unknown record type 0x{rtype:02x} on the ring")
+
+    def _take_got(self) -> list[tuple[int, Any]]:
+        got = self._got
+        self._got = []
+        return got
 
     def try_recv(self) -> list[tuple[int, Any]]:
         """Every message available now, decoded, in order; [] if none. Never blocks."""
         self.flush_releases()
-        return self._decode(self.rx.try_recv())
+        self.rx.recv_into(self._on_record, timeout=0.0)
+        return self._take_got() if self._got else []
 
     def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
         """Spin, then block until at least one record arrives (may decode to [] when only
         releases came). Raises PeerNotProducingError on timeout, PeerDeadError."""
         self.flush_releases()
-        return self._decode(self.rx.recv(timeout=timeout, alive=alive))
+        if timeout is not None and timeout <= 0:
+            timeout = 1e-9  # recv_into reads 0 as "never wait"
+        try:
+            self.rx.recv_into(self._on_record, timeout=timeout, alive=alive)
+        finally:
+            got = self._take_got()
+        return got
 
     def fileno(self) -> int:
         """A file descriptor that becomes readable when something was published."""

@@ -196,9 +196,14 @@ class MPClient(EngineCoreClient):
 class SyncMPClient(MPClient):
     """Blocking client: ``get_output()`` waits for the next batch in the caller's thread."""
 
+    #: Longest a waiting thread sleeps before it re-checks (only a safety net: leaders
+    #: notify followers whenever they hand the channel back).
+    _FOLLOW_SLICE_S = 0.05
+
     def __init__(self, config: Any) -> None:
-        self._cond = threading.Condition()
-        self._leading = False
+        self._lead = threading.Lock()  # held by the one thread reading the channel
+        self._cond = threading.Condition(threading.Lock())  # followers wait here
+        self._followers = 0
         super().__init__(config)
 
     def _on_engine_dead(self) -> None:
@@ -207,38 +212,47 @@ class SyncMPClient(MPClient):
             self._cond.notify_all()
 
     def _pump(self, done: Any, deadline: float | None) -> None:
-        """Wait until ``done()``: lead (read the channel and dispatch) or follow (wait on
-        the condition while another thread leads). Raises EngineDeadError, TimeoutError."""
-        cond = self._cond
+        """Wait until ``done()``. The thread that gets ``_lead`` reads the channel and
+        dispatches everything it reads; the others wait on the condition until the
+        leader hands over. Raises EngineDeadError, TimeoutError."""
+        lead = self._lead
+        dead = self.resources.dead
         while True:
-            with cond:
-                while True:
+            if done():
+                return
+            if dead.is_set():
+                raise self._dead_error()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("no output from the engine within the timeout")
+            if lead.acquire(False):
+                try:
                     if done():
                         return
-                    if self.resources.dead.is_set():
-                        raise self._dead_error()
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError("no output from the engine within the timeout")
-                    if not self._leading:
-                        self._leading = True
-                        break
-                    cond.wait(left)
-            got: list = []
-            try:
-                got = self.channel.recv(timeout=left, alive=self.resources.alive)
-            except PeerNotProducingError:
-                pass
-            except PeerDeadError as e:
-                if not self.resources.dead.is_set():
-                    # The ring saw the peer close before the monitor saw the exit.
-                    self.resources.dead.wait(2.0)
-                raise self._dead_error() from e
-            finally:
-                with cond:
-                    self._leading = False
-                    self._dispatch(got)
-                    cond.notify_all()
+                    got = self.channel.recv(timeout=left, alive=self.resources.alive)
+                    if got:
+                        self._dispatch(got)
+                except PeerNotProducingError:
+                    pass
+                except PeerDeadError as e:
+                    if not dead.is_set():
+                        # The ring saw the peer close before the monitor saw the exit.
+                        dead.wait(2.0)
+                    raise self._dead_error() from e
+                finally:
+                    lead.release()
+                    if self._followers:
+                        with self._cond:
+                            self._cond.notify_all()
+            else:
+                with self._cond:
+                    self._followers += 1
+                    try:
+                        if lead.locked() and not done() and not dead.is_set():
+                            wait = self._FOLLOW_SLICE_S if left is None else min(left, self._FOLLOW_SLICE_S)
+                            self._cond.wait(wait)
+                    finally:
+                        self._followers -= 1
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch; blocks until one arrives. Raises EngineDeadError (within
@@ -248,7 +262,7 @@ class SyncMPClient(MPClient):
             return outputs.popleft()
         self._ensure_alive()
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump(lambda: bool(outputs), deadline)
+        self._pump(outputs.__len__, deadline)
         return outputs.popleft()
 
     def call_utility(self, method: str, *args: Any) -> Any:
