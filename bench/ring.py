@@ -80,6 +80,10 @@ def _ring_echo(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
         tx.close()
 
 
+#: No receive in the zmq baseline waits longer than this: a lost peer fails the section.
+ZMQ_RECV_TIMEOUT_MS = 30_000
+
+
 def _zmq_echo(addr_in: str, addr_out: str) -> None:
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -215,6 +219,7 @@ def zmq_round_trips(quick: bool, tmp: str) -> dict:
     ctx = zmq.Context()
     a_out, a_in = f"ipc://{tmp}/rt-out", f"ipc://{tmp}/rt-in"
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, ZMQ_RECV_TIMEOUT_MS)  # a lost peer raises zmq.Again
     push.bind(a_out)
     pull.bind(a_in)
     child = _start(_zmq_echo, a_out, a_in)
@@ -280,6 +285,7 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
     ctx = zmq.Context()
     addr = f"ipc://{tmp}/flood-{size}"
     pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, ZMQ_RECV_TIMEOUT_MS)  # a lost peer raises zmq.Again
     pull.bind(addr)
     child = _start(_zmq_flood, addr, size, count)
     copy = size < 64 * KiB

@@ -52,6 +52,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``engine_ready_timeout_s``, ``enable_cuda_ipc``: transport settings (used by the
       client and the engine process, not by the core).
     * ``fault_injection``: free-form directive read by the engine process in tests.
+    * ``cpu_threads``: torch threads of the engine process when the device is cpu (1
+      by default: the tiny model gains nothing from more, and on a small host a thread
+      pool spinning against the frontend's process costs latency).
     """
 
     model: str = "mock"
@@ -76,6 +79,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_ready_timeout_s: float | None = None
     enable_cuda_ipc: bool = True
     fault_injection: str | None = None
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("model", self.model, VALID_MODELS)
@@ -99,6 +103,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.num_gpu_blocks is not None:
             _check_int("num_gpu_blocks", self.num_gpu_blocks, low=1)
         _check_int("seed", self.seed, low=0, high=2**63 - 1)
+        _check_int("cpu_threads", self.cpu_threads, low=1)
         _check_int("eos_token_id", self.eos_token_id, low=0, high=self.vocab_size - 1)
         _check_int("ring_capacity_bytes", self.ring_capacity_bytes, low=4096)
         _check_int("tensor_arena_bytes", self.tensor_arena_bytes, low=0)

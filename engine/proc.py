@@ -226,6 +226,12 @@ def main(argv: list[str]) -> int:
         if fault == "hang_before_ready":
             _wait_for_parent_forever(parent_pid)
             return 0
+        if not config.is_cuda:
+            # The engine process is the only compute here, and on a small host torch's
+            # thread pool spinning against the frontend costs more than it gains.
+            import torch
+
+            torch.set_num_threads(max(1, config.cpu_threads))
         if transport == b"shm":
             channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
         else:

@@ -60,7 +60,7 @@ BAD_VALUES = [
     ("gpu_memory_utilization", 1.5), ("gpu_memory_utilization", float("nan")),
     ("gpu_memory_utilization", "0.5"), ("vocab_size", 0), ("hidden_size", 0),
     ("hidden_size", 66), ("num_layers", 0), ("num_heads", 0), ("eos_token_id", -1),
-    ("eos_token_id", 1024), ("ring_capacity_bytes", 100), ("tensor_arena_bytes", -1),
+    ("eos_token_id", 1024), ("ring_capacity_bytes", 100), ("tensor_arena_bytes", -1), ("cpu_threads", 0),
     ("spin_us", -1.0), ("spin_us", float("inf")), ("spin_us", None),
     ("engine_ready_timeout_s", 0), ("engine_ready_timeout_s", -1.0),
     ("enable_cuda_ipc", 1), ("fault_injection", 3),
