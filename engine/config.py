@@ -75,7 +75,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_id: int = 2
     ring_capacity_bytes: int = 4 * MiB
     tensor_arena_bytes: int = 64 * MiB
-    spin_us: float = 30.0
+    spin_us: float = 50.0
     engine_ready_timeout_s: float | None = None
     enable_cuda_ipc: bool = True
     fault_injection: str | None = None
