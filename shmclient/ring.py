@@ -504,36 +504,9 @@ class _Producer(Ring):
         else:
             self._lock_for(timeout)
         try:
-            # _fast(), inline (the hot path of the whole client); keep the two in step
-            if self._closed:
-                raise self._closed_error()
-            q = self._q
-            if q[_C_CLOSED]:
-                self._consumer_gone()
-            n = len(payload)
-            size = (n + 15) & -8
-            cap = self.capacity
-            wpos = self._wpos
-            pos = wpos % cap
-            if size <= cap - pos and size <= cap - (wpos - self._fpos) and self._last < 0:
-                data = self._data
-                try:
-                    _REC.pack_into(data, pos, n, rtype, EOB)
-                except struct.error:
-                    raise _bad_type(rtype) from None
-                data[pos + 8 : pos + 8 + n] = payload
-                self._wpos = wpos = wpos + size
-                self._extents.append(wpos)
-                self._published = b = self._published + 1
-                self._records = q[_P_RECORDS] = self._records + 1
-                self._bytes = q[_P_BYTES] = self._bytes + n
-                q[_HEAD] = b  # one aligned 8-byte store, before the post that publishes it
-                self._items.release()
-                if self._want_wake:
-                    self._ring_wake()
-                if pos + size == cap:
-                    q[_WRAPS] += 1
+            if self._fast(rtype, payload):
                 return
+            n = len(payload)
             try:
                 self._put(rtype, payload, n, True, timeout, alive)
             finally:
