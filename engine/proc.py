@@ -39,7 +39,12 @@ from shmclient.channel import (
     ZmqChannel,
     ZmqChannelSpec,
 )
-from shmclient.errors import InvalidRequestError, PeerDeadError, PeerNotProducingError
+from shmclient.errors import (
+    InvalidRequestError,
+    PeerDeadError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+)
 from shmclient.tensors_cuda import local_gpu_uuids
 from shmclient.messages import (
     PROTOCOL_VERSION,
@@ -53,10 +58,6 @@ from shmclient.messages import (
 from .config import EngineConfig
 
 _SLICE_S = 0.1
-
-
-class _Shutdown(Exception):
-    """The frontend asked us to stop, or is gone."""
 
 
 class EngineProc:
@@ -137,7 +138,20 @@ class EngineProc:
             reply(result)
 
     def send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
-        self.channel.send(REC_OUTPUTS, outputs, timeout=None, alive=self.alive)
+        """Send one batch. While the output ring is full (the frontend is not reading),
+        keep taking requests, so that a frontend blocked on a full request ring always
+        gets room and the two processes can never wait on each other."""
+        channel = self.channel
+        payload = channel.encode(outputs)
+        while True:
+            try:
+                channel.send_encoded(REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
+                return
+            except PeerNotConsumingError:
+                for rtype, obj in channel.try_recv():
+                    self.handle(rtype, obj)
+                if self._stop:
+                    raise PeerDeadError("the frontend is gone") from None
 
     # -- loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -248,7 +262,7 @@ def main(argv: list[str]) -> int:
         )
         ctl.send_multipart([control.READY, msgspec.msgpack.encode(info)])
         proc.run()
-    except (PeerDeadError, _Shutdown):
+    except PeerDeadError:
         code = 0  # the frontend closed its end or went away: a normal exit
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1

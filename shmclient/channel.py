@@ -96,7 +96,7 @@ class ShmChannel:
         self._decoders = _decoders(self._tensor_rx)
         self._owned = owned  # things to unlink once the peer attached (owner side only)
         self._send_lock = threading.Lock()
-        self._held_release: bytes | None = None
+        self._held_release: list[bytes] | None = None
         self._released = self._tensor_rx._released  # peeked at without a lock
         self._got: list[tuple[int, Any]] = []
         self._closed = False
@@ -168,35 +168,53 @@ class ShmChannel:
         for m in self._owned:
             m.unlink()
 
+    def fits_whole(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` goes as one record (not in fragments)."""
+        return nbytes <= self.tx.max_record
+
     def set_peer_gpus(self, uuids: list[str]) -> None:
         """The GPUs the peer sees (from the handshake): CUDA tensors on other GPUs, or
         to a peer without CUDA, travel as host copies."""
         self._tensor_tx.set_peer_gpus(list(uuids))
 
     # -- sending ----------------------------------------------------------------------
+    def encode(self, obj: Any) -> bytes:
+        """The message's bytes (tensors placed out of band). Encode once, then
+        ``send_encoded`` may be retried without placing the tensors again."""
+        return self._encoder.encode(obj)
+
     def send(
         self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
     ) -> None:
-        """Encode and send one message (plus any pending tensor releases) with one
-        doorbell. Blocks only while the ring is full (backpressure), up to ``timeout``;
-        raises PeerNotConsumingError / PeerDeadError / ClientClosedError."""
-        payload = self._encoder.encode(obj)
-        with self._send_lock:
-            rel = self._take_releases()
-            if rel is None:
-                self.tx.send(rtype, payload, timeout=timeout, alive=alive)
-            else:
-                self.tx.send_batch(
-                    [(REC_RELEASE, rel), (rtype, payload)], timeout=timeout, alive=alive
-                )
+        """Encode and send one message (pending tensor releases go ahead of it). Blocks
+        only while the ring is full (backpressure), up to ``timeout``; raises
+        PeerNotConsumingError / PeerDeadError / ClientClosedError."""
+        self.send_encoded(rtype, self._encoder.encode(obj), timeout=timeout, alive=alive)
 
-    def _take_releases(self) -> bytes | None:
-        """Pending releases: those a full ring held back, then the receiver's new ones."""
+    def send_encoded(
+        self,
+        rtype: int,
+        payload: bytes,
+        *,
+        timeout: float | None = None,
+        alive: Alive | None = None,
+    ) -> None:
+        """Send bytes from ``encode``. When it raises, nothing of this message was sent
+        (a message larger than the ring may have been sent in part; the receiver drops
+        it). Pending tensor releases go first if the ring has room now; otherwise they
+        wait for the next send or receive (never lost, never sent twice)."""
+        with self._send_lock:
+            if self._held_release is not None or self._released:
+                self._flush_releases_locked()
+            self.tx.send(rtype, payload, timeout=timeout, alive=alive)
+
+    def _take_releases(self) -> list[bytes]:
+        """Pending releases, oldest first: those held back before, then new ones.
+        Caller holds the send lock."""
+        held = self._held_release or []
+        self._held_release = None
         rel = self._tensor_rx.take_releases()
-        held, self._held_release = self._held_release, None
-        if held is not None:
-            self.tx.send(REC_RELEASE, held)  # keeps release order; ring had room before
-        return rel
+        return held + [rel] if rel is not None else held
 
     def flush_releases(self) -> None:
         """Send pending tensor releases without blocking; if the ring is full they are
@@ -204,10 +222,13 @@ class ShmChannel:
         if self._held_release is None and not self._released:
             return  # the common case, without a lock
         with self._send_lock:
-            rel = self._held_release or self._tensor_rx.take_releases()
-            self._held_release = None
-            if rel is not None and not self.tx.try_send(REC_RELEASE, rel):
-                self._held_release = rel
+            self._flush_releases_locked()
+
+    def _flush_releases_locked(self) -> None:
+        rels = self._take_releases()
+        while rels and self.tx.try_send(REC_RELEASE, rels[0]):
+            rels.pop(0)
+        self._held_release = rels or None
 
     # -- receiving --------------------------------------------------------------------
     def _on_record(self, rtype: int, view: memoryview) -> None:
@@ -273,6 +294,12 @@ class ShmChannel:
         self._rx_segment.close()
 
 
+def _data_socket_options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # unbounded queues, as vLLM: sends never block
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
 class ZmqChannel:
     """One side of the ZMQ data path (the baseline transport).
 
@@ -301,7 +328,7 @@ class ZmqChannel:
         tx = ctx.socket(zmq.ROUTER)
         rx = ctx.socket(zmq.PULL)
         for s in (tx, rx):
-            s.setsockopt(zmq.LINGER, 0)
+            _data_socket_options(s)
         tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
         tx.bind(spec.input_address)
         rx.bind(spec.output_address)
@@ -313,7 +340,7 @@ class ZmqChannel:
         rx.setsockopt(zmq.IDENTITY, cls.ENGINE_IDENTITY)
         tx = ctx.socket(zmq.PUSH)
         for s in (tx, rx):
-            s.setsockopt(zmq.LINGER, 0)
+            _data_socket_options(s)
         rx.connect(spec.input_address)
         tx.connect(spec.output_address)
         rx.send(b"")  # registration: lets the ROUTER route to us
@@ -331,10 +358,21 @@ class ZmqChannel:
     def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
         pass
 
+    def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
+        return True
+
+    def encode(self, obj: Any) -> list:
+        return self._encoder.encode_frames(obj)
+
     def send(
         self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
     ) -> None:
-        frames = self._encoder.encode_frames(obj)
+        self.send_encoded(rtype, self._encoder.encode_frames(obj))
+
+    def send_encoded(
+        self, rtype: int, frames: list, *, timeout: float | None = None, alive: Alive | None = None
+    ) -> None:
+        """Queue the frames; never blocks (no high-water mark, as vLLM's sockets)."""
         head = [self.ENGINE_IDENTITY] if self._frontend else []
         with self._send_lock:
             self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)

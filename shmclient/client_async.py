@@ -24,7 +24,8 @@ from typing import Any
 from .client import UTILITY_METHODS, EngineCoreClient
 from .client_mp import MPClient
 from .doorbell import Spin
-from .errors import PeerDeadError, PeerNotProducingError
+from .channel import REQ_ADD
+from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
 from .launcher import weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -34,7 +35,7 @@ class AsyncMPClient(MPClient):
 
     def __init__(self, config: Any) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiter: asyncio.Future | None = None
+        self._waiters: set[asyncio.Future] = set()
         self._fd: int | None = None
         super().__init__(config)
         # Spin on the ring before parking the task, adaptively as the ring's own waits
@@ -74,23 +75,32 @@ class AsyncMPClient(MPClient):
         return remove
 
     def _on_readable(self) -> None:
-        self.channel.drain_wake()
+        """Loop reader: drain the channel whenever something was published, so replies
+        and outputs are handled even with no task waiting."""
+        if not self._lead.acquire(False):
+            return  # a task is reading right now, or shutdown is closing the channel
         try:
-            got = self.channel.try_recv()
-        except PeerDeadError:
-            got = []
-        if got:
-            self._dispatch(got)
-            self._wake_waiter()
-        if self.channel.peer_closed and self._loop is not None and self._fd is not None:
-            # The engine closed its end (it is exiting): stop watching a descriptor that
-            # now stays readable; the monitor reports the death to waiters.
-            self._loop.remove_reader(self._fd)
+            if self._closed:
+                return
+            self.channel.drain_wake()
+            try:
+                got = self.channel.try_recv()
+            except (PeerDeadError, ClientClosedError):
+                got = []
+            if got:
+                self._dispatch(got)
+                self._wake_waiters()
+            if self.channel.peer_closed and self._loop is not None and self._fd is not None:
+                # The engine closed its end (it is exiting): stop watching a descriptor
+                # that now stays readable; the monitor reports the death to waiters.
+                self._loop.remove_reader(self._fd)
+        finally:
+            self._lead.release()
 
-    def _wake_waiter(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+    def _wake_waiters(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
 
     def _on_engine_dead(self) -> None:
         """Monitor thread: hand the news to the loop (futures belong to it)."""
@@ -104,12 +114,57 @@ class AsyncMPClient(MPClient):
 
     def _fail_in_loop(self) -> None:
         self._fail_all_futures()
-        self._wake_waiter()
+        self._wake_waiters()
+
+    def _read_now(self, timeout: float) -> None:
+        """Read and dispatch what is there (spinning up to ``timeout``), unless another
+        task or shutdown holds the channel."""
+        if not self._lead.acquire(False):
+            return
+        try:
+            if self._closed or self.resources.dead.is_set():
+                return
+            try:
+                got = (
+                    self.channel.recv(timeout=timeout, alive=self.resources.alive)
+                    if timeout > 0
+                    else self.channel.try_recv()
+                )
+            except (PeerNotProducingError, PeerDeadError, ClientClosedError):
+                # Dead peer: the monitor's report wakes the waiters with its reason.
+                got = []
+            if got:
+                self._dispatch(got)
+                self._wake_waiters()
+        finally:
+            self._lead.release()
 
     # -- async API --------------------------------------------------------------------
     async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Validate and queue. If the request ring is full, read outputs and yield to
+        other tasks until it has room, instead of blocking the event loop."""
         self._bind_loop()
-        self.add_request(request)
+        self._admit(request)
+        try:
+            payload = self.channel.encode(request)
+            # A message bigger than the ring goes in fragments and must wait for room as
+            # it goes; the engine keeps draining requests, so that wait is short.
+            timeout = 0.0 if self.channel.fits_whole(len(payload)) else None
+            while True:
+                self._ensure_alive()
+                try:
+                    self.channel.send_encoded(
+                        REQ_ADD, payload, timeout=timeout, alive=self.resources.alive
+                    )
+                    return
+                except PeerNotConsumingError:
+                    self._read_now(0.0)
+                    await asyncio.sleep(0)
+                except PeerDeadError as e:
+                    raise self._dead_error() from e
+        except BaseException:
+            self._live.discard(request.request_id)
+            raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         self.abort_requests(request_ids)
@@ -120,29 +175,20 @@ class AsyncMPClient(MPClient):
         if outputs:
             return outputs.popleft()
         loop = self._bind_loop()
+        spin = self._spin
         while True:
             if self.resources.dead.is_set() or self._closed:
                 raise self._dead_error()
-            spin = self._spin
-            try:
-                got = (
-                    self.channel.recv(timeout=spin.budget, alive=self.resources.alive)
-                    if spin.budget > 0
-                    else self.channel.try_recv()
-                )
-            except (PeerNotProducingError, PeerDeadError):
-                # Dead peer: park below; the monitor's report wakes us with its reason.
-                got = []
-            if got:
-                self._dispatch(got)
+            self._read_now(spin.budget)
             if outputs:
                 return outputs.popleft()
-            self._waiter = waiter = loop.create_future()
+            waiter = loop.create_future()
+            self._waiters.add(waiter)
             parked = time.perf_counter()
             try:
                 await waiter
             finally:
-                self._waiter = None
+                self._waiters.discard(waiter)
             # Woken just after the spin gave up: spin longer next time (up to 8x).
             spin.after_block(time.perf_counter() - parked)
             if outputs:

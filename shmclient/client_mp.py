@@ -29,6 +29,7 @@ from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .client import EngineCoreClient, check_request
 from .errors import (
     ClientClosedError,
+    InvalidRequestError,
     EngineDeadError,
     PeerDeadError,
     PeerNotProducingError,
@@ -45,6 +46,9 @@ class MPClient(EngineCoreClient):
 
     def __init__(self, config: Any) -> None:
         self.config = config  # never mutated: capacity comes back in attributes
+        #: Held by the one thread (or event-loop task) that is reading the channel, and
+        #: by shutdown() while it closes the channel under any reader.
+        self._lead = threading.Lock()
         self.resources = EngineResources()
         self._finalizer = weakref.finalize(self, self.resources.shutdown)
         try:
@@ -93,7 +97,17 @@ class MPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate (InvalidRequestError), then queue. EngineDeadError if the engine is
-        gone. Blocks only while the request ring is full."""
+        gone. Blocks only while the request ring is full (the engine keeps taking
+        requests even while its own output ring is full, so this always progresses)."""
+        self._admit(request)
+        try:
+            self._send(REQ_ADD, request)
+        except BaseException:
+            self._live.discard(request.request_id)
+            raise
+
+    def _admit(self, request: EngineCoreRequest) -> None:
+        """Checks before a request travels; marks its id live."""
         self._ensure_alive()
         check_request(
             request,
@@ -101,16 +115,9 @@ class MPClient(EngineCoreClient):
             hidden_size=self.config.hidden_size,
             vocab_size=self.config.vocab_size,
         )
-        from .errors import InvalidRequestError
-
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         self._live.add(request.request_id)
-        try:
-            self._send(REQ_ADD, request)
-        except BaseException:
-            self._live.discard(request.request_id)
-            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort; rides the same ordered ring as the adds. A quiet no-op once the engine
@@ -127,6 +134,8 @@ class MPClient(EngineCoreClient):
         call_id = next(self._call_ids)
         self._futures[call_id] = (method, future)
         try:
+            # Death may have failed every registered future just before ours went in.
+            self._ensure_alive()
             self._send(REQ_UTILITY, UtilityRequest(0, call_id, method, args))
         except BaseException:
             self._futures.pop(call_id, None)
@@ -186,7 +195,17 @@ class MPClient(EngineCoreClient):
             return
         self._closed = True
         self._finalizer.detach()
-        self.resources.shutdown(timeout)
+        res = self.resources
+        res._shutting_down = True
+        res._mark_dead("the client was shut down")  # waiters leave the channel now
+        # Wait for a reader to leave the channel before it is closed (readers check the
+        # dead flag at least every liveness interval, 0.1 s).
+        got = self._lead.acquire(timeout=2.0)
+        try:
+            res.shutdown(timeout)
+        finally:
+            if got:
+                self._lead.release()
 
     @property
     def is_dead(self) -> bool:
@@ -201,7 +220,6 @@ class SyncMPClient(MPClient):
     _FOLLOW_SLICE_S = 0.05
 
     def __init__(self, config: Any) -> None:
-        self._lead = threading.Lock()  # held by the one thread reading the channel
         self._cond = threading.Condition(threading.Lock())  # followers wait here
         self._followers = 0
         super().__init__(config)
@@ -210,6 +228,13 @@ class SyncMPClient(MPClient):
         with self._cond:
             self._fail_all_futures()
             self._cond.notify_all()
+
+    def _alive_and_flush(self) -> bool:
+        """Liveness check run by every blocked wait slice; also sends the releases of
+        tensors the caller dropped meanwhile, so the engine's arena does not fill up
+        while we wait."""
+        self.channel.flush_releases()
+        return self.resources.alive()
 
     def _pump(self, done: Any, deadline: float | None) -> None:
         """Wait until ``done()``. The thread that gets ``_lead`` reads the channel and
@@ -227,14 +252,14 @@ class SyncMPClient(MPClient):
                 raise TimeoutError("no output from the engine within the timeout")
             if lead.acquire(False):
                 try:
-                    if done():
-                        return
-                    got = self.channel.recv(timeout=left, alive=self.resources.alive)
+                    if done() or dead.is_set():
+                        continue
+                    got = self.channel.recv(timeout=left, alive=self._alive_and_flush)
                     if got:
                         self._dispatch(got)
                 except PeerNotProducingError:
                     pass
-                except PeerDeadError as e:
+                except (PeerDeadError, ClientClosedError) as e:
                     if not dead.is_set():
                         # The ring saw the peer close before the monitor saw the exit.
                         dead.wait(2.0)
@@ -258,12 +283,16 @@ class SyncMPClient(MPClient):
         """The next output batch; blocks until one arrives. Raises EngineDeadError (within
         ~0.2 s of the engine's death), TimeoutError when ``timeout`` runs out."""
         outputs = self._outputs
-        if outputs:
-            return outputs.popleft()
-        self._ensure_alive()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._pump(outputs.__len__, deadline)
-        return outputs.popleft()
+        deadline = None
+        while True:
+            try:
+                return outputs.popleft()  # another thread may have taken the one we saw
+            except IndexError:
+                pass
+            self._ensure_alive()
+            if deadline is None and timeout is not None:
+                deadline = time.monotonic() + timeout
+            self._pump(outputs.__len__, deadline)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         fut: concurrent.futures.Future = concurrent.futures.Future()

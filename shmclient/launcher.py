@@ -79,7 +79,8 @@ class EngineResources:
         self._callbacks: list[Callable[[], None]] = []
         self._before_close: list[Callable[[], None]] = []
         self._shutting_down = False
-        self._shutdown_done = False
+        self._shutdown_started = False
+        self._shutdown_finished = threading.Event()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
 
@@ -213,7 +214,7 @@ class EngineResources:
                         text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
                         self._mark_dead(f"Engine core process reported a fatal error: {text}")
                 if self._wake_r in events:
-                    if not self.dead.is_set():
+                    if self.proc.poll() is None:
                         try:
                             self.ctl.send_multipart([control.SHUTDOWN], zmq.NOBLOCK)
                         except zmq.ZMQError:
@@ -235,41 +236,62 @@ class EngineResources:
     # -- stop -------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop everything; idempotent, callable from any thread and from a finalizer.
-        Waits up to ``timeout`` for a clean exit, then SIGTERM, then SIGKILL."""
+        Waits up to ``timeout`` for a clean exit, then SIGTERM, then SIGKILL. A second
+        caller waits until the first has finished."""
         with self._lock:
-            if self._shutdown_done:
-                return
-            self._shutdown_done = True
-            self._shutting_down = True
-        for hook in self._before_close:
-            try:
-                hook()
-            except Exception:  # pragma: no cover
-                logger.exception("shutdown hook failed")
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        mon = self.monitor
-        if mon is not None and mon is not threading.current_thread():
-            mon.join(timeout=2.0)
-        if self.channel is not None:
-            self.channel.close()
-        if self.proc is not None:
-            self._stop_process(self.proc, timeout)
-        self._mark_dead("the client was shut down")
-        if mon is None and self.ctl is not None:
-            self.ctl.close(linger=0)
-        if self.ctx is not None:
-            if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
-                self.ctx.destroy(linger=0)
+            if self._shutdown_started:
+                first = False
             else:
-                self.ctx.term()
-        for fd in (self._wake_r, self._wake_w):
+                self._shutdown_started = first = True
+                self._shutting_down = True
+        if not first:
+            if threading.current_thread() is not self.monitor:
+                self._shutdown_finished.wait(timeout + 10.0)
+            return
+        if threading.current_thread() is self.monitor:
+            # The last reference went away inside a death callback: the monitor cannot
+            # join itself or close its own socket under its feet; hand the work over.
+            threading.Thread(
+                target=self._shutdown, args=(timeout,), name="shmclient-shutdown"
+            ).start()
+            return
+        self._shutdown(timeout)
+
+    def _shutdown(self, timeout: float) -> None:
+        try:
+            for hook in self._before_close:
+                try:
+                    hook()
+                except Exception:  # pragma: no cover
+                    logger.exception("shutdown hook failed")
+            # Waiters and pending calls learn of it first (EngineDeadError), before the
+            # channel they may be blocked on goes away.
+            self._mark_dead("the client was shut down")
             try:
-                os.close(fd)
+                os.write(self._wake_w, b"x")
             except OSError:
                 pass
+            mon = self.monitor
+            if mon is not None:
+                mon.join(timeout=2.0)
+            if self.channel is not None:
+                self.channel.close()
+            if self.proc is not None:
+                self._stop_process(self.proc, timeout)
+            if mon is None and self.ctl is not None:
+                self.ctl.close(linger=0)
+            if self.ctx is not None:
+                if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
+                    self.ctx.destroy(linger=0)
+                else:
+                    self.ctx.term()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        finally:
+            self._shutdown_finished.set()
 
     @staticmethod
     def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
