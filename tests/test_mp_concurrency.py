@@ -181,3 +181,45 @@ def test_sync_adds_without_reading_never_deadlock_small_rings():
         assert finished == set(ids)
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+async def test_tensors_of_aborted_and_finished_requests_are_released(mode):
+    """prompt_embeds placed in the shared arena come back to the frontend's arena once the
+    engine drops them, for an aborted request as for a finished one."""
+    import torch
+
+    from shmclient import EngineCoreRequest, SamplingParams
+
+    c = make_client(True, mode == "async", cfg(fault_injection="step_delay:0.01"))
+
+    def in_flight() -> int:  # blocks of the frontend's arena the engine still holds
+        return c.channel.stats()["tensors"]["blocks_in_flight"]
+
+    async def call(name, *args):
+        if mode == "async":
+            return await getattr(c, f"{name}_async")(*args)
+        return getattr(c, name)(*args)
+
+    try:
+        assert in_flight() == 0
+        embeds = torch.randn(512, 64)  # 128 KiB: out of band, read in place by the engine
+        for rid in ("keep", "drop"):
+            await call(
+                "add_request",
+                EngineCoreRequest(
+                    request_id=rid, prompt_embeds=embeds,
+                    sampling_params=SamplingParams(max_tokens=1000, ignore_eos=True),
+                ),
+            )
+        assert in_flight() == 2
+        await call("abort_requests", ["drop", "keep"])
+        # Each round trip carries the engine's pending releases back; a bounded number of
+        # them must bring the frontend's arena back to empty.
+        for _ in range(50):
+            await call("echo", 0)
+            if in_flight() == 0:
+                break
+        assert in_flight() == 0
+    finally:
+        c.shutdown()
