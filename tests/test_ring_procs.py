@@ -163,6 +163,11 @@ def _stress(count: int, capacity: int) -> None:
     child = None
     try:
         child = Child(_producer_main, _spec_bytes(c), count, 1234 + count, 3000, True)
+        # Read nothing until the producer has hit a full ring (state, not time), so the
+        # run always covers backpressure however fast this side would otherwise be.
+        deadline = time.monotonic() + 30
+        while c.stats()["waits_on_full"] == 0:
+            assert child.alive() and time.monotonic() < deadline, "producer never filled the ring"
         _consume(c, count, child)
         with pytest.raises(PeerDeadError):
             c.recv(timeout=30, alive=child.alive)  # then its close() is seen
