@@ -77,9 +77,8 @@ def _shm_receiver(data_spec, back_spec, arena: str, view_from: int) -> None:
             for rtype, payload in rx.recv(timeout=120):
                 if rtype == STOP:
                     return
-                t = dec.decode(payload)
+                dec.decode(payload)  # the tensor is dropped at once: its release goes back
                 t1 = time.perf_counter()
-                del t
                 tx.send(ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
     finally:
         receiver.close()
@@ -102,9 +101,9 @@ def _zmq_receiver(data_addr: str, back_addr: str) -> None:
             frames = pull.recv_multipart(copy=False)
             if len(frames) == 1 and frames[0].bytes == b"stop":
                 return
-            t = dec.decode_frames(frames)
+            dec.decode_frames(frames)
             t1 = time.perf_counter()
-            del t, frames
+            del frames
             push.send(_T.pack(t1))
     finally:
         pull.close(linger=0)
@@ -113,24 +112,10 @@ def _zmq_receiver(data_addr: str, back_addr: str) -> None:
 
 
 def _cuda_receiver(data_spec, back_spec, arena: str) -> None:
-    rx = Ring.attach(data_spec, "consumer")
-    tx = Ring.attach(back_spec, "producer")
-    receiver = ShmTensorReceiver(Segment.attach(arena))
-    dec = Decoder(tensors=receiver)
-    tx.send(ACK, b"", timeout=60)
-    try:
-        while True:
-            for rtype, payload in rx.recv(timeout=120):
-                if rtype == STOP:
-                    return
-                t = dec.decode(payload)
-                t1 = time.perf_counter()
-                del t
-                tx.send(ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
-    finally:
-        receiver.close()
-        rx.close()
-        tx.close()
+    """The same receiver; CUDA handles need no view threshold (they are never copied)."""
+    from shmclient.tensors import VIEW_FROM
+
+    _shm_receiver(data_spec, back_spec, arena, VIEW_FROM)
 
 
 # -- senders (this process) --------------------------------------------------------------

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -97,7 +97,7 @@ class ShmChannel:
         self._owned = owned  # things to unlink once the peer attached (owner side only)
         self._send_lock = threading.Lock()
         self._held_release: list[bytes] | None = None
-        self._released = self._tensor_rx._released  # peeked at without a lock
+        self._released = self._tensor_rx.pending  # tested for emptiness without a lock
         self._got: list[tuple[int, Any]] = []
         self._closed = False
 
@@ -310,8 +310,7 @@ class ZmqChannel:
 
     ENGINE_IDENTITY = b"\x00\x00"
 
-    def __init__(self, ctx: zmq.Context, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
-        self._ctx = ctx
+    def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
         self._tx = tx
         self._rx = rx
         self._frontend = frontend
@@ -332,7 +331,7 @@ class ZmqChannel:
         tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
         tx.bind(spec.input_address)
         rx.bind(spec.output_address)
-        return cls(ctx, tx, rx, frontend=True), spec
+        return cls(tx, rx, frontend=True), spec
 
     @classmethod
     def attach(cls, ctx: zmq.Context, spec: ZmqChannelSpec) -> "ZmqChannel":
@@ -344,7 +343,7 @@ class ZmqChannel:
         rx.connect(spec.input_address)
         tx.connect(spec.output_address)
         rx.send(b"")  # registration: lets the ROUTER route to us
-        return cls(ctx, tx, rx, frontend=False)
+        return cls(tx, rx, frontend=False)
 
     def wait_registered(self, timeout: float) -> None:
         """Frontend: wait for the engine DEALER's registration message."""

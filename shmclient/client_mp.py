@@ -196,8 +196,7 @@ class MPClient(EngineCoreClient):
         self._closed = True
         self._finalizer.detach()
         res = self.resources
-        res._shutting_down = True
-        res._mark_dead("the client was shut down")  # waiters leave the channel now
+        res.begin_shutdown()  # waiters leave the channel now
         # Wait for a reader to leave the channel before it is closed (readers check the
         # dead flag at least every liveness interval, 0.1 s).
         got = self._lead.acquire(timeout=2.0)

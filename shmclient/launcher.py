@@ -182,6 +182,12 @@ class EngineResources:
         """Liveness check handed to every blocking wait on the channel."""
         return not self.dead.is_set()
 
+    def begin_shutdown(self) -> None:
+        """From here on an engine exit is expected: waiters and pending calls get
+        EngineDeadError("the client was shut down") now, before anything is closed."""
+        self._shutting_down = True
+        self._mark_dead("the client was shut down")
+
     def _mark_dead(self, reason: str) -> None:
         if self.dead.is_set():
             return
@@ -266,7 +272,7 @@ class EngineResources:
                     logger.exception("shutdown hook failed")
             # Waiters and pending calls learn of it first (EngineDeadError), before the
             # channel they may be blocked on goes away.
-            self._mark_dead("the client was shut down")
+            self.begin_shutdown()
             try:
                 os.write(self._wake_w, b"x")
             except OSError:

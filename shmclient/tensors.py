@@ -347,6 +347,9 @@ class ShmTensorReceiver:
         self._size = segment.size
         self.view_from = view_from
         self._released: collections.deque[int] = collections.deque()
+        #: Ids waiting for ``take_releases``; a transport may test it for emptiness
+        #: without a lock to skip the flush on its hot path.
+        self.pending = self._released
         self._live: dict[int, weakref.ref] = {}
         self._cuda: Any = None
         self._closed = False
