@@ -6,7 +6,13 @@ engine), ``tensors`` (bench.tensors' transfer sweep) and ``ring`` (bench.ring's 
 ping-pong against pyzmq ipc). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
 model as a realism check. Progress goes to stderr; the tables to stdout; results.json,
-samples.json and the PNG plots to ``--out`` (default ``results/<timestamp>/``).
+samples.json and the PNG plots to a folder of the run's own (``--out``, which must not
+exist yet, or ``results/<timestamp>-<random>/``).
+
+Every block is judged for load from other processes (``bench.load``): noisy blocks are
+marked in the JSON and the tables, and a noisy run says so in the first line of its
+report. SIGINT or SIGTERM at any point stops every engine and child process, removes
+what they left in /dev/shm and the temporary folder, saves what finished and exits 130.
 """
 
 from __future__ import annotations
@@ -16,17 +22,28 @@ import datetime
 import importlib
 import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Sequence
 
+import psutil
+
 from . import clients, report
+from .load import THRESHOLD_CORES, LoadMonitor
 
 SECTIONS = ("latency", "streaming", "idle", "tensors", "ring")
+
+#: How long runs take on a quiet 2-vCPU VM (measured with ``time``; see the README).
+QUICK_DURATION = "about 1 minute on 2 quiet CPUs"
+FULL_DURATION = "about 2 minutes on 2 quiet CPUs"
 
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {
@@ -84,10 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description="shmclient benchmarks: client latency, streaming, idle CPU, tensor "
-        "transfer and raw ring, shm against the zmq baseline in one run.",
+        f"transfer and raw ring, shm against the zmq baseline in one run. A full run "
+        f"(the default) takes {FULL_DURATION}, --quick {QUICK_DURATION}; more on a busy "
+        "host, whose figures the run marks noisy. Ctrl-C stops it cleanly (exit 130), "
+        "keeping what finished.",
     )
-    p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    p.add_argument("--out", help="results folder (default results/<timestamp>/)")
+    p.add_argument("--quick", action="store_true", help=f"a short run ({QUICK_DURATION})")
+    p.add_argument(
+        "--out",
+        help="results folder, created by this run: it must not exist yet "
+        "(default results/<timestamp>-<random>/)",
+    )
     p.add_argument(
         "--configs",
         help="comma-separated configurations: "
@@ -127,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--section-timeout",
         type=float,
         help="seconds the tensors and ring sections may take each (quick 180, full 900)",
+    )
+    p.add_argument(
+        "--noisy-above",
+        type=float,
+        default=THRESHOLD_CORES,
+        metavar="CORES",
+        help="mark a block noisy when other processes used more than this many cores on "
+        f"average during it ({THRESHOLD_CORES:g})",
     )
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     # Internal: the child process that runs one external section.
@@ -169,22 +201,215 @@ def _base_config(items: Sequence[str]) -> Any:
 
 
 class Progress:
-    def __init__(self, stream: Any = None) -> None:
+    """Progress lines on stderr, each stamped with the seconds since the run began.
+
+    ``start_ticker()`` adds, when the stream is a terminal, a line every ``every_s``
+    seconds that nothing else was printed (a long block is still running); it prints
+    nothing when the stream is a file or a pipe.
+    """
+
+    def __init__(self, stream: Any = None, every_s: float = 10.0) -> None:
         self.t0 = time.perf_counter()
         self.stream = stream if stream is not None else sys.stderr
+        self.every_s = every_s
+        self.phase = ""
+        self._last = self.t0
+        self._phase_t = self.t0
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def __call__(self, msg: str) -> None:
-        print(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=self.stream, flush=True)
+        now = time.perf_counter()
+        with self._lock:
+            self.phase, self._phase_t, self._last = msg, now, now
+            print(f"[bench {now - self.t0:6.1f}s] {msg}", file=self.stream, flush=True)
+
+    def is_terminal(self) -> bool:
+        try:
+            return bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            return False
+
+    def start_ticker(self) -> None:
+        if self._ticker is not None or not self.is_terminal():
+            return
+        self._ticker = threading.Thread(target=self._tick, name="bench-progress", daemon=True)
+        self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.perf_counter()
+            with self._lock:
+                if now - self._last < self.every_s or not self.phase:
+                    continue
+                self._last = now
+                print(
+                    f"[bench {now - self.t0:6.1f}s] ... still at: {self.phase} "
+                    f"({now - self._phase_t:.0f} s)",
+                    file=self.stream,
+                    flush=True,
+                )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(5)
+            self._ticker = None
+
+
+# -- interruption ----------------------------------------------------------------------
+
+_SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^(?:sem\.)?shmc\w*-(\d+)-")
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise KeyboardInterrupt once, in the main thread; later ones
+    are only counted, so that the clean-up they started is not cut short."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.later = 0
+        #: While True a signal is only recorded (the run is cleaning up and saving).
+        self.hold = False
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.received is not None:
+            self.later += 1
+            return
+        self.received = signal.Signals(signum).name
+        if not self.hold:
+            raise KeyboardInterrupt(self.received)
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def sweep_shm(pids: set[int]) -> list[str]:
+    """Remove /dev/shm entries (segments and semaphores) that shmclient named after a
+    process in ``pids`` that is no longer running, or after this process. Returns the
+    names removed."""
+    removed = []
+    me = os.getpid()
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return removed
+    for n in names:
+        m = _SHM_NAME.match(n)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        if pid in pids and (pid == me or not _alive(pid)):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, n))
+                removed.append(n)
+            except OSError:
+                pass
+    return removed
+
+
+def _group_pids(pid: int) -> set[int]:
+    try:
+        p = psutil.Process(pid)
+        return {pid, *(c.pid for c in p.children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def _stop_group(proc: subprocess.Popen, pids: set[int], grace_s: float = 5.0) -> None:
+    """Stop a child that leads its own process group, and everything in that group:
+    SIGTERM first (its clean-up runs), SIGKILL for whatever is left after ``grace_s``."""
+    pids.update(_group_pids(proc.pid))
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    rest = []
+    for pid in pids - {proc.pid}:
+        try:
+            rest.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    if rest:
+        psutil.wait_procs(rest, timeout=grace_s / 2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in rest:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+    psutil.wait_procs(rest, timeout=2)
+
+
+def _stop_descendants(before: set[int], grace_s: float = 5.0) -> set[int]:
+    """Terminate, then kill, every descendant of this process not in ``before``; returns
+    their pids."""
+    try:
+        kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    except psutil.Error:
+        return set()
+    pids = {p.pid for p in kids}
+    for p in kids:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    return pids
+
+
+# -- the external sections -----------------------------------------------------------
 
 
 def _external(
-    name: str, quick: bool, progress: Progress, res: dict[str, Any], timeout_s: float
+    name: str,
+    quick: bool,
+    progress: Progress,
+    res: dict[str, Any],
+    timeout_s: float,
+    monitor: Any,
+    tmpdir: str,
+    pids: set[int],
 ) -> None:
     """Run ``bench.<name>.run(quick)`` if that module is there; note why not otherwise.
 
     It runs in a child process of its own (a fresh interpreter, none of this run's
-    clients or threads) in its own session, killed with everything it started if it
-    takes longer than ``timeout_s``: a hang there must not hang the whole benchmark.
+    clients or threads) in its own session and process group, with ``tmpdir`` as its
+    temporary folder. The group is stopped (SIGTERM, then SIGKILL) if the section takes
+    longer than ``timeout_s`` or this run is interrupted; shared-memory entries its
+    processes leave are removed either way. ``pids`` collects the group's pids.
     """
     try:
         mod = importlib.import_module(f"bench.{name}")
@@ -197,26 +422,32 @@ def _external(
         return
     progress(f"{name}: running bench.{name}.run(quick={quick}) in a child process")
     t0 = time.perf_counter()
-    fd, path = tempfile.mkstemp(prefix=f"bench-{name}-", suffix=".json")
-    os.close(fd)
+    path = os.path.join(tmpdir, f"bench-{name}.json")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["TMPDIR"] = tmpdir
     cmd = [sys.executable, "-m", "bench", "--run-section", name, "--section-json", path]
     if quick:
         cmd.append("--quick")
+    got: dict[str, Any] = {}
+    rc: int | None = None
+    proc: subprocess.Popen | None = None
     try:
-        proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        with monitor.block(name) as blk:
+            proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True
+            )
+            deadline = time.monotonic() + timeout_s
+            while rc is None:
+                try:
+                    rc = proc.wait(0.5)
+                except subprocess.TimeoutExpired:
+                    pids.update(_group_pids(proc.pid))
+                    if time.monotonic() > deadline:
+                        break
+        if rc is None:
+            _stop_group(proc, pids)
             msg = f"{name}: bench.{name}.run() did not finish within {timeout_s:g} s; killed"
             res["errors"].append(msg)
             progress(msg)
@@ -227,6 +458,11 @@ def _external(
         except (OSError, ValueError):
             got = {}
     finally:
+        if proc is not None:
+            if proc.poll() is None:
+                _stop_group(proc, pids)
+            # The group's processes may not have lived to unlink what they created.
+            sweep_shm(pids | {proc.pid})
         try:
             os.unlink(path)
         except OSError:
@@ -239,21 +475,27 @@ def _external(
         progress(f"{name}: failed: {err}")
         return
     res[name] = got["result"]
+    res.setdefault("section_load", {})[name] = blk.as_dict()
     if got.get("table"):
         res.setdefault("tables", {})[name] = got["table"]
     if got.get("note"):
         res["notes"].append(got["note"])
-    progress(f"{name}: done in {time.perf_counter() - t0:.1f} s")
+    noisy = f" [noisy: other processes used {blk.other_cores:.2f} cores]" if blk.noisy else ""
+    progress(f"{name}: done in {time.perf_counter() - t0:.1f} s{noisy}")
 
 
 def _run_section(name: str, quick: bool, path: str) -> int:
     """In the child: run ``bench.<name>.run(quick)``, write {result, table} or {error,
-    traceback} as JSON to ``path``."""
+    traceback} as JSON to ``path``. SIGTERM (the parent stopping the section) raises
+    KeyboardInterrupt, so the section's own clean-up runs; nothing is written then."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     out: dict[str, Any] = {}
     rc = 0
     try:
         mod = importlib.import_module(f"bench.{name}")
         out["result"] = mod.run(quick)
+    except KeyboardInterrupt:
+        return 130
     except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         rc = 1
@@ -270,12 +512,59 @@ def _run_section(name: str, quick: bool, path: str) -> int:
     return rc
 
 
+# -- the run ---------------------------------------------------------------------------
+
+
+def new_results_dir(base: str = "results", now: datetime.datetime | None = None) -> str:
+    """Create and return a fresh folder ``base/<YYYYmmdd-HHMMSS>-<6 hex digits>``; never
+    one that exists (two runs started in the same second get two folders)."""
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    os.makedirs(base, exist_ok=True)
+    for _ in range(100):
+        path = os.path.join(base, f"{stamp}-{secrets.token_hex(3)}")
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free results folder name under {base!r} for {stamp}")
+
+
+def _prog() -> str:
+    return "shmclient-bench" if os.path.basename(sys.argv[0] or "") == "shmclient-bench" else "python -m bench"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """The benchmark's command line (``python -m bench``, ``shmclient-bench``): returns
+    the exit status (0 done, 1 a section failed, 2 bad arguments, 130 interrupted)."""
+    signals = _Signals()
+    signals.install()
+    try:
+        return _main(argv, signals)
+    except KeyboardInterrupt:
+        # Before the run had a folder (parsing the arguments, importing).
+        print(
+            f"{_prog()}: interrupted ({signals.received or 'SIGINT'}) before the run began",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        signals.restore()
+
+
+def _main(argv: Sequence[str] | None, signals: _Signals) -> int:
+    parser = build_parser()
+    parser.prog = _prog()
+    args = parser.parse_args(argv)
+    args._argv = list(argv) if argv is not None else sys.argv[1:]
     if args.run_section:
+        signals.restore()
         return _run_section(args.run_section, args.quick, args.section_json)
+    prog = parser.prog
     d = DEFAULTS["quick" if args.quick else "full"]
-    progress = Progress()
+    if not args.noisy_above > 0:
+        print(f"{prog}: --noisy-above must be > 0, got {args.noisy_above}", file=sys.stderr)
+        return 2
     models = args.models or ("mock,tiny,tiny-cuda" if _cuda() else "mock,tiny")
     try:
         if args.configs is not None:
@@ -287,12 +576,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if tiny:
                 specs += clients.parse_configs(d["tiny_configs"], tiny)
     except ValueError as e:
-        print(f"python -m bench: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     try:
         base_config = _base_config(args.set)
     except (ValueError, Exception) as e:
-        print(f"python -m bench: --set: {e}", file=sys.stderr)
+        print(f"{prog}: --set: {e}", file=sys.stderr)
         return 2
     stream_models = tuple(m.strip() for m in args.stream_models.split(",") if m.strip())
     opts = clients.Options(
@@ -313,91 +602,140 @@ def main(argv: Sequence[str] | None = None) -> int:
         base_config=base_config,
     )
     if opts.samples < 1 or (opts.tiny_samples or 1) < 1 or opts.rounds < 1 or opts.warmup < 0 or opts.tokens < 1:
-        print("python -m bench: --samples, --rounds, --tokens must be >= 1, --warmup >= 0", file=sys.stderr)
+        print(f"{prog}: --samples, --rounds, --tokens must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
-    out = args.out or os.path.join(
-        "results", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    )
-    os.makedirs(out, exist_ok=True)
+    try:
+        if args.out:
+            out = args.out
+            os.makedirs(out, exist_ok=False)
+        else:
+            out = new_results_dir()
+    except FileExistsError:
+        print(
+            f"{prog}: results folder {args.out!r} already exists: every run writes a "
+            "folder of its own (name another --out, or leave it out)",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as e:
+        print(f"{prog}: cannot create the results folder: {e}", file=sys.stderr)
+        return 2
+    return _run(args, d, specs, opts, out, signals)
 
+
+def _run(
+    args: argparse.Namespace,
+    d: dict[str, Any],
+    specs: list[clients.ConfigSpec],
+    opts: clients.Options,
+    out: str,
+    signals: _Signals,
+) -> int:
     t_start = time.perf_counter()
-    progress(f"results folder: {out}")
+    try:
+        kids_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        kids_before = set()
+    progress = Progress()
+    monitor = LoadMonitor(args.noisy_above)
+    section_pids: set[int] = set()
+    old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    run_tmp: str | None = None
     res: dict[str, Any] = {
         "args": {
             "quick": args.quick,
-            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "argv": list(args._argv),
             "sections": list(args.only),
             "configs": [s.name for s in specs],
             "options": {k: v for k, v in vars(opts).items() if k != "base_config"},
         },
-        "machine": report.machine_facts(),
         "skipped": [],
         "errors": [],
         "notes": [],
     }
-    load = res["machine"].get("load_average")
-    if load and os.cpu_count() and load[0] > 0.5 * os.cpu_count():
-        msg = (
-            f"the machine is busy (load average {load[0]:.2f} on {os.cpu_count()} CPUs): "
-            "expect noisy figures, tails above all"
-        )
-        res["notes"].append(msg)
-        progress("warning: " + msg)
+    section = "start-up"
+    interrupted = False
     try:
-        from engine.config import EngineConfig
+        progress.start_ticker()
+        # Everything this run and its children put in a temporary folder goes in one of
+        # its own, removed at the end whatever happens.
+        run_tmp = tempfile.mkdtemp(prefix="bench-run-")
+        tempfile.tempdir = run_tmp
+        os.environ["TMPDIR"] = run_tmp
+        progress(f"results folder: {out}")
+        res["machine"] = report.machine_facts()
+        try:
+            from engine.config import EngineConfig
 
-        cfg = base_config if base_config is not None else EngineConfig()
-        res["engine_config"] = {f: getattr(cfg, f) for f in EngineConfig.__struct_fields__}
-    except Exception:
-        pass
-
-    if opts.sections:
-        got = clients.run(specs, opts, progress)
-        res["skipped"] += got.pop("skipped")
-        res["errors"] += got.pop("errors")
-        res["notes"] += got.pop("notes")
-        res.update({k: v for k, v in got.items() if v or k.endswith("_meta")})
-        if res.get("latency"):
-            res["latency_ratios"] = report.latency_ratios(res["latency"])
-    for name in ("tensors", "ring"):
-        if name in args.only:
-            _external(name, args.quick, progress, res, args.section_timeout or d["section_timeout"])
+            cfg = opts.base_config if opts.base_config is not None else EngineConfig()
+            res["engine_config"] = {f: getattr(cfg, f) for f in EngineConfig.__struct_fields__}
+        except Exception:
+            pass
+        if opts.sections:
+            section = "/".join(opts.sections)
+            got: dict[str, Any] = {}
+            try:
+                clients.run(specs, opts, progress, monitor, res=got)
+            finally:
+                res["skipped"] += got.pop("skipped", [])
+                res["errors"] += got.pop("errors", [])
+                res["notes"] += got.pop("notes", [])
+                res.update({k: v for k, v in got.items() if v or k.endswith("_meta")})
+                if res.get("latency"):
+                    res["latency_ratios"] = report.latency_ratios(res["latency"])
+        for name in ("tensors", "ring"):
+            if name in args.only:
+                section = name
+                _external(
+                    name,
+                    args.quick,
+                    progress,
+                    res,
+                    args.section_timeout or d["section_timeout"],
+                    monitor,
+                    run_tmp,
+                    section_pids,
+                )
+    except KeyboardInterrupt:
+        interrupted = True
+        res["interrupted"] = {"signal": signals.received or "SIGINT", "during": section}
+    finally:
+        signals.hold = True  # a signal from here on is recorded, the clean-up runs on
+        try:
+            if interrupted:
+                stopped = _stop_descendants(kids_before)
+                sweep_shm(monitor.seen_pids | section_pids | stopped | {os.getpid()})
+            tempfile.tempdir = old_tempdir
+            if old_env is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = old_env
+            if run_tmp is not None:
+                shutil.rmtree(run_tmp, ignore_errors=True)
+        finally:
+            progress.stop()
+    if signals.received and not interrupted:
+        interrupted = True
+        res["interrupted"] = {"signal": signals.received, "during": "the end of the run"}
     res["duration_s"] = time.perf_counter() - t_start
+    res.setdefault("machine", {})
     try:
         res["machine"]["load_average_end"] = list(os.getloadavg())
     except OSError:
         pass
+    res["load"] = monitor.summary()
+    res["run_label"] = report.run_label(res)
+    files = _write_files(res, out, args.no_plots)
 
-    # Files: samples apart (large), summaries in results.json, then the plots.
-    samples = res.pop("latency_samples_ns", {}) or {}
-    files: dict[str, str] = {}
-    if samples:
-        files["samples"] = report.write_json(os.path.join(out, "samples.json"), samples)
-    if not args.no_plots:
-        plots = []
-        by_model: dict[str, dict[str, Any]] = {}
-        for cfg, s in samples.items():
-            by_model.setdefault(cfg.partition("@")[2] or "mock", {})[cfg] = s
-        for model, group in by_model.items():
-            r = report.plot_latency_cdf(
-                group,
-                os.path.join(out, f"latency_cdf_{model}.png"),
-                f"Round trip, max_tokens=1, {model} model",
-            )
-            plots.append(r)
-        if res.get("tensors") is not None:
-            plots.append(
-                report.plot_transfer(
-                    report.transfer_series(res["tensors"]), os.path.join(out, "tensor_transfer.png")
-                )
-            )
-        notes = sorted({p for p in plots if p.startswith("plots skipped")})
-        res["skipped"] += notes
-        files["plots"] = [p for p in plots if not p.startswith("plots skipped")]  # type: ignore[assignment]
-    files["results"] = os.path.join(out, "results.json")
-    res["files"] = files
-    report.write_json(files["results"], res)
-
+    if interrupted:
+        print(
+            f"{_prog()}: interrupted ({res['interrupted']['signal']}) during {section}; "
+            f"what finished is in {out}",
+            file=sys.stderr,
+        )
+        return 130
+    if res["load"]["noisy"]:
+        progress("warning: " + report.noisy_line(res["load"]))
     print(report.format_report(res))
     print()
     print(f"results: {files['results']}")
@@ -411,6 +749,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {e}")
     progress(f"done in {res['duration_s']:.1f} s")
     return 1 if res["errors"] else 0
+
+
+def _write_files(res: dict[str, Any], out: str, no_plots: bool) -> dict[str, Any]:
+    """samples.json (large), the plots, then results.json (every summary); returns the
+    paths, also kept in res['files']."""
+    samples = res.get("latency_samples_ns") or {}
+    files: dict[str, Any] = {}
+    if samples:
+        files["samples"] = report.write_json(os.path.join(out, "samples.json"), samples)
+    if not no_plots:
+        label = res.get("run_label")
+        plots = []
+        by_model: dict[str, dict[str, Any]] = {}
+        for cfg, s in samples.items():
+            by_model.setdefault(cfg.partition("@")[2] or "mock", {})[cfg] = s
+        for model, group in by_model.items():
+            r = report.plot_latency_cdf(
+                group,
+                os.path.join(out, f"latency_cdf_{model}.png"),
+                f"Round trip, max_tokens=1, {model} model",
+                label=label,
+            )
+            plots.append(r)
+        if res.get("tensors") is not None:
+            plots.append(
+                report.plot_transfer(
+                    report.transfer_series(res["tensors"]),
+                    os.path.join(out, "tensor_transfer.png"),
+                    label=label,
+                )
+            )
+        notes = sorted({p for p in plots if p.startswith("plots skipped")})
+        res["skipped"] += notes
+        files["plots"] = [p for p in plots if not p.startswith("plots skipped")]
+    files["results"] = os.path.join(out, "results.json")
+    res["files"] = files
+    report.write_json(files["results"], {k: v for k, v in res.items() if k != "latency_samples_ns"})
+    return files
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ in 10 ms ticks, too coarse for a 2 % target over a few seconds).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import threading
@@ -28,6 +29,7 @@ import psutil
 
 from shmclient import EngineCoreRequest, SamplingParams, make_client
 
+from .load import NullMonitor
 from .report import summarize
 
 #: Client kinds, in the order they are reported.
@@ -140,6 +142,28 @@ class Options:
     idle_settle_s: float = 2.0
     idle_window_s: float = 2.0
     base_config: Any = None
+
+
+# -- torch threads ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Any:
+    """Run the body with ``torch.set_num_threads(n)`` (None: leave torch alone), then put
+    back the number there was; yields what torch reports inside."""
+    if n is None:
+        yield None
+        return
+    import torch
+
+    old = torch.get_num_threads()
+    if old != n:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
 
 
 # -- CPU accounting -------------------------------------------------------------------
@@ -306,6 +330,7 @@ async def _latency_async(client: Any, reqs: list[EngineCoreRequest]) -> list[int
 @dataclass
 class StreamRun:
     wall_ns: int = 0
+    noisy: bool | None = None
     cpu_ns: int = 0
     batches: int = 0
     outputs: int = 0
@@ -404,17 +429,25 @@ class Session:
         self.stream_runs: dict[int, list[StreamRun]] = {}
         self.error: str | None = None
         cfg = spec.engine_config(base_config)
+        #: torch threads of the engine's compute: an engine process on cpu sets
+        #: cfg.cpu_threads (engine.proc), so the in-process engine runs under the same.
+        self.cpu_threads: int | None = None if cfg.is_cuda else cfg.cpu_threads
+        #: What torch reported inside this client's blocks (inproc), else the setting.
+        self.torch_threads: int | None = self.cpu_threads
+        self._threads = self.cpu_threads if spec.is_inproc else None
+        self.load_blocks: list[dict[str, Any]] = []
         if spec.is_async:
             self.loop = LoopThread(f"bench-loop-{spec.name}")
         before = thread_ids()
         t0 = time.perf_counter()
         try:
-            if spec.is_inproc:
-                self.client = make_client(False, False, cfg)
-            else:
-                self.client = make_client(True, spec.is_async, cfg)
-            # First use (binds the async client's loop) inside the thread accounting.
-            self.call_echo()
+            with torch_threads(self._threads):
+                if spec.is_inproc:
+                    self.client = make_client(False, False, cfg)
+                else:
+                    self.client = make_client(True, spec.is_async, cfg)
+                # First use (binds the async client's loop) inside the thread accounting.
+                self.call_echo()
         except BaseException:
             self.close()
             raise
@@ -445,23 +478,32 @@ class Session:
         return _stream_sync(self.client, reqs, self.spec.is_inproc)
 
     # -- sections ----------------------------------------------------------------------
-    def latency_block(self, n: int, warmup: int) -> list[int]:
-        """``warmup`` round trips (discarded), then ``n`` measured ones."""
-        if warmup:
-            self._latency(self._requests(warmup, 1, "w"))
-        reqs = self._requests(n, 1, "l")
-        gc.collect()
-        samples = self._latency(reqs)
+    def latency_block(self, n: int, warmup: int, load: dict[str, Any] | None = None) -> list[int]:
+        """``warmup`` round trips (discarded), then ``n`` measured ones. ``load``: a dict
+        the caller fills in after the block (the load monitor's record), kept with the
+        block's summary."""
+        with torch_threads(self._threads) as seen:
+            if seen is not None:
+                self.torch_threads = seen
+            if warmup:
+                self._latency(self._requests(warmup, 1, "w"))
+            reqs = self._requests(n, 1, "l")
+            gc.collect()
+            samples = self._latency(reqs)
         self.latency_ns.extend(samples)
-        self.latency_rounds.append(summarize(samples))
+        summary = summarize(samples)
+        if load is not None:
+            summary["load"] = load
+        self.latency_rounds.append(summary)
         return samples
 
     def streaming_run(self, n: int, tokens: int) -> StreamRun:
         """One warm-up run (n requests x 2 tokens), then n concurrent requests x tokens."""
-        self._stream(self._requests(n, 2, "sw"))
-        reqs = self._requests(n, tokens, f"s{n}")
-        gc.collect()
-        run = self._stream(reqs)
+        with torch_threads(self._threads):
+            self._stream(self._requests(n, 2, "sw"))
+            reqs = self._requests(n, tokens, f"s{n}")
+            gc.collect()
+            run = self._stream(reqs)
         self.stream_runs.setdefault(n, []).append(run)
         return run
 
@@ -488,6 +530,10 @@ class Session:
 # -- pooled results --------------------------------------------------------------------
 
 
+def _noisy_count(flags: list[bool | None]) -> dict[str, int]:
+    return {"noisy_blocks": sum(1 for f in flags if f), "blocks": len(flags)}
+
+
 def latency_result(s: Session) -> dict[str, Any]:
     return {
         "config": s.name,
@@ -496,6 +542,8 @@ def latency_result(s: Session) -> dict[str, Any]:
         "summary": summarize(s.latency_ns),
         "rounds": s.latency_rounds,
         "client_start_s": s.start_s,
+        "torch_threads": s.torch_threads,
+        **_noisy_count([r.get("load", {}).get("noisy") for r in s.latency_rounds]),
     }
 
 
@@ -521,6 +569,7 @@ def streaming_result(s: Session, tokens: int) -> dict[str, Any]:
             "client_cpu_us_per_batch": cpu * 1e-3 / batches if batches else None,
             "client_cpu_includes_engine": s.spec.is_inproc,
             "gap_us": summarize(gaps),
+            **_noisy_count([r.noisy for r in runs]),
         }
     return out
 
@@ -535,15 +584,21 @@ def _delta(a: dict[str, int | None], b: dict[str, int | None], key: str) -> int 
 
 
 def measure_idle(
-    sessions: list[Session], settle_s: float, window_s: float, progress: Progress = _quiet
+    sessions: list[Session],
+    settle_s: float,
+    window_s: float,
+    progress: Progress = _quiet,
+    monitor: Any = None,
 ) -> dict[str, Any]:
     """Idle CPU of every MP client and its engine, measured together.
 
     All clients first stay idle ``settle_s``; then each gets a caller parked in its
     get_output (a thread per sync client, a task in its own loop per async client), and
     CPU is read over ``window_s``. A client's CPU is that of the threads it started plus
-    its waiting thread; the engine's is its whole process.
+    its waiting thread; the engine's is its whole process. ``monitor`` (a
+    ``bench.load.LoadMonitor``) judges the measured window.
     """
+    monitor = monitor if monitor is not None else NullMonitor()
     mp = [s for s in sessions if not s.spec.is_inproc and s.engine_pid is not None]
     if not mp:
         return {}
@@ -572,15 +627,16 @@ def measure_idle(
     time.sleep(0.2)  # past every spin budget: the waiters are parked
     me = os.getpid()
     all_tids = set().union(*(s.own_tids | {tid} for s, _, tid in waiters))
-    t_a = time.perf_counter_ns()
-    th_a = thread_cpu(all_tids)
-    eng_a = {s.name: process_cpu(s.engine_pid) for s in mp}  # type: ignore[arg-type]
-    proc_a = process_cpu(me)
-    time.sleep(window_s)
-    th_b = thread_cpu(all_tids)
-    eng_b = {s.name: process_cpu(s.engine_pid) for s in mp}  # type: ignore[arg-type]
-    proc_b = process_cpu(me)
-    elapsed_ns = time.perf_counter_ns() - t_a
+    with monitor.block("idle") as blk:
+        t_a = time.perf_counter_ns()
+        th_a = thread_cpu(all_tids)
+        eng_a = {s.name: process_cpu(s.engine_pid) for s in mp}  # type: ignore[arg-type]
+        proc_a = process_cpu(me)
+        time.sleep(window_s)
+        th_b = thread_cpu(all_tids)
+        eng_b = {s.name: process_cpu(s.engine_pid) for s in mp}  # type: ignore[arg-type]
+        proc_b = process_cpu(me)
+        elapsed_ns = time.perf_counter_ns() - t_a
     names = {t: _thread_name(t) for t in all_tids}  # while the waiters still exist
     for s, w, _ in waiters:
         if isinstance(w, threading.Thread):
@@ -621,6 +677,8 @@ def measure_idle(
             "window_s": elapsed_ns * 1e-9,
             "client_threads_pct": threads,
             "engine_pid": s.engine_pid,
+            "noisy": blk.noisy,
+            "other_cores": blk.other_cores,
         }
         if s.name in notes:
             entry["note"] = notes[s.name]
@@ -635,18 +693,39 @@ def measure_idle(
 # -- the whole client section ----------------------------------------------------------
 
 
-def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> dict[str, Any]:
+def _load_note(blk: Any) -> str:
+    if blk.noisy:
+        return f" [noisy: other processes used {blk.other_cores:.2f} cores]"
+    return ""
+
+
+def run(
+    specs: list[ConfigSpec],
+    opts: Options,
+    progress: Progress = _quiet,
+    monitor: Any = None,
+    res: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Measure every configuration in ``specs``; returns the results dict fragment:
-    latency, latency_samples_ns, streaming, idle_cpu (+ their *_meta), skipped, errors."""
-    res: dict[str, Any] = {
-        "latency": {},
-        "latency_samples_ns": {},
-        "streaming": {},
-        "idle_cpu": {},
-        "skipped": [],
-        "errors": [],
-        "notes": [],
-    }
+    latency, latency_samples_ns, streaming, idle_cpu (+ their *_meta), skipped, errors.
+
+    ``monitor`` (a ``bench.load.LoadMonitor``) is sampled around every block. ``res``,
+    when given, is filled in as each model's phase finishes and returned: a caller that
+    is interrupted (KeyboardInterrupt) keeps what finished before.
+    """
+    monitor = monitor if monitor is not None else NullMonitor()
+    if res is None:
+        res = {}
+    for key, empty in (
+        ("latency", {}),
+        ("latency_samples_ns", {}),
+        ("streaming", {}),
+        ("idle_cpu", {}),
+        ("skipped", []),
+        ("errors", []),
+        ("notes", []),
+    ):
+        res.setdefault(key, empty)
     want = set(opts.sections)
     rounds = max(1, opts.rounds)
 
@@ -707,19 +786,24 @@ def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> 
                 for s in live[k:] + live[:k]:
                     try:
                         if "latency" in want and per_round[r] > 0:
-                            samples = s.latency_block(per_round[r], opts.warmup)
+                            load: dict[str, Any] = {}
+                            with monitor.block(f"latency {s.name} round {r + 1}") as blk:
+                                samples = s.latency_block(per_round[r], opts.warmup, load)
+                            load.update(noisy=blk.noisy, other_cores=blk.other_cores)
                             sm = summarize(samples)
                             progress(
                                 f"round {r + 1}/{rounds} {s.name}: latency {len(samples)} samples, "
-                                f"p50 {sm['p50']:.1f} µs, p99 {sm['p99']:.1f} µs"
+                                f"p50 {sm['p50']:.1f} µs, p99 {sm['p99']:.1f} µs" + _load_note(blk)
                             )
                         if stream_here:
                             for n in opts.streams:
-                                run_ = s.streaming_run(n, opts.tokens)
+                                with monitor.block(f"streaming {s.name} N={n} round {r + 1}") as blk:
+                                    run_ = s.streaming_run(n, opts.tokens)
+                                run_.noisy = blk.noisy
                                 rate = run_.outputs / (run_.wall_ns * 1e-9) if run_.wall_ns else 0
                                 progress(
                                     f"round {r + 1}/{rounds} {s.name}: streaming {n} x {opts.tokens}, "
-                                    f"{rate:,.0f} outputs/s, {run_.batches} batches"
+                                    f"{rate:,.0f} outputs/s, {run_.batches} batches" + _load_note(blk)
                                 )
                     except Exception as e:
                         s.error = f"{type(e).__name__}: {e}"
@@ -734,7 +818,9 @@ def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> 
             if "idle" in want and not idle_done:
                 live = [s for s in sessions if s.error is None and not s.spec.is_inproc]
                 if live:
-                    idle = measure_idle(live, opts.idle_settle_s, opts.idle_window_s, progress)
+                    idle = measure_idle(
+                        live, opts.idle_settle_s, opts.idle_window_s, progress, monitor
+                    )
                     res["idle_cpu"].update(idle.get("configs", {}))
                     res["idle_meta"] = {
                         "settle_s": opts.idle_settle_s,
@@ -748,6 +834,11 @@ def run(specs: list[ConfigSpec], opts: Options, progress: Progress = _quiet) -> 
                         progress(
                             f"idle {name}: client {e['client_pct']:.2f} %, engine "
                             f"{e['engine_pct']:.2f} % of a core"
+                            + (
+                                f" [noisy: other processes used {e['other_cores']:.2f} cores]"
+                                if e.get("noisy")
+                                else ""
+                            )
                         )
         finally:
             for s in sessions:

@@ -119,6 +119,7 @@ def machine_facts() -> dict[str, Any]:
     """CPU, memory, OS, Python, package versions, GPU (if torch sees one) and the date."""
     facts: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
         "cpu_model": _cpu_model(),
         "cpu_count_logical": os.cpu_count(),
         "machine": platform.machine(),
@@ -180,10 +181,69 @@ def _fmt(v: Any, digits: int = 1) -> str:
     return str(v)
 
 
-def _ratio(v: float | None, base: float | None) -> str:
-    if v is None or base is None or base == 0:
+def _compare(v: float | None, base: float | None, lower_is_better: bool, words: tuple[str, str]) -> str:
+    """``v`` against ``base`` in words that say which way is better: '4.95x faster',
+    '1.20x slower' (words = ('faster', 'slower'), for a time), '1.49x more' (for a rate).
+    The better word comes first in ``words``."""
+    if v is None or base is None or v <= 0 or base <= 0:
         return "-"
-    return f"{v / base:.2f}x"
+    if v == base:
+        return "same"
+    better = v < base if lower_is_better else v > base
+    factor = max(v, base) / min(v, base)
+    return f"{factor:.2f}x {words[0] if better else words[1]}"
+
+
+def faster(t: float | None, base: float | None) -> str:
+    """A time against the baseline's: '4.95x faster' or '1.20x slower'."""
+    return _compare(t, base, True, ("faster", "slower"))
+
+
+def _noisy_cell(e: dict[str, Any]) -> str:
+    n, blocks = e.get("noisy_blocks"), e.get("blocks")
+    if not blocks:
+        return "-"
+    return f"{n}/{blocks}" if n else "0"
+
+
+def noisy_line(load: dict[str, Any]) -> str:
+    """One line saying that (and how much) other processes loaded the machine."""
+    whole = (load.get("whole_run") or {}).get("other_cores")
+    peak = load.get("max_other_cores")
+    detail = []
+    if peak is not None:
+        detail.append(f"up to {peak:.2f} cores")
+    if whole is not None:
+        detail.append(f"{whole:.2f} over the whole run")
+    detail.append(f"threshold {load.get('threshold_cores', 0):g}")
+    return (
+        f"NOISY RUN: other processes used the CPU in {load.get('noisy_blocks', 0)} of "
+        f"{load.get('blocks_judged', 0)} blocks ({', '.join(detail)}): shm's figures need a "
+        "quiet CPU, rerun on a quiet host (noisy blocks are marked below)"
+    )
+
+
+def run_label(res: dict[str, Any]) -> str:
+    """A short label of the run for plots: date, host, CPUs, load average and the
+    other processes' load."""
+    facts = res.get("machine") or {}
+    parts = [str(facts.get("date", "?")).replace("T", " ")]
+    if facts.get("host"):
+        parts.append(str(facts["host"]))
+    parts.append(f"{facts.get('cpu_count_logical', '?')} CPUs")
+    la0 = (facts.get("load_average") or [None])[0]
+    la1 = (facts.get("load_average_end") or [None])[0]
+    if la0 is not None and la1 is not None:
+        parts.append(f"load average {la0:.2f} -> {la1:.2f}")
+    load = res.get("load") or {}
+    whole = (load.get("whole_run") or {}).get("other_cores")
+    if load.get("noisy"):
+        parts.append(f"NOISY: other processes up to {load.get('max_other_cores') or 0:.2f} cores")
+    elif whole is not None:
+        parts.append(f"quiet: other processes {whole:.2f} cores")
+    if res.get("interrupted"):
+        parts.append("interrupted")
+    return " · ".join(parts)
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str | None = None) -> str:
@@ -263,11 +323,15 @@ def _latency_section(res: dict[str, Any]) -> list[str]:
         f"Round-trip latency: add_request -> finished output, max_tokens=1 (µs; "
         f"{meta.get('rounds', '?')} rounds in rotation, {meta.get('warmup', '?')} warm-up "
         "round trips per block excluded)",
+        "'vs zmq': how much faster (or slower) than the zmq client of the same mode and "
+        "model; 'noisy': blocks in which other processes loaded the CPU",
     ]
     rows = []
     for cfg, entry in lat.items():
         s = entry["summary"]
-        base = lat.get(baseline_of(cfg) or "", {}).get("summary", {})
+        base_cfg = baseline_of(cfg) or ""
+        base = lat.get(base_cfg, {}).get("summary", {})
+        own = base_cfg == cfg
         rows.append(
             [
                 cfg,
@@ -276,14 +340,16 @@ def _latency_section(res: dict[str, Any]) -> list[str]:
                 s["p99"],
                 s["p99.9"],
                 s["mean"],
-                _ratio(s["p50"], base.get("p50")),
-                _ratio(s["p99"], base.get("p99")),
-                _ratio(s["p99.9"], base.get("p99.9")),
+                "baseline" if own else faster(s["p50"], base.get("p50")),
+                "baseline" if own else faster(s["p99"], base.get("p99")),
+                "baseline" if own else faster(s["p99.9"], base.get("p99.9")),
+                _noisy_cell(entry),
             ]
         )
     lines.append(
         table(
-            ["config", "n", "p50", "p99", "p99.9", "mean", "p50/zmq", "p99/zmq", "p99.9/zmq"],
+            ["config", "n", "p50", "p99", "p99.9", "mean", "p50 vs zmq", "p99 vs zmq",
+             "p99.9 vs zmq", "noisy"],
             rows,
         )
     )
@@ -315,24 +381,36 @@ def _streaming_section(res: dict[str, Any]) -> list[str]:
         "",
         f"Streaming: N concurrent requests x {meta.get('tokens', '?')} tokens "
         f"({meta.get('rounds', '?')} runs per cell; outputs/s is the median run; CPU is the "
-        "whole frontend process per output batch, inproc includes the engine)",
+        "whole frontend process per output batch, inproc includes the engine; 'vs zmq': "
+        "against the zmq client of the same mode, more outputs/s and less CPU are better)",
     ]
     rows = []
     for cfg, by_n in st.items():
         for n, e in by_n.items():
             base_cfg = baseline_of(cfg)
             base = (st.get(base_cfg or "", {}) or {}).get(n, {})
+            own = base_cfg == cfg
             rows.append(
                 [
                     cfg,
                     int(n),
                     e["outputs_per_s"],
-                    _ratio(e["outputs_per_s"], base.get("outputs_per_s")),
+                    "baseline"
+                    if own
+                    else _compare(e["outputs_per_s"], base.get("outputs_per_s"), False, ("more", "fewer")),
                     e["batches"],
                     e["wall_us_per_batch"],
                     e["gap_us"]["p99"],
                     e["client_cpu_us_per_batch"],
-                    _ratio(e["client_cpu_us_per_batch"], base.get("client_cpu_us_per_batch")),
+                    "baseline"
+                    if own
+                    else _compare(
+                        e["client_cpu_us_per_batch"],
+                        base.get("client_cpu_us_per_batch"),
+                        True,
+                        ("less", "more"),
+                    ),
+                    _noisy_cell(e),
                 ]
             )
     lines.append(
@@ -341,12 +419,13 @@ def _streaming_section(res: dict[str, Any]) -> list[str]:
                 "config",
                 "N",
                 "outputs/s",
-                "vs zmq",
+                "outputs/s vs zmq",
                 "batches",
                 "µs/batch",
                 "gap p99 µs",
                 "CPU µs/batch",
                 "CPU vs zmq",
+                "noisy",
             ],
             rows,
         )
@@ -378,9 +457,12 @@ def _idle_section(res: dict[str, Any]) -> list[str]:
                 f"{e['engine_pct']:.2f}",
                 "met" if ok else "NOT met",
                 e.get("source", ""),
+                "yes" if e.get("noisy") else "-" if e.get("noisy") is None else "no",
             ]
         )
-    lines.append(table(["config", "client %", "engine %", "< 2 %", "source"], rows, "lrrll"))
+    lines.append(
+        table(["config", "client %", "engine %", "< 2 %", "source", "noisy"], rows, "lrrlll")
+    )
     return lines
 
 
@@ -461,7 +543,17 @@ def format_report(res: dict[str, Any]) -> str:
     gpu = facts.get("gpu")
     if gpu:
         head += f", GPU {gpu.get('name')}"
-    lines = [head]
+    load = res.get("load") or {}
+    whole = (load.get("whole_run") or {}).get("other_cores")
+    lines = []
+    if load.get("noisy"):
+        lines.append(noisy_line(load))
+    elif whole is not None:
+        head += f"; quiet (other processes {whole:.2f} cores)"
+    if res.get("interrupted"):
+        i = res["interrupted"]
+        lines.append(f"INTERRUPTED ({i.get('signal')}) during {i.get('during')}: partial results")
+    lines.append(head)
     lines += _latency_section(res)
     lines += _streaming_section(res)
     lines += _idle_section(res)
@@ -527,11 +619,32 @@ def _pyplot() -> Any:
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'shmclient[bench]')"
 
 
+def _label_figure(fig: Any, label: str | None) -> None:
+    if label:
+        fig.text(0.01, 0.01, label, fontsize=7, color="0.35", ha="left", va="bottom")
+        fig.tight_layout(rect=(0, 0.04, 1, 1))
+    else:
+        fig.tight_layout()
+
+
+def fmt_bytes(n: float) -> str:
+    """A size in bytes as people write it: '512 B', '4 KiB', '1.5 MiB', '2 GiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def plot_latency_cdf(
-    samples_ns: dict[str, Sequence[int]], path: str, title: str = "Round-trip latency"
+    samples_ns: dict[str, Sequence[int]],
+    path: str,
+    title: str = "Round-trip latency",
+    label: str | None = None,
 ) -> str:
-    """One CDF line per configuration (x: µs, log scale). Returns the path, or a note
-    starting with 'plots skipped' when matplotlib is missing."""
+    """One CDF line per configuration (x: µs, log scale); ``label`` (the run: date,
+    host, load) under the axes. Returns the path, or a note starting with 'plots
+    skipped' when matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return MATPLOTLIB_MISSING
@@ -550,7 +663,7 @@ def plot_latency_cdf(
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(title)
         ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
+        _label_figure(fig, label)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
@@ -642,9 +755,12 @@ def transfer_series(data: Any) -> dict[str, list[tuple[float, float]]]:
     return series
 
 
-def plot_transfer(series: dict[str, list[tuple[float, float]]], path: str) -> str:
-    """Transfer time against size, log-log, one line per series. Returns the path or a
-    note starting with 'plots skipped'."""
+def plot_transfer(
+    series: dict[str, list[tuple[float, float]]], path: str, label: str | None = None
+) -> str:
+    """Transfer time against size, log-log, one line per series, sizes labelled in
+    KiB / MiB; ``label`` (the run) under the axes. Returns the path or a note starting
+    with 'plots skipped'."""
     plt = _pyplot()
     if plt is None:
         return MATPLOTLIB_MISSING
@@ -655,14 +771,20 @@ def plot_transfer(series: dict[str, list[tuple[float, float]]], path: str) -> st
         for name, pts in series.items():
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", ms=3, lw=1.2, label=name)
+        from matplotlib.ticker import FixedLocator, NullLocator
+
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("size, bytes (log)")
+        sizes = sorted({x for pts in series.values() for x, _ in pts})
+        ax.xaxis.set_major_locator(FixedLocator(sizes))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([fmt_bytes(x) for x in sizes])
+        ax.set_xlabel("tensor size (log)")
         ax.set_ylabel("transfer time, µs (log)")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title("Tensor transfer time against size")
         ax.legend(fontsize=7)
-        fig.tight_layout()
+        _label_figure(fig, label)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)

@@ -48,6 +48,15 @@ MSG, ACK, STOP = 1, 2, 3
 _T = struct.Struct("<d")
 
 
+def _say(msg: str) -> None:
+    """A progress line on stderr, only when stderr is a terminal."""
+    try:
+        if sys.stderr.isatty():
+            print(f"[bench.tensors] {msg}", file=sys.stderr, flush=True)
+    except (AttributeError, ValueError):
+        pass
+
+
 def _reps(size: int, quick: bool) -> int:
     n = 300 if size <= 64 * KiB else 60 if size <= MiB else 15 if size <= 16 * MiB else 9 if size <= 64 * MiB else 5
     return max(5, n // 3) if quick else n
@@ -138,6 +147,7 @@ def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
         data.unlink(), back.unlink(), arena.unlink()
         enc = Encoder(sender)
         for size in sizes:
+            _say(f"shm ({'view' if view_from == 0 else 'copy'}), {_fmt_size(size)}")
             src = _source(size)
             samples = []
             for i in range(_reps(size, quick) + 2):
@@ -182,6 +192,7 @@ def _bench_zmq(sizes: list[int], quick: bool) -> dict:
         pull.recv()
         enc = Encoder(inline_threshold=256)
         for size in sizes:
+            _say(f"zmq, {_fmt_size(size)}")
             src = _source(size)
             samples = []
             for i in range(_reps(size, quick) + 2):
@@ -212,6 +223,7 @@ def _bench_zmq(sizes: list[int], quick: bool) -> dict:
 def _bench_memcpy(sizes: list[int], quick: bool) -> dict:
     out: dict = {}
     for size in sizes:
+        _say(f"memcpy, {_fmt_size(size)}")
         src = _source(size)
         dst = torch.empty_like(src)
         s, d = src.numpy(), dst.numpy()
@@ -247,6 +259,7 @@ def _bench_cuda(sizes: list[int], quick: bool) -> dict:
         data.unlink(), back.unlink(), arena.unlink()
         enc = Encoder(sender)
         for size in sizes:
+            _say(f"cuda ipc, {_fmt_size(size)}")
             samples = []
             for i in range(min(_reps(size, quick), 30) + 2):
                 t = torch.empty(size, dtype=torch.uint8, device="cuda").fill_(i % 251)
@@ -312,6 +325,13 @@ def _fmt_size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
+def _vs(t: float, base: float) -> str:
+    """A time against another: '1.33x slower' or '1.25x faster'."""
+    if t <= 0 or base <= 0:
+        return "-"
+    return f"{t / base:.2f}x slower" if t >= base else f"{base / t:.2f}x faster"
+
+
 def table(result: dict) -> str:
     """A plain-text table of medians (p99) in microseconds."""
     mem, view, copy, zq = (result[k] for k in ("memcpy", "shm_view", "shm_copy", "zmq"))
@@ -319,7 +339,7 @@ def table(result: dict) -> str:
         "CPU tensor, process A -> torch.Tensor in process B; median (p99) in us; memcpy = "
         "np.copyto into a preallocated buffer, copy_ = torch.Tensor.copy_ (multi-threaded)",
         f"{'size':>8} | {'memcpy':>9} | {'copy_':>9} | {'shm view':>19} | {'shm copy':>19} | "
-        f"{'zmq copy=False':>19} | view/memcpy | view/copy_",
+        f"{'zmq copy=False':>19} | {'view vs memcpy':>14} | {'view vs copy_':>14}",
     ]
     for key in mem:
         size = int(key)
@@ -331,8 +351,8 @@ def table(result: dict) -> str:
         lines.append(
             f"{_fmt_size(size):>8} | {m:9.1f} | {mem[key]['torch_copy_']['median_us']:9.1f} | "
             f"{cell(view[key])} | {cell(copy[key])} | {cell(zq[key])} | "
-            f"{view[key]['median_us'] / m:10.2f}x | "
-            f"{view[key]['median_us'] / mem[key]['torch_copy_']['median_us']:9.2f}x"
+            f"{_vs(view[key]['median_us'], m):>14} | "
+            f"{_vs(view[key]['median_us'], mem[key]['torch_copy_']['median_us']):>14}"
         )
     if "cuda_ipc" in result:
         lines.append("CUDA tensor hand-off by IPC handle (fresh allocation each time); median (p99) in us")
