@@ -1,126 +1,73 @@
-"""SPSC ring of variable-length records in a named shared-memory segment.
+"""SPSC ring of variable-length records in an anonymous shared-memory segment.
 
-Lowest layer, with ``shm``, ``doorbell`` and ``errors`` (its only imports from the
-package); it knows nothing of codecs, clients, asyncio or the engine. It owns the ring's
-layout, the record format, wrap-around, fragmentation of messages larger than the ring,
-batching, backpressure and the ring's statistics. ``try_*`` methods never block; ``send``,
-``send_batch``, ``recv`` and ``recv_into`` with a timeout spin, then block (see
-``doorbell.wait_token``; the spin budget is ``spin_us``, stretched up to 8x while the
-peer answers right after we block, see ``doorbell.Spin``). This module holds the layout,
-the ``Ring`` base (construction, close, statistics) and the argument below; the two ends
-are ``ring_producer.RingProducer`` and ``ring_consumer.RingConsumer``.
+Lowest layer, with ``shm``, ``doorbell``, ``errors`` and the C extension ``_ring`` (its
+only imports from the package); it knows nothing of codecs, clients, asyncio or the
+engine. The per-message path (write and publish, see and read and release, the spin, the
+futex sleep and wake) is C, in ``shmclient/_ring.c``, whose module docstring carries the
+layout and the memory-ordering argument for x86-64 and aarch64. This module keeps what is
+not per-message: the segment's life cycle, the slice loop of a blocking wait with its
+liveness check, timeouts, errors, the adaptive spin (``doorbell.Spin``) and statistics.
+``try_*`` methods never block; ``send``, ``send_batch``, ``recv`` and ``recv_into`` with a
+timeout spin, then sleep. The two ends are ``ring_producer.RingProducer`` and
+``ring_consumer.RingConsumer``.
 
-Layout: a 4 KiB header, then ``capacity`` data bytes. The header holds magic, version and
-capacity; one 64-byte line written only by the producer (published-batch counter,
-records, bytes); one producer line of rarely-changing statistics; one with the
-producer's closed flag; and the same again for the consumer (released-batch counter,
-records, bytes, spins, blocks; closed flag). A record is an 8-byte header (u32 payload
-length, u8 type, u8 flags, 2 spare bytes) followed by the payload, padded to 8 bytes. A
-record that does not fit before the end is preceded by a PAD record covering the rest;
-the last record of a batch carries END_OF_BATCH; a message longer than ``max_record`` is
-cut into fragments (MORE_FRAGMENTS / CONTINUATION, the first one prefixed with the u64
-total length) and each fragment is published as its own batch, so the consumer can free
-each one while the next is written; it reassembles them into one buffer, kept for the
-next large message (up to 64 MiB) so that its pages are not faulted in again.
+State is two byte positions in the header: the producer's published head and the
+consumer's released tail, each on its own cache line, stored with release and loaded
+with acquire order. Free space is ``tail + capacity - write position``: nothing is
+reclaimed lazily. Taking a batch and recording that it was taken is one C call, so no
+Python exception (a KeyboardInterrupt) can split them. A message longer than
+``max_record`` goes in fragments, each published as it is written, so the consumer
+frees each one while the next is written; a send that times out half-way resumes where
+it stopped, never from the first fragment.
 
-Memory ordering. Python promises nothing about when plain stores into shared memory
-become visible to another process, and on weakly ordered CPUs (aarch64) they may become
-visible out of order and loads may be satisfied early. So no decision that matters rests
-on a plain load of a shared counter. The authority is two POSIX counting semaphores:
-``items`` counts published batches, ``spaces`` counts released batches. POSIX (Base
-Definitions 4.12, Memory Synchronization) lists sem_post, sem_wait, sem_trywait and
-sem_timedwait among the functions that synchronize memory; glibc implements post as an
-atomic add with release order and the waits as atomic read-modify-writes with acquire
-order (STLXR/LDAXR or LSE LDADDL/CASA on aarch64, locked instructions on x86-64). Every
-post and wait is a read-modify-write of the same word, so a wait that takes a token
-synchronizes with every post before it in that word's modification order: everything
-the poster stored before posting is visible after the wait. Hence:
-
-* The producer writes every record of a batch, sets END_OF_BATCH on the last, stores its
-  published counter, then posts ``items`` once. The consumer takes one token (trywait
-  while spinning, timed wait when blocked) and only then reads, at its own local read
-  position, up to END_OF_BATCH; the bytes it reads were stored before a post it has
-  synchronized with. A producer killed mid-batch never posted, so nothing of that batch
-  is ever read: no partial record can be seen.
-* The consumer posts ``spaces`` once per batch after it has finished with the batch's
-  bytes (copied them out, or the handler given views returned). The producer keeps a
-  local deque of the end positions of batches it published; each ``spaces`` token pops
-  one and frees the space up to it. It never reads the consumer's position.
-* A side's ``close()`` sets its closed flag and then posts both semaphores once, so a
-  blocked peer (or another thread of the same side) wakes. The token is told apart from
-  a real one by the poster's counter read *after* the wait: the published (released)
-  counter is stored before each post, so after taking the (k+1)-th token a real batch
-  is there exactly when the counter exceeds k; otherwise the token is a close.
-* Shared counters are written only by memoryview item assignment: one aligned 8-byte
-  store, so a reader sees the old or the new value, never a mix. Never struct.pack_into:
-  it zero-fills its destination before writing the fields, and a peer reading the
-  published counter while the next batch is being published would see 0 and take a
-  real batch's token for a close.
-* The shared counters are also read with plain loads while spinning, as hints only: a
-  memoryview load costs ~50 ns where a failed trywait raises BusyError (~1 µs). When
-  the hint moves and the semaphore's value is non-zero, the spinner tries the
-  semaphore; a BusyError then only means "not visible yet, keep spinning".
-* No wake-up can be lost: a counting semaphore remembers every post. A batch that does
-  not fit is published as far as it is written before the producer waits, so a
-  half-written batch never holds space the consumer cannot free.
+Nothing is named: the segment is a memfd and the async wake-up a pipe, each reached by
+the peer through ``/proc/<pid>/fd`` (or an inherited fd), see ``shm``. A SIGKILL of
+either side at any moment leaves nothing behind in /dev/shm or /tmp.
 
 Threads: each ring end takes a local lock around every operation, so several threads of
 one process may share an end while the ring itself stays single-producer single-consumer.
+A receive handler that uses its own ring raises RuntimeError (the C end refuses
+re-entry) instead of corrupting it.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import weakref
+from time import perf_counter
 from typing import Callable, Literal, Sequence, Union
 
 import msgspec
-import posix_ipc
 
-from . import doorbell as db
+from . import _ring
+from .doorbell import Spin
 from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
-from .shm import Segment
+from .shm import Segment, make_pipe, open_handle
 
-__all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec"]
+__all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec", "RingCorruptError"]
 
 DEFAULT_CAPACITY = 4 << 20
-MAGIC = 0x31474E4952434D53  # b"SMCRING1", little-endian
-VERSION = 1
-HEADER_BYTES = 4096
-REC_HDR = 8
-MAX_PAYLOAD = 0xFFFF_FFFF
+HEADER_BYTES = _ring.HEADER_BYTES
+REC_HDR = _ring.REC_HDR
+VERSION = _ring.VERSION
+MAX_PAYLOAD = 0xFFFF_FFFF  # the largest message (fragmented); one record carries max_record
 MIN_CAPACITY = 64
 MAX_CAPACITY = 1 << 40
-SCRATCH_KEEP = 64 << 20  # a reassembly buffer up to this size is reused
-
-# record flags
-EOB, PAD, MORE, CONT = 0x01, 0x02, 0x04, 0x08
-
-# header slots (u64 index = byte offset // 8); each group starts a 64-byte line
-_MAGIC, _VERSION, _CAPACITY = 0, 1, 2
-_HEAD, _P_RECORDS, _P_BYTES = 8, 9, 10  # producer hot line (head = published batches)
-_P_SPINS, _P_BLOCKS, _WRAPS, _WAITS_FULL, _FRAGMENTS = 16, 17, 18, 19, 20
-_P_CLOSED = 24
-_TAIL, _C_RECORDS, _C_BYTES, _C_SPINS, _C_BLOCKS = 32, 33, 34, 35, 36  # consumer hot line
-_C_CLOSED = 40
-
-_REC = struct.Struct("<IBB")
-_U64 = struct.Struct("<Q")
+RingCorruptError = _ring.RingCorruptError
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Role = Literal["producer", "consumer"]
 
 
 class RingSpec(msgspec.Struct, frozen=True):
-    """Everything the peer process needs to attach (msgpack-able)."""
+    """Everything the peer process needs to attach (msgpack-able): the segment's handle,
+    the capacity and, for a consumer that waits in an event loop, the handle of its wake
+    pipe's write end."""
 
     segment: str
-    items: str
-    spaces: str
     capacity: int
-    wake_fifo: str = ""
+    wake_pipe: str = ""
 
 
 class _Resources:
@@ -129,41 +76,34 @@ class _Resources:
     def __init__(self, owner: bool) -> None:
         self.owner = owner
         self.seg: Segment | None = None
-        self.sems: list[posix_ipc.Semaphore] = []
         self.fds: list[int] = []
-        self.views: list[memoryview] = []
-        self.fifo = ""
-        self.unlinked = not owner
+        self.wake_w = -1  # a write end of the consumer's wake pipe (both roles keep one)
+        self.ends: list = []  # the C end: dropped before the mapping is closed
 
     def unlink(self) -> None:
-        if self.unlinked:
-            return
-        self.unlinked = True
+        """Release the segment's handle (the peer has attached): it no longer opens. The
+        wake pipe's write end stays until ``release``: a pipe whose last writer closed
+        reads as end-of-file, which an event loop would report as readable forever."""
         if self.seg is not None:
-            self.seg.unlink()
-        for s in self.sems:
-            db.unlink_semaphore(s.name)
-        if self.fifo:
-            db.remove_wake_fifo(self.fifo)
+            self.seg.release_handle()
 
     def release(self) -> None:
-        for v in self.views:
-            v.release()
-        self.views.clear()
+        for end in self.ends:
+            end.close()
+            end.detach()
+        self.ends.clear()
+        self.unlink()
+        if self.wake_w >= 0:
+            os.close(self.wake_w)
+            self.wake_w = -1
         if self.seg is not None:
             self.seg.close()
-        for s in self.sems:
-            try:
-                s.close()
-            except posix_ipc.ExistentialError:
-                pass
         for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self.fds.clear()
-        self.unlink()
 
 
 def _as_bytes(payload) -> memoryview:
@@ -171,14 +111,6 @@ def _as_bytes(payload) -> memoryview:
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     return mv
-
-
-def _bad_type(rtype) -> ValueError:
-    return ValueError(f"record type must be an int in 0..255, got {rtype!r}")
-
-
-def _too_big(n: int) -> ValueError:
-    return ValueError(f"payload of {n} bytes is larger than a record can carry ({MAX_PAYLOAD} bytes)")
 
 
 class Ring:
@@ -212,12 +144,13 @@ class Ring:
         """Create a ring (owner side) and return this process's end of it.
 
         ``capacity``: data bytes, a multiple of 8, at least 64. ``spin_us``: how long a
-        waiter spins before it blocks (0: never spins). ``consumer_wake_fd``: also make
-        a FIFO the consumer can watch with an event loop (``fileno()``); the producer
-        then writes a byte per published batch (a system call, ~1 µs). ``liveness_interval``:
-        seconds between ``alive()`` checks while blocked. Raises ShmCapacityError if
-        /dev/shm cannot hold it (nothing is left behind), ValueError for bad
-        arguments. Call ``unlink()`` once the peer has attached. Does not block.
+        waiter spins before it sleeps (0: never spins; adapted, see ``doorbell.Spin``).
+        ``consumer_wake_fd``: also make a pipe the consumer can watch with an event loop
+        (``fileno()``); the producer then writes a byte when a parked consumer asked for
+        one. ``liveness_interval``: seconds between ``alive()`` checks while blocked.
+        Raises ShmCapacityError if the memory cannot be reserved (nothing is left
+        behind), ValueError for bad arguments. Call ``unlink()`` once the peer has
+        attached. Does not block.
         """
         kind = _role_class(role)
         if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
@@ -228,16 +161,13 @@ class Ring:
         res = _Resources(owner=True)
         try:
             res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix)
-            q = res.seg.buf[:HEADER_BYTES].cast("Q")
-            q[_CAPACITY] = capacity
-            q[_VERSION] = VERSION
-            q[_MAGIC] = MAGIC
-            q.release()
-            res.sems.append(db.create_semaphore(prefix))
-            res.sems.append(db.create_semaphore(prefix))
+            _ring.init_header(res.seg.buf, capacity)
+            wake = ""
             if consumer_wake_fd:
-                res.fifo = db.make_wake_fifo()
-            spec = RingSpec(res.seg.name, res.sems[0].name, res.sems[1].name, capacity, res.fifo)
+                r, w, wake = make_pipe()
+                res.fds.append(r)
+                res.wake_w = w
+            spec = RingSpec(res.seg.name, capacity, wake)
             return kind._build(spec, res, spin_us, liveness_interval)
         except BaseException:
             res.release()
@@ -247,28 +177,26 @@ class Ring:
     def attach(
         cls, spec: RingSpec, role: Role, *, spin_us: float = 30.0, liveness_interval: float = 0.1
     ) -> "Ring":
-        """Attach to a ring another process created (peer side). Raises FileNotFoundError
-        if a name is gone, ValueError if the segment is not a ring of ``spec.capacity``.
-        Does not block."""
+        """Attach to a ring another process (or this one) created. Raises
+        FileNotFoundError if its creator is gone or released it, ValueError if the
+        segment is not a ring of ``spec.capacity``. Does not block."""
         kind = _role_class(role)
         _check_tuning(spin_us, liveness_interval)
         res = _Resources(owner=False)
         try:
             res.seg = Segment.attach(spec.segment)
-            q = res.seg.buf[:HEADER_BYTES].cast("Q") if res.seg.size >= HEADER_BYTES else None
-            ok = (
-                q is not None
-                and q[_MAGIC] == MAGIC
-                and q[_VERSION] == VERSION
-                and q[_CAPACITY] == spec.capacity
-                and res.seg.size >= HEADER_BYTES + spec.capacity
-            )
-            if q is not None:
-                q.release()
-            if not ok:
+            if res.seg.size < HEADER_BYTES + spec.capacity:
                 raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
-            res.sems.append(db.open_semaphore(spec.items))
-            res.sems.append(db.open_semaphore(spec.spaces))
+            try:
+                counters, _ = _ring.stats(res.seg.buf)
+            except ValueError:
+                counters = {}
+            if counters.get("capacity") != spec.capacity:
+                raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
+            if spec.wake_pipe:
+                if role == "consumer":
+                    res.fds.append(open_handle(spec.wake_pipe, os.O_RDONLY | os.O_NONBLOCK))
+                res.wake_w = open_handle(spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
             return kind._build(spec, res, spin_us, liveness_interval)
         except BaseException:
             res.release()
@@ -279,52 +207,47 @@ class Ring:
         self = object.__new__(cls)
         self.spec = spec
         self.capacity = spec.capacity
-        self.max_record = min(spec.capacity - REC_HDR, MAX_PAYLOAD)
-        self._fit = self.max_record + 15 & -8  # largest record size written unfragmented
         self._res = res
-        seg = res.seg
-        assert seg is not None
-        self._q = seg.buf[:HEADER_BYTES].cast("Q")
-        self._data = seg.buf[HEADER_BYTES : HEADER_BYTES + spec.capacity]
-        res.views += [self._q, self._data]
-        self._items, self._spaces = res.sems
-        self._spin = db.Spin(spin_us * 1e-6)
+        self._spin = Spin(spin_us * 1e-6)
         self._interval = interval
         self._lock = threading.RLock()
         self._closed = False
         self._peer_gone = False
         self._final_stats: dict[str, int] | None = None
         self._finalizer = weakref.finalize(self, res.release)
-        self._init_role()
+        try:
+            self._c = self._make_end(res)
+        except ValueError as e:
+            raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring: {e}") from None
+        res.ends.append(self._c)
+        self.max_record = self._max_record()
         return self
 
-    def _init_role(self) -> None:  # pragma: no cover - overridden
+    def _make_end(self, res: _Resources):  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _max_record(self) -> int:
+        return min(self.capacity - REC_HDR, 0xFFFFFFF8)
 
     # ----------------------------------------------------------------- lifecycle
 
     def unlink(self) -> None:
-        """Remove every name (segment, both semaphores, wake FIFO) so that nothing is
-        left in /dev/shm whatever happens later. Owner only (a no-op on the attached
-        side); call it once the peer has attached; idempotent. Does not block."""
+        """Release the handles (segment, wake pipe) so that nothing can attach any more.
+        Owner only (a no-op on the attached side); call it once the peer has attached;
+        idempotent. Nothing is named, so this only matters for who may attach. Does not
+        block."""
         self._res.unlink()
 
     def close(self) -> None:
-        """Tell the peer this side has gone, wake anything blocked on the ring, unmap,
-        and (owner) unlink. Idempotent. Waits for an operation in progress on another
-        thread of this side to finish (it is woken first)."""
+        """Tell the peer this side has gone, wake anything blocked on the ring, unmap.
+        Idempotent. Waits for an operation in progress on another thread of this side to
+        finish (it is woken first)."""
         if self._closed:
             return
-        try:
-            self._final_stats = self._read_stats()
-        except ValueError:  # pragma: no cover - views already gone
-            pass
+        self._final_stats = self._read_stats()
         self._closed = True
         try:
-            self._q[_P_CLOSED if self.role == "producer" else _C_CLOSED] = 1
-            self._items.release()
-            self._spaces.release()
-            self._after_close_posts()
+            self._c.close()  # sets the flag, wakes both sides' waiters (and the pipe)
         finally:
             got = self._lock.acquire(timeout=10.0)
             try:
@@ -332,9 +255,6 @@ class Ring:
             finally:
                 if got:
                     self._lock.release()
-
-    def _after_close_posts(self) -> None:
-        pass
 
     def __enter__(self) -> "Ring":
         return self
@@ -348,10 +268,11 @@ class Ring:
 
     @property
     def peer_closed(self) -> bool:
-        """True once the other side has called ``close()`` (plain read; a hint)."""
+        """True once the other side has called ``close()``."""
         if self._closed:
             return self._peer_gone
-        return self._peer_gone or bool(self._q[_C_CLOSED if self.role == "producer" else _P_CLOSED])
+        _, (p_closed, c_closed) = _ring.stats(self._res.seg.buf)
+        return self._peer_gone or bool(c_closed if self.role == "producer" else p_closed)
 
     def stats(self) -> dict[str, int]:
         """Counters of both sides, read from the shared header (after ``close()``: as
@@ -361,40 +282,53 @@ class Ring:
         return self._read_stats()
 
     def _read_stats(self) -> dict[str, int]:
-        q = self._q
-        return {
-            "capacity": self.capacity,
-            "tx_records": q[_P_RECORDS],
-            "tx_bytes": q[_P_BYTES],
-            "tx_batches": q[_HEAD],
-            "tx_spins": q[_P_SPINS],
-            "tx_blocks": q[_P_BLOCKS],
-            "wraps": q[_WRAPS],
-            "waits_on_full": q[_WAITS_FULL],
-            "fragments": q[_FRAGMENTS],
-            "rx_records": q[_C_RECORDS],
-            "rx_bytes": q[_C_BYTES],
-            "rx_batches": q[_TAIL],
-            "rx_spins": q[_C_SPINS],
-            "rx_blocks": q[_C_BLOCKS],
-        }
+        counters, _ = _ring.stats(self._res.seg.buf)
+        return counters
 
     def _closed_error(self) -> ClientClosedError:
         return ClientClosedError(f"this {self.role} end of the ring was closed")
 
-    def _check_wait(self, slices: int) -> None:
-        if self._closed:
-            raise self._closed_error()
-        # The peer's close() sets its flag and then posts; give that post one slice to
-        # arrive (it carries any data published before it) before trusting the flag.
-        if slices and self._q[_C_CLOSED if self.role == "producer" else _P_CLOSED]:
-            self._peer_gone = True
-            raise PeerDeadError(f"the {self._peer} closed the ring")
+    def _peer_dead(self) -> PeerDeadError:
+        self._peer_gone = True
+        return PeerDeadError(f"the {self._peer} closed the ring")
 
     def _lock_for(self, timeout: float | None) -> None:
         if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
             err = PeerNotConsumingError if self.role == "producer" else PeerNotProducingError
             raise err(f"another thread held this {self.role} end for the whole timeout ({timeout} s)")
+
+    def _wait(self, wait: Callable[..., int], timeout: float | None, alive) -> bool:
+        """The slice loop around a C wait: spin (adaptive), then sleep in slices of
+        ``liveness_interval``, checking ``alive()`` between slices. True when ready,
+        False on the timeout; raises PeerDeadError (closed or not alive),
+        ClientClosedError, or what a signal handler raised."""
+        spin = self._spin
+        budget = spin.budget
+        t0 = perf_counter()
+        r = wait(budget, self._interval if timeout is None else min(timeout, self._interval))
+        spin.after(r == _ring.READY, perf_counter() - t0 - budget if r == _ring.WOKEN else 0.0)
+        if r == _ring.CLOSED:
+            raise self._peer_dead()
+        if r != _ring.TIMEOUT:
+            return True
+        remaining = None if timeout is None else timeout - self._interval
+        while True:
+            if self._closed:
+                raise self._closed_error()
+            if alive is not None and not alive():
+                if wait(0.0, 0.0, False) != _ring.TIMEOUT:  # it may have published just before it went
+                    return True
+                raise PeerDeadError(f"the {self._peer} is gone: its liveness check failed while we waited")
+            if remaining is not None and remaining <= 0:
+                return False
+            t = self._interval if remaining is None else min(remaining, self._interval)
+            r = wait(0.0, t, False)
+            if r == _ring.CLOSED:
+                raise self._peer_dead()
+            if r != _ring.TIMEOUT:
+                return True
+            if remaining is not None:
+                remaining -= t
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.capacity} bytes"
@@ -449,3 +383,5 @@ def _role_class(role: str) -> type[Ring]:
 
         return RingConsumer
     raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+
+

@@ -1,15 +1,25 @@
-"""Named POSIX shared-memory segments: create (owner) / attach / close / unlink.
+"""Anonymous shared-memory segments: create (owner) / attach / close / release the handle.
 
-Lowest layer: imports only ``errors``, posix_ipc and the standard library. It owns the
-lifecycle rules every segment in shmclient follows, in the manner of CPython's
-``multiprocessing.shared_memory`` but without its resource tracker:
+Lowest layer: imports only ``errors`` and the standard library. It owns the life-cycle
+rules every segment in shmclient follows:
 
-* names are unguessable and collision-free (prefix, pid, 64 random bits) and created
-  exclusively (``O_CREAT | O_EXCL``) with mode 0600; a clash fails loudly;
-* the backing memory is reserved at creation with ``posix_fallocate``, so a full /dev/shm
-  fails here with a ``ShmCapacityError`` naming the bytes needed, never as SIGBUS later;
-* ``close()`` unmaps; only the creator ``unlink()``\\ s, and it does so as soon as the peer
-  has attached, so that a later SIGKILL of both sides leaves nothing in /dev/shm.
+* a segment is a ``memfd_create`` file: it has no name in /dev/shm or anywhere else, so
+  nothing can outlive the processes that map it, whatever kills them and whenever;
+* the backing memory is reserved at creation with ``posix_fallocate``, so a host that
+  cannot hold it fails here with a ``ShmCapacityError`` naming the bytes, never with
+  SIGBUS later;
+* its *handle* is a string ``memfd:<pid>:<fd>:<inode>``: the creator's pid, the fd number
+  in the creator and the inode. A peer opens it through ``/proc/<pid>/fd/<fd>`` (or uses
+  the same fd if it inherited it, e.g. with ``subprocess.Popen(pass_fds=...)``) and checks
+  the inode, so a recycled pid or fd number is refused. The creator keeps the fd open
+  until ``release_handle()`` (the equivalent of unlinking a name): after that the handle
+  no longer opens, and the memory lives exactly as long as some mapping of it;
+* ``close()`` unmaps. Only the creator holds a handle; the peer closes its fd as soon as
+  it has mapped the segment.
+
+posix_ipc is no longer used: named segments and semaphores could be left in /dev/shm by a
+process killed between creation and unlink, and the semaphores were replaced by the
+futex words of the C ring (``shmclient._ring``).
 
 Nothing here blocks.
 """
@@ -18,114 +28,132 @@ from __future__ import annotations
 
 import mmap
 import os
-import secrets
-
-import posix_ipc
 
 from .errors import ShmCapacityError
 
-SHM_DIR = "/dev/shm"
 PAGE = mmap.PAGESIZE
+HANDLE_PREFIX = "memfd:"
 
 
-def make_name(prefix: str = "shmc") -> str:
-    """A fresh POSIX IPC name: ``/<prefix>-<pid>-<16 hex digits>``."""
-    return f"/{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
-
-
-def shm_free_bytes() -> int:
-    """Bytes free in /dev/shm right now (what an unprivileged process may use)."""
-    st = os.statvfs(SHM_DIR)
-    return st.f_bavail * st.f_frsize
-
-
-def _capacity_error(name: str, size: int, free: int) -> ShmCapacityError:
+def _capacity_error(what: str, size: int, err: OSError) -> ShmCapacityError:
     return ShmCapacityError(
-        f"cannot reserve {size} bytes of shared memory for {name!r}: only {free} bytes are "
-        f"free in {SHM_DIR}. Free some space or make /dev/shm larger "
-        f"(Docker: --shm-size, e.g. --shm-size=1g), or ask for a smaller size."
+        f"cannot reserve {size} bytes of shared memory for {what}: {err.strerror or err}. "
+        f"The memory comes from the host's (or the container's) memory limit; free some "
+        f"memory or ask for a smaller ring or arena."
     )
 
 
+def parse_handle(handle: str) -> tuple[str, int, int, int]:
+    """``(kind, pid, fd, inode)`` of a ``memfd:`` or ``pipe:`` handle; ValueError if it is
+    not one."""
+    try:
+        kind, pid, fd, ino = handle.split(":")
+        if kind not in ("memfd", "pipe"):
+            raise ValueError
+        return kind, int(pid), int(fd), int(ino)
+    except (ValueError, AttributeError):
+        raise ValueError(f"not a shared-memory handle: {handle!r}") from None
+
+
+def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
+    """A new fd for the file behind ``handle`` (see the module docstring). Raises
+    FileNotFoundError when the creator is gone or has released it, ValueError for a
+    malformed handle. The caller owns the fd."""
+    kind, pid, fd, ino = parse_handle(handle)
+    path = f"/proc/{pid}/fd/{fd}"
+    try:  # inherited (pass_fds), or our own: the same kind of file and inode
+        link = os.readlink(f"/proc/self/fd/{fd}")
+        if os.fstat(fd).st_ino == ino and link.startswith("/memfd:" if kind == "memfd" else "pipe:"):
+            if kind == "memfd":
+                return os.dup(fd)
+            path = f"/proc/self/fd/{fd}"  # reopened: a pipe end of the kind asked for
+    except OSError:
+        pass
+    try:
+        new = os.open(path, flags | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"shared memory {handle!r} is gone (its creator exited or released it): {e.strerror}"
+        ) from e
+    if os.fstat(new).st_ino != ino:
+        os.close(new)
+        raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
+    return new
+
+
 class Segment:
-    """A mapped shared-memory segment. ``buf`` is a writable memoryview of all of it."""
+    """A mapped shared-memory segment. ``buf`` is a writable memoryview of all of it;
+    ``name`` is the handle a peer attaches with (``Segment.attach(name)``)."""
 
-    __slots__ = ("name", "size", "owner", "_mmap", "buf", "_unlinked", "__weakref__")
+    __slots__ = ("name", "size", "owner", "fd", "_mmap", "buf", "__weakref__")
 
-    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap) -> None:
+    def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap, fd: int) -> None:
         self.name = name
         self.size = size
         self.owner = owner
+        self.fd = fd  # the creator's fd behind the handle; -1 once released
         self._mmap: mmap.mmap | None = mm
         self.buf: memoryview = memoryview(mm)
-        self._unlinked = not owner
 
     @classmethod
     def create(cls, size: int, prefix: str = "shmc", name: str | None = None) -> "Segment":
         """Create, reserve and map a new segment of ``size`` bytes (owner side).
 
-        Raises ``ShmCapacityError`` when /dev/shm cannot hold it, ``FileExistsError`` when
-        ``name`` is taken, ``ValueError`` for a size < 1. Does not block.
+        Raises ``ShmCapacityError`` when the memory cannot be reserved, ``ValueError`` for
+        a size < 1. ``prefix`` names the memfd for /proc/<pid>/maps readers; ``name`` is
+        accepted for compatibility and ignored. Does not block.
         """
-        if size < 1:
-            raise ValueError(f"segment size must be >= 1 byte, got {size}")
-        name = name or make_name(prefix)
-        free = shm_free_bytes()
-        if size > free:
-            raise _capacity_error(name, size, free)
-        try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
-        except posix_ipc.ExistentialError as e:
-            raise FileExistsError(f"shared memory segment {name!r} already exists") from e
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"segment size must be an int >= 1 byte, got {size!r}")
+        fd = os.memfd_create(prefix, os.MFD_CLOEXEC)
         try:
             try:
-                os.ftruncate(shm.fd, size)
-                os.posix_fallocate(shm.fd, 0, size)
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise _capacity_error(name, size, shm_free_bytes()) from e
-            mm = mmap.mmap(shm.fd, size)
+                raise _capacity_error(f"a {prefix!r} segment", size, e) from e
+            mm = mmap.mmap(fd, size)
+            ino = os.fstat(fd).st_ino
         except BaseException:
-            shm.close_fd()
-            posix_ipc.unlink_shared_memory(name)
+            os.close(fd)
             raise
-        shm.close_fd()
-        return cls(name, size, True, mm)
+        return cls(f"{HANDLE_PREFIX}{os.getpid()}:{fd}:{ino}", size, True, mm, fd)
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
-        """Map an existing segment (peer side). ``FileNotFoundError`` if it is gone."""
+        """Map the segment behind a handle (peer side). ``FileNotFoundError`` if it is gone,
+        ValueError if ``name`` is not a handle. Does not block."""
+        fd = open_handle(name)
         try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError as e:
-            raise FileNotFoundError(f"shared memory segment {name!r} does not exist") from e
-        try:
-            mm = mmap.mmap(shm.fd, shm.size)
-            size = shm.size
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise FileNotFoundError(f"shared memory {name!r} is empty")
+            mm = mmap.mmap(fd, size)
         finally:
-            shm.close_fd()
-        return cls(name, size, False, mm)
+            os.close(fd)
+        return cls(name, size, False, mm, -1)
 
     @property
     def closed(self) -> bool:
         return self._mmap is None
 
-    def unlink(self) -> None:
-        """Remove the name (owner only; idempotent). The mapping stays valid."""
-        if self._unlinked:
-            return
-        self._unlinked = True
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+    def release_handle(self) -> None:
+        """Close the creator's fd: the handle stops opening (owner only; idempotent). The
+        mapping stays valid. Call it once the peer has attached."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    unlink = release_handle  # the name this step had when segments were named
 
     def close(self) -> None:
-        """Unmap (idempotent). Views still exported keep the memory until they are freed."""
+        """Unmap (idempotent; the handle stays valid until ``release_handle``). Views still
+        exported keep the memory until they are freed."""
         mm, self._mmap = self._mmap, None
         if mm is None:
             return
-        self.buf.release()
         try:
+            self.buf.release()
             mm.close()
         except BufferError:
             # Someone still holds a view (e.g. a received tensor); the mapping is freed
@@ -135,3 +163,10 @@ class Segment:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.size} bytes"
         return f"<Segment {self.name} {state}{' owner' if self.owner else ''}>"
+
+
+def make_pipe() -> tuple[int, int, str]:
+    """A non-blocking pipe and the handle of its write end (``pipe:<pid>:<fd>:<inode>``),
+    which a peer opens with ``open_handle(h, os.O_WRONLY | os.O_NONBLOCK)``."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    return r, w, f"pipe:{os.getpid()}:{w}:{os.fstat(w).st_ino}"

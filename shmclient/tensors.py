@@ -21,10 +21,11 @@ the same as tracking a view and the block returns to the arena immediately. The 
 copies in with numpy (a memcpy; split over short-lived threads from 8 MiB up).
 
 When the arena is full or a tensor is bigger than it, the sender does not wait: it
-puts the tensor in a one-off segment of its own and sends ``[ONE_OFF, id, name]``. The
-receiver maps it, unlinks the name at once and releases the id; the sender keeps the
-names of one-offs still in flight and unlinks them in ``close()``, so nothing stays in
-/dev/shm even if the message is never decoded. If /dev/shm cannot hold a one-off either,
+puts the tensor in a one-off segment of its own (a memfd, see ``shm``) and sends
+``[ONE_OFF, id, handle]``. The receiver maps it and releases the id; the sender keeps the
+handles of one-offs still in flight open and closes each when its release comes back (or
+in ``close()``). Nothing is named, so a one-off whose sender or receiver is killed at any
+moment is freed with the last process that maps it. If the memory cannot be reserved,
 ``put`` declines and the codec sends the bytes inline. Nothing here blocks.
 """
 
@@ -41,7 +42,6 @@ import weakref
 from typing import Any
 
 import numpy as np
-import posix_ipc
 import torch
 
 from .errors import SerializationError, ShmCapacityError
@@ -147,7 +147,7 @@ class ShmTensorSender:
         usable = segment.size - segment.size % ALIGN
         self._free: list[list[int]] = [[0, usable]] if usable else []  # sorted [offset, size]
         self._blocks: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
-        self._oneoffs: dict[int, str] = {}  # id -> segment name
+        self._oneoffs: dict[int, Segment] = {}  # id -> segment, its handle still open
         self._ids = itertools.count(1)
         self._cuda_args = (enable_cuda_ipc, peer_gpu_uuids)
         self._cuda: Any = None
@@ -202,12 +202,12 @@ class ShmTensorSender:
             del dst
         except BaseException:
             seg.close()
-            seg.unlink()
+            seg.release_handle()
             raise
-        seg.close()
+        seg.close()  # unmapped here; the handle stays open until the receiver releases it
         bid = next(self._ids)
         with self._lock:
-            self._oneoffs[bid] = seg.name
+            self._oneoffs[bid] = seg
             self._n["one_off"] += 1
         return [ONE_OFF, bid, seg.name]
 
@@ -235,7 +235,7 @@ class ShmTensorSender:
         self._free_ids(ids)
 
     def _free_ids(self, ids) -> None:
-        names = []
+        segs = []
         with self._lock:
             for bid in ids:
                 blk = self._blocks.pop(bid, None)
@@ -243,14 +243,14 @@ class ShmTensorSender:
                     self._release(*blk)
                     self._n["released"] += 1
                     continue
-                name = self._oneoffs.pop(bid, None)
-                if name is not None:
-                    names.append(name)
+                seg = self._oneoffs.pop(bid, None)
+                if seg is not None:
+                    segs.append(seg)
                     self._n["released"] += 1
                 elif self._cuda is not None and self._cuda.release(bid):
                     self._n["released"] += 1
-        for name in names:
-            _unlink_quietly(name)  # the receiver normally did it already
+        for seg in segs:
+            seg.release_handle()
 
     # -- allocator (first fit over a sorted free list, coalescing on free) -------------------
 
@@ -310,10 +310,10 @@ class ShmTensorSender:
             return
         self._closed = True
         with self._lock:
-            names, self._oneoffs = list(self._oneoffs.values()), {}
+            segs, self._oneoffs = list(self._oneoffs.values()), {}
             self._blocks.clear()
-        for name in names:
-            _unlink_quietly(name)
+        for seg in segs:
+            seg.release_handle()
         if self._cuda is not None:
             self._cuda.close()
         self._arena = None  # type: ignore[assignment]
@@ -322,13 +322,6 @@ class ShmTensorSender:
 
 def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _unlink_quietly(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
 
 
 class ShmTensorReceiver:
@@ -378,10 +371,9 @@ class ShmTensorReceiver:
     def _get_oneoff(self, bid: int, name: str, nbytes: int) -> np.ndarray:
         try:
             seg = Segment.attach(name)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             self._released.append(bid)
             raise SerializationError(f"one-off tensor segment {name} is gone (sender closed?)") from e
-        _unlink_quietly(name)  # nobody else needs the name: the mapping is ours now
         self._released.append(bid)
         if seg.size < nbytes:
             seg.close()

@@ -17,7 +17,6 @@ import time
 import zlib
 
 import msgspec
-import posix_ipc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,7 +30,7 @@ from shmclient.errors import (
     ShmCapacityError,
 )
 from shmclient.ring import DEFAULT_CAPACITY, Ring, RingSpec
-from shmclient.shm import Segment, shm_free_bytes
+from shmclient.shm import Segment
 
 SHM = "/dev/shm"
 
@@ -243,7 +242,7 @@ def test_random_sizes_one_process(cap, data):
         s = pr.p.stats()
         assert s["tx_records"] == s["rx_records"] == len(sent)
         assert s["tx_bytes"] == s["rx_bytes"] == sum(len(b) for _, b in sent)
-        assert s["tx_batches"] == s["rx_batches"]
+        assert s["head"] == s["tail"]  # everything published was released
     finally:
         pr.close()
 
@@ -259,7 +258,7 @@ def test_batch_is_one_doorbell_and_read_in_one_call(pair):
     assert pr.p.stats()["tx_batches"] == 2
     assert pr.c.try_recv() == recs + recs[:3]  # every batch available, one call
     s = pr.c.stats()
-    assert s["rx_batches"] == 2 and s["rx_records"] == 23
+    assert s["rx_batches"] == 1 and s["rx_records"] == 23  # one read took both
 
 
 def test_batch_larger_than_free_space_is_split_not_deadlocked(pair):
@@ -367,8 +366,8 @@ def test_recv_into_handler_error_consumes_that_record_only(pair):
     assert got == [recs[0]]
     assert pr.c.recv_into(bad) == 1
     assert got == [recs[0], recs[2]]
-    s = pr.c.stats()  # the batch was released once its last record was handled
-    assert s["rx_batches"] == s["tx_batches"] == 1 and s["rx_records"] == 3
+    s = pr.c.stats()  # everything handled (or failed) was released
+    assert s["tx_batches"] == 1 and s["rx_records"] == 3 and s["head"] == s["tail"]
     assert not pr.p.try_send(5, payload(5, 120))  # needs the whole ring: pads first
     assert pr.c.try_recv() == []
     assert pr.p.try_send(5, payload(5, 120))
@@ -557,81 +556,89 @@ def test_use_after_close_and_idempotence(pair):
 # ---------------------------------------------------------------- names and lifecycle
 
 
-def test_names_mode_0600_and_all_gone_after_unlink():
+def _fd_targets() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_nothing_is_named_and_handles_stop_opening_after_unlink():
+    before_shm, before_tmp = set(os.listdir(SHM)), set(os.listdir("/tmp"))
     p = Ring.create("consumer", 1024, consumer_wake_fd=True, prefix="shmctest")
     try:
         spec = p.spec
-        paths = [_shm_path(spec.segment), _sem_path(spec.items), _sem_path(spec.spaces)]
-        for path in paths + [spec.wake_fifo]:
-            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
-        assert stat.S_ISFIFO(os.stat(spec.wake_fifo).st_mode)
-        assert stat.S_IMODE(os.stat(os.path.dirname(spec.wake_fifo)).st_mode) == 0o700
-        assert all(os.path.basename(x).split(".")[-1].startswith("shmctest-") for x in paths)
+        assert set(os.listdir(SHM)) == before_shm and set(os.listdir("/tmp")) == before_tmp
+        assert spec.segment.startswith("memfd:") and spec.wake_pipe.startswith("pipe:")
         c = Ring.attach(spec, "producer")
         try:
             p.unlink()
             p.unlink()
-            for path in paths + [spec.wake_fifo, os.path.dirname(spec.wake_fifo)]:
-                assert not os.path.exists(path), path
-            assert c.try_send(1, b"still works")  # names gone, mappings and fds stay
+            with pytest.raises(FileNotFoundError, match="gone"):
+                Ring.attach(spec, "producer")  # the handle no longer opens
+            assert c.try_send(1, b"still works")  # mappings and fds stay
             p.drain_wake_fd()
             assert p.try_recv() == [(1, b"still works")]
         finally:
             c.close()
     finally:
         p.close()
-    with pytest.raises(FileNotFoundError):
-        Ring.attach(spec, "producer")
 
 
-def test_close_without_unlink_removes_names():
+def test_close_without_unlink_leaves_no_fd_or_mapping():
+    fds = _fd_targets()
     p = Ring.create("producer", 1024, consumer_wake_fd=True)
+    c = Ring.attach(p.spec, "consumer")
     spec = p.spec
+    c.close()
     p.close()
-    assert not os.path.exists(_shm_path(spec.segment))
-    assert not os.path.exists(_sem_path(spec.items))
-    assert not os.path.exists(spec.wake_fifo)
+    with pytest.raises(FileNotFoundError):
+        Ring.attach(spec, "consumer")
+    assert _fd_targets() <= fds | {f"/proc/{os.getpid()}/fd"}
 
 
-def test_attached_side_never_unlinks(pair):
+def test_attached_side_never_releases_the_handle(pair):
     pr = Pair.__new__(Pair)
     pr.p = Ring.create("producer", 1024)
     try:
         pr.c = Ring.attach(pr.p.spec, "consumer")
         pr.c.unlink()
         pr.c.close()
-        assert os.path.exists(_shm_path(pr.p.spec.segment))
-        assert os.path.exists(_sem_path(pr.p.spec.items))
+        again = Ring.attach(pr.p.spec, "consumer")  # the owner's handle still opens
+        again.close()
     finally:
         pr.p.close()
 
 
-def test_name_clash_fails_loudly_and_leaves_nothing(monkeypatch):
-    taken = posix_ipc.Semaphore(None, posix_ipc.O_CREX, mode=0o600)
+def test_a_recycled_fd_number_is_refused():
+    seg = Segment.create(8192)
+    handle = seg.name
+    seg.release_handle()
+    other = Segment.create(8192)  # very likely gets the same fd number
     try:
-        before = set(os.listdir(SHM))
-        monkeypatch.setattr(doorbell, "make_name", lambda prefix="shmc": taken.name)
-        with pytest.raises(FileExistsError, match="already exists"):
-            Ring.create("producer", 1024)
-        assert set(os.listdir(SHM)) == before
-        seg = Segment.create(64)
-        try:
-            with pytest.raises(FileExistsError):
-                Segment.create(64, name=seg.name)
-        finally:
-            seg.close()
-            seg.unlink()
+        kind, pid, fd, ino = handle.split(":")
+        stale = f"memfd:{pid}:{other.fd}:{ino}"
+        with pytest.raises(FileNotFoundError, match="gone"):
+            Segment.attach(stale)
     finally:
-        taken.unlink()
-        taken.close()
+        seg.close()
+        other.close()
+        other.release_handle()
 
 
-def test_ring_larger_than_free_shm_fails_at_create_and_leaves_nothing():
-    before = set(os.listdir(SHM))
-    too_big = (shm_free_bytes() + (64 << 20)) & -8
-    with pytest.raises(ShmCapacityError, match=str(too_big + ring_mod.HEADER_BYTES)):
-        Ring.create("producer", too_big)
-    assert set(os.listdir(SHM)) == before
+def test_ring_larger_than_memory_fails_at_create_and_leaves_nothing(monkeypatch):
+    before = _fd_targets()
+
+    def no_room(fd, off, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(ShmCapacityError, match=str(8192 + ring_mod.HEADER_BYTES)):
+        Ring.create("producer", 8192)
+    assert _fd_targets() <= before | {f"/proc/{os.getpid()}/fd"}
 
 
 def test_attach_checks_the_segment_is_a_ring():
@@ -639,14 +646,16 @@ def test_attach_checks_the_segment_is_a_ring():
     try:
         spec = p.spec
         with pytest.raises(ValueError, match="not a version"):
-            Ring.attach(RingSpec(spec.segment, spec.items, spec.spaces, 2048), "consumer")
+            Ring.attach(RingSpec(spec.segment, 2048), "consumer")
         seg = Segment.create(8192)
         try:
             with pytest.raises(ValueError, match="not a version"):
-                Ring.attach(RingSpec(seg.name, spec.items, spec.spaces, 1024), "consumer")
+                Ring.attach(RingSpec(seg.name, 1024), "consumer")
         finally:
             seg.close()
             seg.unlink()
+        with pytest.raises(ValueError, match="handle"):
+            Ring.attach(RingSpec("/shmc-old-name", 1024), "consumer")
     finally:
         p.close()
 
@@ -806,13 +815,34 @@ def test_stats_from_both_sides(pair):
 
 def test_spin_budget_stretches_only_while_the_peer_answers_right_after_we_block():
     s = doorbell.Spin(30e-6)
-    s.after_block(50e-6)  # the token came just after the spin gave up
+    s.after(False, 50e-6)  # the data came just after the spin gave up
     assert s.budget == pytest.approx(60e-6)
-    for _ in range(10):
-        s.after_block(10e-6)
+    for _ in range(3):
+        s.after(False, 10e-6)
     assert s.budget == pytest.approx(30e-6 * doorbell.Spin.STRETCH)  # bounded
-    s.after_block(0.05)  # the peer was idle: back to the configured budget
+    s.after(True, 0.0)  # the longer spin paid
+    s.after(False, 0.05)  # the peer was idle: back to the configured budget
     assert s.budget == pytest.approx(30e-6)
     z = doorbell.Spin(0.0)
-    z.after_block(1e-6)
+    z.after(False, 1e-6)
     assert z.budget == 0.0  # zero means never spin
+
+
+def test_spin_backs_off_when_it_keeps_failing_and_probes_to_resume():
+    s = doorbell.Spin(30e-6)
+    for _ in range(doorbell.Spin.MISSES):
+        s.after(False, 0.01)  # every spin ended in a sleep anyway (a busy host)
+    assert s.budget == 0.0
+    for _ in range(doorbell.Spin.PROBE - 1):
+        s.after(False, 1e-6)  # a quick answer after sleeping proves nothing
+        assert s.budget == 0.0
+    s.after(False, 0.01)
+    assert s.budget == pytest.approx(30e-6)  # a probe
+    s.after(False, 0.01)
+    assert s.budget == 0.0  # the probe failed: back off again
+    for _ in range(doorbell.Spin.PROBE):
+        s.after(False, 0.01)
+    assert s.budget == pytest.approx(30e-6)
+    s.after(True, 0.0)  # the probe paid: spinning resumes for good
+    s.after(False, 0.01)
+    assert s.budget == pytest.approx(30e-6)

@@ -286,10 +286,9 @@ def test_consumer_close_and_unlink_seen_across_processes():
     child = Child(_consumer_main, _spec_bytes(p), 10, kid)
     try:
         assert parent.poll(30) and parent.recv() == "attached"
-        p.unlink()  # owner removes every name once the peer is in
-        spec = p.spec
-        for name in (spec.segment.lstrip("/"), "sem." + spec.items.lstrip("/"), "sem." + spec.spaces.lstrip("/")):
-            assert not os.path.exists(os.path.join(SHM, name))
+        p.unlink()  # owner releases its handle once the peer is in
+        with pytest.raises(FileNotFoundError):
+            Ring.attach(p.spec, "consumer")
         for i in range(10):
             p.send(1, b"%d" % i, timeout=10)
         assert parent.poll(30) and parent.recv() == 10

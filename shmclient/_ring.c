@@ -1,0 +1,1109 @@
+/* The ring's per-message path: see the module docstring below (RING_DOC). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+PyDoc_STRVAR(RING_DOC,
+"Per-message path of shmclient's SPSC ring: write + publish, see + read + release, the\n"
+"bounded spin and the futex sleep/wake. Lowest layer; ``shmclient.ring`` is its only user\n"
+"and owns everything else (segment life cycle, slice loop with the liveness check,\n"
+"timeouts, errors, statistics). No Python object is kept here but the caller's buffer.\n"
+"\n"
+"Layout (all offsets from the start of the mapping; every group on its own 64-byte line):\n"
+"  0   magic, version, capacity                      (written once by the creator)\n"
+"  64  head: bytes published (u64)                    producer stores, release\n"
+"  128 producer statistics (records, bytes, batches, wraps, fragments, waits_full)\n"
+"  192 p_closed (u32)\n"
+"  256 tail: bytes released (u64)                     consumer stores, release\n"
+"  320 consumer statistics (records, bytes, batches, spins, blocks)\n"
+"  384 c_closed (u32)\n"
+"  448 c_wait (u32: 1 = asleep on data_seq, 2 = wants a byte on the wake pipe), data_seq\n"
+"  512 p_wait (u32: 1 = asleep on space_seq), space_seq (u32)\n"
+"  576 producer spins, blocks (statistics)\n"
+"  4096 data: capacity bytes of records\n"
+"A record is an 8-byte header (u32 payload length, u8 type, u8 flags, 2 spare bytes)\n"
+"and the payload padded to 8 bytes. PAD covers the rest of the ring when a record does\n"
+"not fit before the end; MORE / CONT mark the pieces of a message longer than one\n"
+"record, the first prefixed with the u64 total length.\n"
+"\n"
+"Memory ordering (C11 atomics; what each compiles to on x86-64 and aarch64):\n"
+"* Positions are the authority. head and tail are byte counts that only grow. The\n"
+"  producer writes record bytes with plain stores, then stores head with release order\n"
+"  (x86-64: a plain MOV, since x86-TSO never reorders a store with an earlier store;\n"
+"  aarch64: STLR, which orders every earlier load and store before it). The consumer\n"
+"  loads head with acquire order (x86-64: MOV, loads are not reordered with later loads;\n"
+"  aarch64: LDAR, no later load or store is performed before it) and reads only bytes\n"
+"  below it: they are the bytes stored before the release that wrote that head value.\n"
+"  A producer killed mid-write never stored the head that covers its partial record, so\n"
+"  no partial record is ever read.\n"
+"* The consumer stores tail with release order after its last read of the bytes below\n"
+"  it; the producer loads tail with acquire order before it writes into the space below\n"
+"  tail + capacity. Release orders earlier loads too (aarch64 STLR), so the producer can\n"
+"  never overwrite a byte the consumer is still reading. Free space is tail + capacity -\n"
+"  write position: nothing is reclaimed lazily and no token is counted.\n"
+"* Taking a batch is one call: load head, read every record below it, store tail. No\n"
+"  Python bytecode runs between seeing data and recording that it was read, so no\n"
+"  exception (KeyboardInterrupt) can split them.\n"
+"* Sleeping without lost wake-ups is Dekker's pattern with two full fences. A waiter\n"
+"  reads the futex word (seq), stores its wait flag, issues a seq_cst fence (x86-64:\n"
+"  MFENCE or a locked instruction; aarch64: DMB ISH), re-loads the position and sleeps\n"
+"  with FUTEX_WAIT(seq) only if it has not moved. The other side stores the position,\n"
+"  issues a seq_cst fence, then loads the flag; if it is set it clears it, bumps the\n"
+"  futex word and calls FUTEX_WAKE. Two SC fences forbid both loads from reading the old\n"
+"  values (the store-buffering litmus test), so either the waiter sees the new position\n"
+"  or the poster sees the flag. If the poster bumps the word before the waiter enters\n"
+"  the kernel, FUTEX_WAIT finds the word changed and returns at once (EAGAIN); if after,\n"
+"  the waiter is queued and FUTEX_WAKE finds it. The futex words are shared (no\n"
+"  FUTEX_PRIVATE_FLAG): the mapping is MAP_SHARED between processes.\n"
+"* The poster's common case is one fence and one relaxed load of the flag: no system\n"
+"  call unless the peer sleeps. A consumer with a wake pipe (for an event loop) sets flag\n"
+"  2 after every read, fences and re-checks head (writing the byte itself if a record\n"
+"  slipped in); the poster writes one byte to the pipe per flag it clears. So the pipe\n"
+"  is readable whenever a published record has not been read.\n"
+"* close() stores the closed flag (seq_cst), then bumps both futex words, wakes every\n"
+"  waiter and writes the pipe. A consumer loads the peer's closed flag before head, so\n"
+"  it always reads what was published before the close first.\n"
+"* Timeouts are relative and measured on CLOCK_MONOTONIC (FUTEX_WAIT's relative timeout\n"
+"  is), so a wall-clock step never stretches a wait. EINTR returns to Python at once:\n"
+"  the wait calls PyErr_CheckSignals, and a handler's exception propagates. The GIL is\n"
+"  released only while the thread sleeps in the kernel; the spin holds it.\n"
+"* Statistics are relaxed atomics written by one side: hints, never decisions.\n");
+
+#define MAGIC 0x32474E4952434D53ULL /* "SMCRING2" */
+#define VERSION 2
+#define HEADER_BYTES 4096
+#define REC_HDR 8
+
+#define F_PAD 0x02
+#define F_MORE 0x04
+#define F_CONT 0x08
+
+#define OFF_MAGIC 0
+#define OFF_VERSION 8
+#define OFF_CAPACITY 16
+#define OFF_HEAD 64
+#define OFF_P_RECORDS 128
+#define OFF_P_BYTES 136
+#define OFF_P_BATCHES 144
+#define OFF_WRAPS 152
+#define OFF_FRAGMENTS 160
+#define OFF_WAITS_FULL 168
+#define OFF_P_CLOSED 192
+#define OFF_TAIL 256
+#define OFF_C_RECORDS 320
+#define OFF_C_BYTES 328
+#define OFF_C_BATCHES 336
+#define OFF_C_SPINS 344
+#define OFF_C_BLOCKS 352
+#define OFF_C_CLOSED 384
+#define OFF_C_WAIT 448
+#define OFF_DATA_SEQ 452
+#define OFF_P_WAIT 512
+#define OFF_SPACE_SEQ 516
+#define OFF_P_SPINS 576
+#define OFF_P_BLOCKS 584
+
+#define U64(base, off) ((_Atomic uint64_t *)((base) + (off)))
+#define U32(base, off) ((_Atomic uint32_t *)((base) + (off)))
+
+/* wait results */
+#define W_READY 0   /* data (or space) came while spinning */
+#define W_WOKEN 1   /* came after sleeping */
+#define W_TIMEOUT 2 /* nothing within the timeout */
+#define W_CLOSED 3  /* the peer closed and nothing more is there */
+
+static PyObject *CorruptError;
+
+#if PY_VERSION_HEX < 0x030C0000
+static PyObject *get_raised(void) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (!t) return NULL;
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb && v) PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+}
+static void set_raised(PyObject *v) {
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(v)), v, PyException_GetTraceback(v));
+}
+#else
+#define get_raised PyErr_GetRaisedException
+#define set_raised PyErr_SetRaisedException
+#endif
+
+static inline uint64_t ld_acq(char *b, size_t off) { return atomic_load_explicit(U64(b, off), memory_order_acquire); }
+static inline void st_rel(char *b, size_t off, uint64_t v) { atomic_store_explicit(U64(b, off), v, memory_order_release); }
+static inline void stat_add(char *b, size_t off, uint64_t v) {
+    /* single writer: load + store, no read-modify-write needed */
+    _Atomic uint64_t *p = U64(b, off);
+    atomic_store_explicit(p, atomic_load_explicit(p, memory_order_relaxed) + v, memory_order_relaxed);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+static long futex_wait(_Atomic uint32_t *addr, uint32_t val, double timeout) {
+    struct timespec ts;
+    if (timeout < 0) timeout = 0;
+    ts.tv_sec = (time_t)timeout;
+    ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+    return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *addr) {
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* After moving a position: wake the peer if it announced it sleeps (see RING_DOC). */
+static inline void notify(char *b, size_t flag_off, size_t seq_off, int pipe_fd) {
+    atomic_thread_fence(memory_order_seq_cst);
+    _Atomic uint32_t *flag = U32(b, flag_off);
+    if (atomic_load_explicit(flag, memory_order_relaxed) == 0) return;
+    uint32_t w = atomic_exchange_explicit(flag, 0, memory_order_seq_cst);
+    if (w & 1) {
+        atomic_fetch_add_explicit(U32(b, seq_off), 1, memory_order_seq_cst);
+        futex_wake(U32(b, seq_off));
+    }
+    if ((w & 2) && pipe_fd >= 0) {
+        char c = 1;
+        ssize_t r = write(pipe_fd, &c, 1); /* a full pipe already means "wake" */
+        (void)r;
+    }
+}
+
+/* ------------------------------------------------------------------ common end */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer buf;      /* the whole mapping; keeps it alive */
+    char *base;
+    char *data;
+    uint64_t cap;
+    int pipe_fd;        /* producer: write end of the consumer's wake pipe, or -1 */
+    int busy;           /* a call of this end is running (re-entry from a handler) */
+    int closed;
+    int detach_pending; /* detach() came while a call was running (from its handler) */
+} End;
+
+static int end_init_buffer(End *self, PyObject *mapping) {
+    if (PyObject_GetBuffer(mapping, &self->buf, PyBUF_WRITABLE) < 0) return -1;
+    if (self->buf.len < HEADER_BYTES + 64) {
+        PyErr_SetString(PyExc_ValueError, "mapping is smaller than a ring header");
+        return -1;
+    }
+    self->base = (char *)self->buf.buf;
+    if (((uintptr_t)self->base) & 63) {
+        PyErr_SetString(PyExc_ValueError, "mapping is not 64-byte aligned");
+        return -1;
+    }
+    uint64_t magic = *(uint64_t *)(self->base + OFF_MAGIC);
+    uint64_t ver = *(uint64_t *)(self->base + OFF_VERSION);
+    uint64_t cap = *(uint64_t *)(self->base + OFF_CAPACITY);
+    if (magic != MAGIC || ver != VERSION || cap < 64 || cap % 8 ||
+        (uint64_t)self->buf.len < HEADER_BYTES + cap) {
+        PyErr_SetString(PyExc_ValueError, "mapping does not hold a ring of this version");
+        return -1;
+    }
+    self->cap = cap;
+    self->data = self->base + HEADER_BYTES;
+    return 0;
+}
+
+static void end_drop_buffer(End *self) {
+    if (self->buf.obj) PyBuffer_Release(&self->buf);
+    self->base = self->data = NULL;
+}
+
+/* Every call that entered with end_enter leaves through here. */
+static inline void end_leave(End *self) {
+    self->busy = 0;
+    if (self->detach_pending) {
+        self->detach_pending = 0;
+        end_drop_buffer(self);
+    }
+}
+
+static void end_dealloc(End *self) {
+    if (self->buf.obj) PyBuffer_Release(&self->buf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int end_enter(End *self) {
+    if (self->closed) {
+        PyErr_SetString(PyExc_ValueError, "this ring end is closed");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "re-entrant use of a ring end (a receive handler must not use its own ring)");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+/* Spin up to `spin` seconds, then sleep on the futex, until ready(self) or the timeout.
+   Returns W_* or -1 with an exception set (a signal handler raised). */
+typedef int (*ready_fn)(End *);
+
+static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_off,
+                       double spin, double timeout) {
+    double t0 = now_s();
+    double deadline = t0 + (timeout < 0 ? 0 : timeout);
+    int r = ready(self);
+    if (r) return r == 2 ? W_CLOSED : W_READY;
+    if (spin > 0) {
+        double end = t0 + spin;
+        if (end > deadline) end = deadline;
+        do {
+            for (int k = 0; k < 32; k++) {
+                cpu_relax();
+                r = ready(self);
+                if (r) return r == 2 ? W_CLOSED : W_READY;
+            }
+        } while (now_s() < end);
+    }
+    _Atomic uint32_t *flag = U32(self->base, flag_off);
+    _Atomic uint32_t *seq = U32(self->base, seq_off);
+    for (;;) {
+        uint32_t s = atomic_load_explicit(seq, memory_order_acquire);
+        atomic_fetch_or_explicit(flag, 1, memory_order_seq_cst);
+        atomic_thread_fence(memory_order_seq_cst);
+        r = ready(self);
+        if (r) {
+            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
+            return r == 2 ? W_CLOSED : W_WOKEN;
+        }
+        if (self->closed) { /* this side was closed by another thread: the caller sees it */
+            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
+            return W_TIMEOUT;
+        }
+        double left = deadline - now_s();
+        if (left <= 0) {
+            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
+            return W_TIMEOUT;
+        }
+        long rc;
+        int err;
+        Py_BEGIN_ALLOW_THREADS
+        rc = futex_wait(seq, s, left);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (rc == -1 && err == EINTR) {
+            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
+            if (PyErr_CheckSignals() < 0) return -1;
+        }
+        /* EAGAIN (the word moved), ETIMEDOUT or a wake: re-check at the top */
+    }
+}
+
+/* ------------------------------------------------------------------ producer */
+
+typedef struct {
+    End e;
+    uint64_t wpos;      /* bytes written (published or not) */
+    uint64_t tail;      /* last tail seen */
+    uint64_t published; /* last head stored */
+    uint64_t pend_records, pend_bytes;
+} Producer;
+
+static inline uint64_t p_free(Producer *p) {
+    return p->tail + p->e.cap - p->wpos;
+}
+
+/* Reserve `size` contiguous bytes, writing a PAD to the end of the ring if needed.
+   Returns the offset, or -1 if there is no room now. */
+static int64_t p_reserve(Producer *p, uint64_t size) {
+    uint64_t cap = p->e.cap;
+    for (;;) {
+        uint64_t pos = p->wpos % cap;
+        uint64_t room = cap - pos;
+        uint64_t need = size <= room ? size : room; /* the record, or first the pad */
+        if (need > p_free(p)) {
+            p->tail = ld_acq(p->e.base, OFF_TAIL);
+            if (need > p_free(p)) return -1;
+        }
+        if (size <= room) return (int64_t)pos;
+        /* pad to the end (space the consumer frees once it has read it), then retry at 0 */
+        char *h = p->e.data + pos;
+        uint32_t zero = 0;
+        memcpy(h, &zero, 4);
+        h[4] = 0;
+        h[5] = F_PAD;
+        h[6] = h[7] = 0;
+        p->wpos += room;
+        stat_add(p->e.base, OFF_WRAPS, 1);
+    }
+}
+
+static inline void p_write(Producer *p, uint64_t pos, uint32_t len, uint8_t type, uint8_t flags,
+                           const void *pre, size_t prelen, const void *src, size_t n) {
+    char *h = p->e.data + pos;
+    memcpy(h, &len, 4);
+    h[4] = (char)type;
+    h[5] = (char)flags;
+    h[6] = h[7] = 0;
+    if (prelen) memcpy(h + REC_HDR, pre, prelen);
+    if (n) memcpy(h + REC_HDR + prelen, src, n);
+    uint64_t size = ((uint64_t)len + 15) & ~7ULL;
+    p->wpos += size;
+    if (pos + size == p->e.cap) stat_add(p->e.base, OFF_WRAPS, 1); /* ends exactly at the end */
+}
+
+static void p_publish(Producer *p) {
+    if (p->wpos == p->published) return;
+    char *b = p->e.base;
+    stat_add(b, OFF_P_RECORDS, p->pend_records);
+    stat_add(b, OFF_P_BYTES, p->pend_bytes);
+    stat_add(b, OFF_P_BATCHES, 1);
+    p->pend_records = p->pend_bytes = 0;
+    p->published = p->wpos;
+    st_rel(b, OFF_HEAD, p->wpos);
+    notify(b, OFF_C_WAIT, OFF_DATA_SEQ, p->e.pipe_fd);
+}
+
+static int parse_type(PyObject *o, uint8_t *t) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto bad;
+    }
+    if (v < 0 || v > 255 || PyBool_Check(o)) goto bad;
+    *t = (uint8_t)v;
+    return 0;
+bad:
+    PyErr_Format(PyExc_ValueError, "record type must be an int in 0..255, got %R", o);
+    return -1;
+}
+
+static uint64_t max_record(Producer *p) {
+    /* the largest payload written as one record: the whole ring less its header (a
+       record that must wrap pads to the end first, then waits for the whole ring) */
+    uint64_t m = p->e.cap - REC_HDR;
+    return m > 0xFFFFFFF8ULL ? 0xFFFFFFF8ULL : m;
+}
+
+static int producer_init(Producer *self, PyObject *args, PyObject *kw) {
+    PyObject *mapping;
+    int fd = -1;
+    static char *kwlist[] = {"mapping", "pipe_fd", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &mapping, &fd)) return -1;
+    if (end_init_buffer(&self->e, mapping) < 0) return -1;
+    self->e.pipe_fd = fd;
+    /* a producer attaches to a ring that may already carry data (never in shmclient,
+       but stay consistent): start from the published head */
+    self->wpos = self->published = ld_acq(self->e.base, OFF_HEAD);
+    self->tail = ld_acq(self->e.base, OFF_TAIL);
+    return 0;
+}
+
+/* append(type, payload) -> bool: write one record without publishing; False if it does
+   not fit now. ValueError if it is larger than max_record (send it with send_part). */
+static PyObject *producer_append_impl(Producer *self, PyObject *const *args, Py_ssize_t nargs, int publish) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "expected (type, payload)");
+        return NULL;
+    }
+    uint8_t t;
+    if (parse_type(args[0], &t) < 0) return NULL;
+    Py_buffer pl;
+    if (PyObject_GetBuffer(args[1], &pl, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *res = NULL;
+    if (end_enter(&self->e) < 0) goto done;
+    if (atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire)) {
+        res = Py_NewRef(Py_None); /* None: the consumer has closed */
+        goto out;
+    }
+    if ((uint64_t)pl.len > max_record(self)) {
+        PyErr_Format(PyExc_OverflowError, "payload of %zd bytes needs fragments", pl.len);
+        goto out;
+    }
+    uint64_t size = ((uint64_t)pl.len + 15) & ~7ULL;
+    int64_t pos = p_reserve(self, size);
+    if (pos < 0) {
+        if (publish) p_publish(self);
+        res = Py_NewRef(Py_False);
+        goto out;
+    }
+    p_write(self, (uint64_t)pos, (uint32_t)pl.len, t, 0, NULL, 0, pl.buf, (size_t)pl.len);
+    self->pend_records++;
+    self->pend_bytes += (uint64_t)pl.len;
+    if (publish) p_publish(self);
+    res = Py_NewRef(Py_True);
+out:
+    end_leave(&self->e);
+done:
+    PyBuffer_Release(&pl);
+    return res;
+}
+
+static PyObject *producer_append(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+    return producer_append_impl(self, args, nargs, 0);
+}
+
+static PyObject *producer_try_send(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+    return producer_append_impl(self, args, nargs, 1);
+}
+
+static PyObject *producer_publish(Producer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    p_publish(self);
+    end_leave(&self->e);
+    Py_RETURN_NONE;
+}
+
+/* send_part(type, payload, offset, chunk) -> new offset: write the pieces of a message
+   longer than one record, from `offset`, as far as space allows, publishing each piece.
+   offset 0 starts a message; returns len(payload) when it is complete. None if the
+   consumer has closed. */
+static PyObject *producer_send_part(Producer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "expected (type, payload, offset, chunk)");
+        return NULL;
+    }
+    uint8_t t;
+    if (parse_type(args[0], &t) < 0) return NULL;
+    Py_ssize_t off = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t chunk = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer pl;
+    if (PyObject_GetBuffer(args[1], &pl, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *res = NULL;
+    if (end_enter(&self->e) < 0) goto done;
+    if (off < 0 || off > pl.len || chunk < 8 || (uint64_t)chunk + 8 > max_record(self)) {
+        PyErr_SetString(PyExc_ValueError, "bad offset or chunk");
+        goto out;
+    }
+    if ((uint64_t)pl.len > 0xFFFFFFFFFFFFULL) {
+        PyErr_SetString(PyExc_OverflowError, "payload too large");
+        goto out;
+    }
+    if (atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire)) {
+        res = Py_NewRef(Py_None);
+        goto out;
+    }
+    p_publish(self); /* anything appended before goes first */
+    while (off < pl.len) {
+        Py_ssize_t take = pl.len - off < chunk ? pl.len - off : chunk;
+        int first = off == 0;
+        uint64_t plen = (uint64_t)take + (first ? 8 : 0);
+        int64_t pos = p_reserve(self, (plen + 15) & ~7ULL);
+        if (pos < 0) break;
+        uint8_t flags = (first ? 0 : F_CONT) | (off + take < pl.len ? F_MORE : 0);
+        uint64_t total = (uint64_t)pl.len;
+        p_write(self, (uint64_t)pos, (uint32_t)plen, t, flags, first ? &total : NULL, first ? 8 : 0,
+                (char *)pl.buf + off, (size_t)take);
+        off += take;
+        stat_add(self->e.base, OFF_FRAGMENTS, 1);
+        if (off == pl.len) {
+            self->pend_records++;
+            self->pend_bytes += (uint64_t)pl.len;
+        }
+        p_publish(self);
+    }
+    p_publish(self); /* a wrap pad written before running out of room */
+    res = PyLong_FromSsize_t(off);
+out:
+    end_leave(&self->e);
+done:
+    PyBuffer_Release(&pl);
+    return res;
+}
+
+static int p_space_ready(End *e) {
+    Producer *p = (Producer *)e;
+    if (atomic_load_explicit(U32(e->base, OFF_C_CLOSED), memory_order_acquire)) return 2;
+    uint64_t t = ld_acq(e->base, OFF_TAIL);
+    if (t == p->tail) return 0;
+    p->tail = t;
+    return 1;
+}
+
+/* wait_space(spin_s, timeout_s) -> W_*: until the consumer releases space (tail moves
+   past what the last failed write saw), the consumer closed, or the timeout. */
+static PyObject *producer_wait_space(Producer *self, PyObject *args) {
+    double spin, timeout;
+    int first = 1;
+    if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
+    if (end_enter(&self->e) < 0) return NULL;
+    if (first) stat_add(self->e.base, OFF_WAITS_FULL, 1);
+    int r = wait_common(&self->e, p_space_ready, OFF_P_WAIT, OFF_SPACE_SEQ, spin, timeout);
+    if (r == W_READY) stat_add(self->e.base, OFF_P_SPINS, 1);
+    else if (r == W_WOKEN) stat_add(self->e.base, OFF_P_BLOCKS, 1);
+    end_leave(&self->e);
+    if (r < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+static PyObject *producer_free(Producer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    end_leave(&self->e);
+    self->tail = ld_acq(self->e.base, OFF_TAIL);
+    return PyLong_FromUnsignedLongLong(p_free(self));
+}
+
+static PyObject *producer_pending(Producer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    end_leave(&self->e);
+    /* bytes written but not yet released by the consumer */
+    self->tail = ld_acq(self->e.base, OFF_TAIL);
+    return PyLong_FromUnsignedLongLong(self->wpos - self->tail);
+}
+
+static PyObject *end_close_common(End *e, size_t my_flag) {
+    if (e->closed) Py_RETURN_NONE;
+    e->closed = 1;
+    char *b = e->base;
+    atomic_store_explicit(U32(b, my_flag), 1, memory_order_seq_cst);
+    atomic_fetch_add_explicit(U32(b, OFF_DATA_SEQ), 1, memory_order_seq_cst);
+    atomic_fetch_add_explicit(U32(b, OFF_SPACE_SEQ), 1, memory_order_seq_cst);
+    futex_wake(U32(b, OFF_DATA_SEQ));
+    futex_wake(U32(b, OFF_SPACE_SEQ));
+    if (e->pipe_fd >= 0) {
+        char c = 1;
+        ssize_t r = write(e->pipe_fd, &c, 1);
+        (void)r;
+    }
+    Py_RETURN_NONE;
+}
+
+/* detach(): drop the mapping (after close(), when no thread can be inside). */
+static PyObject *end_detach(End *self, PyObject *unused) {
+    if (!self->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "detach() before close()");
+        return NULL;
+    }
+    if (self->busy) /* closed from inside a handler: the running call drops it on exit */
+        self->detach_pending = 1;
+    else
+        end_drop_buffer(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *producer_close(Producer *self, PyObject *unused) {
+    if (!self->e.closed) p_publish(self);
+    return end_close_common(&self->e, OFF_P_CLOSED);
+}
+
+static PyObject *producer_get_max_record(Producer *self, void *c) {
+    return PyLong_FromUnsignedLongLong(max_record(self));
+}
+
+static PyMethodDef producer_methods[] = {
+    {"try_send", (PyCFunction)(void (*)(void))producer_try_send, METH_FASTCALL,
+     "try_send(type, payload) -> True (written and published), False (no room now; "
+     "anything appended before is published), None (the consumer closed)."},
+    {"append", (PyCFunction)(void (*)(void))producer_append, METH_FASTCALL,
+     "append(type, payload) -> like try_send but not published; call publish()."},
+    {"publish", (PyCFunction)producer_publish, METH_NOARGS, "Publish what was appended."},
+    {"send_part", (PyCFunction)(void (*)(void))producer_send_part, METH_FASTCALL,
+     "send_part(type, payload, offset, chunk) -> new offset (None: consumer closed)."},
+    {"wait_space", (PyCFunction)producer_wait_space, METH_VARARGS,
+     "wait_space(spin_s, timeout_s) -> 0 space after spinning, 1 after sleeping, "
+     "2 timed out, 3 consumer closed. Releases the GIL only while asleep; a signal "
+     "handler's exception propagates."},
+    {"free", (PyCFunction)producer_free, METH_NOARGS, "Free bytes now."},
+    {"pending", (PyCFunction)producer_pending, METH_NOARGS, "Bytes not yet released."},
+    {"close", (PyCFunction)producer_close, METH_NOARGS,
+     "Publish, mark this side closed and wake every waiter. Idempotent."},
+    {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
+    {NULL}};
+
+static PyGetSetDef producer_getset[] = {
+    {"max_record", (getter)producer_get_max_record, NULL, "largest payload of one record", NULL},
+    {NULL}};
+
+static PyTypeObject ProducerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmclient._ring.Producer",
+    .tp_basicsize = sizeof(Producer),
+    .tp_dealloc = (destructor)end_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Producer(mapping, pipe_fd=-1): the writing end over a mapped ring.",
+    .tp_methods = producer_methods,
+    .tp_getset = producer_getset,
+    .tp_init = (initproc)producer_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------ consumer */
+
+typedef struct {
+    End e;
+    uint64_t rpos;     /* bytes read */
+    uint64_t head;     /* last head seen */
+    uint64_t released; /* last tail stored */
+    PyObject *frag;    /* bytes object of a message being reassembled, or NULL */
+    uint64_t frag_off;
+    uint8_t frag_type;
+    PyObject *pinned;  /* list of [end_position, memoryview] a handler kept an export of */
+} Consumer;
+
+static void c_rearm(Consumer *c);
+
+static int consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
+    PyObject *mapping;
+    int fd = -1;
+    static char *kwlist[] = {"mapping", "wake_fd", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &mapping, &fd)) return -1;
+    if (end_init_buffer(&self->e, mapping) < 0) return -1;
+    self->e.pipe_fd = fd; /* our own write end of the wake pipe: see c_rearm */
+    self->rpos = self->released = ld_acq(self->e.base, OFF_TAIL);
+    self->head = self->rpos;
+    self->pinned = PyList_New(0);
+    if (!self->pinned) return -1;
+    c_rearm(self);
+    return 0;
+}
+
+static void consumer_dealloc(Consumer *self) {
+    Py_CLEAR(self->frag);
+    Py_CLEAR(self->pinned);
+    end_dealloc(&self->e);
+}
+
+/* 1: data, 2: the producer closed and nothing is left, 0: nothing yet */
+static int c_data_ready(End *e) {
+    Consumer *c = (Consumer *)e;
+    if (c->head != c->rpos) return 1;
+    uint32_t closed = atomic_load_explicit(U32(e->base, OFF_P_CLOSED), memory_order_acquire);
+    c->head = ld_acq(e->base, OFF_HEAD);
+    if (c->head != c->rpos) return 1;
+    return closed ? 2 : 0;
+}
+
+static PyObject *corrupt(Consumer *c, uint64_t pos, uint64_t n) {
+    PyErr_Format(CorruptError, "ring is corrupt: record of %llu bytes at offset %llu of %llu "
+                 "(read position %llu)", (unsigned long long)n, (unsigned long long)pos,
+                 (unsigned long long)c->e.cap, (unsigned long long)c->rpos);
+    return NULL;
+}
+
+/* Release everything read, up to the first record a handler still holds a view of. */
+static int c_release(Consumer *c, uint64_t nrec, uint64_t nbytes) {
+    uint64_t upto = c->rpos;
+    Py_ssize_t n = PyList_GET_SIZE(c->pinned);
+    if (n) {
+        /* drop the pins whose views have been let go; the first one still held bounds us */
+        Py_ssize_t keep = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *pair = PyList_GET_ITEM(c->pinned, i);
+            PyObject *mv = PyList_GET_ITEM(pair, 1);
+            PyObject *r = PyObject_CallMethod(mv, "release", NULL);
+            if (r) {
+                Py_DECREF(r);
+                continue;
+            }
+            if (!PyErr_ExceptionMatches(PyExc_BufferError)) return -1;
+            PyErr_Clear();
+            if (!keep) {
+                uint64_t start = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(pair, 0));
+                if (start < upto) upto = start;
+            }
+            keep = 1;
+        }
+        if (!keep) {
+            if (PyList_SetSlice(c->pinned, 0, n, NULL) < 0) return -1;
+        }
+    }
+    char *b = c->e.base;
+    if (nrec) {
+        stat_add(b, OFF_C_RECORDS, nrec);
+        stat_add(b, OFF_C_BYTES, nbytes);
+        stat_add(b, OFF_C_BATCHES, 1);
+    }
+    if (upto != c->released) {
+        c->released = upto;
+        st_rel(b, OFF_TAIL, upto);
+        notify(b, OFF_P_WAIT, OFF_SPACE_SEQ, -1);
+    }
+    return 0;
+}
+
+/* One record at c->rpos (below head). Sets *msg to a new reference to the complete
+   message's bytes (copy mode) or to NULL (a fragment in progress or a PAD). In view mode
+   a whole record is returned as (*vptr, *vlen) with *msg NULL. Advances rpos. Returns
+   0, or -1 with an exception (corrupt ring, no memory). */
+static int c_one(Consumer *c, int views, uint8_t *type, PyObject **msg, char **vptr, uint64_t *vlen) {
+    uint64_t cap = c->e.cap;
+    uint64_t pos = c->rpos % cap;
+    char *h = c->e.data + pos;
+    uint32_t n;
+    memcpy(&n, h, 4);
+    uint8_t t = (uint8_t)h[4], f = (uint8_t)h[5];
+    uint64_t size = ((uint64_t)n + 15) & ~7ULL;
+    *msg = NULL;
+    *vptr = NULL;
+    *type = t;
+    if (f & F_PAD) {
+        c->rpos += cap - pos;
+        return 0;
+    }
+    if (pos + size > cap || c->rpos + size > c->head) {
+        corrupt(c, pos, n);
+        return -1;
+    }
+    char *body = h + REC_HDR;
+    if (f & (F_MORE | F_CONT)) {
+        if (!(f & F_CONT)) {
+            uint64_t total;
+            if (n < 8) { corrupt(c, pos, n); return -1; }
+            memcpy(&total, body, 8);
+            if (total < (uint64_t)n - 8 || total > (uint64_t)PY_SSIZE_T_MAX) { corrupt(c, pos, n); return -1; }
+            PyObject *fb = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+            if (!fb) return -1; /* rpos not advanced: the next call retries */
+            Py_XSETREF(c->frag, fb);
+            c->frag_type = t;
+            memcpy(PyBytes_AS_STRING(fb), body + 8, n - 8);
+            c->frag_off = n - 8;
+        } else {
+            if (!c->frag || c->frag_off + n > (uint64_t)PyBytes_GET_SIZE(c->frag)) {
+                /* a continuation without its start: the producer gave up on a message
+                   we never saw the start of (it cannot happen in order) */
+                corrupt(c, pos, n);
+                return -1;
+            }
+            memcpy(PyBytes_AS_STRING(c->frag) + c->frag_off, body, n);
+            c->frag_off += n;
+        }
+        c->rpos += size;
+        if (!(f & F_MORE)) {
+            if (c->frag_off != (uint64_t)PyBytes_GET_SIZE(c->frag)) {
+                corrupt(c, pos, n);
+                return -1;
+            }
+            *type = c->frag_type;
+            *msg = c->frag;
+            c->frag = NULL;
+        }
+        return 0;
+    }
+    if (c->frag) Py_CLEAR(c->frag); /* the producer abandoned that message half-way */
+    c->rpos += size;
+    if (views) {
+        *vptr = body;
+        *vlen = n;
+        return 0;
+    }
+    *msg = PyBytes_FromStringAndSize(body, n);
+    if (!*msg) {
+        c->rpos -= size;
+        return -1;
+    }
+    return 0;
+}
+
+/* With a wake pipe, the pipe must turn readable whenever a record is published and not
+   yet read, whoever reads: after every read, ask the producer for a byte at its next
+   publish (flag 2), fence, and re-check; a record that slipped in before the flag was
+   seen gets the byte from us. */
+static void c_rearm(Consumer *c) {
+    if (c->e.pipe_fd < 0) return;
+    char *b = c->e.base;
+    atomic_fetch_or_explicit(U32(b, OFF_C_WAIT), 2, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (ld_acq(b, OFF_HEAD) != c->rpos ||
+        atomic_load_explicit(U32(b, OFF_P_CLOSED), memory_order_acquire)) {
+        char x = 1;
+        ssize_t r = write(c->e.pipe_fd, &x, 1);
+        (void)r;
+    }
+}
+
+/* recv(inbox) -> count: append (type, bytes) for every record published now to the
+   list `inbox`, release their space, in one call. */
+static PyObject *consumer_recv(Consumer *self, PyObject *inbox) {
+    if (!PyList_Check(inbox)) {
+        PyErr_SetString(PyExc_TypeError, "recv() needs a list");
+        return NULL;
+    }
+    if (end_enter(&self->e) < 0) return NULL;
+    uint64_t nrec = 0, nbytes = 0;
+    int failed = 0;
+    if (c_data_ready(&self->e) == 1) {
+        while (self->rpos != self->head) {
+            uint8_t t;
+            PyObject *msg;
+            char *vp;
+            uint64_t vl;
+            if (c_one(self, 0, &t, &msg, &vp, &vl) < 0) { failed = 1; break; }
+            if (!msg) continue;
+            PyObject *item = Py_BuildValue("(BN)", t, msg);
+            if (!item || PyList_Append(inbox, item) < 0) {
+                Py_XDECREF(item);
+                failed = 1;
+                break;
+            }
+            Py_DECREF(item);
+            nrec++;
+            nbytes += (uint64_t)PyBytes_GET_SIZE(msg);
+        }
+    }
+    PyObject *exc = NULL;
+    if (failed) exc = get_raised();
+    int rr = c_release(self, nrec, nbytes);
+    c_rearm(self);
+    end_leave(&self->e);
+    if (exc) {
+        if (rr < 0) PyErr_Clear();
+        set_raised(exc);
+        return NULL;
+    }
+    if (rr < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(nrec);
+}
+
+/* recv_views(handler) -> count: handler(type, memoryview) for every record published now;
+   the view points into the ring. Space is released when the call ends; a view the handler
+   kept an export of (e.g. numpy.frombuffer) pins its record until that export is gone.
+   If the handler raises, that record counts as read and the exception propagates. */
+static PyObject *consumer_recv_views(Consumer *self, PyObject *handler) {
+    if (end_enter(&self->e) < 0) return NULL;
+    uint64_t nrec = 0, nbytes = 0;
+    int failed = 0;
+    if (c_data_ready(&self->e) == 1) {
+        while (self->rpos != self->head) {
+            uint8_t t;
+            PyObject *msg;
+            char *vp;
+            uint64_t vl;
+            uint64_t start = self->rpos;
+            if (c_one(self, 1, &t, &msg, &vp, &vl) < 0) { failed = 1; break; }
+            PyObject *view;
+            if (msg) {
+                view = PyMemoryView_FromObject(msg);
+                Py_DECREF(msg);
+            } else if (vp) {
+                view = PyMemoryView_FromMemory(vp, (Py_ssize_t)vl, PyBUF_READ);
+            } else {
+                continue;
+            }
+            if (!view) { failed = 1; break; }
+            nrec++;
+            nbytes += (uint64_t)PyMemoryView_GET_BUFFER(view)->len;
+            PyObject *r = PyObject_CallFunction(handler, "BO", t, view);
+            Py_XDECREF(r);
+            PyObject *exc = r ? NULL : get_raised();
+            PyObject *rel = PyObject_CallMethod(view, "release", NULL);
+            if (rel) {
+                Py_DECREF(rel);
+            } else if (PyErr_ExceptionMatches(PyExc_BufferError) && vp) {
+                PyErr_Clear();
+                PyObject *pair = Py_BuildValue("[KO]", (unsigned long long)start, view);
+                if (!pair || PyList_Append(self->pinned, pair) < 0) PyErr_Clear();
+                Py_XDECREF(pair);
+            } else {
+                PyErr_Clear();
+            }
+            Py_DECREF(view);
+            if (exc) {
+                set_raised(exc);
+                failed = 1;
+                break;
+            }
+            if (self->e.closed) break; /* the handler closed this end */
+        }
+    }
+    PyObject *exc = failed ? get_raised() : NULL;
+    int rr = 0;
+    if (!self->e.closed) {
+        rr = c_release(self, nrec, nbytes);
+        c_rearm(self);
+    }
+    end_leave(&self->e);
+    if (exc) {
+        if (rr < 0) PyErr_Clear();
+        set_raised(exc);
+        return NULL;
+    }
+    if (rr < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(nrec);
+}
+
+static PyObject *consumer_wait(Consumer *self, PyObject *args) {
+    double spin, timeout;
+    int first = 1;
+    if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
+    if (end_enter(&self->e) < 0) return NULL;
+    int r = wait_common(&self->e, c_data_ready, OFF_C_WAIT, OFF_DATA_SEQ, spin, timeout);
+    if (r == W_READY) stat_add(self->e.base, OFF_C_SPINS, 1);
+    else if (r == W_WOKEN) stat_add(self->e.base, OFF_C_BLOCKS, 1);
+    end_leave(&self->e);
+    if (r < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+static PyObject *consumer_poll(Consumer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    end_leave(&self->e);
+    return PyLong_FromLong(c_data_ready(&self->e));
+}
+
+static PyObject *consumer_close(Consumer *self, PyObject *unused) {
+    if (!self->e.closed) {
+        Py_CLEAR(self->frag);
+        if (self->pinned) PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL);
+        PyErr_Clear();
+    }
+    return end_close_common(&self->e, OFF_C_CLOSED);
+}
+
+static PyObject *consumer_unpin(Consumer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    int rr = c_release(self, 0, 0);
+    end_leave(&self->e);
+    if (rr < 0) return NULL;
+    return PyLong_FromSsize_t(PyList_GET_SIZE(self->pinned));
+}
+
+static PyObject *consumer_get_pinned(Consumer *self, void *c) {
+    return PyLong_FromSsize_t(PyList_GET_SIZE(self->pinned));
+}
+
+static PyObject *consumer_get_reassembling(Consumer *self, void *c) {
+    return PyBool_FromLong(self->frag != NULL);
+}
+
+static PyMethodDef consumer_methods[] = {
+    {"recv", (PyCFunction)consumer_recv, METH_O,
+     "recv(inbox) -> n: append (type, bytes) of every record published now to the list "
+     "inbox and release their space, in one call. Never blocks."},
+    {"recv_views", (PyCFunction)consumer_recv_views, METH_O,
+     "recv_views(handler) -> n: handler(type, memoryview) per record, in place. Never blocks."},
+    {"wait", (PyCFunction)consumer_wait, METH_VARARGS,
+     "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
+     "producer closed and everything was read. Releases the GIL only while asleep; a signal "
+     "handler's exception propagates."},
+    {"unpin", (PyCFunction)consumer_unpin, METH_NOARGS,
+     "Release the space of records whose kept views have been dropped; -> pins left."},
+    {"poll", (PyCFunction)consumer_poll, METH_NOARGS, "1 data, 2 producer closed, 0 nothing."},
+    {"close", (PyCFunction)consumer_close, METH_NOARGS,
+     "Mark this side closed and wake every waiter. Idempotent."},
+    {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
+    {NULL}};
+
+static PyGetSetDef consumer_getset[] = {
+    {"pinned", (getter)consumer_get_pinned, NULL, "records held by views still exported", NULL},
+    {"reassembling", (getter)consumer_get_reassembling, NULL, "a fragmented message is half read", NULL},
+    {NULL}};
+
+static PyTypeObject ConsumerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmclient._ring.Consumer",
+    .tp_basicsize = sizeof(Consumer),
+    .tp_dealloc = (destructor)consumer_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Consumer(mapping, wake_fd=-1): the reading end over a mapped ring; wake_fd: "
+               "the write end of its own wake pipe, if it has one.",
+    .tp_methods = consumer_methods,
+    .tp_getset = consumer_getset,
+    .tp_init = (initproc)consumer_init,
+    .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------ module */
+
+static PyObject *mod_init_header(PyObject *m, PyObject *args) {
+    PyObject *mapping;
+    unsigned long long cap;
+    if (!PyArg_ParseTuple(args, "OK", &mapping, &cap)) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(mapping, &b, PyBUF_WRITABLE) < 0) return NULL;
+    if (cap < 64 || cap % 8 || (uint64_t)b.len < HEADER_BYTES + cap) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "capacity does not fit the mapping");
+        return NULL;
+    }
+    memset(b.buf, 0, HEADER_BYTES);
+    char *base = (char *)b.buf;
+    *(uint64_t *)(base + OFF_CAPACITY) = cap;
+    *(uint64_t *)(base + OFF_VERSION) = VERSION;
+    atomic_store_explicit(U64(base, OFF_MAGIC), MAGIC, memory_order_release);
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_stats(PyObject *m, PyObject *mapping) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(mapping, &b, PyBUF_SIMPLE) < 0) return NULL;
+    if (b.len < HEADER_BYTES) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "mapping is smaller than a ring header");
+        return NULL;
+    }
+    char *base = (char *)b.buf;
+#define G(off) (unsigned long long)atomic_load_explicit(U64(base, off), memory_order_relaxed)
+    PyObject *d = Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}",
+        "capacity", G(OFF_CAPACITY), "head", G(OFF_HEAD), "tail", G(OFF_TAIL),
+        "tx_records", G(OFF_P_RECORDS), "tx_bytes", G(OFF_P_BYTES), "tx_batches", G(OFF_P_BATCHES),
+        "tx_spins", G(OFF_P_SPINS), "tx_blocks", G(OFF_P_BLOCKS), "wraps", G(OFF_WRAPS),
+        "waits_on_full", G(OFF_WAITS_FULL), "fragments", G(OFF_FRAGMENTS),
+        "rx_records", G(OFF_C_RECORDS), "rx_bytes", G(OFF_C_BYTES), "rx_batches", G(OFF_C_BATCHES),
+        "rx_spins", G(OFF_C_SPINS), "rx_blocks", G(OFF_C_BLOCKS));
+#undef G
+    PyObject *flags = Py_BuildValue(
+        "(II)", (unsigned)atomic_load_explicit(U32(base, OFF_P_CLOSED), memory_order_acquire),
+        (unsigned)atomic_load_explicit(U32(base, OFF_C_CLOSED), memory_order_acquire));
+    PyBuffer_Release(&b);
+    if (!d || !flags) {
+        Py_XDECREF(d);
+        Py_XDECREF(flags);
+        return NULL;
+    }
+    PyObject *res = PyTuple_Pack(2, d, flags);
+    Py_DECREF(d);
+    Py_DECREF(flags);
+    return res;
+}
+
+static PyMethodDef mod_methods[] = {
+    {"init_header", mod_init_header, METH_VARARGS,
+     "init_header(mapping, capacity): write a fresh header (creator only, before sharing)."},
+    {"stats", mod_stats, METH_O,
+     "stats(mapping) -> (counters dict, (producer_closed, consumer_closed))."},
+    {NULL}};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ring", RING_DOC, -1, mod_methods};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m) return NULL;
+    CorruptError = PyErr_NewException("shmclient._ring.RingCorruptError", PyExc_RuntimeError, NULL);
+    if (!CorruptError || PyModule_AddObject(m, "RingCorruptError", CorruptError) < 0) return NULL;
+    Py_INCREF(CorruptError);
+    Py_INCREF(&ProducerType);
+    Py_INCREF(&ConsumerType);
+    if (PyModule_AddObject(m, "Producer", (PyObject *)&ProducerType) < 0 ||
+        PyModule_AddObject(m, "Consumer", (PyObject *)&ConsumerType) < 0)
+        return NULL;
+    PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES);
+    PyModule_AddIntConstant(m, "REC_HDR", REC_HDR);
+    PyModule_AddIntConstant(m, "VERSION", VERSION);
+    PyModule_AddIntConstant(m, "READY", W_READY);
+    PyModule_AddIntConstant(m, "WOKEN", W_WOKEN);
+    PyModule_AddIntConstant(m, "TIMEOUT", W_TIMEOUT);
+    PyModule_AddIntConstant(m, "CLOSED", W_CLOSED);
+    return m;
+}
