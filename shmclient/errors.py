@@ -23,10 +23,6 @@ class InvalidRequestError(ShmClientError, ValueError):
     """
 
 
-class ClientClosedError(ShmClientError, RuntimeError):
-    """This side was closed (``shutdown()`` / ``close()``) and cannot be used again."""
-
-
 class PeerDeadError(ShmClientError, RuntimeError):
     """The process on the other side of a ring or socket is gone."""
 
@@ -43,6 +39,27 @@ class EngineDeadError(PeerDeadError):
             or "EngineCore encountered an issue. See stack trace (above) for the root cause."
         )
         self.__suppress_context__ = suppress_context
+
+
+class ClientClosedError(EngineDeadError):
+    """This side was closed (``shutdown()`` / ``close()``) and cannot be used again.
+
+    Raised by a client called after its ``shutdown()`` (and by a ring end used after its
+    ``close()``). It is an ``EngineDeadError``, as vLLM raises for calls after shutdown:
+    code written for vLLM catches it as that, code written for shmclient may catch it
+    by this name.
+    """
+
+
+class ProtocolError(ShmClientError, RuntimeError):
+    """The channel itself is broken: a record of unknown type, corrupt framing, a message
+    that violates the protocol. Fatal for the channel (unlike a single message that does
+    not decode, which fails alone)."""
+
+
+class UsageError(ShmClientError, TypeError, RuntimeError):
+    """A client was called in a way it does not support (a blocking method of
+    ``AsyncMPClient``, a second event loop); the message says what to call instead."""
 
 
 class PeerTimeoutError(ShmClientError, TimeoutError):

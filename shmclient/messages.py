@@ -47,11 +47,18 @@ class EngineCoreEventType(enum.IntEnum):
 
 
 class FinishReason(enum.IntEnum):
-    """Why a request finished. ``str()`` gives the OpenAI API spelling."""
+    """Why a request finished, with vLLM's values. ``str()`` gives the OpenAI API spelling.
+
+    ``ERROR``: the engine refused or could not decode the request; that output's
+    ``stop_reason`` holds the reason as text. ``REPETITION`` exists for vLLM
+    compatibility (repetition detection); this engine does not emit it.
+    """
 
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
+    REPETITION = 4
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -118,6 +125,7 @@ class EngineCoreOutput(
     #: torch.Tensor, set once for a pooling request.
     pooling_output: Any = None
     finish_reason: FinishReason | None = None
+    #: The stop token (STOP), or the reason text when ``finish_reason`` is ERROR.
     stop_reason: int | str | None = None
     events: list[Any] | None = None
     num_cached_tokens: int = 0

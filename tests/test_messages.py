@@ -25,9 +25,9 @@ PUBLIC = {
     "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
     "EngineDeadError", "FinishReason", "InprocClient", "InvalidRequestError", "LoRARequest",
     "MPClient", "PROTOCOL_VERSION", "PeerDeadError", "PeerNotConsumingError",
-    "PeerNotProducingError", "PeerTimeoutError", "PoolingParams", "SamplingParams",
-    "SerializationError", "ShmCapacityError", "ShmClientError", "SyncMPClient",
-    "UtilityCallError", "UtilityOutput", "make_client",
+    "PeerNotProducingError", "PeerTimeoutError", "PoolingParams", "ProtocolError",
+    "SamplingParams", "SerializationError", "ShmCapacityError", "ShmClientError",
+    "SyncMPClient", "UsageError", "UtilityCallError", "UtilityOutput", "make_client",
 }
 
 
@@ -55,8 +55,11 @@ def test_request_type_bytes():
     assert EngineCoreRequestType.UTILITY.code == 3
 
 
-def test_finish_reason_strings_and_finished_flag():
-    assert [str(r) for r in FinishReason] == ["stop", "length", "abort"]
+def test_finish_reason_values_and_strings_are_vllms():
+    # vLLM v1: STOP=0, LENGTH=1, ABORT=2, ERROR=3, REPETITION=4, str() the OpenAI spelling.
+    assert [(r.name, int(r)) for r in FinishReason] == [
+        ("STOP", 0), ("LENGTH", 1), ("ABORT", 2), ("ERROR", 3), ("REPETITION", 4)]
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error", "repetition"]
     assert not EngineCoreOutput(request_id="a").finished
     assert EngineCoreOutput(request_id="a", finish_reason=FinishReason.ABORT).finished
 
