@@ -1,26 +1,24 @@
 """One request inside the engine: the scheduler's ``Request``, and the add-time checks.
 
-Engine layer, below the scheduler and the core: imports torch (for ``isinstance`` checks
-of prompt embeds), ``shmclient.messages`` and ``shmclient.errors`` only; never the models,
-the scheduler, the core or a shmclient client module. ``check_request`` holds every rule
-that can be decided from the request and the engine's shape alone (the core adds the
-live-id check); each failure is an ``InvalidRequestError`` naming the request and field.
+Engine layer, below the scheduler and the core: imports ``shmclient.messages`` and
+``shmclient.validate`` only; never the models, the scheduler, the core or a shmclient
+client module. ``check_request`` holds every rule that can be decided from the request and
+the engine's shape alone (the core adds the live-id check); each failure is an
+``InvalidRequestError`` naming the request and field. The rules themselves live in
+``shmclient.validate``, shared with the clients.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import math
 from typing import Any
 
-import torch
-
-from shmclient.errors import InvalidRequestError
+from shmclient import validate
 from shmclient.messages import EngineCoreRequest, FinishReason, PoolingParams, SamplingParams
 
 #: Pooling tasks a request may ask for.
-POOLING_TASKS = ("embed",)
+POOLING_TASKS = validate.POOLING_TASKS
 
 
 def derive_seed(config_seed: int, request_id: str) -> int:
@@ -103,81 +101,10 @@ class Request:
 
 def check_request(r: EngineCoreRequest, *, vocab_size: int, hidden_size: int,
                   max_model_len: int) -> None:
-    """Raise ``InvalidRequestError`` if ``r`` can never be served; changes nothing."""
-    rid = r.request_id
-    if not isinstance(rid, str) or not rid:
-        raise InvalidRequestError(f"request_id must be a non-empty str, got {rid!r}")
-    if type(r.client_index) is not int or r.client_index < 0:
-        raise InvalidRequestError(
-            f"{rid}: client_index must be an int >= 0, got {r.client_index!r}")
-    ids = r.prompt_token_ids or None
-    embeds = r.prompt_embeds
-    if ids is None and embeds is None:
-        raise InvalidRequestError(f"{rid}: empty prompt: give prompt_token_ids or prompt_embeds")
-    if ids is not None and embeds is not None:
-        raise InvalidRequestError(f"{rid}: give prompt_token_ids or prompt_embeds, not both")
-    if embeds is not None:
-        _check_embeds(rid, embeds, hidden_size)
-        n = int(embeds.shape[0])
-    elif not isinstance(ids, list):
-        raise InvalidRequestError(
-            f"{rid}: prompt_token_ids must be a list of int, got {type(ids).__name__}")
-    else:
-        n = len(ids)
-    if n > max_model_len:
-        raise InvalidRequestError(
-            f"{rid}: prompt of {n} tokens is longer than max_model_len={max_model_len}")
-    if ids is not None:
-        for i, t in enumerate(ids):
-            if type(t) is not int or not 0 <= t < vocab_size:
-                raise InvalidRequestError(
-                    f"{rid}: prompt_token_ids[{i}]={t!r} is outside the vocabulary "
-                    f"[0, {vocab_size})")
-    if r.sampling_params is not None and r.pooling_params is not None:
-        raise InvalidRequestError(f"{rid}: give sampling_params or pooling_params, not both")
-    if r.pooling_params is not None:
-        _check_pooling(rid, r.pooling_params)
-    elif r.sampling_params is not None:
-        _check_sampling(rid, r.sampling_params)
+    """Raise ``InvalidRequestError`` if ``r`` can never be served; changes nothing.
 
-
-def _check_embeds(rid: str, embeds: Any, hidden: int) -> None:
-    if not isinstance(embeds, torch.Tensor):
-        raise InvalidRequestError(
-            f"{rid}: prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
-    if embeds.ndim != 2 or embeds.shape[1] != hidden:
-        raise InvalidRequestError(
-            f"{rid}: prompt_embeds must have shape [num_tokens, {hidden}] "
-            f"(expected hidden size {hidden}), got {list(embeds.shape)}")
-    if not embeds.dtype.is_floating_point:
-        raise InvalidRequestError(
-            f"{rid}: prompt_embeds must be floating point, got {embeds.dtype}")
-    if embeds.shape[0] == 0:
-        raise InvalidRequestError(f"{rid}: empty prompt: prompt_embeds has no rows")
-
-
-def _check_sampling(rid: str, sp: SamplingParams) -> None:
-    def bad(field: str, why: str) -> None:
-        raise InvalidRequestError(
-            f"{rid}: sampling_params.{field}={getattr(sp, field)!r} is invalid: {why}")
-
-    if type(sp.max_tokens) is not int or sp.max_tokens < 1:
-        bad("max_tokens", "must be an int >= 1")
-    if not isinstance(sp.temperature, (int, float)) or not (
-            math.isfinite(sp.temperature) and sp.temperature >= 0):
-        bad("temperature", "must be a finite number >= 0")
-    if not isinstance(sp.top_p, (int, float)) or not 0 < sp.top_p <= 1:
-        bad("top_p", "must be in (0, 1]")
-    if type(sp.top_k) is not int or sp.top_k < -1:
-        bad("top_k", "must be an int >= 0 (0 or -1: off)")
-    if sp.seed is not None and (type(sp.seed) is not int or not -2**63 <= sp.seed < 2**64):
-        bad("seed", "must be an int in [-2**63, 2**64) or None")
-    if not all(type(t) is int for t in sp.stop_token_ids):
-        bad("stop_token_ids", "must be a list of int")
-
-
-def _check_pooling(rid: str, pp: PoolingParams) -> None:
-    if pp.task not in POOLING_TASKS:
-        raise InvalidRequestError(
-            f"{rid}: pooling_params.task={pp.task!r} is not supported; supported: "
-            f"{', '.join(map(repr, POOLING_TASKS))}")
+    The rules are the clients' own (``shmclient.validate``): a request a client lets
+    through is one the engine accepts, and the engine refuses the same things with the
+    same words when a request arrives by another way."""
+    validate.check_request(r, vocab_size=vocab_size, hidden_size=hidden_size,
+                           max_model_len=max_model_len, pooling_tasks=POOLING_TASKS)

@@ -25,12 +25,28 @@ from .client import UTILITY_METHODS, EngineCoreClient
 from .client_mp import MPClient
 from .doorbell import Spin
 from .channel import REQ_ADD
-from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
+from .errors import (
+    ClientClosedError,
+    PeerDeadError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+    UsageError,
+)
 from .launcher import weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
 class AsyncMPClient(MPClient):
+    """The multiprocess client for asyncio frontends: ``make_client(True, True, config)``.
+
+    Use the ``*_async`` methods from one event loop (the first that calls one binds the
+    client; another loop gets ``UsageError``). None of them blocks the loop for longer
+    than the spin budget: a task waiting for output parks on the channel's file
+    descriptor. The blocking forms ``get_output`` and ``call_utility`` raise
+    ``UsageError``; ``add_request`` and ``abort_requests`` work but may block the loop
+    while the request ring is full. Errors are those of ``EngineCoreClient``.
+    """
+
     _asyncio = True
 
     def __init__(self, config: Any) -> None:
@@ -49,7 +65,7 @@ class AsyncMPClient(MPClient):
         if self._loop is loop:
             return loop
         if self._loop is not None and not self._loop.is_closed():
-            raise RuntimeError("this AsyncMPClient is already used by another event loop")
+            raise UsageError("this AsyncMPClient is already used by another event loop")
         self._ensure_alive()
         self._loop = loop
         self._fd = self.channel.fileno()
@@ -141,8 +157,10 @@ class AsyncMPClient(MPClient):
 
     # -- async API --------------------------------------------------------------------
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        """Validate and queue. If the request ring is full, read outputs and yield to
-        other tasks until it has room, instead of blocking the event loop."""
+        """Validate (InvalidRequestError naming the field, raised before anything is
+        sent) and queue. If the request ring is full, read outputs and yield to other
+        tasks until it has room, instead of blocking the event loop. EngineDeadError once
+        the engine is gone or the client was shut down."""
         self._bind_loop()
         self._admit(request)
         try:
@@ -167,10 +185,12 @@ class AsyncMPClient(MPClient):
             raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort requests (see ``abort_requests``); never waits for the engine."""
         self.abort_requests(request_ids)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next output batch; raises EngineDeadError once the engine is gone."""
+        """The next output batch; waits without blocking the loop. Raises
+        EngineDeadError once the engine is gone or the client was shut down."""
         outputs = self._outputs
         if outputs:
             return outputs.popleft()
@@ -195,6 +215,8 @@ class AsyncMPClient(MPClient):
                 return outputs.popleft()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` in the engine and await its result; see
+        ``EngineCoreClient.call_utility`` for the errors."""
         loop = self._bind_loop()
         fut = loop.create_future()
         self._new_call(method, args, fut)
@@ -202,12 +224,16 @@ class AsyncMPClient(MPClient):
 
     # Sync forms need a thread that may block; in an event loop use the _async forms.
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        raise TypeError("AsyncMPClient: use 'await get_output_async()'")
+        """Not available here: raises UsageError (use ``await get_output_async()``)."""
+        raise UsageError("AsyncMPClient: use 'await get_output_async()'")
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        raise TypeError("AsyncMPClient: use 'await call_utility_async(method, *args)'")
+        """Not available here: raises UsageError (use ``await call_utility_async()``)."""
+        raise UsageError("AsyncMPClient: use 'await call_utility_async(method, *args)'")
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine and free everything (blocks for up to ``timeout``); pending
+        and later calls raise EngineDeadError. Idempotent."""
         super().shutdown(timeout)
         if self._loop is not None and not self._loop.is_closed() and _running_loop() is self._loop:
             self._fail_in_loop()

@@ -19,28 +19,61 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
+import re
 import threading
 import time
 import weakref
 from collections import deque
 from typing import Any
 
-from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY
-from .client import EngineCoreClient, check_request
+from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
+from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
 from .errors import (
     ClientClosedError,
-    InvalidRequestError,
+    ConfigError,
     EngineDeadError,
+    InvalidRequestError,
     PeerDeadError,
     PeerNotProducingError,
+    ShmClientError,
     UtilityCallError,
 )
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
+logger = logging.getLogger("shmclient")
+
+#: How the engine process reports a ConfigError during start-up (engine/proc.py sends
+#: "<type name>: <message>"; the launcher puts its prefix in front).
+_STARTUP_CONFIG_ERROR = re.compile(r"initialization failed: ConfigError: (.*)", re.S)
+
+
+def _startup_error(e: BaseException) -> Exception | None:
+    """A start-up failure as the documented typed error, or None to re-raise it as is:
+    the engine's ConfigError → ConfigError (as the in-process client raises it), other
+    failures of the engine → EngineDeadError, the ready timeout → PeerNotProducingError
+    (a TimeoutError); each keeps the launcher's message."""
+    if isinstance(e, ShmClientError) or not isinstance(e, Exception):
+        return None
+    text = str(e)
+    if isinstance(e, TimeoutError):
+        return PeerNotProducingError(text)
+    if isinstance(e, RuntimeError):
+        m = _STARTUP_CONFIG_ERROR.search(text)
+        return ConfigError(m.group(1)) if m else EngineDeadError(text)
+    return None
+
 
 class MPClient(EngineCoreClient):
-    """The engine core in a background process; shared by the sync and async clients."""
+    """The engine core in a background process; shared by the sync and async clients.
+
+    Construction starts the engine process and blocks until it is ready; it raises
+    ``ConfigError`` for a configuration the engine cannot run (the same error the
+    in-process client raises), ``PeerNotProducingError`` (a ``TimeoutError``) when the
+    engine is not ready within ``engine_ready_timeout_s``, ``EngineDeadError`` when it
+    dies while starting; nothing is left behind in any of these cases.
+    """
 
     _asyncio = False
 
@@ -55,11 +88,14 @@ class MPClient(EngineCoreClient):
             info = self.resources.start(
                 config, wake_fd=self._asyncio and config.transport == "shm"
             )
-        except BaseException:
+        except BaseException as e:
             # The engine never became ready: no graceful exit to wait for.
             self._finalizer.detach()
             self.resources.shutdown(timeout=0.0)
-            raise
+            typed = _startup_error(e)
+            if typed is None:
+                raise
+            raise typed from e
         self.engine_pid = info.pid
         self.num_gpu_blocks = info.num_gpu_blocks
         self.block_size = info.block_size
@@ -75,13 +111,12 @@ class MPClient(EngineCoreClient):
     # -- state ------------------------------------------------------------------------
     def _dead_error(self) -> EngineDeadError:
         if self._closed:
-            return EngineDeadError("the client was shut down")
+            # An EngineDeadError, as vLLM raises after shutdown (ClientClosedError is one).
+            return ClientClosedError("the client was shut down")
         return EngineDeadError(self.resources.dead_reason or None)
 
     def _ensure_alive(self) -> None:
-        if self._closed:
-            raise ClientClosedError("this client was shut down")
-        if self.resources.dead.is_set():
+        if self._closed or self.resources.dead.is_set():
             raise self._dead_error()
 
     def _on_engine_dead(self) -> None:
@@ -92,7 +127,7 @@ class MPClient(EngineCoreClient):
         self._ensure_alive()
         try:
             self.channel.send(rtype, obj, timeout=None, alive=self.resources.alive)
-        except PeerDeadError as e:
+        except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -120,17 +155,19 @@ class MPClient(EngineCoreClient):
         self._live.add(request.request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort; rides the same ordered ring as the adds. A quiet no-op once the engine
-        is dead or for []."""
-        if not request_ids or self._closed or self.resources.dead.is_set():
+        """Abort; rides the same ordered ring as the adds. InvalidRequestError for ids
+        that are not a list of str; a quiet no-op once the engine is dead or for []."""
+        ids = check_abort_ids(request_ids)
+        if not ids or self._closed or self.resources.dead.is_set():
             return
         try:
-            self._send(REQ_ABORT, list(request_ids))
+            self._send(REQ_ABORT, ids)
         except EngineDeadError:
             pass
 
     def _new_call(self, method: str, args: tuple, future: Any) -> None:
         self._ensure_alive()
+        check_utility_call(method)
         call_id = next(self._call_ids)
         self._futures[call_id] = (method, future)
         try:
@@ -147,6 +184,11 @@ class MPClient(EngineCoreClient):
         get_output), output batches are queued in order."""
         for rtype, outs in got:
             if rtype != REC_OUTPUTS:
+                continue
+            if type(outs) is BadMessage:
+                # Only a bug in the engine can cause this; its requests cannot be matched.
+                logger.error("dropped an output batch from the engine that does not "
+                             "decode: %s", outs.error)
                 continue
             u = outs.utility_output
             if u is not None:
@@ -212,7 +254,13 @@ class MPClient(EngineCoreClient):
 
 
 class SyncMPClient(MPClient):
-    """Blocking client: ``get_output()`` waits for the next batch in the caller's thread."""
+    """Blocking client: ``get_output()`` waits for the next batch in the caller's thread.
+
+    ``make_client(True, False, config)``. Thread-safe: any number of threads may add,
+    abort, wait for output and call utilities at once (one of the waiting threads reads
+    the channel for all; there is no reader thread). Every blocking call wakes with
+    ``EngineDeadError`` within about 0.2 s of the engine's death or of ``shutdown()``.
+    """
 
     #: Longest a waiting thread sleeps before it re-checks (only a safety net: leaders
     #: notify followers whenever they hand the channel back).
@@ -248,7 +296,9 @@ class SyncMPClient(MPClient):
                 raise self._dead_error()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError("no output from the engine within the timeout")
+                raise PeerNotProducingError(
+                    "no output from the engine within the timeout (the engine is alive)"
+                )
             if lead.acquire(False):
                 try:
                     if done() or dead.is_set():
@@ -280,7 +330,8 @@ class SyncMPClient(MPClient):
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch; blocks until one arrives. Raises EngineDeadError (within
-        ~0.2 s of the engine's death), TimeoutError when ``timeout`` runs out."""
+        ~0.2 s of the engine's death), PeerNotProducingError (a TimeoutError) when
+        ``timeout`` runs out."""
         outputs = self._outputs
         deadline = None
         while True:
@@ -294,6 +345,8 @@ class SyncMPClient(MPClient):
             self._pump(outputs.__len__, deadline)
 
     def call_utility(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` in the engine and wait for its result; see
+        ``EngineCoreClient.call_utility`` for the errors."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._new_call(method, args, fut)
         self._pump(fut.done, None)

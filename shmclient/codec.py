@@ -197,6 +197,10 @@ class Encoder:
                 raise
             if isinstance(e, (TypeError, ValueError, OverflowError)):
                 raise SerializationError(str(e)) from e
+            if isinstance(e, RecursionError):
+                raise SerializationError(
+                    f"cannot serialize a value nested this deep ({e}); flatten it"
+                ) from e
             raise
         if placed:
             placed.clear()
@@ -351,6 +355,9 @@ class Decoder:
         else:
             self._dec = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook)
         self._frames: Sequence | None = None
+        #: Out-of-band handles the current decode opened or tried to (for ``salvage``).
+        self._opened: list = []
+        self._any = msgspec.msgpack.Decoder(ext_hook=self._salvage_hook)
 
     def decode(self, buf: Any) -> Any:
         """Decode one msgpack buffer (bytes, bytearray or memoryview). Does not block.
@@ -360,6 +367,8 @@ class Decoder:
         ``msgspec.DecodeError`` on a malformed message.
         """
         self._frames = None
+        if self._opened:
+            self._opened.clear()
         return self._dec.decode(buf)
 
     def decode_frames(self, frames: Sequence) -> Any:
@@ -368,10 +377,47 @@ class Decoder:
         Tensors carried as frames share the frame memory (zero-copy).
         """
         self._frames = frames
+        if self._opened:
+            self._opened.clear()
         try:
             return self._dec.decode(frames[0])
         finally:
             self._frames = None
+
+    def salvage(self, buf: Any) -> Any:
+        """After ``decode`` / ``decode_frames`` of ``buf`` raised: decode it again without
+        the expected type, for whatever can still be read (a list, for a wire struct), or
+        None if even that fails. Tensors come back as None. Out-of-band blocks that the
+        failed decode did not open are opened and dropped here, so that their memory goes
+        back to the sender instead of staying taken. Never raises; does not block."""
+        try:
+            return self._any.decode(buf)
+        except Exception:
+            return None
+        finally:
+            self._opened.clear()
+
+    def _salvage_hook(self, code: int, data: memoryview) -> None:
+        if code not in (EXT_TORCH, EXT_NUMPY, EXT_TORCH_CUDA) or self.tensors is None:
+            return None
+        try:
+            (n,) = _HLEN.unpack_from(data, 0)
+            dtype, shape, where, _extra = _hdr_decode(data[2 : 2 + n])
+            if type(where) is not list or where in self._opened:
+                return None
+            if code == EXT_TORCH_CUDA:
+                self.tensors.get_cuda(where)
+            else:
+                itemsize = (
+                    _torch_dtype(dtype).itemsize if code == EXT_TORCH else _numpy().dtype(dtype).itemsize
+                )
+                nbytes = itemsize
+                for d in shape:
+                    nbytes *= d
+                self.tensors.get(where, nbytes)  # dropped at once: the block is released
+        except Exception:  # best effort: a handle we cannot open is not ours to free
+            log.debug("could not open a tensor of an undecodable message", exc_info=True)
+        return None
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code not in (EXT_TORCH, EXT_NUMPY, EXT_TORCH_CUDA):
@@ -383,6 +429,7 @@ class Decoder:
                 raise SerializationError(
                     "message carries a CUDA tensor handle but this Decoder has no tensor receiver"
                 )
+            self._opened.append(where)
             return self.tensors.get_cuda(where)
         np = _numpy()
         if code == EXT_TORCH:
@@ -413,6 +460,7 @@ class Decoder:
                 raise SerializationError(
                     "message carries an out-of-band tensor but this Decoder has no tensor receiver"
                 )
+            self._opened.append(where)  # before get: a failed get releases the block itself
             buf = self.tensors.get(where, nbytes)
         if code == EXT_NUMPY:
             if nbytes:

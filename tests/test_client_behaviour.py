@@ -15,6 +15,7 @@ from shmclient import (
     InvalidRequestError,
     PoolingParams,
     SamplingParams,
+    ShmClientError,
     UtilityCallError,
 )
 
@@ -182,6 +183,14 @@ async def test_utilities(mock_client):
     assert len(r["after-util"]["tokens"]) == 2
 
 
+async def test_utility_failure_reads_call_to_method_failed_message(mock_client):
+    # vLLM: "Call to echo method failed: help!" -- the engine's message, no type prefix.
+    with pytest.raises(UtilityCallError) as ei:
+        await mock_client.util("sleep", 3)
+    assert str(ei.value) == "Call to sleep method failed: sleep level must be 1 or 2, got 3"
+    assert await mock_client.util("is_sleeping") is False
+
+
 async def test_sleep_wake_up(mock_client):
     if mock_client.is_inproc:
         with pytest.raises(ValueError, match="in-process"):
@@ -197,8 +206,9 @@ async def test_get_output_when_idle(mock_client):
         out = await mock_client.get_output()
         assert isinstance(out, EngineCoreOutputs) and out.outputs == []
     elif not mock_client.is_async:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError) as ei:
             mock_client.client.get_output(timeout=0.2)
+        assert isinstance(ei.value, ShmClientError)
 
 
 def _tiny_requests():

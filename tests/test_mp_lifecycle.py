@@ -18,12 +18,13 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from engine.config import EngineConfig
-from shmclient import EngineDeadError, SyncMPClient, make_client
+from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client
 from shmclient.launcher import READY_TIMEOUT_ENV
 
-from .drivers import req
+from .drivers import KINDS, Driver, build, req
 
 TRANSPORTS = ("shm", "zmq")
 
@@ -236,3 +237,76 @@ def test_frontend_sigkill_engine_exits(transport):
         fe.stdout.close()
     # Names carry the creator's pid: nothing of the killed frontend may remain.
     assert [n for n in os.listdir("/dev/shm") if f"-{fe.pid}-" in n] == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_calls_after_shutdown_raise_engine_dead_error(kind):
+    # vLLM raises EngineDeadError for calls on a client after shutdown(); our
+    # ClientClosedError is one, so both spellings catch it.
+    client = build(kind, cfg())
+    drv = Driver(kind, client)
+    client.shutdown()
+    for call in (
+        lambda: drv.add(req("late", max_tokens=1)),
+        lambda: drv.get_output(timeout=1.0),
+        lambda: drv.util("echo", 1),
+        lambda: drv.call_utility("is_sleeping"),
+    ):
+        with pytest.raises(EngineDeadError) as ei:
+            await call()
+        assert isinstance(ei.value, ClientClosedError)
+    await drv.abort(["late"])  # aborts stay a quiet no-op, as after engine death
+    client.shutdown()  # still idempotent
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
+@pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
+def test_cuda_device_without_gpu_is_the_documented_config_error_on_every_client(kind):
+    # The in-process client raised ConfigError, the multiprocess ones RuntimeError.
+    with pytest.raises(ConfigError, match=r"device='cuda' is invalid.*is_available\(\) is False"):
+        build(kind, cfg(device="cuda"))
+
+
+def test_add_blocked_on_a_full_ring_at_shutdown_gets_engine_dead_error():
+    # The ring's own "this producer end of the ring was closed" must not reach the caller.
+    c = SyncMPClient(EngineConfig(model="mock", ring_capacity_bytes=4096, max_model_len=4096))
+    os.kill(c.engine_pid, signal.SIGSTOP)  # the engine stops reading requests
+    res: dict[str, BaseException] = {}
+    big = req("big", prompt=[1000 + i % 20 for i in range(3000)], max_tokens=1)
+
+    def adder() -> None:
+        try:
+            c.add_request(big)  # larger than the ring: waits for room mid-message
+        except BaseException as e:  # noqa: BLE001
+            res["e"] = e
+
+    t = threading.Thread(target=adder)
+    t.start()
+    try:
+        # Wait (on state) until the message filled the ring and the adder waits for room.
+        deadline = time.monotonic() + 10
+        while c.channel.tx.stats().get("full_waits", 0) == 0 and time.monotonic() < deadline:
+            t.join(0.01)
+    finally:
+        c.shutdown(timeout=0.2)
+        t.join(10)
+    assert not t.is_alive()
+    e = res.get("e")
+    assert isinstance(e, EngineDeadError), repr(e)
+    assert "shut down" in str(e), str(e)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_send_on_a_channel_closed_under_the_call_is_engine_dead_error(transport):
+    # What a call racing shutdown() sees once the channel is closed under it: the
+    # transport's own error (the ring's ClientClosedError, zmq's ENOTSOCK) must come out
+    # as EngineDeadError.
+    c = SyncMPClient(cfg(transport))
+    try:
+        c.channel.close()
+        with pytest.raises(EngineDeadError):
+            c.add_request(req("racing", max_tokens=1))
+        with pytest.raises(EngineDeadError):
+            c.echo(1)
+    finally:
+        c.shutdown()

@@ -1,0 +1,280 @@
+"""Checks at the door: types and ranges of every field a client sends, before it travels.
+
+Lowest layer beside ``messages``: imports ``messages`` and ``errors`` only (torch is looked
+up in ``sys.modules``, never imported: a tensor can only exist if torch is loaded). The
+same functions guard the engine (``engine.request.check_request`` calls
+``check_request``), so a request either client refuses is one the engine would refuse,
+with the same words. Every failure is an ``InvalidRequestError`` (a ``ValueError``)
+naming the request and the field. Nothing here blocks or changes its argument.
+
+Rules, in the wire schema's field order (``messages.EngineCoreRequest``):
+
+* ``request_id``: a non-empty ``str``.
+* exactly one of ``prompt_token_ids`` (a ``list`` of non-bool ``int`` in
+  ``[0, vocab_size)``) and ``prompt_embeds`` (a floating-point 2-D ``torch.Tensor``
+  ``[num_tokens, hidden_size]``); an empty list counts as absent; 1 to ``max_model_len``
+  tokens.
+* at most one of ``sampling_params`` (a ``SamplingParams``) and ``pooling_params`` (a
+  ``PoolingParams`` whose task is in ``POOLING_TASKS``).
+* ``SamplingParams``: ``max_tokens`` int >= 1; ``temperature`` finite >= 0; ``top_p`` in
+  (0, 1]; ``top_k`` int >= -1; ``seed`` None or int in [-2**63, 2**64);
+  ``stop_token_ids`` a list of 64-bit ints; ``ignore_eos`` a bool.
+* ``eos_token_id`` None or in the vocabulary; ``arrival_time`` finite >= 0;
+  ``lora_request`` None or a ``LoRARequest`` (str name and path, int id >= 1);
+  ``cache_salt`` None or str; ``data_parallel_rank`` None or int >= 0;
+  ``client_index``, ``current_wave`` int >= 0; ``priority`` a 64-bit int.
+
+"Int" always means ``type(x) is int``: bools, floats, numpy integers and other
+look-alikes are refused (the engine's typed decoder refuses them too).
+
+The common case costs about 2 µs for a 100-token request (one pass over the ids for their
+types and one for their range, both in C).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .errors import InvalidRequestError
+from .messages import EngineCoreRequest, LoRARequest, PoolingParams, SamplingParams
+
+__all__ = [
+    "POOLING_TASKS",
+    "check_abort_ids",
+    "check_request",
+    "check_utility_call",
+]
+
+#: Pooling tasks the engine serves (``PoolingParams.task``).
+POOLING_TASKS = ("embed",)
+
+_I64_MIN = -(2**63)
+_I64_END = 2**63
+_U64_END = 2**64
+_FMAX = sys.float_info.max
+_INT_ONLY = frozenset({int})
+
+
+def _bad(rid: Any, field: str, value: Any, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"request {rid!r}: {field}={_short(value)} is invalid: {why}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(x: Any, low: int, end: int) -> bool:
+    return type(x) is int and low <= x < end
+
+
+def _is_number(x: Any, low: float, high: float) -> bool:
+    """A non-bool int or a float, finite, in [low, high]."""
+    t = type(x)
+    if t is float:
+        return low <= x <= high  # NaN fails both comparisons; inf fails high <= _FMAX
+    return t is int and low <= x <= high and _I64_MIN <= x < _I64_END
+
+
+def check_request(
+    request: Any,
+    *,
+    max_model_len: int,
+    hidden_size: int | None,
+    vocab_size: int | None,
+    pooling_tasks: tuple[str, ...] = POOLING_TASKS,
+) -> None:
+    """Raise ``InvalidRequestError`` naming the field unless ``request`` is a well-formed
+    ``EngineCoreRequest`` this engine can serve. ``hidden_size`` / ``vocab_size`` None
+    skip the width and vocabulary checks. Never blocks; changes nothing."""
+    if type(request) is not EngineCoreRequest and not isinstance(request, EngineCoreRequest):
+        raise InvalidRequestError(
+            f"add_request() takes an EngineCoreRequest, got {type(request).__name__}"
+        )
+    r = request
+    rid = r.request_id
+    if type(rid) is not str or not rid:
+        raise InvalidRequestError(f"request_id must be a non-empty str, got {_short(rid)}")
+
+    ids = r.prompt_token_ids
+    embeds = r.prompt_embeds
+    if ids is not None and type(ids) is not list:
+        raise _bad(rid, "prompt_token_ids", ids, f"must be a list of int, got {type(ids).__name__}")
+    if not ids:
+        ids = None
+    if embeds is not None:
+        if ids is not None:
+            raise InvalidRequestError(
+                f"request {rid!r}: give prompt_token_ids or prompt_embeds, not both"
+            )
+        n = _check_embeds(rid, embeds, hidden_size)
+    elif ids is None:
+        raise InvalidRequestError(
+            f"request {rid!r}: empty prompt: give prompt_token_ids or prompt_embeds"
+        )
+    else:
+        n = len(ids)
+    if n > max_model_len:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt of {n} tokens is longer than max_model_len={max_model_len}"
+        )
+    if ids is not None:
+        end = vocab_size if vocab_size is not None else _I64_END
+        if not set(map(type, ids)) <= _INT_ONLY or min(ids) < 0 or max(ids) >= end:
+            _raise_bad_ids(rid, ids, end)
+
+    sp = r.sampling_params
+    pp = r.pooling_params
+    if pp is not None:
+        if sp is not None:
+            raise InvalidRequestError(
+                f"request {rid!r}: give sampling_params or pooling_params, not both"
+            )
+        _check_pooling(rid, pp, pooling_tasks)
+    elif sp is not None:
+        _check_sampling(rid, sp)
+
+    eos = r.eos_token_id
+    if eos is not None and not _is_int(eos, 0, vocab_size if vocab_size is not None else _I64_END):
+        raise _bad(rid, "eos_token_id", eos, "must be None or a token id in the vocabulary")
+    if not _is_number(r.arrival_time, 0.0, _FMAX):
+        raise _bad(rid, "arrival_time", r.arrival_time, "must be a finite number >= 0")
+    if r.lora_request is not None:
+        _check_lora(rid, r.lora_request)
+    if r.cache_salt is not None and type(r.cache_salt) is not str:
+        raise _bad(rid, "cache_salt", r.cache_salt, "must be None or a str")
+    dpr = r.data_parallel_rank
+    if dpr is not None and not _is_int(dpr, 0, _I64_END):
+        raise _bad(rid, "data_parallel_rank", dpr, "must be None or an int >= 0")
+    if not _is_int(r.client_index, 0, _I64_END):
+        raise _bad(rid, "client_index", r.client_index, "must be an int >= 0")
+    if not _is_int(r.current_wave, 0, _I64_END):
+        raise _bad(rid, "current_wave", r.current_wave, "must be an int >= 0")
+    if not _is_int(r.priority, _I64_MIN, _I64_END):
+        raise _bad(rid, "priority", r.priority, "must be a 64-bit int")
+
+
+def _raise_bad_ids(rid: str, ids: list, end: int) -> None:
+    for i, t in enumerate(ids):
+        if type(t) is not int:
+            raise InvalidRequestError(
+                f"request {rid!r}: prompt_token_ids[{i}]={_short(t)} is invalid: token ids "
+                f"must be int, got {type(t).__name__}"
+            )
+        if not 0 <= t < end:
+            raise InvalidRequestError(
+                f"request {rid!r}: prompt_token_ids[{i}]={t} is outside the vocabulary [0, {end})"
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _check_embeds(rid: str, embeds: Any, hidden: int | None) -> int:
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(embeds, torch.Tensor):
+        raise _bad(
+            rid, "prompt_embeds", type(embeds).__name__,
+            "must be a torch.Tensor of shape [num_tokens, hidden_size]",
+        )
+    shape = list(embeds.shape)
+    if len(shape) != 2 or (hidden is not None and shape[1] != hidden):
+        want = hidden if hidden is not None else "hidden_size"
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt_embeds must have shape [num_tokens, {want}] "
+            f"(expected hidden size {want}: the model's hidden_size), got {shape}"
+        )
+    if not embeds.dtype.is_floating_point:
+        raise InvalidRequestError(
+            f"request {rid!r}: prompt_embeds must be floating point, got {embeds.dtype}"
+        )
+    if shape[0] == 0:
+        raise InvalidRequestError(f"request {rid!r}: empty prompt: prompt_embeds has no rows")
+    return shape[0]
+
+
+def _check_sampling(rid: str, sp: Any) -> None:
+    if type(sp) is not SamplingParams and not isinstance(sp, SamplingParams):
+        raise _bad(rid, "sampling_params", sp, f"must be a SamplingParams, got {type(sp).__name__}")
+
+    def bad(field: str, why: str) -> InvalidRequestError:
+        return _bad(rid, f"sampling_params.{field}", getattr(sp, field), why)
+
+    if not _is_int(sp.max_tokens, 1, _I64_END):
+        raise bad("max_tokens", "must be an int >= 1")
+    if not _is_number(sp.temperature, 0.0, _FMAX):
+        raise bad("temperature", "must be a finite number >= 0")
+    if not _is_number(sp.top_p, 0.0, 1.0) or sp.top_p == 0:
+        raise bad("top_p", "must be a number in (0, 1]")
+    if not _is_int(sp.top_k, -1, _I64_END):
+        raise bad("top_k", "must be an int >= -1 (0 or -1: off)")
+    if sp.seed is not None and not _is_int(sp.seed, _I64_MIN, _U64_END):
+        raise bad("seed", "must be None or an int in [-2**63, 2**64)")
+    stops = sp.stop_token_ids
+    if type(stops) is not list or (
+        stops and (not set(map(type, stops)) <= _INT_ONLY or min(stops) < _I64_MIN
+                   or max(stops) >= _I64_END)
+    ):
+        raise bad("stop_token_ids", "must be a list of 64-bit int")
+    if type(sp.ignore_eos) is not bool:
+        raise bad("ignore_eos", "must be a bool")
+
+
+def _check_pooling(rid: str, pp: Any, tasks: tuple[str, ...]) -> None:
+    if type(pp) is not PoolingParams and not isinstance(pp, PoolingParams):
+        raise _bad(rid, "pooling_params", pp, f"must be a PoolingParams, got {type(pp).__name__}")
+    if type(pp.task) is not str or pp.task not in tasks:
+        raise _bad(
+            rid, "pooling_params.task", pp.task,
+            f"is not supported; supported: {', '.join(map(repr, tasks))}",
+        )
+    if type(pp.normalize) is not bool:
+        raise _bad(rid, "pooling_params.normalize", pp.normalize, "must be a bool")
+
+
+def _check_lora(rid: str, lora: Any) -> None:
+    if not isinstance(lora, LoRARequest):
+        raise _bad(rid, "lora_request", lora, f"must be a LoRARequest, got {type(lora).__name__}")
+    if type(lora.lora_name) is not str or not lora.lora_name:
+        raise _bad(rid, "lora_request.lora_name", lora.lora_name, "must be a non-empty str")
+    if not _is_int(lora.lora_int_id, 1, _I64_END):
+        raise _bad(rid, "lora_request.lora_int_id", lora.lora_int_id, "must be an int >= 1")
+    if type(lora.lora_path) is not str:
+        raise _bad(rid, "lora_request.lora_path", lora.lora_path, "must be a str")
+
+
+def check_abort_ids(request_ids: Any) -> list[str]:
+    """The ids of an ``abort_requests`` call as a fresh list of str. A single str (which
+    would abort one request per character) and anything but an iterable of str raise
+    ``InvalidRequestError``."""
+    if isinstance(request_ids, (str, bytes, bytearray, memoryview)):
+        raise InvalidRequestError(
+            f"abort_requests() takes a list of request ids, got a single "
+            f"{type(request_ids).__name__} {_short(request_ids)}; wrap it in a list"
+        )
+    if type(request_ids) is list:
+        ids = request_ids.copy()
+    else:
+        try:
+            ids = list(request_ids)
+        except TypeError:
+            raise InvalidRequestError(
+                f"abort_requests() takes a list of request ids, got "
+                f"{type(request_ids).__name__}"
+            ) from None
+    for i, rid in enumerate(ids):
+        if type(rid) is not str:
+            raise InvalidRequestError(
+                f"abort_requests(): request_ids[{i}]={_short(rid)} is invalid: request ids "
+                f"are str, got {type(rid).__name__}"
+            )
+    return ids
+
+
+def check_utility_call(method: Any) -> None:
+    """Raise ``InvalidRequestError`` unless ``method`` is a plausible utility name (a
+    non-empty str). Whether the engine has it is for the engine to say."""
+    if type(method) is not str or not method:
+        raise InvalidRequestError(
+            f"call_utility(): method={_short(method)} is invalid: must be a non-empty str "
+            "naming an engine method"
+        )
