@@ -11,11 +11,20 @@ It exits when the frontend says SHUTDOWN, closes its end of the channel, or dies
 parent pid changes: checked at every blocking-wait slice and every 0.1 s while busy, so a
 SIGKILLed frontend is noticed within about 0.1 s). An exception in the loop is sent as
 ENGINE_CORE_DEAD with its text, flushed, and the process exits with status 1.
+
+One bad message never stops the engine. A request the core refuses, or one that does not
+decode (the channel hands it up as ``BadMessage``), finishes at once with
+``FinishReason.ERROR`` and the reason in ``stop_reason``; a utility call that does not
+decode fails with the decoder's message; an abort that does not decode is dropped with a
+log line; a message whose request id cannot be read cannot be answered and is logged.
+Those outputs are queued and sent by the loop, never from inside ``handle`` (which runs
+while ``send`` waits for room). Only a broken channel (``ProtocolError``) is fatal.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import signal
 import sys
@@ -31,6 +40,7 @@ import zmq
 from shmclient import control
 from shmclient.channel import (
     REC_OUTPUTS,
+    BadMessage,
     REQ_ABORT,
     REQ_ADD,
     REQ_UTILITY,
@@ -40,10 +50,10 @@ from shmclient.channel import (
     ZmqChannelSpec,
 )
 from shmclient.errors import (
-    InvalidRequestError,
     PeerDeadError,
     PeerNotConsumingError,
     PeerNotProducingError,
+    ProtocolError,
 )
 from shmclient.tensors_cuda import local_gpu_uuids
 from shmclient.messages import (
@@ -59,6 +69,8 @@ from .config import EngineConfig
 
 _SLICE_S = 0.1
 
+log = logging.getLogger("engine")
+
 
 class EngineProc:
     """The loop around one EngineCore. Single-threaded; utility futures may complete on
@@ -73,6 +85,8 @@ class EngineProc:
         self.channel = channel
         self.core = EngineCore(config)
         self.replies: deque[EngineCoreOutputs] = deque()
+        #: Outputs of refused requests, per client, sent by the loop (never by handle).
+        self.rejected: dict[int, list[EngineCoreOutput]] = {}
         self.wait_sleepers: list[tuple[concurrent.futures.Future, int]] = []
         self.steps = 0
         self.fault_step: int | None = None
@@ -99,21 +113,62 @@ class EngineProc:
 
     # -- requests ---------------------------------------------------------------------
     def handle(self, rtype: int, obj: Any) -> None:
-        if rtype == REQ_ADD:
+        """Act on one message. Never sends (replies and rejections are queued for the
+        loop); raises only ``ProtocolError`` (a message type the engine never takes)."""
+        if type(obj) is BadMessage:
+            self.bad_message(rtype, obj)
+        elif rtype == REQ_ADD:
             try:
                 self.core.add_request(obj)
-            except InvalidRequestError as e:
-                # Reject this request alone: it finishes at once with ABORT and the reason.
-                out = EngineCoreOutput(
-                    request_id=obj.request_id, finish_reason=FinishReason.ABORT, stop_reason=str(e)
-                )
-                self.send(obj.client_index, EngineCoreOutputs(outputs=[out]))
+            except Exception as e:  # noqa: BLE001 - a refused request changes nothing
+                self.reject(obj.client_index, obj.request_id, str(e))
         elif rtype == REQ_ABORT:
             self.core.abort_requests(obj)
         elif rtype == REQ_UTILITY:
             self.utility(obj)
         else:
-            raise ValueError(f"unexpected request type 0x{rtype:02x}")
+            raise ProtocolError(f"unexpected message type 0x{rtype:02x} on the request channel")
+
+    def reject(self, client_index: Any, request_id: str, reason: str) -> None:
+        """Finish a request the engine did not take with ERROR (queued for the loop)."""
+        if type(client_index) is not int or client_index < 0:
+            client_index = 0
+        out = EngineCoreOutput(
+            request_id=request_id, finish_reason=FinishReason.ERROR, stop_reason=reason
+        )
+        self.rejected.setdefault(client_index, []).append(out)
+
+    def bad_message(self, rtype: int, bad: BadMessage) -> None:
+        """Answer a message that did not decode, if it can be matched to its sender."""
+        if rtype == REQ_ADD:
+            rid = bad.field("request_id")
+            if type(rid) is str and rid:
+                self.reject(bad.field("client_index"), rid,
+                            f"the engine could not decode this request: {bad.error}")
+            else:
+                log.warning("dropped a request that does not decode and whose request_id "
+                            "cannot be read, so it cannot be answered: %s", bad.error)
+        elif rtype == REQ_UTILITY:
+            call_id = bad.field("call_id")
+            if type(call_id) is int:
+                out = UtilityOutput(call_id=call_id,
+                                    failure_message=f"the engine could not decode the call: "
+                                                    f"{bad.error}")
+                self.replies.append(EngineCoreOutputs(utility_output=out))
+            else:
+                log.warning("dropped a utility call that does not decode and whose call_id "
+                            "cannot be read, so it cannot be answered: %s", bad.error)
+        elif rtype == REQ_ABORT:
+            log.warning("dropped an abort whose request ids do not decode: %s", bad.error)
+        else:
+            raise ProtocolError(f"unexpected message type 0x{rtype:02x} on the request channel")
+
+    def flush_rejected(self) -> None:
+        """Send the queued ERROR outputs, one batch per client."""
+        while self.rejected:
+            client_index, outs = self.rejected.popitem()
+            self.send(client_index, EngineCoreOutputs(
+                outputs=outs, finished_requests={o.request_id for o in outs}))
 
     def utility(self, req: UtilityRequest) -> None:
         def reply(result: Any = None, failure: str | None = None) -> None:
@@ -130,7 +185,7 @@ class EngineProc:
                 return
             result = self.core.call_utility(req.method, tuple(req.args))
         except Exception as e:
-            reply(failure=f"{type(e).__name__}: {e}")
+            reply(failure=str(e))  # read as "Call to <method> method failed: <e>", as vLLM
             return
         if isinstance(result, concurrent.futures.Future):
             result.add_done_callback(lambda f: _reply_future(f, reply))
@@ -140,7 +195,8 @@ class EngineProc:
     def send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
         """Send one batch. While the output ring is full (the frontend is not reading),
         keep taking requests, so that a frontend blocked on a full request ring always
-        gets room and the two processes can never wait on each other."""
+        gets room and the two processes can never wait on each other. ``handle`` only
+        queues, so this never recurses."""
         channel = self.channel
         payload = channel.encode(outputs)
         while True:
@@ -171,6 +227,8 @@ class EngineProc:
                     got = []
             for rtype, obj in got:
                 self.handle(rtype, obj)
+            if self.rejected:
+                self.flush_rejected()
             if core.has_unfinished_requests() and not core.is_sleeping():
                 self.steps += 1
                 if self.fault_step is not None and self.steps >= self.fault_step:
@@ -186,8 +244,11 @@ class EngineProc:
                     except Exception as e:
                         fut.set_exception(e)
                 self.wait_sleepers.clear()
-            while self.replies:
-                self.send(0, self.replies.popleft())
+            while self.replies or self.rejected:
+                if self.rejected:
+                    self.flush_rejected()
+                if self.replies:
+                    self.send(0, self.replies.popleft())
 
 
 def _sleep_mode(args: Any) -> str:
@@ -198,7 +259,7 @@ def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:
     try:
         reply(fut.result())
     except Exception as e:
-        reply(failure=f"{type(e).__name__}: {e}")
+        reply(failure=str(e))
 
 
 def _send_dead(ctl: zmq.Socket, text: str) -> None:

@@ -13,6 +13,14 @@ Two transports with one interface:
 
 Nothing here waits except ``recv`` / ``send`` with their timeouts; ``try_recv`` never
 blocks. Waiting in an event loop is the caller's business (``fileno()``).
+
+Isolation: a message that arrives intact but does not decode (a typed-decoder
+``ValidationError``, malformed msgpack, nesting too deep, a tensor that cannot be opened)
+fails alone: it is handed up as ``(rtype, BadMessage)`` in its place in the stream, and
+whoever reads decides (the engine answers it with an error, the client logs it). Only a
+broken channel (a record of unknown type, a release record that does not parse) raises
+``ProtocolError``, which is fatal; the messages decoded before it in the same call are
+returned first and the error is raised by the next call.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import msgspec
 import zmq
 
 from .codec import Decoder, Encoder
-from .errors import PeerDeadError, PeerNotProducingError
+from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -74,6 +82,48 @@ def _decoders(tensors: ShmTensorReceiver | None) -> dict[int, Decoder]:
     return {t: Decoder(typ, tensors=tensors) for t, typ in _PAYLOAD_TYPES.items()}
 
 
+#: Wire position of each field, per record type whose payload is a struct.
+_FIELD_POS: dict[int, dict[str, int]] = {
+    t: {name: i for i, name in enumerate(typ.__struct_fields__)}
+    for t, typ in _PAYLOAD_TYPES.items()
+    if hasattr(typ, "__struct_fields__")
+}
+
+
+class BadMessage:
+    """A message that arrived intact but could not be decoded; stands in its place.
+
+    ``rtype``: its record type; ``error``: the decoder's message (msgspec's, e.g.
+    ``Expected `str`, got `int` - at `$[0]```); ``raw``: what an untyped decode could
+    still read (a list for a struct), or None. ``field(name)`` reads one field of the
+    expected struct from ``raw`` (None when absent), so that the reader can still tell
+    whose message it was (``request_id``, ``call_id``, ``client_index``).
+    """
+
+    __slots__ = ("rtype", "error", "raw")
+
+    def __init__(self, rtype: int, error: str, raw: Any) -> None:
+        self.rtype = rtype
+        self.error = error
+        self.raw = raw
+
+    def field(self, name: str) -> Any:
+        pos = _FIELD_POS.get(self.rtype, {}).get(name)
+        raw = self.raw
+        if pos is None or type(raw) is not list or pos >= len(raw):
+            return None
+        return raw[pos]
+
+    def __repr__(self) -> str:
+        return f"BadMessage(0x{self.rtype:02x}, {self.error!r})"
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, msgspec.ValidationError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
 class ShmChannel:
     """One side of a shared-memory duplex channel."""
 
@@ -99,6 +149,8 @@ class ShmChannel:
         self._held_release: list[bytes] | None = None
         self._released = self._tensor_rx.pending  # tested for emptiness without a lock
         self._got: list[tuple[int, Any]] = []
+        #: A fatal error met after some messages were decoded: raised by the next call.
+        self._deferred: BaseException | None = None
         self._closed = False
 
     # -- construction -----------------------------------------------------------------
@@ -236,34 +288,67 @@ class ShmChannel:
         the decoder copies what it keeps)."""
         dec = self._decoders.get(rtype)
         if dec is not None:
-            self._got.append((rtype, dec.decode(view)))
+            try:
+                obj = dec.decode(view)
+            except Exception as e:  # this message alone is bad; the ring is intact
+                obj = BadMessage(rtype, _describe(e), dec.salvage(view))
+            self._got.append((rtype, obj))
         elif rtype == REC_RELEASE:
-            self._tensor_tx.on_release(bytes(view))
+            try:
+                self._tensor_tx.on_release(bytes(view))
+            except Exception as e:
+                raise ProtocolError(f"malformed tensor release record on the ring: {e}") from e
         else:
-            raise ValueError(f"unknown record type 0x{rtype:02x} on the ring")
+            raise ProtocolError(
+                f"unknown record type 0x{rtype:02x} on the ring: the peer does not speak "
+                "this protocol or the ring is corrupt"
+            )
 
     def _take_got(self) -> list[tuple[int, Any]]:
         got = self._got
         self._got = []
         return got
 
+    def _raise_deferred(self) -> None:
+        e, self._deferred = self._deferred, None
+        if e is not None:
+            raise e
+
+    def _got_then_raise(self, e: BaseException) -> list[tuple[int, Any]]:
+        """Called with the exception in flight: hand out what was decoded before it and
+        keep the exception for the next call; with nothing decoded, re-raise now."""
+        if not self._got:
+            raise e
+        self._deferred = e
+        return self._take_got()
+
     def try_recv(self) -> list[tuple[int, Any]]:
-        """Every message available now, decoded, in order; [] if none. Never blocks."""
+        """Every message available now, decoded, in order; [] if none. Never blocks.
+        A message that does not decode comes as ``BadMessage``; ProtocolError when the
+        ring is broken."""
+        if self._deferred is not None:
+            self._raise_deferred()
         self.flush_releases()
-        self.rx.recv_into(self._on_record, timeout=0.0)
+        try:
+            self.rx.recv_into(self._on_record, timeout=0.0)
+        except Exception as e:
+            return self._got_then_raise(e)
         return self._take_got() if self._got else []
 
     def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
         """Spin, then block until at least one record arrives (may decode to [] when only
-        releases came). Raises PeerNotProducingError on timeout, PeerDeadError."""
+        releases came). Raises PeerNotProducingError on timeout, PeerDeadError,
+        ProtocolError; messages decoded before an error are returned first."""
+        if self._deferred is not None:
+            self._raise_deferred()
         self.flush_releases()
         if timeout is not None and timeout <= 0:
             timeout = 1e-9  # recv_into reads 0 as "never wait"
         try:
             self.rx.recv_into(self._on_record, timeout=timeout, alive=alive)
-        finally:
-            got = self._take_got()
-        return got
+        except Exception as e:
+            return self._got_then_raise(e)
+        return self._take_got()
 
     def fileno(self) -> int:
         """A file descriptor that becomes readable when something was published."""
@@ -319,6 +404,7 @@ class ZmqChannel:
         self._send_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(rx, zmq.POLLIN)
+        self._deferred: BaseException | None = None
         self._closed = False
 
     @classmethod
@@ -374,28 +460,66 @@ class ZmqChannel:
         """Queue the frames; never blocks (no high-water mark, as vLLM's sockets)."""
         head = [self.ENGINE_IDENTITY] if self._frontend else []
         with self._send_lock:
-            self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)
+            if self._closed:
+                raise ClientClosedError("this zmq channel was closed")
+            try:
+                self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)
+            except zmq.ZMQError as e:
+                raise self._socket_error(e) from e
+
+    def _socket_error(self, e: zmq.ZMQError) -> Exception:
+        """A socket failure as the error a caller handles: our end closed, or the peer
+        gone (``Host unreachable``: the engine's DEALER disconnected)."""
+        if self._closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
+            return ClientClosedError("this zmq channel was closed")
+        return PeerDeadError(f"the peer is not connected to the socket ({e})")
 
     def flush_releases(self) -> None:  # tensors travel as frames: nothing to release
         pass
 
     def _decode_msg(self, frames: list[zmq.Frame]) -> tuple[int, Any]:
-        rtype = frames[0].bytes[0]
-        dec = self._decoders.get(rtype)
+        head = frames[0].bytes
+        dec = self._decoders.get(head[0]) if len(head) == 1 and len(frames) > 1 else None
         if dec is None:
-            raise ValueError(f"unknown message type 0x{rtype:02x} on the socket")
-        return rtype, dec.decode_frames([f.buffer for f in frames[1:]])
+            raise ProtocolError(
+                f"malformed message on the socket (type frame {head[:4]!r}, {len(frames)} "
+                "frames): the peer does not speak this protocol"
+            )
+        rtype = head[0]
+        bufs = [f.buffer for f in frames[1:]]
+        try:
+            return rtype, dec.decode_frames(bufs)
+        except Exception as e:  # this message alone is bad
+            return rtype, BadMessage(rtype, _describe(e), dec.salvage(bufs[0]))
 
     def try_recv(self) -> list[tuple[int, Any]]:
-        out = []
+        """Every message available now, in order; [] if none. Never blocks. A message
+        that does not decode comes as ``BadMessage``; ProtocolError for a malformed one
+        (after the messages before it, which are returned first)."""
+        if self._deferred is not None:
+            e, self._deferred = self._deferred, None
+            raise e
+        out: list[tuple[int, Any]] = []
         while True:
             try:
                 frames = self._rx.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return out
+            except zmq.ZMQError as e:
+                err = self._socket_error(e)
+                if out:
+                    self._deferred = err
+                    return out
+                raise err from e
             if len(frames) == 1 and len(frames[0]) == 0:
                 continue  # stray registration echo
-            out.append(self._decode_msg(frames))
+            try:
+                out.append(self._decode_msg(frames))
+            except ProtocolError as e:
+                if out:
+                    self._deferred = e
+                    return out
+                raise
 
     def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -413,7 +537,10 @@ class ZmqChannel:
                         f"nothing arrived within {timeout} s: the peer is not producing"
                     )
                 slice_s = min(slice_s, left)
-            self._poller.poll(int(slice_s * 1000) + 1)
+            try:
+                self._poller.poll(int(slice_s * 1000) + 1)
+            except zmq.ZMQError as e:
+                raise self._socket_error(e) from e
 
     def fileno(self) -> int:
         return self._rx.getsockopt(zmq.FD)

@@ -392,3 +392,56 @@ def test_derived_seed_is_stable_and_request_specific():
     assert derive_seed(0, "a") == derive_seed(0, "a")
     assert len({derive_seed(0, "a"), derive_seed(1, "a"), derive_seed(0, "b")}) == 3
     assert 0 <= derive_seed(123, "x") < 2**63
+
+
+# --------------------------------------------------------------------- engine loop
+
+class _RecordingChannel:
+    """Stands in for the engine's channel: records what is sent, never blocks."""
+
+    def __init__(self) -> None:
+        self.sent: list[EngineCoreOutputs] = []
+
+    def encode(self, obj):
+        return obj
+
+    def send_encoded(self, rtype, payload, *, timeout=None, alive=None) -> None:
+        self.sent.append(payload)
+
+    def try_recv(self):
+        return []
+
+
+class _NoControl:
+    def poll(self, *a, **k):
+        return 0
+
+
+def test_refused_and_undecodable_requests_are_queued_not_sent_from_handle():
+    from engine.proc import EngineProc
+    from shmclient.channel import REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
+
+    channel = _RecordingChannel()
+    proc = EngineProc(_NoControl(), os.getppid(), CFG, channel)
+    try:
+        proc.handle(REQ_ADD, req("refused", sampling_params=SamplingParams(top_p=0.0)))
+        proc.handle(REQ_ADD, BadMessage(REQ_ADD, "Expected `int`, got `float` - at `$[1][0]`",
+                                        ["undecodable", [1.5]]))
+        proc.handle(REQ_ADD, BadMessage(REQ_ADD, "Expected `str`, got `int` - at `$[0]`", [7]))
+        proc.handle(REQ_ABORT, BadMessage(REQ_ABORT, "Expected `str`", [1]))
+        proc.handle(REQ_UTILITY, BadMessage(REQ_UTILITY, "Expected `str`", [0, 9, 123, []]))
+        # handle() runs while send() waits for ring room: it must never send itself.
+        assert channel.sent == []
+        proc.flush_rejected()
+        (batch,) = channel.sent
+        outs = {o.request_id: o for o in batch.outputs}
+        assert set(outs) == {"refused", "undecodable"} == batch.finished_requests
+        assert all(o.finish_reason is FinishReason.ERROR for o in outs.values())
+        assert "top_p" in outs["refused"].stop_reason
+        assert "Expected `int`, got `float`" in outs["undecodable"].stop_reason
+        (reply,) = proc.replies
+        assert reply.utility_output.call_id == 9
+        assert "Expected `str`" in reply.utility_output.failure_message
+        assert not proc.core.has_unfinished_requests()
+    finally:
+        proc.core.shutdown()
