@@ -205,6 +205,7 @@ typedef struct {
     int busy;           /* a call of this end is running (re-entry from a handler) */
     int closed;
     int detach_pending; /* detach() came while a call was running (from its handler) */
+    Py_ssize_t views;   /* record views alive: the mapping stays until the last is gone */
 } End;
 
 static int end_init_buffer(End *self, PyObject *mapping) {
@@ -239,7 +240,7 @@ static void end_drop_buffer(End *self) {
 /* Every call that entered with end_enter leaves through here. */
 static inline void end_leave(End *self) {
     self->busy = 0;
-    if (self->detach_pending) {
+    if (self->detach_pending && self->views == 0) {
         self->detach_pending = 0;
         end_drop_buffer(self);
     }
@@ -595,7 +596,8 @@ static PyObject *end_detach(End *self, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "detach() before close()");
         return NULL;
     }
-    if (self->busy) /* closed from inside a handler: the running call drops it on exit */
+    if (self->busy || self->views) /* from inside a handler, or views still alive: the
+                                      running call, or the last view, drops it */
         self->detach_pending = 1;
     else
         end_drop_buffer(self);
@@ -645,6 +647,50 @@ static PyTypeObject ProducerType = {
     .tp_getset = producer_getset,
     .tp_init = (initproc)producer_init,
     .tp_new = PyType_GenericNew,
+};
+
+/* ------------------------------------------------------------------ record views */
+
+/* The exporter behind every view a receive handler gets: it counts the buffer exports
+   made from it. A memoryview and everything numpy or torch derives from it share one
+   managed buffer, which holds one export until the last of them is gone; so
+   exports == 0 after the handler's view is released means nobody reads these bytes. */
+typedef struct {
+    PyObject_HEAD
+    char *ptr;
+    Py_ssize_t len;
+    Py_ssize_t exports;
+    PyObject *owner; /* the consumer end: keeps the mapping alive while a view lives */
+} RecView;
+
+static int recview_getbuffer(RecView *self, Py_buffer *view, int flags) {
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->ptr, self->len, 1, flags) < 0) return -1;
+    self->exports++;
+    return 0;
+}
+
+static void recview_releasebuffer(RecView *self, Py_buffer *view) { self->exports--; }
+
+static void recview_dealloc(RecView *self) {
+    End *e = (End *)self->owner;
+    if (e && --e->views == 0 && e->detach_pending && !e->busy) {
+        e->detach_pending = 0;
+        end_drop_buffer(e);
+    }
+    Py_XDECREF(self->owner);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyBufferProcs recview_as_buffer = {(getbufferproc)recview_getbuffer,
+                                          (releasebufferproc)recview_releasebuffer};
+
+static PyTypeObject RecViewType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmclient._ring.RecordBytes",
+    .tp_basicsize = sizeof(RecView),
+    .tp_dealloc = (destructor)recview_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The bytes of one record in the ring (read-only buffer).",
+    .tp_as_buffer = &recview_as_buffer,
 };
 
 /* ------------------------------------------------------------------ consumer */
@@ -709,14 +755,8 @@ static int c_release(Consumer *c, uint64_t nrec, uint64_t nbytes) {
         Py_ssize_t keep = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *pair = PyList_GET_ITEM(c->pinned, i);
-            PyObject *mv = PyList_GET_ITEM(pair, 1);
-            PyObject *r = PyObject_CallMethod(mv, "release", NULL);
-            if (r) {
-                Py_DECREF(r);
-                continue;
-            }
-            if (!PyErr_ExceptionMatches(PyExc_BufferError)) return -1;
-            PyErr_Clear();
+            RecView *rv = (RecView *)PyList_GET_ITEM(pair, 1);
+            if (rv->exports == 0) continue;
             if (!keep) {
                 uint64_t start = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(pair, 0));
                 if (start < upto) upto = start;
@@ -891,32 +931,41 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *handler) {
             uint64_t start = self->rpos;
             if (c_one(self, 1, &t, &msg, &vp, &vl) < 0) { failed = 1; break; }
             PyObject *view;
+            RecView *rv = NULL;
             if (msg) {
                 view = PyMemoryView_FromObject(msg);
                 Py_DECREF(msg);
             } else if (vp) {
-                view = PyMemoryView_FromMemory(vp, (Py_ssize_t)vl, PyBUF_READ);
+                rv = PyObject_New(RecView, &RecViewType);
+                if (rv) {
+                    rv->ptr = vp;
+                    rv->len = (Py_ssize_t)vl;
+                    rv->exports = 0;
+                    rv->owner = Py_NewRef((PyObject *)self);
+                    self->e.views++;
+                }
+                view = rv ? PyMemoryView_FromObject((PyObject *)rv) : NULL;
             } else {
                 continue;
             }
-            if (!view) { failed = 1; break; }
+            if (!view) { Py_XDECREF(rv); failed = 1; break; }
             nrec++;
             nbytes += (uint64_t)PyMemoryView_GET_BUFFER(view)->len;
             PyObject *r = PyObject_CallFunction(handler, "BO", t, view);
             Py_XDECREF(r);
             PyObject *exc = r ? NULL : get_raised();
             PyObject *rel = PyObject_CallMethod(view, "release", NULL);
-            if (rel) {
-                Py_DECREF(rel);
-            } else if (PyErr_ExceptionMatches(PyExc_BufferError) && vp) {
-                PyErr_Clear();
-                PyObject *pair = Py_BuildValue("[KO]", (unsigned long long)start, view);
-                if (!pair || PyList_Append(self->pinned, pair) < 0) PyErr_Clear();
-                Py_XDECREF(pair);
-            } else {
-                PyErr_Clear();
-            }
+            if (rel) Py_DECREF(rel);
+            else PyErr_Clear(); /* the handler kept an export of our own memoryview */
             Py_DECREF(view);
+            if (rv) {
+                if (rv->exports > 0) { /* something made from the view still reads it */
+                    PyObject *pair = Py_BuildValue("[KO]", (unsigned long long)start, (PyObject *)rv);
+                    if (!pair || PyList_Append(self->pinned, pair) < 0) PyErr_Clear();
+                    Py_XDECREF(pair);
+                }
+                Py_DECREF(rv);
+            }
             if (exc) {
                 set_raised(exc);
                 failed = 1;
@@ -1087,7 +1136,9 @@ static PyMethodDef mod_methods[] = {
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ring", RING_DOC, -1, mod_methods};
 
 PyMODINIT_FUNC PyInit__ring(void) {
-    if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0) return NULL;
+    if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0 ||
+        PyType_Ready(&RecViewType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     CorruptError = PyErr_NewException("shmclient._ring.RingCorruptError", PyExc_RuntimeError, NULL);

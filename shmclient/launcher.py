@@ -28,7 +28,7 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
-from . import control
+from . import control, forksafe
 from .channel import ShmChannel, ZmqChannel
 from .messages import PROTOCOL_VERSION
 from .tensors_cuda import local_gpu_uuids
@@ -83,6 +83,13 @@ class EngineResources:
         self._shutdown_finished = threading.Event()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
+        forksafe.register(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the engine is the parent's; shutdown() here does nothing."""
+        self._shutdown_started = self._shutting_down = True
+        self._shutdown_finished.set()
+        self.proc = None
 
     # -- start ------------------------------------------------------------------------
     def start(self, config: Any, *, wake_fd: bool) -> control.ReadyInfo:

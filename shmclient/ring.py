@@ -40,7 +40,7 @@ from typing import Callable, Literal, Sequence, Union
 
 import msgspec
 
-from . import _ring
+from . import _ring, forksafe
 from .doorbell import Spin
 from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
 from .shm import Segment, make_pipe, open_handle
@@ -221,7 +221,14 @@ class Ring:
             raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring: {e}") from None
         res.ends.append(self._c)
         self.max_record = self._max_record()
+        forksafe.register(self)
         return self
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: this end belongs to the parent; never close it from here."""
+        self._finalizer.detach()
+        self._closed = True
+        self._final_stats = {}
 
     def _make_end(self, res: _Resources):  # pragma: no cover - overridden
         raise NotImplementedError

@@ -1,0 +1,391 @@
+"""Faults of the ring's earlier semaphore design, each pinned by a test that failed on it:
+interrupts between taking and counting, signals during waits, names left behind during
+engine start-up, fork children, re-entrant handlers, views kept past a handler, and a
+litmus stress test of the memory ordering (``slow``)."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from shmclient.errors import PeerNotConsumingError, PeerNotProducingError
+from shmclient.ring import Ring
+
+CTX = mp.get_context("spawn")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _resource_tracker():
+    """Spawning starts multiprocessing's resource tracker, which outlives each test."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def _producer_main(spec_bytes: bytes, count: int, pace_s: float, go) -> None:
+    import msgspec
+
+    from shmclient.ring import Ring, RingSpec
+
+    p = Ring.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), "producer")
+    go.send("attached")
+    for i in range(count):
+        p.send(1, i.to_bytes(8, "little") * 4, timeout=30)
+        if pace_s:
+            t = time.perf_counter() + pace_s
+            while time.perf_counter() < t:
+                pass
+    go.recv()  # the consumer asks for one more record after the storm
+    p.send(2, b"last", timeout=30)
+    go.recv()
+    p.close()
+
+
+def _spec_bytes(r: Ring) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(r.spec)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_sigint_storm_never_leaves_the_consumer_behind():
+    """SIGINTs at random moments while a consumer streams records: the handler's
+    exception propagates out of the wait (EINTR reaches Python), no record is taken twice
+    or out of order, and afterwards the consumer is never one record behind."""
+    count = 20_000
+    c = Ring.create("consumer", 4096, spin_us=5)
+    parent, kid = CTX.Pipe()
+    proc = CTX.Process(target=_producer_main, args=(_spec_bytes(c), count, 20e-6, kid))
+    old = signal.signal(signal.SIGINT, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    stop = threading.Event()
+    sent = [0]
+
+    def storm() -> None:
+        rng = random.Random(7)
+        while not stop.wait(rng.uniform(0.0005, 0.003)):
+            os.kill(os.getpid(), signal.SIGINT)
+            sent[0] += 1
+
+    t = threading.Thread(target=storm)
+    try:
+        proc.start()
+        assert parent.poll(30) and parent.recv() == "attached"
+        c.unlink()
+        t.start()
+        seen: list[int] = []
+        interrupts = 0
+        deadline = time.monotonic() + 60
+        while (not seen or seen[-1] < count - 1) and time.monotonic() < deadline:
+            try:
+                for rtype, body in c.recv(timeout=5):
+                    seen.append(int.from_bytes(body[:8], "little"))
+            except _Interrupted:
+                interrupts += 1
+        stop.set()
+        t.join()
+        assert interrupts >= 30, f"only {interrupts} interrupts landed"
+        assert seen == sorted(set(seen)), "a record came twice or out of order"
+        # A signal landing just after recv() returned can drop that one call's result at
+        # the call site (any Python API can); it must never shift what comes later.
+        assert len(seen) >= count - interrupts and seen[-1] == count - 1
+        parent.send("more")
+        got = c.recv(timeout=10)
+        assert got == [(2, b"last")], "the consumer fell behind"
+        parent.send("done")
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        signal.signal(signal.SIGINT, old)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        c.close()
+        parent.close()
+        kid.close()
+
+
+def test_signal_handler_exception_propagates_from_a_blocked_wait_at_once():
+    c = Ring.create("consumer", 4096, spin_us=0)
+    p = Ring.attach(c.spec, "producer")
+    old = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(_Interrupted):
+            c.recv(timeout=10)
+        assert time.monotonic() - t0 < 2.0
+        p.send(1, b"after")  # the ring is intact
+        assert c.recv(timeout=1) == [(1, b"after")]
+        # the same for a producer waiting for space
+        while p.try_send(1, b"x" * 1000):
+            pass
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(_Interrupted):
+            p.send(1, b"y" * 1000, timeout=10)
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, old)
+        p.close()
+        c.close()
+
+
+def test_a_handler_that_receives_on_its_own_ring_is_refused():
+    c = Ring.create("consumer", 4096)
+    p = Ring.attach(c.spec, "producer")
+    try:
+        p.send_batch([(1, b"a"), (2, b"b"), (3, b"c")])
+        got = []
+
+        def handler(t, view):
+            got.append(t)
+            if t == 1:
+                c.try_recv()  # would corrupt the read position
+
+        with pytest.raises(RuntimeError, match="re-entrant"):
+            c.recv_into(handler)
+        assert c.recv_into(lambda t, v: got.append(t)) == 2
+        assert got == [1, 2, 3]
+        s = c.stats()
+        assert s["head"] == s["tail"]
+    finally:
+        p.close()
+        c.close()
+
+
+def test_a_view_kept_past_the_handler_pins_its_bytes():
+    c = Ring.create("consumer", 256)
+    p = Ring.attach(c.spec, "producer")
+    try:
+        p.send(1, b"A" * 100)
+        kept = []
+        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
+        assert c.pinned == 1
+        # the producer cannot reuse those bytes while the array lives
+        assert p.try_send(2, b"B" * 100)
+        with pytest.raises(PeerNotConsumingError):
+            for _ in range(3):
+                p.send(3, b"C" * 100, timeout=0.05)
+                c.recv_into(lambda t, v: None)
+        assert bytes(kept[0]) == b"A" * 100
+        kept.clear()
+        gc.collect()
+        c.recv_into(lambda t, v: None)
+        assert c.pinned == 0
+        p.send(4, b"D" * 100, timeout=1)
+        assert c.recv(timeout=1)[-1] == (4, b"D" * 100)
+    finally:
+        p.close()
+        c.close()
+
+
+def test_a_closed_producer_is_read_to_the_end_first():
+    c = Ring.create("consumer", 4096)
+    p = Ring.attach(c.spec, "producer")
+    try:
+        p.send(1, b"one")
+        p.send(2, b"two")
+        p.close()
+        assert c.recv(timeout=1) == [(1, b"one"), (2, b"two")]
+        from shmclient.errors import PeerDeadError
+
+        with pytest.raises(PeerDeadError):
+            c.recv(timeout=1)
+    finally:
+        c.close()
+
+
+def _fork_and_exit_normally() -> None:
+    pid = os.fork()
+    if pid == 0:  # the child exits the normal way: atexit hooks and finalizers run
+        try:
+            gc.collect()
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_fork_child_that_exits_leaves_the_parents_ring_alone():
+    c = Ring.create("consumer", 4096)
+    p = Ring.attach(c.spec, "producer")
+    try:
+        _fork_and_exit_normally()
+        assert not p.peer_closed and not c.peer_closed
+        p.send(1, b"still open")
+        assert c.recv(timeout=1) == [(1, b"still open")]
+    finally:
+        p.close()
+        c.close()
+
+
+def test_a_fork_child_that_exits_leaves_the_parents_engine_alone():
+    from engine.config import EngineConfig
+    from shmclient import EngineCoreRequest, SamplingParams, make_client
+
+    client = make_client(True, False, EngineConfig(model="mock"))
+    try:
+        _fork_and_exit_normally()
+        assert psutil.pid_exists(client.engine_pid)
+        client.add_request(EngineCoreRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3],
+            sampling_params=SamplingParams(max_tokens=2, temperature=0.0)))
+        finished = False
+        while not finished:
+            for out in client.get_output(timeout=10).outputs:
+                finished = out.finished
+    finally:
+        client.shutdown()
+
+
+def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
+    """The engine hangs before READY (as a slow model load would); the frontend is
+    SIGKILLed then. Nothing may stay in /dev/shm or /tmp, and the engine exits."""
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
+    script = textwrap.dedent(
+        """
+        from engine.config import EngineConfig
+        from shmclient import make_client
+        print("starting", flush=True)
+        make_client(True, False, EngineConfig(model="mock", fault_injection="hang_before_ready",
+                                              engine_ready_timeout_s=60))
+        """
+    )
+    front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    engine = None
+    try:
+        assert front.stdout.readline().strip() == "starting"
+        deadline = time.monotonic() + 30
+        me = psutil.Process(front.pid)
+        while engine is None and time.monotonic() < deadline:
+            kids = me.children()
+            if kids:
+                engine = kids[0]
+            else:
+                try:
+                    front.wait(0.02)
+                except subprocess.TimeoutExpired:
+                    pass
+        assert engine is not None, "the engine was never started"
+        # the ring segments exist (in the frontend) before the kill
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            links = []
+            for fd in os.listdir(f"/proc/{front.pid}/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/{front.pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            if sum(x.startswith("/memfd:") for x in links) >= 4:
+                break
+            try:
+                front.wait(0.02)
+            except subprocess.TimeoutExpired:
+                pass
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(10)
+        engine.wait(10)
+        assert set(os.listdir("/dev/shm")) - shm_before == set()
+        assert {n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("shmc")} == set()
+    finally:
+        if front.poll() is None:
+            front.kill()
+            front.wait(5)
+        if engine is not None and engine.is_running():
+            engine.kill()
+        front.stdout.close()
+
+
+# ---------------------------------------------------------------- litmus (slow)
+
+
+def _litmus_producer(spec_bytes: bytes, count: int) -> None:
+    import msgspec
+
+    from shmclient.ring import Ring, RingSpec
+
+    p = Ring.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), "producer", spin_us=2)
+    rng = random.Random(count)
+    for seq in range(count):
+        words = rng.randrange(1, 24)  # sizes that make the tiny ring wrap and pad constantly
+        p.send(seq & 0xFF, np.full(words, seq, dtype=np.uint64).tobytes(), timeout=60)
+    p.close()
+
+
+@pytest.mark.slow
+def test_litmus_every_word_of_every_record_equals_its_sequence_number():
+    """Two processes, a 256-byte ring, 10^6 records whose every 8-byte word is the
+    record's sequence number: a reordering of the data stores against the head store
+    (or of the consumer's reads against its tail store) shows up as a torn record."""
+    count = 1_000_000
+    c = Ring.create("consumer", 256, spin_us=2)
+    proc = CTX.Process(target=_litmus_producer, args=(_spec_bytes(c), count))
+    proc.start()
+    try:
+        seq = 0
+
+        def check(rtype, view):
+            nonlocal seq
+            a = np.frombuffer(view, np.uint64)
+            assert rtype == seq & 0xFF and a.size and (a == seq).all(), f"torn record {seq}: {a}"
+            seq += 1
+
+        while seq < count:
+            c.recv_into(check, timeout=60)
+        proc.join(60)
+        assert proc.exitcode == 0
+        assert c.stats()["wraps"] > 10_000
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        c.close()
+
+
+def test_sigterm_to_an_idle_engine_is_a_clean_stop_not_a_crash():
+    """docker stop / systemd send SIGTERM to an engine sleeping in a ring wait: its
+    handler's SystemExit must come out of the wait (no 'interrupted by a signal' error
+    reported as ENGINE_CORE_DEAD): the engine exits with 143 and says nothing is wrong."""
+    from engine.config import EngineConfig
+    from shmclient import make_client
+    from shmclient.errors import EngineDeadError
+
+    client = make_client(True, False, EngineConfig(model="mock"))
+    try:
+        engine = psutil.Process(client.engine_pid)
+        deadline = time.monotonic() + 10  # idle: asleep on the request ring's futex
+        while engine.status() != psutil.STATUS_SLEEPING and time.monotonic() < deadline:
+            try:
+                engine.wait(0.01)
+            except psutil.TimeoutExpired:
+                pass
+        os.kill(client.engine_pid, signal.SIGTERM)
+        assert client.resources.proc.wait(10) == 143
+        with pytest.raises(EngineDeadError) as ei:
+            client.get_output(timeout=10)
+        assert "143" in str(ei.value)
+        assert "Signal" not in str(ei.value) and "interrupted" not in str(ei.value)
+    finally:
+        client.shutdown()
