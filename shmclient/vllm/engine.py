@@ -1,0 +1,254 @@
+"""Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output moved to rings.
+
+Imports vLLM (its engine module) and the plug-in's ``wire``; nothing of the frontend.
+``install()`` wraps two methods of ``EngineCoreProc``, the targets of its two IO threads:
+
+* ``process_input_sockets``: still connects vLLM's DEALER socket to the frontend and sends
+  the ready response on it (vLLM's handshake is unchanged), then reads the request ring
+  instead of the socket, decodes with vLLM's ``MsgpackDecoder`` and feeds ``input_queue``
+  exactly as vLLM's thread does (same pre-processing, aborts also to ``aborts_queue``).
+* ``process_output_sockets``: still connects vLLM's PUSH socket, used only for
+  ``ENGINE_CORE_DEAD``; every ``EngineCoreOutputs`` goes into the output ring, encoded
+  with vLLM's ``MsgpackEncoder``. With output mode ``inline`` the thread swaps
+  ``output_queue`` for an object whose ``put_nowait`` encodes and writes to the ring in
+  the putting thread (the busy loop), so an output skips the queue hand-off; the thread
+  then only waits for ``ENGINE_CORE_DEAD``.
+
+Both wrappers fall back to vLLM's own method when this process was not given rings (the
+environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
+The engine watches its frontend: the request ring's wait checks every 0.1 s that the
+frontend (its parent process) is still there; when it is gone the engine requests its own
+shutdown the way vLLM's SIGTERM handler does, and outputs nobody can read are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from ..errors import ClientClosedError, PeerDeadError, PeerTimeoutError
+from ..ring import Ring
+from . import wire
+
+_state_lock = threading.Lock()
+_state: "_EngineRings | None" = None
+_originals: dict[str, Any] = {}
+
+
+class _EngineRings:
+    """This engine core process's ends of the two rings."""
+
+    def __init__(self, text: str) -> None:
+        spec, req_spec, out_spec = wire.decode_spec(text)
+        self.spec = spec
+        self.requests = Ring.attach(req_spec, "consumer", spin_us=spec.spin_us)
+        try:
+            self.outputs = Ring.attach(out_spec, "producer", spin_us=spec.spin_us)
+        except BaseException:
+            self.requests.close()
+            raise
+        self.frontend_pid = spec.frontend_pid
+        self.frontend_gone = False
+        self.send_lock = threading.Lock()
+
+    def frontend_alive(self) -> bool:
+        if os.getppid() != self.frontend_pid:
+            self.frontend_gone = True
+        return not self.frontend_gone
+
+    def close(self) -> None:
+        self.frontend_gone = True
+        self.requests.close()
+        self.outputs.close()
+
+    def send(self, kind: int, frames) -> None:
+        """Write one message; drop it once the frontend is gone. Blocks while the ring is
+        full (the frontend is slow), checking the frontend's liveness."""
+        if self.frontend_gone:
+            return
+        try:
+            if len(frames) == 1:
+                self.outputs.send(kind, frames[0], timeout=None, alive=self.frontend_alive)
+            else:
+                self.outputs.send_batch(wire.frames_to_records(kind, frames), timeout=None, alive=self.frontend_alive)
+        except (PeerDeadError, ClientClosedError):
+            self.frontend_gone = True
+
+
+def _rings() -> "_EngineRings | None":
+    """Attach once, from the environment (the variable is removed so that processes this
+    one starts, e.g. workers, do not see it)."""
+    global _state
+    with _state_lock:
+        if _state is None:
+            text = os.environ.pop(wire.ENV_SPEC, None)
+            if text:
+                _state = _EngineRings(text)
+        return _state
+
+
+def install() -> None:
+    """Wrap EngineCoreProc's IO thread targets (idempotent)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if _originals:
+        return
+    _originals["in"] = EngineCoreProc.process_input_sockets
+    _originals["out"] = EngineCoreProc.process_output_sockets
+    _originals["shutdown"] = EngineCoreProc.shutdown
+    EngineCoreProc.process_input_sockets = _process_input_sockets
+    EngineCoreProc.process_output_sockets = _process_output_sockets
+    EngineCoreProc.shutdown = _shutdown
+
+
+def _shutdown(self) -> None:
+    """vLLM's shutdown, then close this process's ring ends: that wakes an IO thread
+    blocked on a ring and waits for it to let go, so nothing is unmapped under it."""
+    try:
+        _originals["shutdown"](self)
+    finally:
+        rings = getattr(self, "_shmclient_rings", None)
+        if rings is not None:
+            rings.close()
+
+
+def _keep_signals_for_main_thread() -> None:
+    """Block SIGTERM/SIGINT in this IO thread. vLLM's handlers run in the main thread,
+    which sleeps in ``input_queue.get()``; only a signal delivered to that thread wakes
+    it. An IO thread that wakes every liveness slice could otherwise take the signal
+    and leave the engine asleep until the frontend's SIGKILL (seen here)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _process_input_sockets(self, input_addresses, coord_input_address, identity, ready_event):
+    rings = _rings() if coord_input_address is None and len(input_addresses) == 1 else None
+    if rings is None:
+        return _originals["in"](self, input_addresses, coord_input_address, identity, ready_event)
+    _keep_signals_for_main_thread()
+    self._shmclient_rings = rings
+
+    from vllm.multimodal.cache import MultiModalCacheMissError
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
+    from vllm.v1.engine.core import EngineShutdownState
+    from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    add_decoder = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=self.tensor_ipc_receiver)
+    generic_decoder = MsgpackDecoder(oob_tensor_provider=self.tensor_ipc_receiver)
+    types = {t.value[0]: t for t in EngineCoreRequestType}
+    ring = rings.requests
+    partial: list = []
+    with zmq.Context() as ctx, make_zmq_socket(
+        ctx, input_addresses[0], zmq.DEALER, identity=identity, bind=False
+    ) as handshake:
+        # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
+        handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
+        ready_event.set()
+        del ready_event
+        while True:
+            try:
+                records = ring.recv(timeout=None, alive=rings.frontend_alive)
+            except (PeerDeadError, ClientClosedError, PeerTimeoutError):
+                rings.frontend_gone = True
+                # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
+                self.shutdown_state = EngineShutdownState.REQUESTED
+                self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+                return
+            for code, frames in wire.split_messages(records, partial):
+                if len(frames) > 1:
+                    frames = [frames[0], *(bytearray(f) for f in frames[1:])]
+                request_type = types[code]
+                request: Any
+                if request_type == EngineCoreRequestType.ADD:
+                    req = add_decoder.decode(frames)
+                    try:
+                        request = self.preprocess_add_request(req)
+                    except MultiModalCacheMissError as e:
+                        self._handle_mm_cache_miss(req, e)
+                        continue
+                    except Exception:
+                        self._handle_request_preproc_error(req)
+                        continue
+                elif request_type == EngineCoreRequestType.UTILITY:
+                    request = generic_decoder.decode(frames)
+                    client_idx, call_id, method, args = request
+                    if method == FT_UTILITY_METHOD:
+                        self.ft_sentinel.handle_command(client_idx, call_id, args[0])
+                        continue
+                else:
+                    request = generic_decoder.decode(frames)
+                    if request_type == EngineCoreRequestType.ABORT:
+                        self.aborts_queue.put_nowait(request)
+                self.input_queue.put_nowait((request_type, request))
+
+
+class _InlineOutputs:
+    """Stands in for ``EngineCoreProc.output_queue``: ``put_nowait`` encodes and writes
+    the outputs to the ring in the calling thread; ENGINE_CORE_DEAD goes to ``dead``."""
+
+    def __init__(self, rings: _EngineRings, engine_index: int, dead_marker: bytes) -> None:
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        self._rings = rings
+        self._engine_index = engine_index
+        self._dead_marker = dead_marker
+        self._encoder = MsgpackEncoder()
+        self._buffer = bytearray()
+        self._lock = threading.Lock()  # MsgpackEncoder is not thread-safe
+        self.dead: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, bytes):
+            self.dead.put(item)
+            return
+        _, outputs = item
+        outputs.engine_index = self._engine_index
+        with self._lock:
+            frames = self._encoder.encode_into(outputs, self._buffer)
+            self._rings.send(wire.OUTPUTS, frames)
+
+    put = put_nowait
+
+    def empty(self) -> bool:
+        return True
+
+
+def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
+    rings = _rings() if coord_output_path is None and len(output_paths) == 1 else None
+    if rings is None:
+        return _originals["out"](self, output_paths, coord_output_path, engine_index)
+    _keep_signals_for_main_thread()
+
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    dead = EngineCoreProc.ENGINE_CORE_DEAD
+    with zmq.Context() as ctx, make_zmq_socket(ctx, output_paths[0], zmq.PUSH, linger=4000) as dead_socket:
+        if rings.spec.output_mode == "inline":
+            inline = _InlineOutputs(rings, engine_index, dead)
+            old, self.output_queue = self.output_queue, inline
+            while True:  # anything queued before the swap
+                try:
+                    inline.put_nowait(old.get_nowait())
+                except queue.Empty:
+                    break
+            dead_socket.send(inline.dead.get())
+            return
+        encoder = MsgpackEncoder()
+        buffer = bytearray()  # the ring copies it: reusable at once
+        while True:
+            output = self.output_queue.get()
+            if output == dead:
+                dead_socket.send(output)
+                return
+            _, outputs = output
+            outputs.engine_index = engine_index
+            rings.send(wire.OUTPUTS, encoder.encode_into(outputs, buffer))

