@@ -53,7 +53,7 @@ def _startup_error(e: BaseException) -> Exception | None:
     """A start-up failure as the documented typed error, or None to re-raise it as is:
     the engine's ConfigError → ConfigError (as the in-process client raises it), other
     failures of the engine → EngineDeadError, the ready timeout → PeerNotProducingError
-    (a TimeoutError); each keeps the launcher's message."""
+    (a TimeoutError), a bad start-up setting → ConfigError; each keeps the message."""
     if isinstance(e, ShmClientError) or not isinstance(e, Exception):
         return None
     text = str(e)
@@ -62,6 +62,8 @@ def _startup_error(e: BaseException) -> Exception | None:
     if isinstance(e, RuntimeError):
         m = _STARTUP_CONFIG_ERROR.search(text)
         return ConfigError(m.group(1)) if m else EngineDeadError(text)
+    if isinstance(e, ValueError):  # a setting read at start-up (e.g. the timeout variable)
+        return ConfigError(text)
     return None
 
 
@@ -250,6 +252,7 @@ class MPClient(EngineCoreClient):
 
     @property
     def is_dead(self) -> bool:
+        """True once the engine died or the client was shut down (never resets)."""
         return self.resources.dead.is_set()
 
 
