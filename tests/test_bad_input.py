@@ -251,7 +251,9 @@ def mp_drv(request):
     client.shutdown()
 
 
-async def test_engine_fails_each_bad_message_alone_and_keeps_serving(mp_drv, no_door):
+async def test_refused_request_finishes_with_finish_reason_error_and_engine_keeps_serving(
+    mp_drv, no_door
+):
     """vLLM's FinishReason.ERROR: a request the engine refuses or cannot decode finishes
     with ERROR (reason in stop_reason); a bad utility call fails; a bad abort is dropped;
     the engine never dies of it."""
