@@ -310,3 +310,16 @@ def test_send_on_a_channel_closed_under_the_call_is_engine_dead_error(transport)
             c.echo(1)
     finally:
         c.shutdown()
+
+
+def test_broken_request_ring_is_fatal_and_the_engine_says_why():
+    # Only a broken channel kills the engine, and its death report names the cause.
+    c = SyncMPClient(cfg())
+    try:
+        c.add_request(req("first", max_tokens=1))
+        c.channel.tx.send(0x7E, b"junk", timeout=5.0)  # a record type nobody speaks
+        with pytest.raises(EngineDeadError, match="ProtocolError: unknown record type 0x7e"):
+            for _ in range(10):
+                c.get_output(timeout=30)
+    finally:
+        c.shutdown()
