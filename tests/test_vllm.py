@@ -370,6 +370,7 @@ def test_sigkill_frontend_engine_exits_and_shm_is_clean(model_dir, tmp_path):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     engine = None
+    shm_before = set(os.listdir("/dev/shm"))
     try:
         line = ""
         deadline = time.monotonic() + 240
@@ -386,6 +387,8 @@ def test_sigkill_frontend_engine_exits_and_shm_is_clean(model_dir, tmp_path):
         assert not alive, f"still running after the frontend's SIGKILL: {alive}"
         assert time.monotonic() - t0 < 15
         assert shmc_entries(proc.pid) == []
+        # nothing new at all: neither ours nor vLLM's own (psm_*) segments
+        assert sorted(set(os.listdir("/dev/shm")) - shm_before) == []
     finally:
         if proc.poll() is None:
             proc.kill()
