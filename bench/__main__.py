@@ -238,7 +238,7 @@ class Progress:
         self._ticker.start()
 
     def _tick(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._stop.wait(min(1.0, self.every_s / 2)):
             now = time.perf_counter()
             with self._lock:
                 if now - self._last < self.every_s or not self.phase:
@@ -530,6 +530,17 @@ def new_results_dir(base: str = "results", now: datetime.datetime | None = None)
     raise FileExistsError(f"no free results folder name under {base!r} for {stamp}")
 
 
+def _run_tmpdir() -> str:
+    """A fresh private temporary folder for the run, in the usual temporary folder, or
+    in /tmp where that path is too long for the unix sockets made inside it (108
+    bytes in all, and bench.ring / bench.tensors add up to ~30)."""
+    path = tempfile.mkdtemp(prefix="bench-run-")
+    if len(path) > 70 and os.path.isdir("/tmp"):
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="bench-run-", dir="/tmp")
+    return path
+
+
 def _prog() -> str:
     return "shmclient-bench" if os.path.basename(sys.argv[0] or "") == "shmclient-bench" else "python -m bench"
 
@@ -659,7 +670,7 @@ def _run(
         progress.start_ticker()
         # Everything this run and its children put in a temporary folder goes in one of
         # its own, removed at the end whatever happens.
-        run_tmp = tempfile.mkdtemp(prefix="bench-run-")
+        run_tmp = _run_tmpdir()
         tempfile.tempdir = run_tmp
         os.environ["TMPDIR"] = run_tmp
         progress(f"results folder: {out}")

@@ -3,10 +3,21 @@ the client sections (very small counts, no timing assertions)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pathlib
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from bench import __main__ as bench_main
@@ -175,7 +186,7 @@ def test_transfer_series_and_plot(tmp_path):
         "memcpy np_copyto": [(4096.0, 1.0), (65536.0, 3.0)],
         "shm_view": [(4096.0, 5.0)],
     }
-    out = report.plot_transfer(series, str(tmp_path / "t.png"))
+    out = report.plot_transfer(series, str(tmp_path / "t.png"), label="2026-12-01 · box · quiet")
     with open(out, "rb") as f:
         assert f.read(8) == PNG_MAGIC
     assert report.plot_transfer({}, str(tmp_path / "none.png")).startswith("plots skipped")
@@ -219,8 +230,39 @@ def test_format_report_renders_every_section():
     res["latency_ratios"] = report.latency_ratios(res["latency"])
     text = report.format_report(res)
     for needle in ("sync-shm", "0.10", "(shm - inproc) / (zmq - inproc)", "Idle CPU", "Streaming",
-                   "Tensor transfer", "ring", "something: why"):
+                   "Tensor transfer", "ring", "something: why", "5.50x faster", "baseline"):
         assert needle in text, needle
+    assert not text.startswith("NOISY")
+
+
+def test_ratio_words_say_which_way_is_better():
+    assert report.faster(20.0, 110.0) == "5.50x faster"
+    assert report.faster(120.0, 100.0) == "1.20x slower"
+    assert report.faster(None, 1.0) == "-" and report.faster(1.0, 1.0) == "same"
+    assert report._compare(150.0, 100.0, False, ("more", "fewer")) == "1.50x more"
+    assert report._compare(50.0, 100.0, True, ("less", "more")) == "2.00x less"
+
+
+def test_noisy_run_says_so_in_the_first_line_and_plots_carry_a_label():
+    load = {"noisy": True, "noisy_blocks": 2, "blocks_judged": 5, "max_other_cores": 0.9,
+            "threshold_cores": 0.25, "whole_run": {"other_cores": 0.4}}
+    res = {"args": {"quick": True}, "load": load,
+           "machine": {"date": "2026-12-01T10:00:00+00:00", "host": "box", "cpu_count_logical": 2,
+                       "load_average": [0.5, 0, 0], "load_average_end": [1.5, 0, 0]}}
+    text = report.format_report(res)
+    first = text.splitlines()[0]
+    assert first.startswith("NOISY RUN") and "2 of 5 blocks" in first and "0.90 cores" in first
+    label = report.run_label(res)
+    for needle in ("2026-12-01 10:00:00", "box", "2 CPUs", "load average 0.50 -> 1.50", "NOISY"):
+        assert needle in label, needle
+    load["noisy"] = False
+    assert "quiet (other processes 0.40 cores)" in report.format_report(res).splitlines()[0]
+    assert "quiet" in report.run_label(res)
+
+
+def test_fmt_bytes():
+    assert [report.fmt_bytes(n) for n in (512, 4096, 65536, 1 << 20, 1536 << 10, 1 << 30)] == [
+        "512 B", "4 KiB", "64 KiB", "1 MiB", "1.5 MiB", "1 GiB"]
 
 
 # -- tiny runs -------------------------------------------------------------------------
@@ -274,3 +316,318 @@ def test_tiny_mp_run_latency_and_idle(tmp_path):
         idle = data["idle_cpu"][cfg]
         assert idle["client_pct"] >= 0 and idle["engine_pct"] >= 0
         assert "note" not in idle
+
+
+def test_inproc_floor_runs_under_the_engine_threads(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    threads = before + 2  # differs from whatever torch uses here
+    out = str(tmp_path / "res")
+    rc = bench_main.main(
+        ["--configs", "inproc,inproc@tiny", "--models", "mock", "--only", "latency",
+         "--samples", "5", "--rounds", "1", "--warmup", "1", "--no-plots",
+         "--set", f"cpu_threads={threads}", "--out", out]
+    )  # fmt: skip
+    data = _load(out)
+    assert rc == 0, data["errors"]
+    assert data["latency"]["inproc"]["torch_threads"] == threads
+    assert data["latency"]["inproc@tiny"]["torch_threads"] == threads
+    assert torch.get_num_threads() == before
+
+
+# -- results folders, load, progress ---------------------------------------------------
+
+
+def test_every_run_gets_a_new_folder(tmp_path, capsys):
+    import datetime
+
+    now = datetime.datetime(2026, 12, 1, 10, 0, 0)
+    a = bench_main.new_results_dir(str(tmp_path / "results"), now)
+    b = bench_main.new_results_dir(str(tmp_path / "results"), now)
+    assert a != b and os.path.isdir(a) and os.path.isdir(b)
+    assert os.path.basename(a).startswith("20261201-100000-")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    rc = bench_main.main(["--configs", "inproc", "--models", "mock", "--only", "latency",
+                          "--out", str(taken)])
+    assert rc == 2
+    assert "already exists" in capsys.readouterr().err
+    assert not os.listdir(taken)
+
+
+def test_console_entry_takes_sys_argv(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["shmclient-bench", "--configs", "nope", "--only", "latency"])
+    assert bench_main.main() == 2
+    assert capsys.readouterr().err.startswith("shmclient-bench: ")
+
+
+def test_load_monitor_counts_the_runs_own_children_as_its_own():
+    from bench import load
+
+    with pytest.raises(ValueError, match="threshold_cores"):
+        load.LoadMonitor(0)
+    mon = load.LoadMonitor()
+    if not mon.available:
+        pytest.skip("no /proc/stat")
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with mon.block("own busy child") as blk:
+            # Until the child has used 0.3 s of CPU (observable), at most 30 s.
+            deadline = time.monotonic() + 30
+            p = psutil.Process(child.pid)
+            while sum(p.cpu_times()[:2]) < 0.3:
+                assert time.monotonic() < deadline, "the busy child never ran"
+                with pytest.raises(subprocess.TimeoutExpired):
+                    child.wait(0.05)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert blk.own_cpu_s is not None and blk.own_cpu_s >= 0.25
+    assert child.pid in mon.seen_pids
+    s = mon.summary()
+    assert s["blocks"][0]["name"] == "own busy child" and s["threshold_cores"] == 0.25
+
+
+class _FakeTty(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrote = threading.Event()
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        n = super().write(text)
+        if "still at" in text:
+            self.wrote.set()
+        return n
+
+
+def test_progress_ticks_in_long_blocks_on_a_terminal_only():
+    tty = _FakeTty()
+    p = bench_main.Progress(tty, every_s=0.2)
+    p.start_ticker()
+    try:
+        p("a long block")
+        assert tty.wrote.wait(20), tty.getvalue()
+    finally:
+        p.stop()
+    assert "still at: a long block" in tty.getvalue()
+    pipe = io.StringIO()
+    q = bench_main.Progress(pipe, every_s=0.2)
+    q.start_ticker()
+    assert q._ticker is None  # nothing periodic when not a terminal
+    q("x")
+    q.stop()
+    assert pipe.getvalue().count("\n") == 1
+
+
+# -- whole runs in a process of their own ------------------------------------------------
+
+SHM_NAME = re.compile(r"^(?:sem\.)?shmc\w*-(\d+)-")
+TINY_RUN = ["--configs", "inproc", "--models", "mock", "--only", "latency", "--samples", "5",
+            "--rounds", "1", "--warmup", "0", "--no-plots"]  # fmt: skip
+
+
+class BenchProc:
+    """``python -m bench ARGS`` in a child process with a private TMPDIR; stderr lines are
+    collected by a reader thread, the run's processes by polling while waiting."""
+
+    def __init__(self, args: list[str], cwd: str, tmpdir: str) -> None:
+        env = dict(os.environ, TMPDIR=tmpdir, PYTHONUNBUFFERED="1")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        self.out: list[str] = []
+        self.procs: dict[int, psutil.Process] = {}
+        self._readers = [
+            threading.Thread(target=self._read_err, daemon=True),
+            threading.Thread(target=self._read_out, daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err.append(line)
+            self.lines.put(line)
+
+    def _read_out(self) -> None:
+        self.out.append(self.proc.stdout.read())
+
+    def _poll(self) -> None:
+        try:
+            me = psutil.Process(self.proc.pid)
+            for p in [me, *me.children(recursive=True)]:
+                self.procs.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def wait_line(self, needle: str, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._poll()
+            try:
+                line = self.lines.get(timeout=0.05)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"exited before {needle!r}: {''.join(self.err)}"
+                continue
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r} in {timeout} s: {''.join(self.err)}")
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+        finally:
+            for t in self._readers:
+                t.join(10)
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+        return self.proc.returncode, "".join(self.out), "".join(self.err)
+
+    def alive(self) -> list[psutil.Process]:
+        out = []
+        for p in self.procs.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+
+@pytest.fixture
+def short_tmp():
+    """A private TMPDIR for a run, short enough for the unix sockets made inside it."""
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="bt-", dir="/tmp")
+    try:
+        yield pathlib.Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_two_concurrent_runs_write_two_folders(tmp_path, short_tmp):
+    tmp = short_tmp
+    runs = [BenchProc(TINY_RUN, str(tmp_path), str(tmp)) for _ in range(2)]
+    results = [r.finish() for r in runs]
+    for rc, _, err in results:
+        assert rc == 0, err
+    folders = sorted(os.listdir(tmp_path / "results"))
+    assert len(folders) == 2, folders
+    for f in folders:
+        assert _load(str(tmp_path / "results" / f))["latency"]["inproc"]["summary"]["n"] == 5
+    assert not os.listdir(tmp)
+
+
+INTERRUPT_RUN = ["--quick", "--configs", "inproc,sync-shm", "--models", "mock", "--only",
+                 "latency,idle,tensors,ring", "--samples", "20", "--rounds", "2", "--warmup", "2",
+                 "--idle-settle", "0.5", "--idle-window", "0.5"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sig, after, during",
+    [
+        ("SIGINT", "starting sync-shm", "latency/idle"),
+        ("SIGINT", "tensors: running", "tensors"),
+        ("SIGTERM", "tensors: running", "tensors"),
+        pytest.param("SIGINT", "ring: running", "ring", marks=pytest.mark.slow),
+        pytest.param("SIGTERM", "idle CPU:", "latency/idle", marks=pytest.mark.slow),
+    ],
+)
+def test_interrupt_stops_everything_and_keeps_what_finished(tmp_path, short_tmp, sig, after, during):
+    seed = random.randrange(1 << 30)
+    delay = random.Random(seed).uniform(0.0, 1.5)  # a random point after the line
+    tmp = short_tmp
+    out = tmp_path / "res"
+    run = BenchProc([*INTERRUPT_RUN, "--out", str(out)], str(tmp_path), str(tmp))
+    try:
+        run.wait_line(after)
+        t_end = time.monotonic() + delay
+        while time.monotonic() < t_end:
+            run._poll()
+            assert run.proc.poll() is None, f"seed {seed}: the run ended first: {''.join(run.err)}"
+            try:
+                run.proc.wait(0.05)
+            except subprocess.TimeoutExpired:
+                pass
+        run._poll()
+        run.proc.send_signal(getattr(signal, sig))
+        rc, stdout, err = run.finish(timeout=90)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.finish()
+    ctx = f"seed {seed}, delay {delay:.2f} s: {err}"
+    assert rc == 130, ctx
+    assert "Traceback" not in err, ctx
+    said = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(said) == 1 and f"interrupted ({sig}) during {during}" in said[0], ctx
+    assert stdout == "", ctx
+    # No process of the run is left, nothing in /dev/shm or the temporary folder.
+    deadline = time.monotonic() + 10
+    while run.alive() and time.monotonic() < deadline:
+        psutil.wait_procs(run.alive(), timeout=0.5)
+    left = run.alive()
+    for p in left:
+        p.kill()
+    assert not left, f"{ctx}\nleft: {[(p.pid, p.cmdline()) for p in left]}"
+    pids = set(run.procs) | {run.proc.pid}
+    shm = [n for n in os.listdir("/dev/shm") if (m := SHM_NAME.match(n)) and int(m.group(1)) in pids]
+    assert not shm, ctx
+    assert not os.listdir(tmp), ctx
+    # The results folder holds what finished.
+    data = _load(str(out))
+    assert data["interrupted"] == {"signal": sig, "during": during}, ctx
+    if during in ("tensors", "ring"):
+        assert data["latency"]["sync-shm"]["summary"]["n"] == 20
+        assert "sync-shm" in data["idle_cpu"]
+        assert os.path.exists(out / "samples.json")
+        if _has_matplotlib():
+            assert os.path.exists(out / "latency_cdf_mock.png")
+        assert ("tensors" in data) == (during == "ring"), ctx
+    assert "ring" not in data
+
+
+def test_a_busy_process_started_half_way_marks_the_run_noisy(tmp_path, short_tmp):
+    tmp = short_tmp
+    out = tmp_path / "res"
+    run = BenchProc(
+        ["--configs", "sync-shm", "--models", "mock", "--only", "latency,idle", "--samples", "50",
+         "--rounds", "2", "--warmup", "2", "--idle-settle", "1.0", "--idle-window", "1.0",
+         "--no-plots", "--out", str(out)],
+        str(tmp_path), str(tmp),
+    )  # fmt: skip
+    busy = None
+    try:
+        run.wait_line("idle CPU:")  # the latency blocks are done: half-way
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # not the run's
+        rc, stdout, err = run.finish()
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait(10)
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.finish()
+    assert rc == 0, err
+    data = _load(str(out))
+    assert data["load"]["noisy"] is True
+    idle = [b for b in data["load"]["blocks"] if b["name"] == "idle"]
+    assert len(idle) == 1 and idle[0]["noisy"] is True and idle[0]["other_cores"] >= 0.5, idle
+    assert data["idle_cpu"]["sync-shm"]["noisy"] is True
+    assert stdout.splitlines()[0].startswith("NOISY RUN"), stdout
+    assert "noisy" in err
