@@ -30,6 +30,7 @@ from .errors import (
     PeerDeadError,
     PeerNotConsumingError,
     PeerNotProducingError,
+    ProtocolError,
     UsageError,
 )
 from .launcher import weak_callback
@@ -103,6 +104,9 @@ class AsyncMPClient(MPClient):
                 got = self.channel.try_recv()
             except (PeerDeadError, ClientClosedError):
                 got = []
+            except ProtocolError as e:
+                self._channel_broken(e)
+                got = []
             if got:
                 self._dispatch(got)
                 self._wake_waiters()
@@ -148,6 +152,9 @@ class AsyncMPClient(MPClient):
                 )
             except (PeerNotProducingError, PeerDeadError, ClientClosedError):
                 # Dead peer: the monitor's report wakes the waiters with its reason.
+                got = []
+            except ProtocolError as e:
+                self._channel_broken(e)
                 got = []
             if got:
                 self._dispatch(got)

@@ -36,6 +36,7 @@ from .errors import (
     InvalidRequestError,
     PeerDeadError,
     PeerNotProducingError,
+    ProtocolError,
     ShmClientError,
     UtilityCallError,
 )
@@ -123,6 +124,19 @@ class MPClient(EngineCoreClient):
 
     def _on_engine_dead(self) -> None:
         """Called from the monitor thread once the engine is gone."""
+
+    def _channel_broken(self, e: ProtocolError) -> EngineDeadError:
+        """The channel from the engine is broken (ProtocolError): nothing more can be
+        trusted from it, so the client treats the engine as dead from here on (pending
+        and later calls raise EngineDeadError saying why; ``shutdown()`` still stops the
+        engine process)."""
+        res = self.resources
+        if not res.dead.is_set():
+            res.dead_reason = f"The channel from the engine core is broken: {e}"
+            logger.error("%s", res.dead_reason)
+            res.dead.set()
+            self._on_engine_dead()
+        return self._dead_error()
 
     # -- sending (never waits for the engine, only for ring space) ---------------------
     def _send(self, rtype: int, obj: Any) -> None:
@@ -311,6 +325,8 @@ class SyncMPClient(MPClient):
                         self._dispatch(got)
                 except PeerNotProducingError:
                     pass
+                except ProtocolError as e:
+                    raise self._channel_broken(e) from e
                 except (PeerDeadError, ClientClosedError) as e:
                     if not dead.is_set():
                         # The ring saw the peer close before the monitor saw the exit.

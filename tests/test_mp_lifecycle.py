@@ -323,3 +323,27 @@ def test_broken_request_ring_is_fatal_and_the_engine_says_why():
                 c.get_output(timeout=30)
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["sync-shm", "async-zmq"])
+async def test_broken_output_channel_is_engine_dead_error_saying_so(kind, monkeypatch):
+    # A channel that raises ProtocolError (corrupt framing, a record type nobody speaks)
+    # cannot be trusted again: the client treats the engine as dead, and says why.
+    from shmclient import ProtocolError
+
+    client = build(kind, cfg())
+    drv = Driver(kind, client)
+    try:
+        def broken(*args, **kwargs):
+            raise ProtocolError("unknown record type 0x7e on the ring")
+
+        monkeypatch.setattr(client.channel, "recv", broken)
+        monkeypatch.setattr(client.channel, "try_recv", broken)
+        await drv.add(req("r", max_tokens=2))
+        with pytest.raises(EngineDeadError, match="channel from the engine core is broken"):
+            await drv.get_output(timeout=10)
+        with pytest.raises(EngineDeadError, match="broken"):
+            await drv.add(req("later", max_tokens=2))
+    finally:
+        monkeypatch.undo()
+        client.shutdown()
