@@ -206,7 +206,18 @@ typedef struct {
     int closed;
     int detach_pending; /* detach() came while a call was running (from its handler) */
     Py_ssize_t views;   /* record views alive: the mapping stays until the last is gone */
+    int held;           /* a Python-level slow path of this end is running (see ring.py):
+                           fast-path calls (mine=False) then decline and take the lock */
 } End;
+
+static PyObject *end_get_held(End *self, void *c) { return PyBool_FromLong(self->held); }
+
+static int end_set_held(End *self, PyObject *v, void *c) {
+    int b = v ? PyObject_IsTrue(v) : 0;
+    if (b < 0) return -1;
+    self->held = b;
+    return 0;
+}
 
 static int end_init_buffer(End *self, PyObject *mapping) {
     if (PyObject_GetBuffer(mapping, &self->buf, PyBUF_WRITABLE) < 0) return -1;
@@ -423,10 +434,11 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kw) {
 /* append(type, payload) -> bool: write one record without publishing; False if it does
    not fit now. ValueError if it is larger than max_record (send it with send_part). */
 static PyObject *producer_append_impl(Producer *self, PyObject *const *args, Py_ssize_t nargs, int publish) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "expected (type, payload)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "expected (type, payload[, mine])");
         return NULL;
     }
+    if (nargs == 2 && (self->e.held || self->e.closed)) Py_RETURN_FALSE; /* take the slow path */
     uint8_t t;
     if (parse_type(args[0], &t) < 0) return NULL;
     Py_buffer pl;
@@ -635,6 +647,7 @@ static PyMethodDef producer_methods[] = {
 
 static PyGetSetDef producer_getset[] = {
     {"max_record", (getter)producer_get_max_record, NULL, "largest payload of one record", NULL},
+    {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {NULL}};
 
 static PyTypeObject ProducerType = {
@@ -871,14 +884,17 @@ static void c_rearm(Consumer *c) {
     }
 }
 
-/* recv(inbox) -> count: append (type, bytes) for every record published now to the
-   list `inbox`, release their space, in one call. */
-static PyObject *consumer_recv(Consumer *self, PyObject *inbox) {
-    if (!PyList_Check(inbox)) {
-        PyErr_SetString(PyExc_TypeError, "recv() needs a list");
+/* take(): (type, bytes) for every record published now, their space released, in one
+   call. */
+static PyObject *consumer_take(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
+    int mine = nargs > 0 && PyObject_IsTrue(args[0]);
+    if (!mine && (self->e.held || self->e.closed)) Py_RETURN_NONE; /* take the slow path */
+    PyObject *inbox = PyList_New(0);
+    if (!inbox) return NULL;
+    if (end_enter(&self->e) < 0) {
+        Py_DECREF(inbox);
         return NULL;
     }
-    if (end_enter(&self->e) < 0) return NULL;
     uint64_t nrec = 0, nbytes = 0;
     int failed = 0;
     if (c_data_ready(&self->e) == 1) {
@@ -906,19 +922,36 @@ static PyObject *consumer_recv(Consumer *self, PyObject *inbox) {
     c_rearm(self);
     end_leave(&self->e);
     if (exc) {
+        /* what was taken before the failure is kept for the next call */
         if (rr < 0) PyErr_Clear();
+        if (PyList_GET_SIZE(inbox)) {
+            PyErr_Clear();
+            Py_DECREF(exc);
+            return inbox;
+        }
+        Py_DECREF(inbox);
         set_raised(exc);
         return NULL;
     }
-    if (rr < 0) return NULL;
-    return PyLong_FromUnsignedLongLong(nrec);
+    if (rr < 0) {
+        Py_DECREF(inbox);
+        return NULL;
+    }
+    return inbox;
 }
 
 /* recv_views(handler) -> count: handler(type, memoryview) for every record published now;
    the view points into the ring. Space is released when the call ends; a view the handler
    kept an export of (e.g. numpy.frombuffer) pins its record until that export is gone.
    If the handler raises, that record counts as read and the exception propagates. */
-static PyObject *consumer_recv_views(Consumer *self, PyObject *handler) {
+static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "recv_views(handler[, mine])");
+        return NULL;
+    }
+    PyObject *handler = args[0];
+    int mine = nargs > 1 && PyObject_IsTrue(args[1]);
+    if (!mine && (self->e.held || self->e.closed)) Py_RETURN_NONE; /* take the slow path */
     if (end_enter(&self->e) < 0) return NULL;
     uint64_t nrec = 0, nbytes = 0;
     int failed = 0;
@@ -1035,11 +1068,13 @@ static PyObject *consumer_get_reassembling(Consumer *self, void *c) {
 }
 
 static PyMethodDef consumer_methods[] = {
-    {"recv", (PyCFunction)consumer_recv, METH_O,
-     "recv(inbox) -> n: append (type, bytes) of every record published now to the list "
-     "inbox and release their space, in one call. Never blocks."},
-    {"recv_views", (PyCFunction)consumer_recv_views, METH_O,
-     "recv_views(handler) -> n: handler(type, memoryview) per record, in place. Never blocks."},
+    {"take", (PyCFunction)(void (*)(void))consumer_take, METH_FASTCALL,
+     "take(mine=False) -> list of (type, bytes) of every record published now, their space "
+     "released, in one call; None when another thread's slow path holds the end (or it is "
+     "closed) and mine is false. Never blocks."},
+    {"recv_views", (PyCFunction)(void (*)(void))consumer_recv_views, METH_FASTCALL,
+     "recv_views(handler, mine=False) -> n: handler(type, memoryview) per record, in place; "
+     "None as for take(). Never blocks."},
     {"wait", (PyCFunction)consumer_wait, METH_VARARGS,
      "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
      "producer closed and everything was read. Releases the GIL only while asleep; a signal "
@@ -1053,6 +1088,7 @@ static PyMethodDef consumer_methods[] = {
     {NULL}};
 
 static PyGetSetDef consumer_getset[] = {
+    {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {"pinned", (getter)consumer_get_pinned, NULL, "records held by views still exported", NULL},
     {"reassembling", (getter)consumer_get_reassembling, NULL, "a fragmented message is half read", NULL},
     {NULL}};

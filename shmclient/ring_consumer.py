@@ -6,10 +6,10 @@ end ``_ring.Consumer`` (see, read, reassemble, release: one call); imports nothi
 them. ``try_recv`` and ``recv_into(timeout=0)`` never block; ``recv`` and ``recv_into``
 with a timeout spin, then sleep, with a liveness check.
 
-Records taken by the C call land in this end's inbox (a list the object owns) before any
-Python code runs: an exception that interrupts ``recv`` after the C call (a signal
-handler's KeyboardInterrupt) leaves them there for the next call, never lost, never
-counted twice.
+Each receive first tries one C call without the lock (the GIL orders it against other
+threads' calls); only when there is nothing to read, or another thread's slow path holds
+the end (``held``), does it take the lock and wait. Taking records and releasing their
+space happen inside that one call, so no exception can land between them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ class RingConsumer(Ring):
     _peer = "producer"
 
     def _make_end(self, res):
-        self._inbox: list[tuple[int, bytes]] = []
         self._wake_r = res.fds[0] if self.spec.wake_pipe else -1
         return _ring.Consumer(res.seg.buf, res.wake_w)
 
@@ -39,14 +38,15 @@ class RingConsumer(Ring):
         """Every complete record available now, in order, copied out; [] if none.
         Never blocks. Raises PeerDeadError once the producer has closed and everything
         it sent has been read; ClientClosedError."""
+        out = self._c.take()  # fast path: no lock, one C call
+        if out:
+            return out
         with self._lock:
             if self._closed:
                 raise self._closed_error()
-            self._c.recv(self._inbox)
-            out = self._inbox
+            out = self._c.take(True)
             if not out and self._c.poll() == 2:
                 raise self._peer_dead()
-            self._inbox = []
             return out
 
     def recv(self, *, timeout: float | None = None, alive=None) -> list[tuple[int, bytes]]:
@@ -54,23 +54,26 @@ class RingConsumer(Ring):
         ``timeout`` bounds each wait without progress (None: forever); ``alive`` runs
         every ``liveness_interval`` while blocked. Raises PeerNotProducingError,
         PeerDeadError, ClientClosedError, or what a signal handler raised."""
+        out = self._c.take()  # fast path: no lock, one C call
+        if out:
+            return out
         if timeout is None:
             self._lock.acquire()
         else:
             self._lock_for(timeout)
+        c = self._c
         try:
             if self._closed:
                 raise self._closed_error()
-            c = self._c
+            c.held = True
             while True:
-                c.recv(self._inbox)
-                if self._inbox:
-                    out = self._inbox
-                    self._inbox = []
+                out = c.take(True)
+                if out:
                     return out
                 if not self._wait(c.wait, timeout, alive):
                     raise self._not_producing(timeout)
         finally:
+            c.held = False
             self._lock.release()
 
     def recv_into(
@@ -85,22 +88,19 @@ class RingConsumer(Ring):
         handled. If the handler raises, that record counts as consumed and the exception
         propagates; the rest come with the next call. The handler must not use this
         ring (RuntimeError)."""
+        c = self._c
+        n = c.recv_views(handler)  # fast path: no lock, one C call
+        if n:
+            if self._closed:  # the handler closed this end
+                raise self._closed_error()
+            return n
         self._lock_for(timeout)
         try:
             if self._closed:
                 raise self._closed_error()
-            c = self._c
+            c.held = True
             while True:
-                if self._inbox:  # records a copying call took before: they go first
-                    inbox, self._inbox = self._inbox, []
-                    for i, (t, b) in enumerate(inbox):
-                        try:
-                            handler(t, memoryview(b))
-                        except BaseException:
-                            self._inbox = inbox[i + 1 :] + self._inbox
-                            raise
-                    return len(inbox)
-                n = c.recv_views(handler)
+                n = c.recv_views(handler, True)
                 if self._closed:  # the handler closed this end
                     raise self._closed_error()
                 if n:
@@ -114,11 +114,13 @@ class RingConsumer(Ring):
                 if not self._wait(c.wait, timeout, alive):
                     raise self._not_producing(timeout)
         finally:
+            if not self._closed:
+                c.held = False
             self._lock.release()
 
     def has_data(self) -> bool:
         """Whether a record is waiting (a plain look; never blocks)."""
-        return bool(self._inbox) or self._c.poll() == 1
+        return self._c.poll() == 1
 
     def fileno(self) -> int:
         """A descriptor that is readable whenever a published record has not been read

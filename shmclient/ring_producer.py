@@ -44,15 +44,20 @@ class RingProducer(Ring):
         """Write one record and publish it if it fits now; False if it does not (a
         message longer than ``max_record`` never fits here: use ``send``). Never waits
         for space (it may wait for another thread of this side to finish its call).
-        Raises ValueError (type not in 0..255), PeerDeadError (the consumer closed),
-        ClientClosedError."""
+        Raises ValueError (type not in 0..255, payload over MAX_PAYLOAD), PeerDeadError
+        (the consumer closed), ClientClosedError."""
+        try:
+            if self._c.try_send(rtype, payload):  # fast path: no lock, one C call
+                return True
+        except OverflowError:
+            pass
         with self._lock:
             if self._closed:
                 raise self._closed_error()
             if self._partial is not None:
                 return False  # a fragmented message is half-way: it goes first
             try:
-                r = self._c.try_send(rtype, payload)
+                r = self._c.try_send(rtype, payload, True)
             except OverflowError:
                 if _nbytes(payload) > MAX_PAYLOAD:
                     raise _too_big(_nbytes(payload)) from None
@@ -70,35 +75,41 @@ class RingProducer(Ring):
 
         A message longer than ``max_record`` goes in fragments. If the wait for space
         times out half-way, the fragments written stay in the ring and calling ``send``
-        again with the same payload object resumes after them; any other record sent
-        first makes the consumer drop the partial message."""
+        again with the same payload resumes after them; any other record sent first
+        makes the consumer drop the partial message."""
+        try:
+            if self._c.try_send(rtype, payload):  # fast path: no lock, one C call
+                return
+        except OverflowError:
+            pass
         if timeout is None:
             self._lock.acquire()
         else:
             self._lock_for(timeout)
+        c = self._c
         try:
             if self._closed:
                 raise self._closed_error()
-            c = self._c
-            if self._partial is None:
-                try:
-                    r = c.try_send(rtype, payload)
-                except OverflowError:  # longer than one record: fragments
-                    self._send_fragments(rtype, payload, 0, timeout, alive)
+            c.held = True
+            if self._partial is not None:
+                ptype, ppayload, off = self._partial
+                self._partial = None
+                if ptype == rtype and (ppayload is payload or ppayload == payload):
+                    self._send_fragments(rtype, payload, off, timeout, alive)
                     return
-                while not r:
-                    if r is None:
-                        raise self._peer_dead()
-                    self._wait_space(timeout, alive)
-                    r = c.try_send(rtype, payload)
+                # anything else first: the consumer drops the partial message
+            try:
+                r = c.try_send(rtype, payload, True)
+            except OverflowError:  # longer than one record: fragments
+                self._send_fragments(rtype, payload, 0, timeout, alive)
                 return
-            ptype, ppayload, off = self._partial
-            self._partial = None
-            if ppayload is payload and ptype == rtype:
-                self._send_fragments(rtype, payload, off, timeout, alive)
-                return
-            self.send(rtype, payload, timeout=timeout, alive=alive)  # the consumer drops the partial one
+            while not r:
+                if r is None:
+                    raise self._peer_dead()
+                self._wait_space(timeout, alive)
+                r = c.try_send(rtype, payload, True)
         finally:
+            c.held = False
             self._lock.release()
 
     def send_batch(
@@ -108,15 +119,16 @@ class RingProducer(Ring):
         what is written, wait, go on). Blocks and raises like ``send``; when it raises,
         the records before the failing one may have been sent."""
         self._lock_for(timeout)
+        c = self._c
         try:
             if self._closed:
                 raise self._closed_error()
+            c.held = True
             self._partial = None
-            c = self._c
             try:
                 for rtype, payload in records:
                     try:
-                        r = c.append(rtype, payload)
+                        r = c.append(rtype, payload, True)
                     except OverflowError:
                         self._send_fragments(rtype, payload, 0, timeout, alive)
                         continue
@@ -125,11 +137,12 @@ class RingProducer(Ring):
                             raise self._peer_dead()
                         c.publish()
                         self._wait_space(timeout, alive)
-                        r = c.append(rtype, payload)
+                        r = c.append(rtype, payload, True)
             finally:
                 if not self._closed:
                     c.publish()
         finally:
+            c.held = False
             self._lock.release()
 
     # ---- fragments and space
