@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <sched.h>
 #include <unistd.h>
 
 PyDoc_STRVAR(RING_DOC,
@@ -114,6 +115,9 @@ PyDoc_STRVAR(RING_DOC,
 
 #define U64(base, off) ((_Atomic uint64_t *)((base) + (off)))
 #define U32(base, off) ((_Atomic uint32_t *)((base) + (off)))
+
+/* a spin calls sched_yield() between its checks after this long */
+#define YIELD_AFTER_S 5e-6
 
 /* wait results */
 #define W_READY 0   /* data (or space) came while spinning */
@@ -289,13 +293,19 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
     if (spin > 0) {
         double end = t0 + spin;
         if (end > deadline) end = deadline;
+        double yield_from = t0 + YIELD_AFTER_S;
+        double now;
         do {
             for (int k = 0; k < 32; k++) {
                 cpu_relax();
                 r = ready(self);
                 if (r) return r == 2 ? W_CLOSED : W_READY;
             }
-        } while (now_s() < end);
+            now = now_s();
+            /* Past the first microseconds, let a runnable thread on this CPU (often the
+               peer we wait for, woken onto our runqueue on a busy host) go first. */
+            if (now >= yield_from) sched_yield();
+        } while (now < end);
     }
     _Atomic uint32_t *flag = U32(self->base, flag_off);
     _Atomic uint32_t *seq = U32(self->base, seq_off);
