@@ -243,22 +243,30 @@ def test_a_fork_child_that_exits_leaves_the_parents_ring_alone():
 
 
 def test_a_fork_child_that_exits_leaves_the_parents_engine_alone():
-    from engine.config import EngineConfig
-    from shmclient import EngineCoreRequest, SamplingParams, make_client
-
-    client = make_client(True, False, EngineConfig(model="mock"))
-    try:
-        _fork_and_exit_normally()
-        assert psutil.pid_exists(client.engine_pid)
-        client.add_request(EngineCoreRequest(
-            request_id="r", prompt_token_ids=[1, 2, 3],
-            sampling_params=SamplingParams(max_tokens=2, temperature=0.0)))
-        finished = False
-        while not finished:
+    """A script forks a worker that exits the normal way (interpreter shutdown, atexit,
+    finalizers): the parent's client must go on being served."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from engine.config import EngineConfig
+        from shmclient import EngineCoreRequest, SamplingParams, make_client
+        client = make_client(True, False, EngineConfig(model="mock"))
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        client.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                           sampling_params=SamplingParams(max_tokens=2, temperature=0.0)))
+        done = False
+        while not done:
             for out in client.get_output(timeout=10).outputs:
-                finished = out.finished
-    finally:
+                done = out.finished
+        print("served", flush=True)
         client.shutdown()
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "served", r.stderr[-2000:]
 
 
 def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
