@@ -41,9 +41,10 @@ from .load import THRESHOLD_CORES, LoadMonitor
 
 SECTIONS = ("latency", "streaming", "idle", "tensors", "ring")
 
-#: How long runs take on a quiet 2-vCPU VM (measured with ``time``; see the README).
-QUICK_DURATION = "about 1 minute on 2 quiet CPUs"
-FULL_DURATION = "about 2 minutes on 2 quiet CPUs"
+#: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
+#: 24 s quiet, full 54 s with other load; see the README).
+QUICK_DURATION = "about 25 s on 2 quiet CPUs"
+FULL_DURATION = "about a minute on 2 CPUs"
 
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {

@@ -558,11 +558,23 @@ def format_report(res: dict[str, Any]) -> str:
     lines += _streaming_section(res)
     lines += _idle_section(res)
     tables = res.get("tables") or {}
+    sload = res.get("section_load") or {}
+
+    def noisy_tag(name: str) -> str:
+        b = sload.get(name) or {}
+        if b.get("noisy"):
+            return f" [NOISY: other processes used {b.get('other_cores') or 0:.2f} cores]"
+        return ""
+
     lines += _external_section(
-        "Tensor transfer sweep (bench.tensors):", res.get("tensors"), tables.get("tensors")
+        "Tensor transfer sweep (bench.tensors):" + noisy_tag("tensors"),
+        res.get("tensors"),
+        tables.get("tensors"),
     )
     lines += _external_section(
-        "Raw ring ping-pong vs pyzmq ipc (bench.ring):", res.get("ring"), tables.get("ring")
+        "Raw ring ping-pong vs pyzmq ipc (bench.ring):" + noisy_tag("ring"),
+        res.get("ring"),
+        tables.get("ring"),
     )
     notes = res.get("notes") or []
     if notes:
