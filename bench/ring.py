@@ -10,8 +10,11 @@ as a dict for a top-level ``python -m bench``. Measures, in one run:
   large ones zero-copy.
 * one-way throughput: 64 B messages per second (one doorbell each, and batches of 64)
   and 1 MiB GB/s (zero-copy read, and copied out), zmq alongside;
+* a stream of 10^6 64 B messages through the default ring: the consumer's time per
+  message (p50 / p99 / p99.99 / max), where any stall would show;
 * idle CPU of a consumer blocked past its spin budget (psutil, over ~2 s);
-* the cost per batch of the wake FIFO write (for event-loop consumers).
+* the cost per publish of a ring with a wake pipe (for event-loop consumers): one byte per
+  read at most, so a producer that runs ahead of its consumer pays it once.
 
 Not a test: it asserts nothing, it reports.
 """
@@ -114,6 +117,20 @@ def _ring_flood(spec: bytes, size: int, count: int, batch: int, ppid: int) -> No
             send = tx.send
             for _ in range(count):
                 send(1, msg, alive=alive)
+        tx.send(STOP, b"", alive=alive)
+    finally:
+        tx.close()
+
+
+def _ring_stream(spec: bytes, count: int, ppid: int) -> None:
+    """Send ``count`` 64-byte messages flat out, each carrying its sequence number."""
+    tx = Ring.attach(_dec(spec), "producer", spin_us=SPIN_US)
+    alive = _parent_alive(ppid)
+    pad = b"\0" * 56
+    try:
+        send = tx.send
+        for i in range(count):
+            send(1, i.to_bytes(8, "little") + pad, alive=alive)
         tx.send(STOP, b"", alive=alive)
     finally:
         tx.close()
@@ -305,6 +322,48 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
     return (count - 1) / ((t1 - t0) / 1e9)
 
 
+def ring_stream(count: int) -> dict:
+    """A stream of ``count`` 64 B messages through the default 4 MiB ring: the time each
+    message took to be received after the one before it (the consumer's per-message
+    time), so that a stall anywhere (a full ring, a reclaim) shows in the tail."""
+    import numpy as np
+
+    r = Ring.create("consumer", spin_us=SPIN_US)
+    child = _start(_ring_stream, _enc(r), count, os.getpid())
+    stamps = np.zeros(count + 1, dtype=np.int64)
+    n = 0
+    now = time.perf_counter_ns
+    try:
+        done = False
+        while not done:
+            got = r.recv(alive=child.is_alive)
+            t = now()
+            for rtype, body in got:
+                if rtype == STOP:
+                    done = True
+                    break
+                stamps[n] = t
+                n += 1
+        _finish(child)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        r.close()
+    # records that arrive in one read share its time: spread the read's time over them
+    gaps = np.diff(stamps[:n]).astype(np.float64) / 1e3
+    gaps.sort()
+    per = lambda q: float(gaps[min(len(gaps) - 1, int(q * len(gaps)))])  # noqa: E731
+    return {
+        "messages": n,
+        "msgs_per_s": n / ((stamps[n - 1] - stamps[0]) / 1e9),
+        "gap_p50_us": per(0.5),
+        "gap_p99_us": per(0.99),
+        "gap_p9999_us": per(0.9999),
+        "gap_max_us": float(gaps[-1]),
+    }
+
+
 def idle_cpu(seconds: float) -> float:
     """Percent of one core used by a consumer blocked past its spin budget."""
     to_child = Ring.create("producer")
@@ -328,8 +387,8 @@ def idle_cpu(seconds: float) -> float:
     return 100.0 * used / (t1 - t0)
 
 
-def wake_fifo_cost(n: int, reps: int = 9) -> dict:
-    """CPU ns per published batch, in-process, with and without the wake FIFO.
+def wake_pipe_cost(n: int, reps: int = 9) -> dict:
+    """CPU ns per published batch, in-process, with and without the wake pipe.
 
     The two rings are measured alternately, ``reps`` times each, and the medians are
     compared, so that load from other processes hits both alike."""
@@ -356,7 +415,7 @@ def wake_fifo_cost(n: int, reps: int = 9) -> dict:
             p.close()
             c.close()
     without, with_ = statistics.median(per[False]), statistics.median(per[True])
-    return {"without_fifo_ns": without, "with_fifo_ns": with_, "extra_ns_per_batch": with_ - without}
+    return {"without_pipe_ns": without, "with_pipe_ns": with_, "extra_ns_per_batch": with_ - without}
 
 
 def run(quick: bool = False) -> dict:
@@ -375,8 +434,9 @@ def run(quick: bool = False) -> dict:
             "ring_1MiB_GBps_copy_out": ring_one_way(MiB, nmb, zero_copy=False) * MiB / 1e9,
             "zmq_1MiB_GBps": zmq_one_way(MiB, nmb, tmp) * MiB / 1e9,
         }
+        stream = ring_stream(200_000 if quick else 1_000_000)
         idle = idle_cpu(1.0 if quick else 2.0)
-        wake = wake_fifo_cost(5_000 if quick else 20_000)
+        wake = wake_pipe_cost(5_000 if quick else 20_000)
     finally:
         for f in os.listdir(tmp):
             os.unlink(os.path.join(tmp, f))
@@ -399,8 +459,9 @@ def run(quick: bool = False) -> dict:
         "spin_us": SPIN_US,
         "round_trip": rt,
         "throughput": tput,
+        "stream_64B": stream,
         "idle_consumer_cpu_percent": idle,
-        "wake_fifo": wake,
+        "wake_pipe": wake,
         "ring_stats_after_round_trips": ring_rt["stats"],
     }
 
@@ -424,9 +485,12 @@ def report(res: dict) -> str:
         f"(batches of 64: {t['ring_64B_batched64_msgs_per_s'] / 1e6:.2f}), zmq {t['zmq_64B_msgs_per_s'] / 1e6:.2f} M msg/s",
         f"one way 1 MiB: ring {t['ring_1MiB_GBps_zero_copy']:.1f} GB/s zero-copy read, "
         f"{t['ring_1MiB_GBps_copy_out']:.1f} GB/s copied out; zmq {t['zmq_1MiB_GBps']:.1f} GB/s",
+        f"stream of {res['stream_64B']['messages']:,} x 64 B: {res['stream_64B']['msgs_per_s'] / 1e6:.2f} M msg/s; "
+        f"time per message p50 {res['stream_64B']['gap_p50_us']:.2f} / p99 {res['stream_64B']['gap_p99_us']:.2f} / "
+        f"p99.99 {res['stream_64B']['gap_p9999_us']:.1f} / max {res['stream_64B']['gap_max_us']:.0f} us",
         f"idle consumer: {res['idle_consumer_cpu_percent']:.2f} % of a core",
-        f"wake FIFO: +{res['wake_fifo']['extra_ns_per_batch']:.0f} ns per batch "
-        f"({res['wake_fifo']['without_fifo_ns']:.0f} -> {res['wake_fifo']['with_fifo_ns']:.0f} ns per try_send)",
+        f"wake pipe: +{res['wake_pipe']['extra_ns_per_batch']:.0f} ns per batch "
+        f"({res['wake_pipe']['without_pipe_ns']:.0f} -> {res['wake_pipe']['with_pipe_ns']:.0f} ns per try_send)",
     ]
     return "\n".join(lines)
 

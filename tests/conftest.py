@@ -1,5 +1,5 @@
-"""Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, the
-process table and the thread list as it found them."""
+"""Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, /tmp,
+the process table and the thread list as it found them."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def _ours(name: str, pids: set[int]) -> bool:
     return pid in pids or not psutil.pid_exists(pid)
 
 
+def _tmp_entries() -> set[str]:
+    """shmclient's own entries in /tmp (the project's prefix; pytest's tmp_path lives
+    elsewhere in /tmp and cleans up after itself)."""
+    return {n for n in os.listdir("/tmp") if n.startswith("shmc")}
+
+
 def _shm_entries() -> set[str]:
     try:
         return set(os.listdir(SHM_DIR))
@@ -37,12 +43,13 @@ def _shm_entries() -> set[str]:
 
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """Fail the test if it leaves a /dev/shm entry, a child process or a thread behind.
+    """Fail the test if it leaves a /dev/shm or /tmp entry, a child process or a thread behind.
 
     Children and threads get a bounded grace period to finish exiting (they are waited on,
     not slept for); whatever is still there afterwards is killed and reported.
     """
     shm_before = _shm_entries()
+    tmp_before = _tmp_entries()
     me = psutil.Process()
     kids_before = {p.pid for p in me.children(recursive=True)}
     threads_before = set(threading.enumerate())
@@ -75,5 +82,8 @@ def no_leaks(request):
                 os.unlink(os.path.join(SHM_DIR, name))
             except OSError:
                 pass
+    tmp_left = _tmp_entries() - tmp_before
+    if tmp_left:
+        problems.append(f"/tmp entries left: {sorted(tmp_left)}")
     if problems:
         pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)
