@@ -269,12 +269,17 @@ class ShmChannel:
         return held + [rel] if rel is not None else held
 
     def flush_releases(self) -> None:
-        """Send pending tensor releases without blocking; if the ring is full they are
-        kept and go out with the next message or flush (never lost)."""
+        """Send pending tensor releases without blocking; if the ring is full, or another
+        thread is sending (it may be waiting for room), they are kept and go out with the
+        next message or flush (never lost)."""
         if self._held_release is None and not self._released:
             return  # the common case, without a lock
-        with self._send_lock:
+        if not self._send_lock.acquire(False):
+            return  # a sender holds it (perhaps waiting on a full ring): it flushes them
+        try:
             self._flush_releases_locked()
+        finally:
+            self._send_lock.release()
 
     def _flush_releases_locked(self) -> None:
         rels = self._take_releases()

@@ -398,3 +398,33 @@ def test_sigterm_to_an_idle_engine_is_a_clean_stop_not_a_crash():
         assert "Signal" not in str(ei.value) and "interrupted" not in str(ei.value)
     finally:
         client.shutdown()
+
+
+def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
+    """One thread's send waits on a full request ring (a stalled engine); the reading
+    thread, with tensor releases to hand back, must still time out on its own schedule
+    instead of queueing behind the sender's lock."""
+    from shmclient.channel import REQ_UTILITY, ShmChannel
+
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    stuck = threading.Thread(
+        target=lambda: pytest.raises(PeerNotConsumingError, front.send_encoded, REQ_UTILITY, b"x" * 3000, timeout=3)
+    )
+    try:
+        front.send_encoded(REQ_UTILITY, b"x" * 3000, timeout=1)  # the engine never reads
+        stuck.start()
+        deadline = time.monotonic() + 5
+        while front.tx.stats()["waits_on_full"] == 0 and time.monotonic() < deadline:
+            stuck.join(0.005)
+        assert front.tx.stats()["waits_on_full"] >= 1
+        front._released.append(7)  # a tensor block this side is done with
+        t0 = time.monotonic()
+        with pytest.raises(PeerNotProducingError):
+            front.recv(timeout=0.2)
+        assert time.monotonic() - t0 < 1.5, "the reader waited behind the stuck sender"
+    finally:
+        stuck.join(10)
+        engine.close()
+        front.close()
