@@ -109,7 +109,9 @@ class RingProducer(Ring):
                 self._wait_space(timeout, alive)
                 r = c.try_send(rtype, payload, True)
         finally:
-            c.held = False
+            # a message left half-way keeps the fast path closed: nothing may be
+            # written between its fragments
+            c.held = self._partial is not None
             self._lock.release()
 
     def send_batch(
@@ -142,7 +144,9 @@ class RingProducer(Ring):
                 if not self._closed:
                     c.publish()
         finally:
-            c.held = False
+            # a message left half-way keeps the fast path closed: nothing may be
+            # written between its fragments
+            c.held = self._partial is not None
             self._lock.release()
 
     # ---- fragments and space

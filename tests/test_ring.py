@@ -846,3 +846,22 @@ def test_spin_backs_off_when_it_keeps_failing_and_probes_to_resume():
     s.after(True, 0.0)  # the probe paid: spinning resumes for good
     s.after(False, 0.01)
     assert s.budget == pytest.approx(30e-6)
+
+
+def test_a_timed_out_fragmented_send_resumes_and_nothing_slips_between_its_fragments(pair):
+    pr = pair(4096)
+    big = payload(3, 20_000)  # five ring-fulls
+    with pytest.raises(PeerNotConsumingError):
+        pr.p.send(7, big, timeout=0.05)  # the consumer is not reading yet
+    assert pr.c.try_recv() == []  # it reads the fragments so far: the ring has room now
+    assert not pr.p.try_send(1, b"release")  # would land between two fragments
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(pr.c.recv(timeout=5)))
+    reader.start()
+    pr.p.send(7, big, timeout=5)  # resumes after the fragments already written
+    reader.join(10)
+    pr.p.send(1, b"next", timeout=5)
+    while len(got) < 2:
+        got += pr.c.recv(timeout=5)
+    assert got == [(7, big), (1, b"next")]
+    assert pr.p.stats()["fragments"] <= 20_000 // pr.p._frag_chunk + 2  # no restart from 0
