@@ -760,6 +760,13 @@ def _run(
         for e in res["errors"]:
             print(f"  {e}")
     progress(f"done in {res['duration_s']:.1f} s")
+    if signals.received:
+        # While the complete results were being saved or printed: they are all there.
+        print(
+            f"{_prog()}: interrupted ({signals.received}) at the end; the run is complete in {out}",
+            file=sys.stderr,
+        )
+        return 130
     return 1 if res["errors"] else 0
 
 
@@ -793,7 +800,7 @@ def _write_files(res: dict[str, Any], out: str, no_plots: bool) -> dict[str, Any
                 )
             )
         notes = sorted({p for p in plots if p.startswith("plots skipped")})
-        res["skipped"] += notes
+        res["skipped"] += [n for n in notes if n not in res["skipped"]]
         files["plots"] = [p for p in plots if not p.startswith("plots skipped")]
     files["results"] = os.path.join(out, "results.json")
     res["files"] = files
