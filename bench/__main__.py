@@ -741,7 +741,8 @@ def _run(
 
     if interrupted:
         print(
-            f"{_prog()}: interrupted ({res['interrupted']['signal']}) during {section}; "
+            f"{_prog()}: interrupted ({res['interrupted']['signal']}) during "
+            f"{res['interrupted']['during']}; "
             f"what finished is in {out}",
             file=sys.stderr,
         )
