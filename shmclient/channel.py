@@ -33,13 +33,14 @@ import msgspec
 import zmq
 
 from .codec import Decoder, Encoder
-from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
+from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError, ShmCapacityError
 from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     UtilityRequest,
 )
+from .ring import HEADER_BYTES as RING_HEADER_BYTES
 from .ring import Ring, RingSpec
 from .shm import Segment
 from .tensors import ShmTensorReceiver, ShmTensorSender
@@ -165,8 +166,9 @@ class ShmChannel:
         enable_cuda_ipc: bool = True,
     ) -> tuple["ShmChannel", ShmChannelSpec]:
         """Create both rings and both arenas (frontend side). Returns the channel and the
-        spec the engine attaches with. Raises ShmCapacityError when /dev/shm is too small;
-        on any failure everything created so far is removed again."""
+        spec the engine attaches with. Raises ShmCapacityError naming the bytes the whole
+        channel needs when its memory cannot be reserved; on any failure everything
+        created so far is removed again."""
         made: list[Any] = []
         try:
             req = Ring.create("producer", ring_capacity, spin_us=spin_us)
@@ -179,6 +181,16 @@ class ShmChannel:
             made.append(arena_req)
             arena_out = Segment.create(arena_bytes, prefix="shmc-t")
             made.append(arena_out)
+        except ShmCapacityError as e:
+            for m in reversed(made):
+                m.unlink()
+                m.close()
+            total = 2 * (ring_capacity + RING_HEADER_BYTES + arena_bytes)
+            raise ShmCapacityError(
+                f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
+                f"of {ring_capacity} bytes and two tensor arenas of {arena_bytes} bytes) and they "
+                f"could not all be reserved: {e}"
+            ) from e
         except BaseException:
             for m in reversed(made):
                 m.unlink()

@@ -75,7 +75,8 @@ class PeerNotProducingError(PeerTimeoutError):
 
 
 class ShmCapacityError(ShmClientError, OSError):
-    """/dev/shm cannot hold a segment we need; raised at creation, never later."""
+    """The shared memory a ring, arena or channel needs cannot be reserved; raised at
+    creation (naming the bytes), never later."""
 
 
 class UtilityCallError(ShmClientError, RuntimeError):

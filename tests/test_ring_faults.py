@@ -428,3 +428,25 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
         stuck.join(10)
         engine.close()
         front.close()
+
+
+def test_a_channel_that_cannot_be_reserved_names_what_the_whole_channel_needs(monkeypatch):
+    from shmclient import shm
+    from shmclient.channel import ShmChannel
+    from shmclient.errors import ShmCapacityError
+
+    real = shm.Segment.create.__func__
+    made = []
+
+    def fail_on_arena(cls, size, prefix="shmc", name=None):
+        if prefix == "shmc-t" and made:  # the second arena: the host ran out
+            raise ShmCapacityError(f"cannot reserve {size} bytes")
+        seg = real(cls, size, prefix, name)
+        if prefix == "shmc-t":
+            made.append(seg)
+        return seg
+
+    monkeypatch.setattr(shm.Segment, "create", classmethod(fail_on_arena))
+    need = 2 * (4096 + 4096 + (1 << 20))
+    with pytest.raises(ShmCapacityError, match=f"needs {need} bytes"):
+        ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=True)
