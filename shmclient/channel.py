@@ -232,6 +232,14 @@ class ShmChannel:
         for m in self._owned:
             m.unlink()
 
+    def handle_fds(self) -> tuple[int, ...]:
+        """Owner: the fds behind the handles in this channel's spec (segments, wake pipe),
+        for a child to inherit (``subprocess.Popen(pass_fds=...)``)."""
+        fds = []
+        for m in self._owned:
+            fds += m.handle_fds() if isinstance(m, Ring) else [m.fd]
+        return tuple(fd for fd in fds if fd >= 0)
+
     def fits_whole(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` goes as one record (not in fragments)."""
         return nbytes <= self.tx.max_record
@@ -459,6 +467,14 @@ class ZmqChannel:
 
     def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
         pass
+
+    def handle_fds(self) -> tuple[int, ...]:
+        """Owner: the fds behind the handles in this channel's spec (segments, wake pipe),
+        for a child to inherit (``subprocess.Popen(pass_fds=...)``)."""
+        fds = []
+        for m in self._owned:
+            fds += m.handle_fds() if isinstance(m, Ring) else [m.fd]
+        return tuple(fd for fd in fds if fd >= 0)
 
     def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
         return True

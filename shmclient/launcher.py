@@ -113,10 +113,14 @@ class EngineResources:
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # The engine inherits the segments' and the wake pipe's fds (same numbers), so it
+        # attaches without going through /proc/<pid>/fd.
+        fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.proc", address, str(os.getpid())],
             env=env,
             stdin=subprocess.DEVNULL,
+            pass_fds=fds,
         )
         info = self._handshake(config, spec, timeout)
         if isinstance(self.channel, ZmqChannel):

@@ -245,6 +245,12 @@ class Ring:
         block."""
         self._res.unlink()
 
+    def handle_fds(self) -> list[int]:
+        """Owner: the fds behind ``spec`` (segment, wake pipe) while they are still open,
+        for a child process to inherit; attach then uses them instead of /proc."""
+        res = self._res
+        return [fd for fd in (res.seg.fd if res.seg is not None else -1, res.wake_w) if fd >= 0]
+
     def close(self) -> None:
         """Tell the peer this side has gone, wake anything blocked on the ring, unmap.
         Idempotent. Waits for an operation in progress on another thread of this side to
