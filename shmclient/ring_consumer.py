@@ -38,8 +38,9 @@ class RingConsumer(Ring):
         """Every complete record available now, in order, copied out; [] if none.
         Never blocks. Raises PeerDeadError once the producer has closed and everything
         it sent has been read; ClientClosedError."""
-        out = self._c.take()  # fast path: no lock, one C call
-        if out:
+        c = self._c
+        out = c.take()  # fast path: no lock, one C call
+        if out or (out is not None and c.poll() == 0):
             return out
         with self._lock:
             if self._closed:
@@ -94,6 +95,8 @@ class RingConsumer(Ring):
             if self._closed:  # the handler closed this end
                 raise self._closed_error()
             return n
+        if n == 0 and timeout is not None and timeout <= 0 and c.poll() == 0:
+            return 0  # nothing there and the producer is still open
         self._lock_for(timeout)
         try:
             if self._closed:

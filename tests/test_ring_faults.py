@@ -316,7 +316,9 @@ def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
         os.kill(front.pid, signal.SIGKILL)
         front.wait(10)
         engine.wait(10)
-        assert set(os.listdir("/dev/shm")) - shm_before == set()
+        pids = (str(front.pid), str(engine.pid))
+        new = set(os.listdir("/dev/shm")) - shm_before  # other processes may add their own
+        assert {n for n in new if "shmc" in n or any(p in n for p in pids)} == set()
         assert {n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("shmc")} == set()
     finally:
         if front.poll() is None:
