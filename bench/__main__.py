@@ -2,8 +2,9 @@
 
 Sections (``--only`` picks some): ``latency`` (round trip of one max_tokens=1 request),
 ``streaming`` (N concurrent requests x M tokens), ``idle`` (idle CPU of client and
-engine), ``tensors`` (bench.tensors' transfer sweep) and ``ring`` (bench.ring's raw ring
-ping-pong against pyzmq ipc). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
+engine), ``tensors`` (bench.tensors' transfer sweep), ``ring`` (bench.ring's raw ring
+against pyzmq ipc) and ``contention`` (bench.contention: the sync client over shm and
+over zmq with an unrelated busy-loop process running). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
 model as a realism check. Progress goes to stderr; the tables to stdout; results.json,
 samples.json and the PNG plots to a folder of the run's own (``--out``, which must not
@@ -39,7 +40,9 @@ import psutil
 from . import clients, report
 from .load import THRESHOLD_CORES, LoadMonitor
 
-SECTIONS = ("latency", "streaming", "idle", "tensors", "ring")
+SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention")
+#: Sections that run in a child process of their own (``_external``).
+EXTERNAL = ("tensors", "ring", "contention")
 
 #: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
 #: 24 s quiet, full 54 s with other load; see the README).
@@ -163,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plots", action="store_true", help="write no PNG")
     # Internal: the child process that runs one external section.
-    p.add_argument("--run-section", choices=("tensors", "ring"), help=argparse.SUPPRESS)
+    p.add_argument("--run-section", choices=EXTERNAL, help=argparse.SUPPRESS)
     p.add_argument("--section-json", help=argparse.SUPPRESS)
     return p
 
@@ -695,7 +698,7 @@ def _run(
                 res.update({k: v for k, v in got.items() if v or k.endswith("_meta")})
                 if res.get("latency"):
                     res["latency_ratios"] = report.latency_ratios(res["latency"])
-        for name in ("tensors", "ring"):
+        for name in EXTERNAL:
             if name in args.only:
                 section = name
                 _external(

@@ -26,7 +26,7 @@ import numpy as np
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 
 #: Packages whose versions go into the JSON (distribution names).
-PACKAGES = ("torch", "numpy", "msgspec", "pyzmq", "posix_ipc", "psutil", "matplotlib", "shmclient")
+PACKAGES = ("torch", "numpy", "msgspec", "pyzmq", "psutil", "matplotlib", "shmclient")
 
 # -- statistics ----------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ def _version(dist: str) -> str | None:
         except metadata.PackageNotFoundError:
             continue
     # Not installed as a distribution (e.g. run from a checkout): ask the module.
-    module = {"pyzmq": "zmq", "posix_ipc": "posix_ipc"}.get(dist, dist)
+    module = {"pyzmq": "zmq"}.get(dist, dist)
     try:
         mod = __import__(module)
     except Exception:

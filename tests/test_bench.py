@@ -141,7 +141,7 @@ def test_machine_facts_keys():
     f = report.machine_facts()
     for k in ("date", "cpu_model", "cpu_count_logical", "python", "packages", "gpu"):
         assert k in f
-    for p in ("torch", "numpy", "msgspec", "pyzmq", "posix_ipc"):
+    for p in ("torch", "numpy", "msgspec", "pyzmq", "psutil"):
         assert p in f["packages"]
     assert f["packages"]["numpy"] == np.__version__
     json.dumps(f)
