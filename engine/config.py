@@ -28,6 +28,7 @@ VALID_MODELS = ("mock", "tiny")
 VALID_TRANSPORTS = ("shm", "zmq")
 
 _CUDA_DEVICE = re.compile(r"cuda(:(0|[1-9][0-9]*))?")
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +53,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
       ``engine_ready_timeout_s``, ``enable_cuda_ipc``: transport settings (used by the
       client and the engine process, not by the core).
     * ``fault_injection``: free-form directive read by the engine process in tests.
+    * ``utility_modules``: import paths of modules that register user utilities
+      (``engine.core.register_utility``); every engine core imports them at start-up,
+      in the engine process for the multiprocess clients. An import failure is a
+      ``ConfigError`` at start-up.
     * ``cpu_threads``: torch threads of the engine process when the device is cpu (1
       by default: the tiny model gains nothing from more, and on a small host a thread
       pool spinning against the frontend's process costs latency).
@@ -80,6 +85,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enable_cuda_ipc: bool = True
     fault_injection: str | None = None
     cpu_threads: int = 1
+    utility_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_choice("model", self.model, VALID_MODELS)
@@ -125,6 +131,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             _fail("enable_cuda_ipc", self.enable_cuda_ipc, "must be a bool")
         if self.fault_injection is not None and not isinstance(self.fault_injection, str):
             _fail("fault_injection", self.fault_injection, "must be a str or None")
+        if isinstance(self.utility_modules, list):
+            msgspec.structs.force_setattr(self, "utility_modules", tuple(self.utility_modules))
+        if not isinstance(self.utility_modules, tuple) or not all(
+            isinstance(m, str) and _MODULE_PATH.fullmatch(m) for m in self.utility_modules
+        ):
+            _fail("utility_modules", self.utility_modules,
+                  "must be a list or tuple of module import paths such as 'pkg.module'")
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied, validated again (raises ``ConfigError``)."""

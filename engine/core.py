@@ -5,15 +5,23 @@ config, the request checks, the scheduler, the models, torch, and ``shmclient.me
 / ``shmclient.errors`` only; never a transport, a socket, a thread, or a shmclient client
 module. It owns the model, the scheduler and the request lifecycle: validation at add
 time, aborts, turning sampled tokens into ``EngineCoreOutputs`` per client, and the
-utility methods a frontend may call by name (``UTILITY_METHODS`` / ``call_utility``).
-Every method runs synchronously and returns when its work is done; none waits for
-anything outside the process.
+utility methods a frontend may call by name (``UTILITY_METHODS`` / ``call_utility``,
+plus those a user adds with ``register_utility``). Every method runs synchronously and
+returns when its work is done; none waits for anything outside the process. The one
+utility that must outlast its call, a pause or sleep in ``mode="wait"``, returns a
+``concurrent.futures.Future`` that ``step()`` completes once the running requests have
+drained (the engine process answers the call then); in-process, where nothing steps the
+engine while its caller waits, "wait" is refused (as vLLM's in-process engine does).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import importlib
+import logging
 import os
-from typing import Any
+import time
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -31,17 +39,76 @@ from shmclient.messages import (
 from .config import EngineConfig
 from .model import SAMPLING_EPS, Model, ScheduledChunk, build_model
 from .request import Request, check_request, derive_seed
-from .scheduler import Scheduler
+from .scheduler import PauseState, Scheduler
+
+log = logging.getLogger("engine")
 
 SUPPORTED_TASKS = ("generate", "embed")
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+#: ``wake_up`` tag that resumes scheduling only (vLLM's level-0 sleep).
+SCHEDULING_TAG = "scheduling"
+PAUSE_MODES = ("abort", "wait", "keep")
 
 #: Methods a frontend may call through ``call_utility``.
 UTILITY_METHODS = frozenset({
-    "echo", "profile", "reset_prefix_cache", "sleep", "wake_up", "is_sleeping",
-    "execute_dummy_batch", "collective_rpc", "save_sharded_state", "get_supported_tasks",
-    "add_lora", "remove_lora", "list_loras", "pin_lora",
+    "echo", "profile", "reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache",
+    "sleep", "wake_up", "is_sleeping", "pause_scheduler", "resume_scheduler",
+    "is_scheduler_paused", "execute_dummy_batch", "collective_rpc", "save_sharded_state",
+    "get_supported_tasks", "add_lora", "remove_lora", "list_loras", "pin_lora",
+    "set_weight_version", "get_weight_version",
 })
+
+#: Utilities added with ``register_utility``: name -> fn(core, *args).
+_USER_UTILITIES: dict[str, Callable[..., Any]] = {}
+
+
+def register_utility(name: str | Callable[..., Any] | None = None) -> Any:
+    """Make ``fn(core, *args)`` callable by name on every client:
+    ``client.call_utility(name, *args)`` (``await client.call_utility_async(...)``).
+
+    Use as ``@register_utility`` (the function's name) or ``@register_utility("name")``.
+    ``fn`` runs in the engine's loop with the ``EngineCore`` as first argument; its
+    return value travels back as a built-in utility's does (a ``Future`` is answered when
+    it completes), and what it raises fails that call alone
+    (``UtilityCallError: Call to <name> method failed: <message>``).
+
+    How a registration reaches the engine: the multiprocess clients run the engine in a
+    fresh interpreter, so a registration made in the frontend's process is not seen
+    there. Put the import path of the module that holds the decorated functions in
+    ``EngineConfig.utility_modules``; every ``EngineCore`` imports those modules when it
+    starts (in the engine process for the multiprocess clients, in the caller's process
+    for ``InprocClient``), and importing runs the decorators. A module that cannot be
+    imported makes start-up fail with ``ConfigError`` naming it. Registering a built-in
+    utility's name, or a second function under a taken name, raises ``ValueError``.
+    """
+
+    def register(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"register_utility: {fn!r} is not callable")
+        if not isinstance(key, str) or not key.isidentifier() or key.startswith("_"):
+            raise ValueError(f"register_utility: name {key!r} must be a public identifier")
+        if key in UTILITY_METHODS:
+            raise ValueError(f"register_utility: {key!r} is a built-in utility")
+        old = _USER_UTILITIES.get(key)
+        if old is not None and _ident(old) != _ident(fn):
+            raise ValueError(f"register_utility: {key!r} is already registered "
+                             f"({old.__module__}.{old.__qualname__})")
+        _USER_UTILITIES[key] = fn
+        return fn
+
+    if callable(name):
+        return register(name, name.__name__)
+    return lambda fn: register(fn, name if name is not None else fn.__name__)
+
+
+def _ident(fn: Callable[..., Any]) -> tuple[str, str]:
+    # A module imported twice (reload, or under two names) registers "the same" function.
+    return getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn))
+
+
+class WaitNotSupportedError(InvalidRequestError):
+    """``mode="wait"`` asked of an engine that nothing steps while the caller waits
+    (in-process). A ``ValueError``, as vLLM's in-process engine raises."""
 
 
 class EngineCore:
@@ -52,7 +119,17 @@ class EngineCore:
     ``block_size`` and ``max_model_len`` give the real capacity (for the ready handshake).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, supports_wait: bool = False) -> None:
+        """``supports_wait``: something keeps calling ``step()`` while a pause or sleep in
+        ``mode="wait"`` is pending (the engine process's loop); without it "wait" raises
+        ``WaitNotSupportedError``."""
+        for module in config.utility_modules:
+            try:
+                importlib.import_module(module)
+            except Exception as e:
+                raise ConfigError(
+                    f"EngineConfig.utility_modules: cannot import {module!r}: "
+                    f"{type(e).__name__}: {e}") from e
         if config.is_cuda and not torch.cuda.is_available():
             raise ConfigError(
                 f"EngineConfig.device={config.device!r} is invalid: "
@@ -76,7 +153,14 @@ class EngineCore:
         self._asleep: set[str] = set()
         self._loras: dict[int, LoRARequest] = {}
         self._pinned_loras: set[int] = set()
+        self.supports_wait = supports_wait
+        #: Pauses and sleeps in mode "wait" not yet drained: (future, clear_cache).
+        self._pause_waiters: list[tuple[concurrent.futures.Future, bool]] = []
+        self._weight_version = "default"
         self.profiling = False
+        #: The running profile session (see ``profile``) and the last finished one.
+        self._profile: dict[str, Any] | None = None
+        self.last_profile: dict[str, Any] | None = None
         self._is_shut_down = False
 
     def _blocks_from_budget(self) -> int:
@@ -117,8 +201,10 @@ class EngineCore:
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute and update once; outputs keyed by ``client_index``.
 
-        Pending ABORT outputs come first. While sleeping nothing is scheduled. Returns an
-        empty dict when there is nothing to report. Model errors propagate.
+        Pending ABORT outputs come first. While sleeping nothing is scheduled, while the
+        scheduler is paused only what the pause allows. A pause or sleep in mode "wait"
+        completes here once the requests that came before it have finished. Returns an empty dict when there is
+        nothing to report. Model errors propagate.
         """
         self._check_open()
         per_client: dict[int, list[EngineCoreOutput]] = {}
@@ -129,10 +215,15 @@ class EngineCore:
         self._aborted.clear()
         self._aborted_ids.clear()
 
-        if not self._asleep and self.scheduler.has_unfinished_requests():
+        if not self._asleep and self.scheduler.has_schedulable_requests():
             batch = self.scheduler.schedule()
             if batch:
+                t0 = time.perf_counter()
                 self._run(batch, per_client, finished)
+                if self._profile is not None:
+                    self._profile_step(batch, time.perf_counter() - t0)
+        if self._pause_waiters and not self.scheduler.has_schedulable_requests():
+            self._finish_waiting_pauses()
         return {
             client: EngineCoreOutputs(outputs=outs, finished_requests=finished.get(client))
             for client, outs in per_client.items()
@@ -163,8 +254,15 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or an ABORT output is pending
-        (also while sleeping, when ``step()`` makes no progress on them)."""
+        (also while sleeping or paused, when ``step()`` makes no progress on them)."""
         return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def has_work(self) -> bool:
+        """Whether ``step()`` would make progress now: an ABORT output to send, a pause
+        in mode "wait" to complete, or a request the (un)paused scheduler may run. The
+        engine process steps while this is True and waits for messages otherwise."""
+        return (bool(self._aborted) or bool(self._pause_waiters)
+                or (not self._asleep and self.scheduler.has_schedulable_requests()))
 
     def shutdown(self) -> None:
         """Drop every request (no outputs) and the model's state. Idempotent."""
@@ -174,6 +272,9 @@ class EngineCore:
         self.scheduler.finish_requests(list(self.scheduler.requests), FinishReason.ABORT)
         self._aborted.clear()
         self._aborted_ids.clear()
+        for fut, _ in self._pause_waiters:
+            fut.cancel()
+        self._pause_waiters.clear()
         self.model.sleep(2)
 
     def _check_open(self) -> None:
@@ -202,45 +303,221 @@ class EngineCore:
     # ---------------------------------------------------------------- utilities
 
     def call_utility(self, method: str, args: tuple = ()) -> Any:
-        """Call the utility ``method`` with ``args``; raises ``ValueError`` for a name
-        outside ``UTILITY_METHODS`` and whatever the method raises."""
-        if method not in UTILITY_METHODS:
+        """Call the utility ``method`` with ``args``: a built-in (``UTILITY_METHODS``) or
+        one added with ``register_utility``. Raises ``ValueError`` for any other name and
+        whatever the method raises."""
+        if method in UTILITY_METHODS:
+            return getattr(self, method)(*args)
+        fn = _USER_UTILITIES.get(method)
+        if fn is None:
             raise ValueError(f"unknown utility method {method!r}")
-        return getattr(self, method)(*args)
+        return fn(self, *args)
 
     def echo(self, x: Any) -> Any:
         return x
 
-    def profile(self, is_start: bool = True) -> None:
-        self.profiling = bool(is_start)
+    # -- profiling ------------------------------------------------------------------
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None,
+                delay_iterations: int | None = None,
+                max_iterations: int | None = None) -> None:
+        """Start (``is_start``) or stop the engine's step profiler (vLLM's signature).
 
-    def reset_prefix_cache(self) -> bool:
-        return True  # there is no prefix cache, so it is always "reset"
+        A session counts the steps that ran a batch, the tokens they scheduled and the
+        time the model took, after skipping the first ``delay_iterations`` steps and
+        stopping by itself after ``max_iterations``. Stopping logs the summary under
+        ``profile_prefix`` and keeps it in ``last_profile``; stopping with no session
+        running does nothing. Starting while one runs restarts it."""
+        if not isinstance(is_start, bool):
+            raise ValueError(f"profile: is_start must be a bool, got {is_start!r}")
+        if profile_prefix is not None and not isinstance(profile_prefix, str):
+            raise ValueError(f"profile: profile_prefix must be a str or None, "
+                             f"got {profile_prefix!r}")
+        for name, v in (("delay_iterations", delay_iterations),
+                        ("max_iterations", max_iterations)):
+            if v is not None and (type(v) is not int or v < 0):
+                raise ValueError(f"profile: {name} must be an int >= 0 or None, got {v!r}")
+        if not is_start:
+            self._stop_profile()
+            return
+        self._profile = {"prefix": profile_prefix or "", "delay": delay_iterations or 0,
+                         "max": max_iterations, "steps": 0, "tokens": 0, "seconds": 0.0}
+        self.profiling = True
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Free the KV cache (and move/drop weights, level 1/2). ``mode="abort"`` aborts
-        every request; ``"wait"``/``"keep"`` keep queued ones, which resume (recomputed)
-        after ``wake_up``; draining before a "wait" sleep is the caller's job."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"sleep mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+    def _profile_step(self, batch: list[ScheduledChunk], seconds: float) -> None:
+        p = self._profile
+        if p["delay"] > 0:
+            p["delay"] -= 1
+            return
+        p["steps"] += 1
+        p["tokens"] += sum(c.num_tokens for c in batch)
+        p["seconds"] += seconds
+        if p["max"] is not None and p["steps"] >= p["max"]:
+            self._stop_profile()
+
+    def _stop_profile(self) -> None:
+        p, self._profile = self._profile, None
+        self.profiling = False
+        if p is None:
+            return
+        self.last_profile = {k: p[k] for k in ("prefix", "steps", "tokens", "seconds")}
+        log.info("profile %s: %d steps, %d tokens, %.6f s in the model", p["prefix"] or "-",
+                 p["steps"], p["tokens"], p["seconds"])
+
+    # -- caches ---------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Drop the cached KV (vLLM's signature and result).
+
+        This engine shares no KV block between requests (it has no prefix cache of
+        finished requests), so the only KV to drop is that of the running requests. As
+        vLLM, whose reset fails while a block is in use: with requests running and
+        ``reset_running_requests`` False nothing changes and the answer is False; with
+        ``reset_running_requests`` True every running request is preempted (its KV
+        freed, its tokens kept; it is recomputed when scheduled again) and the answer is
+        True. There is no KV connector, so ``reset_connector`` always succeeds."""
+        for name, v in (("reset_running_requests", reset_running_requests),
+                        ("reset_connector", reset_connector)):
+            if not isinstance(v, bool):
+                raise ValueError(f"reset_prefix_cache: {name} must be a bool, got {v!r}")
+        if self.scheduler.running:
+            if not reset_running_requests:
+                return False
+            self.scheduler.preempt_all()
+        return True
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's multi-modal cache reset. This engine takes no multi-modal inputs, so
+        it caches none: nothing to drop."""
+
+    def reset_encoder_cache(self) -> None:
+        """vLLM's encoder cache reset. The models here have no encoder, so there are no
+        encoder outputs to drop."""
+
+    def _reset_caches(self) -> None:
+        self.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        self.reset_mm_cache()
+        self.reset_encoder_cache()
+
+    # -- pausing and sleeping ---------------------------------------------------------
+    def pause_scheduler(self, mode: str = "abort",
+                        clear_cache: bool = True) -> concurrent.futures.Future | None:
+        """Stop scheduling new work until ``resume_scheduler`` (vLLM's semantics).
+
+        Requests added while paused are queued. ``mode="abort"``: abort every request
+        (each gets its ABORT output), then pause. ``"wait"``: admit nothing that arrives
+        from now on, but run the requests already here (running or queued) to their end;
+        returns a Future completed once they all finished (None if there are none), so
+        the call is answered then. ``"keep"``: schedule nothing at
+        all; every request keeps its tokens so far. ``clear_cache`` then drops the cached
+        KV (``reset_prefix_cache(reset_running_requests=True)``: a kept running request
+        is recomputed after the resume)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        if not isinstance(clear_cache, bool):
+            raise ValueError(f"pause_scheduler: clear_cache must be a bool, got {clear_cache!r}")
+        if mode == "wait" and not self.supports_wait:
+            raise WaitNotSupportedError(
+                "pause mode 'wait' is not supported in-process: nothing steps the engine "
+                "while the caller waits; finish or abort the requests first, or use 'abort' "
+                "or 'keep'")
         if mode == "abort":
             self.abort_requests(list(self.scheduler.requests))
+        self.scheduler.set_pause_state(PauseState.PAUSED_ALL if mode == "keep"
+                                       else PauseState.PAUSED_NEW)
+        if mode == "wait" and self.scheduler.has_schedulable_requests():
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._pause_waiters.append((fut, clear_cache))
+            return fut
+        if clear_cache:
+            self._reset_caches()
+        return None
+
+    def _finish_waiting_pauses(self) -> None:
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for fut, clear_cache in waiters:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if clear_cache:
+                    self._reset_caches()
+            except Exception as e:  # noqa: BLE001 - fails that call alone
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
+
+    def resume_scheduler(self) -> None:
+        """Schedule again: what was queued or kept while paused runs from here on."""
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler.pause_state is not PauseState.UNPAUSED
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> concurrent.futures.Future | None:
+        """Pause the scheduler (``pause_scheduler(mode)``, see there for the modes), then
+        free memory: level 0 pauses only; level 1 also frees the KV cache and moves the
+        weights off the device, level 2 drops them. Requests kept ("keep", or queued
+        after a "wait") lose their KV and are recomputed after ``wake_up``. In mode
+        "wait" the memory is freed once the running requests have finished, and the
+        returned Future completes then."""
+        if type(level) is not int or level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        paused = self.pause_scheduler(mode, clear_cache=level >= 1)
+        if level == 0:
+            return paused
+        if paused is None:
+            self._sleep_model(level)
+            return None
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def after_pause(f: concurrent.futures.Future) -> None:
+            try:
+                f.result()
+                done.set_result(self._sleep_model(level))
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                if not done.done():
+                    done.set_exception(e)
+
+        paused.add_done_callback(after_pause)
+        return done
+
+    def _sleep_model(self, level: int) -> None:
         self.scheduler.preempt_all()
         self.model.sleep(level)
         self._asleep = set(SLEEP_TAGS)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        wake = set(SLEEP_TAGS if tags is None else tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache", "scheduling"; None: all).
+        Scheduling resumes once nothing is asleep any more. Returns whether the engine
+        is fully awake (vLLM's result)."""
+        if tags is not None and (not isinstance(tags, (list, tuple))
+                                 or not all(isinstance(t, str) for t in tags)):
+            raise ValueError(f"wake_up tags must be a list of str or None, got {tags!r}")
+        wake = set(SLEEP_TAGS if tags is None else tags) - {SCHEDULING_TAG}
         if not wake <= SLEEP_TAGS:
             raise ValueError(f"unknown wake_up tags {sorted(wake - SLEEP_TAGS)}; "
-                             f"valid: {sorted(SLEEP_TAGS)}")
+                             f"valid: {sorted(SLEEP_TAGS | {SCHEDULING_TAG})}")
         self.model.wake_up(wake & self._asleep)
         self._asleep -= wake
+        if not self._asleep:
+            self.resume_scheduler()
+        return not self._asleep
 
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+        """Asleep at any level: memory freed, or (level 0) the scheduler paused."""
+        return bool(self._asleep) or self.is_scheduler_paused()
+
+    # -- weights ----------------------------------------------------------------------
+    def set_weight_version(self, weight_version: str) -> None:
+        """Record the version of the weights now loaded (a label the frontend reads
+        back with ``get_weight_version``; "default" until set)."""
+        if not isinstance(weight_version, str):
+            raise ValueError(f"weight_version must be a str, got {weight_version!r}")
+        self._weight_version = weight_version
+
+    def get_weight_version(self) -> str:
+        return self._weight_version
 
     def execute_dummy_batch(self) -> None:
         """Run the model once on one token of a throw-away request (warm-up)."""

@@ -83,11 +83,11 @@ class EngineProc:
         self.parent_pid = parent_pid
         self.config = config
         self.channel = channel
-        self.core = EngineCore(config)
+        # This loop keeps stepping while a pause or sleep in mode "wait" drains.
+        self.core = EngineCore(config, supports_wait=True)
         self.replies: deque[EngineCoreOutputs] = deque()
         #: Outputs of refused requests, per client, sent by the loop (never by handle).
         self.rejected: dict[int, list[EngineCoreOutput]] = {}
-        self.wait_sleepers: list[tuple[concurrent.futures.Future, int]] = []
         self.steps = 0
         self.fault_step: int | None = None
         self.step_delay = 0.0
@@ -176,13 +176,8 @@ class EngineProc:
             self.replies.append(EngineCoreOutputs(utility_output=out))
 
         try:
-            if req.method == "sleep" and _sleep_mode(req.args) == "wait":
-                # Finish running requests first, then sleep: answered later by the loop.
-                fut: concurrent.futures.Future = concurrent.futures.Future()
-                level = req.args[0] if req.args else 1
-                self.wait_sleepers.append((fut, level))
-                fut.add_done_callback(lambda f: _reply_future(f, reply))
-                return
+            # A pause or sleep in mode "wait" returns a Future that core.step() completes
+            # once the running requests have drained: answered then, like any Future.
             result = self.core.call_utility(req.method, tuple(req.args))
         except Exception as e:
             reply(failure=str(e))  # read as "Call to <method> method failed: <e>", as vLLM
@@ -213,8 +208,9 @@ class EngineProc:
     def run(self) -> None:
         core = self.core
         while not self._stop:
-            # A sleeping engine schedules nothing: it waits like an idle one.
-            if core.has_unfinished_requests() and not core.is_sleeping():
+            # A sleeping or paused engine schedules nothing (has_work says so): it waits
+            # like an idle one.
+            if core.has_work():
                 got = self.channel.try_recv()
                 now = time.monotonic()
                 if now - self._last_check > _SLICE_S:
@@ -229,7 +225,7 @@ class EngineProc:
                 self.handle(rtype, obj)
             if self.rejected:
                 self.flush_rejected()
-            if core.has_unfinished_requests() and not core.is_sleeping():
+            if core.has_work():
                 self.steps += 1
                 if self.fault_step is not None and self.steps >= self.fault_step:
                     raise RuntimeError(f"injected fault in step {self.steps}")
@@ -237,22 +233,11 @@ class EngineProc:
                     self.send(client_index, outputs)
                 if self.step_delay:
                     time.sleep(self.step_delay)
-            if self.wait_sleepers and not core.has_unfinished_requests():
-                for fut, level in self.wait_sleepers:
-                    try:
-                        fut.set_result(core.sleep(level, "abort"))
-                    except Exception as e:
-                        fut.set_exception(e)
-                self.wait_sleepers.clear()
             while self.replies or self.rejected:
                 if self.rejected:
                     self.flush_rejected()
                 if self.replies:
                     self.send(0, self.replies.popleft())
-
-
-def _sleep_mode(args: Any) -> str:
-    return args[1] if len(args) > 1 else "abort"
 
 
 def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:

@@ -40,7 +40,7 @@ class Request:
         "request_id", "client_index", "prompt_token_ids", "prompt_embeds",
         "num_prompt_tokens", "sampling_params", "pooling_params", "eos_token_id",
         "generator", "output_token_ids", "num_computed_tokens", "num_blocks", "status",
-        "finish_reason", "stop_reason", "num_preemptions", "max_tokens",
+        "finish_reason", "stop_reason", "num_preemptions", "max_tokens", "arrival_seq",
     )
 
     def __init__(
@@ -76,6 +76,8 @@ class Request:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.max_tokens = sampling_params.max_tokens if pooling_params is None else 0
+        #: Order of arrival in the scheduler (set by ``Scheduler.add_request``).
+        self.arrival_seq = 0
 
     @property
     def num_tokens(self) -> int:

@@ -17,6 +17,7 @@ token; ``max_tokens`` outputs, or ``max_model_len`` tokens in total → LENGTH.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from typing import Callable
 
@@ -25,6 +26,24 @@ from shmclient.messages import FinishReason
 
 from .model import ScheduledChunk
 from .request import Request, RequestStatus
+
+
+class PauseState(enum.IntEnum):
+    """What a paused scheduler still schedules (vLLM's ``PauseState``).
+
+    ``UNPAUSED``: everything. ``PAUSED_NEW``: the requests that arrived before the pause
+    (running, queued or preempted) run to their end; those added since stay queued until
+    resumed. ``PAUSED_ALL``: nothing; every request keeps its state (tokens so far, KV
+    blocks) until resumed.
+
+    vLLM's PAUSED_NEW admits no waiting request at all, so whether a request added just
+    before a pause runs depends on whether a step happened in between; here the order of
+    the request stream decides: what came before the pause is in flight.
+    """
+
+    UNPAUSED = 0
+    PAUSED_NEW = 1
+    PAUSED_ALL = 2
 
 
 class Scheduler:
@@ -61,6 +80,11 @@ class Scheduler:
         self.num_free_blocks = num_gpu_blocks
         #: Total preemptions so far (tests and stats read it).
         self.num_preemptions = 0
+        #: Changed through ``set_pause_state`` (the core's pause_scheduler / resume).
+        self.pause_state = PauseState.UNPAUSED
+        self._next_seq = 0
+        #: Requests with an ``arrival_seq`` below this arrived before the pause.
+        self._pause_seq = 0
 
     # ---------------------------------------------------------------- queue changes
 
@@ -76,8 +100,22 @@ class Scheduler:
                 f"prompt of {req.num_prompt_tokens} tokens can never fit in the KV cache "
                 f"({self.num_gpu_blocks} blocks of {self.block_size} tokens)")
         req.status = RequestStatus.WAITING
+        req.arrival_seq = self._next_seq
+        self._next_seq += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def set_pause_state(self, state: PauseState) -> None:
+        """Pause (see ``PauseState``) or resume. A pause that follows another keeps the
+        first one's boundary between in-flight and new requests."""
+        if self.pause_state is PauseState.UNPAUSED and state is not PauseState.UNPAUSED:
+            self._pause_seq = self._next_seq
+        self.pause_state = PauseState(state)
+
+    def _admissible(self, req: Request) -> bool:
+        if self.pause_state is PauseState.UNPAUSED:
+            return True
+        return self.pause_state is PauseState.PAUSED_NEW and req.arrival_seq < self._pause_seq
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
         """Finish live requests (abort); unknown or finished ids are ignored."""
@@ -102,6 +140,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_requests(self) -> bool:
+        """Whether ``schedule()`` may hand out work under the pause state."""
+        if self.pause_state is PauseState.UNPAUSED:
+            return bool(self.requests)
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return False
+        return bool(self.running) or bool(self.waiting) and self._admissible(self.waiting[0])
+
     # ---------------------------------------------------------------- one step
 
     def schedule(self) -> list[ScheduledChunk]:
@@ -109,8 +155,11 @@ class Scheduler:
 
         A running request that needs a block when none is free preempts the most
         recently admitted running request (possibly itself). No waiting request is
-        admitted in a step that preempted.
+        admitted in a step that preempted. Under ``PAUSED_NEW`` only requests that
+        arrived before the pause are admitted; under ``PAUSED_ALL`` nothing is scheduled.
         """
+        if self.pause_state is PauseState.PAUSED_ALL:
+            return []
         budget = self.max_num_batched_tokens
         batch: list[ScheduledChunk] = []
         preempted = False
@@ -132,6 +181,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if not self._admissible(req):
+                    break  # the queue is in arrival order: the rest came later still
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self._allocate(req, req.num_computed_tokens + n):
                     break

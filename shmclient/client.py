@@ -19,13 +19,16 @@ timed-out wait.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
+from .errors import InvalidRequestError
 from .messages import EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from .validate import check_abort_ids, check_request, check_utility_call
 
 __all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "EngineCoreClient",
     "UTILITY_METHODS",
     "check_abort_ids",
@@ -39,9 +42,14 @@ UTILITY_METHODS = (
     "echo",
     "profile",
     "reset_prefix_cache",
+    "reset_mm_cache",
+    "reset_encoder_cache",
     "sleep",
     "wake_up",
     "is_sleeping",
+    "pause_scheduler",
+    "resume_scheduler",
+    "is_scheduler_paused",
     "execute_dummy_batch",
     "collective_rpc",
     "save_sharded_state",
@@ -50,7 +58,26 @@ UTILITY_METHODS = (
     "remove_lora",
     "list_loras",
     "pin_lora",
+    "set_weight_version",
+    "get_weight_version",
 )
+
+#: What ``shutdown(timeout=None)`` waits for a clean engine exit before SIGTERM (as
+#: vLLM, None means this default, never "forever").
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def shutdown_timeout(timeout: Any) -> float:
+    """``timeout`` as seconds: None is ``DEFAULT_SHUTDOWN_TIMEOUT_S``; anything but a
+    finite number >= 0 raises ``InvalidRequestError`` (a ``ValueError``)."""
+    if timeout is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout) or timeout < 0):
+        raise InvalidRequestError(
+            f"shutdown(): timeout={timeout!r} is invalid: must be a finite number of "
+            "seconds >= 0, or None for the default")
+    return float(timeout)
 
 
 class EngineCoreClient(ABC):
@@ -135,9 +162,13 @@ class EngineCoreClient(ABC):
         cannot cross, or EngineDeadError."""
 
     @abstractmethod
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free everything. Idempotent; later calls on the client
-        raise ``EngineDeadError``."""
+        raise ``EngineDeadError``. A multiprocess client waits up to ``timeout`` seconds
+        (None: ``DEFAULT_SHUTDOWN_TIMEOUT_S``, never forever) for the engine to exit,
+        then sends SIGTERM and, 2 s later, SIGKILL: it returns within about
+        ``timeout + 2`` s even when the engine hangs. InvalidRequestError for a timeout
+        that is not a finite number >= 0."""
 
     def __enter__(self) -> "EngineCoreClient":
         return self
@@ -150,26 +181,64 @@ class EngineCoreClient(ABC):
         """Return ``x`` after a round trip through the engine (tensors included)."""
         return self.call_utility("echo", x)
 
-    def profile(self, is_start: bool = True) -> None:
-        """Start (``is_start``) or stop the engine's profiler."""
-        self.call_utility("profile", is_start)
+    def profile(
+        self,
+        is_start: bool = True,
+        profile_prefix: str | None = None,
+        delay_iterations: int | None = None,
+        max_iterations: int | None = None,
+    ) -> None:
+        """Start (``is_start``) or stop the engine's step profiler, as vLLM's: skip
+        ``delay_iterations`` steps, stop by itself after ``max_iterations``; the summary
+        is logged under ``profile_prefix`` when it stops."""
+        self.call_utility("profile", is_start, profile_prefix, delay_iterations, max_iterations)
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop the engine's prefix cache; True when it was reset."""
-        return self.call_utility("reset_prefix_cache")
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Drop the engine's cached KV; True when it was reset. With requests running
+        and ``reset_running_requests`` False nothing is dropped and the answer is False
+        (as vLLM); with it True the running requests are preempted (recomputed later,
+        no token lost). The engine has no KV connector: ``reset_connector`` succeeds."""
+        return self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's multi-modal cache reset; this engine caches no multi-modal data."""
+        self.call_utility("reset_mm_cache")
+
+    def reset_encoder_cache(self) -> None:
+        """vLLM's encoder cache reset; the models here have no encoder."""
+        self.call_utility("reset_encoder_cache")
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Free the KV cache (level 1 also offloads, level 2 drops the weights).
-        ``mode``: "abort" running requests, "wait" for them to finish, or "keep" them."""
+        """Pause the scheduler as ``pause_scheduler(mode)``, then free memory: level 0
+        pauses only, level 1 frees the KV cache and offloads the weights, level 2 drops
+        them. In ``mode="wait"`` the call returns once the running requests finished."""
         self.call_utility("sleep", level, mode)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None: both)."""
-        self.call_utility("wake_up", tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache", "scheduling"; None: all);
+        scheduling resumes once nothing is asleep. True when fully awake."""
+        return self.call_utility("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        """Whether the engine is asleep."""
+        """Whether the engine is asleep at any level (level 0: its scheduler paused)."""
         return self.call_utility("is_sleeping")
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Schedule nothing new until ``resume_scheduler``; requests added meanwhile
+        are queued. ``mode``: "abort" every request, "wait" until the running ones
+        finished (the call returns then), or "keep" them (their state is kept). With
+        ``clear_cache`` the cached KV is dropped once paused."""
+        self.call_utility("pause_scheduler", mode, clear_cache)
+
+    def resume_scheduler(self) -> None:
+        """Undo ``pause_scheduler``: queued and kept requests run again."""
+        self.call_utility("resume_scheduler")
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether the engine's scheduler is paused."""
+        return self.call_utility("is_scheduler_paused")
 
     def execute_dummy_batch(self) -> None:
         """Run the model once on a throw-away request (warm-up)."""
@@ -210,6 +279,19 @@ class EngineCoreClient(ABC):
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a LoRA adapter loaded; False if it is not registered."""
         return self.call_utility("pin_lora", lora_id)
+
+    def set_weight_version(self, weight_version: str) -> None:
+        """Label the weights now loaded (read back with ``get_weight_version``)."""
+        self.call_utility("set_weight_version", weight_version)
+
+    def get_weight_version(self) -> str:
+        """The label set by ``set_weight_version``; "default" until one was set."""
+        return self.call_utility("get_weight_version")
+
+    def dp_engines_running(self) -> bool:
+        """Whether data-parallel engines are collectively running. One engine, no data
+        parallelism: always False, as vLLM's non-DP clients answer. No engine call."""
+        return False
 
 
 make_client = EngineCoreClient.make_client

@@ -24,7 +24,7 @@ from typing import Any
 from .client import UTILITY_METHODS, EngineCoreClient
 from .client_mp import MPClient
 from .doorbell import Spin
-from .channel import REQ_ADD
+from .channel import REQ_ADD, ZmqChannel
 from .errors import (
     ClientClosedError,
     PeerDeadError,
@@ -195,16 +195,43 @@ class AsyncMPClient(MPClient):
         """Abort requests (see ``abort_requests``); never waits for the engine."""
         self.abort_requests(request_ids)
 
+    async def _read_remains_async(self) -> None:
+        """Once the engine died: read what it wrote before dying and queue it, without
+        blocking the loop. The zmq transport gets a short grace for its last messages
+        (polled with awaits); the rings hold everything already."""
+        zmq_grace = isinstance(self.channel, ZmqChannel)
+        deadline = time.monotonic() + self._ZMQ_REMAINS_GRACE_S
+        while not self._remains_read and not self._closed:
+            if self._lead.acquire(False):  # else a reader callback is on it right now
+                try:
+                    if self._remains_read or self._closed:
+                        return
+                    got = self._take_remains(0.0)
+                    if got:
+                        self._dispatch(got)
+                    if got or not zmq_grace or time.monotonic() >= deadline:
+                        return
+                    self._remains_read = False  # zmq: look again until the grace ends
+                finally:
+                    self._lead.release()
+            await asyncio.sleep(0.005)
+
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next output batch; waits without blocking the loop. Raises
-        EngineDeadError once the engine is gone or the client was shut down."""
+        """The next output batch; waits without blocking the loop. Once the engine
+        died, the outputs it wrote before dying still come first (as vLLM's), then
+        EngineDeadError; EngineDeadError too once the client was shut down."""
         outputs = self._outputs
         if outputs:
             return outputs.popleft()
         loop = self._bind_loop()
         spin = self._spin
         while True:
-            if self.resources.dead.is_set() or self._closed:
+            if self._closed:
+                raise self._dead_error()
+            if self.resources.dead.is_set():
+                await self._read_remains_async()
+                if outputs:
+                    return outputs.popleft()
                 raise self._dead_error()
             self._read_now(spin.budget)
             if outputs:
@@ -238,9 +265,10 @@ class AsyncMPClient(MPClient):
         """Not available here: raises UsageError (use ``await call_utility_async()``)."""
         raise UsageError("AsyncMPClient: use 'await call_utility_async(method, *args)'")
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine and free everything (blocks for up to ``timeout``); pending
-        and later calls raise EngineDeadError. Idempotent."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine and free everything (blocks for up to about ``timeout + 2``
+        s, None meaning ``DEFAULT_SHUTDOWN_TIMEOUT_S``); pending and later calls raise
+        EngineDeadError. Idempotent."""
         super().shutdown(timeout)
         if self._loop is not None and not self._loop.is_closed() and _running_loop() is self._loop:
             self._fail_in_loop()

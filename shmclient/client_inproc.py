@@ -11,8 +11,14 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
-from .errors import ClientClosedError, InvalidRequestError, UtilityCallError
+from .client import (
+    EngineCoreClient,
+    check_abort_ids,
+    check_request,
+    check_utility_call,
+    shutdown_timeout,
+)
+from .errors import ClientClosedError, UtilityCallError
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -27,9 +33,10 @@ class InprocClient(EngineCoreClient):
     """
 
     def __init__(self, config: Any) -> None:
-        from engine.core import EngineCore
+        from engine.core import EngineCore, WaitNotSupportedError
 
         self.config = config
+        self._refused = WaitNotSupportedError
         self.engine_core = EngineCore(config)
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self.block_size = self.engine_core.block_size
@@ -75,31 +82,35 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(ids)
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        """Call the engine method ``method(*args)`` and return its result; a Future result
-        is waited for. Raises UtilityCallError ("Call to <method> method failed: <e>")."""
+        """Call the engine method ``method(*args)`` and return its result. Raises
+        UtilityCallError ("Call to <method> method failed: <e>"), except for
+        ``mode="wait"`` of ``sleep`` / ``pause_scheduler``, which the engine refuses
+        in-process with InvalidRequestError (a ``ValueError``, as vLLM's
+        ``InprocClient.sleep``): nothing else steps the engine while this thread waits."""
         self._check_open()
         check_utility_call(method)
         try:
             result = self.engine_core.call_utility(method, args)
             if isinstance(result, concurrent.futures.Future):
+                if not result.done():
+                    # Only the caller's own get_output() steps this engine: waiting here
+                    # would never end.
+                    result.cancel()
+                    raise RuntimeError(
+                        "the method returned a Future that only later engine steps can "
+                        "complete, and in-process nothing steps the engine meanwhile")
                 result = result.result()
+        except self._refused:
+            raise
         except Exception as e:
             raise UtilityCallError(f"Call to {method} method failed: {e}") from e
         return result
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """As ``EngineCoreClient.sleep``; ``mode="wait"`` raises InvalidRequestError (a
-        ``ValueError``): nothing else steps the engine while this thread waits."""
-        if mode == "wait":
-            raise InvalidRequestError(
-                "sleep(mode='wait') is not supported in-process: there is no concurrent "
-                "scheduler to wait for; finish or abort the requests first, or use 'abort'"
-            )
-        super().sleep(level, mode)
-
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Drop every request and the model's state. Idempotent; later calls raise
-        EngineDeadError (``ClientClosedError``)."""
+        EngineDeadError (``ClientClosedError``). ``timeout`` is checked and unused
+        (nothing runs in the background)."""
+        shutdown_timeout(timeout)
         if not self._closed:
             self._closed = True
             self.engine_core.shutdown()

@@ -27,8 +27,14 @@ import weakref
 from collections import deque
 from typing import Any
 
-from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
-from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
+from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage, ZmqChannel
+from .client import (
+    EngineCoreClient,
+    check_abort_ids,
+    check_request,
+    check_utility_call,
+    shutdown_timeout,
+)
 from .errors import (
     ClientClosedError,
     ConfigError,
@@ -79,6 +85,11 @@ class MPClient(EngineCoreClient):
     """
 
     _asyncio = False
+    #: After the engine died, how long the zmq transport is given to hand over what the
+    #: engine sent before it died (its death report travels on another socket and may
+    #: overtake the last outputs). The shm rings need none: the outputs are in the ring
+    #: before the engine reports its death.
+    _ZMQ_REMAINS_GRACE_S = 0.05
 
     def __init__(self, config: Any) -> None:
         self.config = config  # never mutated: capacity comes back in attributes
@@ -109,6 +120,8 @@ class MPClient(EngineCoreClient):
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._live: set[str] = set()
         self._closed = False
+        #: Set once what the engine wrote before dying has been read (or cannot be).
+        self._remains_read = False
         self.resources.on_dead(weak_callback(self._on_engine_dead))
 
     # -- state ------------------------------------------------------------------------
@@ -132,6 +145,7 @@ class MPClient(EngineCoreClient):
         engine process)."""
         res = self.resources
         if not res.dead.is_set():
+            self._remains_read = True  # nothing more can be trusted from this channel
             res.dead_reason = f"The channel from the engine core is broken: {e}"
             logger.error("%s", res.dead_reason)
             res.dead.set()
@@ -227,6 +241,23 @@ class MPClient(EngineCoreClient):
                     self._live.discard(o.request_id)
             self._outputs.append(outs)
 
+    def _take_remains(self, grace: float) -> list[tuple[int, Any]]:
+        """What the dead engine wrote before it died and nobody has read yet, without
+        blocking (the zmq transport: up to ``grace`` for the last messages). Caller holds
+        ``_lead``; called once, after the engine died, never after ``shutdown()``."""
+        self._remains_read = True
+        got: list[tuple[int, Any]] = []
+        zmq_grace = grace if isinstance(self.channel, ZmqChannel) else 0.0
+        while True:
+            try:
+                more = (self.channel.recv(timeout=zmq_grace) if zmq_grace > 0
+                        else self.channel.try_recv())
+            except (PeerNotProducingError, PeerDeadError, ClientClosedError, ProtocolError):
+                more = []
+            if not more:
+                return got
+            got.extend(more)
+
     @staticmethod
     def _set_future(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:
         if fut.done():  # cancelled by its caller: the late reply is dropped
@@ -246,9 +277,12 @@ class MPClient(EngineCoreClient):
         self._futures.clear()
 
     # -- lifecycle --------------------------------------------------------------------
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine (SHUTDOWN, then SIGTERM, then SIGKILL after ``timeout``) and
-        free every resource. Idempotent; pending calls get EngineDeadError."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine (SHUTDOWN; SIGTERM once ``timeout`` passed, None meaning
+        ``DEFAULT_SHUTDOWN_TIMEOUT_S``; SIGKILL 2 s later) and free every resource, so it
+        returns within about ``timeout + 2`` s even when the engine hangs. Idempotent;
+        pending calls get EngineDeadError."""
+        timeout = shutdown_timeout(timeout)
         if self._closed:
             return
         self._closed = True
@@ -310,6 +344,9 @@ class SyncMPClient(MPClient):
             if done():
                 return
             if dead.is_set():
+                # What the engine wrote before it died comes first, then the error.
+                if self._read_remains():
+                    continue
                 raise self._dead_error()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -331,7 +368,9 @@ class SyncMPClient(MPClient):
                     if not dead.is_set():
                         # The ring saw the peer close before the monitor saw the exit.
                         dead.wait(2.0)
-                    raise self._dead_error() from e
+                    if not dead.is_set():
+                        raise self._dead_error() from e
+                    # Dead: the loop's top reads what is left, then raises.
                 finally:
                     lead.release()
                     if self._followers:
@@ -347,10 +386,31 @@ class SyncMPClient(MPClient):
                     finally:
                         self._followers -= 1
 
+    def _read_remains(self) -> bool:
+        """Once the engine died: read, once, what it wrote before dying and queue it.
+        True if that brought anything (outputs, utility replies)."""
+        if self._remains_read or self._closed:
+            return False
+        if not self._lead.acquire(timeout=2.0):
+            return False
+        try:
+            if self._remains_read or self._closed:
+                return False
+            got = self._take_remains(self._ZMQ_REMAINS_GRACE_S)
+            if got:
+                self._dispatch(got)
+        finally:
+            self._lead.release()
+            if self._followers:
+                with self._cond:
+                    self._cond.notify_all()
+        return bool(got)
+
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """The next output batch; blocks until one arrives. Raises EngineDeadError (within
-        ~0.2 s of the engine's death), PeerNotProducingError (a TimeoutError) when
-        ``timeout`` runs out."""
+        """The next output batch; blocks until one arrives. Once the engine died, the
+        outputs it wrote before dying still come first (as vLLM's, whose death notice
+        queues behind them), then EngineDeadError (within ~0.2 s of the death);
+        PeerNotProducingError (a TimeoutError) when ``timeout`` runs out."""
         outputs = self._outputs
         deadline = None
         while True:
@@ -358,7 +418,12 @@ class SyncMPClient(MPClient):
                 return outputs.popleft()  # another thread may have taken the one we saw
             except IndexError:
                 pass
-            self._ensure_alive()
+            if self._closed:
+                raise self._dead_error()
+            if self.resources.dead.is_set():
+                if self._read_remains():
+                    continue
+                raise self._dead_error()
             if deadline is None and timeout is not None:
                 deadline = time.monotonic() + timeout
             self._pump(outputs.__len__, deadline)

@@ -187,7 +187,7 @@ async def test_utility_failure_reads_call_to_method_failed_message(mock_client):
     # vLLM: "Call to echo method failed: help!" -- the engine's message, no type prefix.
     with pytest.raises(UtilityCallError) as ei:
         await mock_client.util("sleep", 3)
-    assert str(ei.value) == "Call to sleep method failed: sleep level must be 1 or 2, got 3"
+    assert str(ei.value) == "Call to sleep method failed: sleep level must be 0, 1 or 2, got 3"
     assert await mock_client.util("is_sleeping") is False
 
 

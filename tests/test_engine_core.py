@@ -324,7 +324,7 @@ def test_echo_and_simple_utilities(core):
         core.collective_rpc("no_such_method")
 
 
-@pytest.mark.parametrize("mode", ["abort", "wait"])
+@pytest.mark.parametrize("mode", ["abort", "keep"])
 def test_sleep_and_wake_up(core, mode):
     core.add_request(req("a", max_tokens=5))
     run = Run(core)
@@ -338,20 +338,143 @@ def test_sleep_and_wake_up(core, mode):
         for _ in range(3):
             run.step()  # nothing scheduled while asleep
         assert run.tokens["a"] == predict([1, 2, 3], 1) and "a" not in run.finish
-    core.wake_up(["weights"])
+    assert core.wake_up(["weights"]) is False
     assert core.is_sleeping()
-    core.wake_up(["kv_cache"])
+    assert core.wake_up(["kv_cache"]) is True
     assert not core.is_sleeping()
     core.add_request(req("b", max_tokens=3))
     run.drain()
     assert len(run.tokens["b"]) == 3
-    if mode == "wait":  # resumed (recomputed) after wake-up, no token lost or repeated
+    if mode == "keep":  # resumed (recomputed) after wake-up, no token lost or repeated
         assert run.tokens["a"] == predict([1, 2, 3], 5)
+
+
+def test_sleep_wait_is_refused_in_process_as_vllm():
+    # vLLM's in-process EngineCore raises ValueError for "wait": nothing would step it.
+    c = EngineCore(CFG)
+    try:
+        with pytest.raises(ValueError, match="in-process"):
+            c.sleep(1, "wait")
+        with pytest.raises(ValueError, match="in-process"):
+            c.pause_scheduler("wait")
+        assert not c.is_sleeping()
+    finally:
+        c.shutdown()
+
+
+def test_sleep_wait_drains_running_requests_then_sleeps_when_a_loop_steps_the_engine():
+    # The engine process's loop (supports_wait) keeps stepping: the requests that came
+    # before the sleep (running, or still queued) finish, one added after it stays
+    # queued, then the model sleeps.
+    c = EngineCore(CFG, supports_wait=True)
+    try:
+        c.add_request(req("running", max_tokens=6))
+        run = Run(c)
+        run.step()
+        c.add_request(req("before", max_tokens=3))
+        fut = c.sleep(1, "wait")
+        assert fut is not None and not fut.done() and c.is_scheduler_paused()
+        c.add_request(req("queued", max_tokens=2))
+        while not fut.done():
+            assert c.has_work()
+            run.step()
+            assert run.steps < 50
+        assert fut.result() is None
+        assert run.tokens["running"] == predict([1, 2, 3], 6)
+        assert run.finish["running"] is FinishReason.LENGTH
+        assert run.tokens["before"] == predict([1, 2, 3], 3)
+        assert "queued" not in run.tokens and c.is_sleeping() and not c.has_work()
+        assert c.wake_up() is True
+        run.drain()
+        assert run.tokens["queued"] == predict([1, 2, 3], 2)
+        # Nothing running: the pause completes at once.
+        assert c.pause_scheduler("wait") is None and c.is_scheduler_paused()
+        c.resume_scheduler()
+        assert not c.is_scheduler_paused()
+    finally:
+        c.shutdown()
+
+
+def test_pause_scheduler_keep_schedules_nothing_and_keeps_request_state(core):
+    core.add_request(req("kept", max_tokens=8))
+    run = Run(core)
+    run.step()
+    run.step()
+    assert core.pause_scheduler("keep", clear_cache=False) is None
+    assert core.is_scheduler_paused() and core.is_sleeping()
+    core.add_request(req("new", max_tokens=2))
+    for _ in range(3):
+        assert run.step() == {} and not core.has_work()
+    assert core.scheduler.requests["kept"].num_computed_tokens > 0  # its KV is kept
+    core.resume_scheduler()
+    run.drain()
+    assert run.tokens["kept"] == predict([1, 2, 3], 8)
+    assert run.tokens["new"] == predict([1, 2, 3], 2)
+    assert core.scheduler.num_preemptions == 0
+
+
+def test_pause_scheduler_abort_aborts_and_queues_later_adds(core):
+    core.add_request(req("gone", max_tokens=8))
+    run = Run(core)
+    run.step()
+    core.pause_scheduler("abort")
+    core.add_request(req("later", max_tokens=2))
+    run.step()
+    assert run.finish == {"gone": FinishReason.ABORT}
+    assert not core.has_work() and core.has_unfinished_requests()
+    core.resume_scheduler()
+    run.drain()
+    assert run.tokens["later"] == predict([1, 2, 3], 2)
+
+
+def test_reset_prefix_cache_is_false_while_requests_run_unless_told_to_reset_them(core):
+    # vLLM: the reset fails (False) while running requests hold KV blocks;
+    # reset_running_requests=True preempts them first and then succeeds.
+    assert core.reset_prefix_cache() is True
+    core.add_request(req("r", max_tokens=6))
+    run = Run(core)
+    run.step()
+    held = core.scheduler.num_free_blocks
+    assert core.call_utility("reset_prefix_cache", (False, False)) is False
+    assert core.scheduler.num_free_blocks == held and core.scheduler.num_preemptions == 0
+    assert core.call_utility("reset_prefix_cache", (True, True)) is True
+    assert core.scheduler.num_free_blocks == core.scheduler.num_gpu_blocks
+    assert core.scheduler.num_preemptions == 1
+    run.drain()
+    assert run.tokens["r"] == predict([1, 2, 3], 6)  # recomputed, nothing lost
+    with pytest.raises(ValueError, match="reset_running_requests"):
+        core.reset_prefix_cache("yes")
+
+
+def test_profile_takes_vllm_arguments_and_counts_steps(core):
+    core.profile(True, "pfx", delay_iterations=1, max_iterations=3)
+    assert core.profiling
+    core.add_request(req("p", max_tokens=10))
+    run = Run(core)
+    for _ in range(6):
+        run.step()
+    assert not core.profiling  # stopped by itself after max_iterations
+    assert core.last_profile["prefix"] == "pfx" and core.last_profile["steps"] == 3
+    assert core.last_profile["tokens"] == 3  # one decode token per step after the delay
+    core.profile(False)  # stopping with no session is harmless
+    with pytest.raises(ValueError, match="max_iterations"):
+        core.profile(True, None, None, -1)
+
+
+def test_weight_version_mm_and_encoder_cache(core):
+    assert core.get_weight_version() == "default"  # vLLM's initial value
+    core.call_utility("set_weight_version", ("v2",))
+    assert core.call_utility("get_weight_version", ()) == "v2"
+    with pytest.raises(ValueError, match="weight_version"):
+        core.set_weight_version(2)
+    assert core.reset_mm_cache() is None and core.reset_encoder_cache() is None
 
 
 def test_sleep_and_wake_up_reject_bad_arguments(core):
     with pytest.raises(ValueError, match="level"):
         core.sleep(3)
+    with pytest.raises(ValueError, match="level"):
+        core.sleep(True)
     with pytest.raises(ValueError, match="mode"):
         core.sleep(1, "later")
     with pytest.raises(ValueError, match="tags"):
@@ -445,3 +568,35 @@ def test_refused_and_undecodable_requests_are_queued_not_sent_from_handle():
         assert not proc.core.has_unfinished_requests()
     finally:
         proc.core.shutdown()
+
+
+# --------------------------------------------------------------------- user utilities
+
+def test_registered_utility_is_called_with_the_core_and_unknown_names_still_fail():
+    from engine.core import register_utility
+
+    from . import user_utilities
+
+    c = EngineCore(CFG.replace(utility_modules=(user_utilities.MODULE,)))
+    try:
+        assert c.call_utility("scale", ([1.0, 2.5], 3.0)) == [3.0, 7.5]
+        assert c.call_utility("engine_state", ())["paused"] == "UNPAUSED"
+        with pytest.raises(ValueError, match="boom"):
+            c.call_utility("fail_with", ("boom",))
+        with pytest.raises(ValueError, match="unknown utility method 'not_registered'"):
+            c.call_utility("not_registered", ())
+        with pytest.raises(ValueError, match="built-in"):
+            register_utility("sleep")(lambda core: None)
+        with pytest.raises(ValueError, match="already registered"):
+            register_utility("scale")(lambda core: None)
+        with pytest.raises(ValueError, match="public identifier"):
+            register_utility("_hidden")(lambda core: None)
+        c.add_request(req("served", max_tokens=2))
+        assert len(Run(c).drain().tokens["served"]) == 2
+    finally:
+        c.shutdown()
+
+
+def test_utility_module_that_does_not_import_is_a_config_error():
+    with pytest.raises(ConfigError, match="utility_modules.*'tests.no_such_module'"):
+        EngineCore(CFG.replace(utility_modules=("tests.no_such_module",)))

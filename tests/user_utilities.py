@@ -1,0 +1,41 @@
+"""User utilities for the tests: the engine imports this module at start-up when it is
+named in ``EngineConfig.utility_modules`` (see ``engine.core.register_utility``).
+
+They also let a test look at engine-side state that a multiprocess client cannot reach
+otherwise (the scheduler's pause state, the profiler, the block accounting).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core import register_utility
+
+MODULE = __name__
+
+
+@register_utility
+def engine_state(core: Any) -> dict[str, Any]:
+    """What the engine-side tests of the utilities check, in one reply."""
+    s = core.scheduler
+    return {
+        "paused": s.pause_state.name,
+        "running": sorted(r.request_id for r in s.running),
+        "waiting": sorted(r.request_id for r in s.waiting),
+        "free_blocks": s.num_free_blocks,
+        "num_gpu_blocks": s.num_gpu_blocks,
+        "preemptions": s.num_preemptions,
+        "profiling": core.profiling,
+        "last_profile": core.last_profile,
+        "pid": __import__("os").getpid(),
+    }
+
+
+@register_utility("scale")
+def scale_values(core: Any, values: list[float], factor: float = 2.0) -> list[float]:
+    return [v * factor for v in values]
+
+
+@register_utility
+def fail_with(core: Any, text: str) -> None:
+    raise ValueError(text)
