@@ -341,6 +341,24 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
     }
 }
 
+/* The body of both ends' wait methods: (spin_s, timeout_s[, first]) -> W_*; statistics
+   at the given header offsets (counted_off: once per wait, on its first slice; 0: none). */
+static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t flag_off,
+                                 size_t seq_off, size_t spins_off, size_t blocks_off,
+                                 size_t counted_off) {
+    double spin, timeout;
+    int first = 1;
+    if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
+    if (end_enter(e) < 0) return NULL;
+    if (first && counted_off) stat_add(e->base, counted_off, 1);
+    int r = wait_common(e, ready, flag_off, seq_off, spin, timeout);
+    if (r == W_READY) stat_add(e->base, spins_off, 1);
+    else if (r == W_WOKEN) stat_add(e->base, blocks_off, 1);
+    end_leave(e);
+    if (r < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
 /* ------------------------------------------------------------------ producer */
 
 typedef struct {
@@ -567,24 +585,8 @@ static int p_space_ready(End *e) {
 /* wait_space(spin_s, timeout_s) -> W_*: until the consumer releases space (tail moves
    past what the last failed write saw), the consumer closed, or the timeout. */
 static PyObject *producer_wait_space(Producer *self, PyObject *args) {
-    double spin, timeout;
-    int first = 1;
-    if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
-    if (end_enter(&self->e) < 0) return NULL;
-    if (first) stat_add(self->e.base, OFF_WAITS_FULL, 1);
-    int r = wait_common(&self->e, p_space_ready, OFF_P_WAIT, OFF_SPACE_SEQ, spin, timeout);
-    if (r == W_READY) stat_add(self->e.base, OFF_P_SPINS, 1);
-    else if (r == W_WOKEN) stat_add(self->e.base, OFF_P_BLOCKS, 1);
-    end_leave(&self->e);
-    if (r < 0) return NULL;
-    return PyLong_FromLong(r);
-}
-
-static PyObject *producer_free(Producer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
-    end_leave(&self->e);
-    self->tail = ld_acq(self->e.base, OFF_TAIL);
-    return PyLong_FromUnsignedLongLong(p_free(self));
+    return end_wait_method(&self->e, args, p_space_ready, OFF_P_WAIT, OFF_SPACE_SEQ, OFF_P_SPINS,
+                           OFF_P_BLOCKS, OFF_WAITS_FULL);
 }
 
 static PyObject *producer_pending(Producer *self, PyObject *unused) {
@@ -648,7 +650,6 @@ static PyMethodDef producer_methods[] = {
      "wait_space(spin_s, timeout_s) -> 0 space after spinning, 1 after sleeping, "
      "2 timed out, 3 consumer closed. Releases the GIL only while asleep; a signal "
      "handler's exception propagates."},
-    {"free", (PyCFunction)producer_free, METH_NOARGS, "Free bytes now."},
     {"pending", (PyCFunction)producer_pending, METH_NOARGS, "Bytes not yet released."},
     {"close", (PyCFunction)producer_close, METH_NOARGS,
      "Publish, mark this side closed and wake every waiter. Idempotent."},
@@ -1034,16 +1035,8 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
 }
 
 static PyObject *consumer_wait(Consumer *self, PyObject *args) {
-    double spin, timeout;
-    int first = 1;
-    if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
-    if (end_enter(&self->e) < 0) return NULL;
-    int r = wait_common(&self->e, c_data_ready, OFF_C_WAIT, OFF_DATA_SEQ, spin, timeout);
-    if (r == W_READY) stat_add(self->e.base, OFF_C_SPINS, 1);
-    else if (r == W_WOKEN) stat_add(self->e.base, OFF_C_BLOCKS, 1);
-    end_leave(&self->e);
-    if (r < 0) return NULL;
-    return PyLong_FromLong(r);
+    return end_wait_method(&self->e, args, c_data_ready, OFF_C_WAIT, OFF_DATA_SEQ, OFF_C_SPINS,
+                           OFF_C_BLOCKS, 0);
 }
 
 static PyObject *consumer_poll(Consumer *self, PyObject *unused) {
