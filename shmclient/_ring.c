@@ -656,7 +656,13 @@ static PyMethodDef producer_methods[] = {
     {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
     {NULL}};
 
+static PyObject *producer_get_peer_closed(Producer *self, void *c) {
+    if (!self->e.base) Py_RETURN_FALSE;
+    return PyBool_FromLong(atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire));
+}
+
 static PyGetSetDef producer_getset[] = {
+    {"peer_closed", (getter)producer_get_peer_closed, NULL, "the consumer has closed", NULL},
     {"max_record", (getter)producer_get_max_record, NULL, "largest payload of one record", NULL},
     {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {NULL}};
@@ -1090,7 +1096,13 @@ static PyMethodDef consumer_methods[] = {
     {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
     {NULL}};
 
+static PyObject *consumer_get_peer_closed(Consumer *self, void *c) {
+    if (!self->e.base) Py_RETURN_FALSE;
+    return PyBool_FromLong(atomic_load_explicit(U32(self->e.base, OFF_P_CLOSED), memory_order_acquire));
+}
+
 static PyGetSetDef consumer_getset[] = {
+    {"peer_closed", (getter)consumer_get_peer_closed, NULL, "the producer has closed", NULL},
     {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {"pinned", (getter)consumer_get_pinned, NULL, "records held by views still exported", NULL},
     {"reassembling", (getter)consumer_get_reassembling, NULL, "a fragmented message is half read", NULL},

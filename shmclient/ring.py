@@ -284,8 +284,7 @@ class Ring:
         """True once the other side has called ``close()``."""
         if self._closed:
             return self._peer_gone
-        _, (p_closed, c_closed) = _ring.stats(self._res.seg.buf)
-        return self._peer_gone or bool(c_closed if self.role == "producer" else p_closed)
+        return self._peer_gone or self._c.peer_closed
 
     def stats(self) -> dict[str, int]:
         """Counters of both sides, read from the shared header (after ``close()``: as
