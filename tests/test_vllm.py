@@ -55,6 +55,7 @@ ENGINE_KW = dict(
     max_model_len=256,
     kv_cache_memory_bytes=64 << 20,  # the CPU backend otherwise asks for 92 % of RAM
     disable_log_stats=True,
+    enable_prompt_embeds=True,
 )
 PROMPTS = [[5, 6, 7, 8], [1, 2, 3], [100, 200, 300, 400, 500], [7] * 40, [11, 12]]
 STREAM_PROMPTS = [[i + 1, 2 * i + 3, 3 * i + 5] for i in range(16)]
@@ -161,6 +162,39 @@ def test_sixteen_prompts_one_batch(stock_llm, shm_llm):
 def test_long_prompt_and_many_tokens(stock_llm, shm_llm):
     prompt = [(i * 37) % 1000 + 1 for i in range(200)]
     assert run(shm_llm, [prompt], 50) == run(stock_llm, [prompt], 50)
+
+
+def test_prompt_embeds_tensor_travels_as_extra_frames(stock_llm, shm_llm):
+    import torch
+
+    emb = torch.randn(12, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(0))
+    assert emb.nbytes > 256  # above vLLM's inline limit: a frame of its own
+
+    def gen(llm):
+        outs = llm.generate([{"prompt_embeds": emb}, tokens([5, 6, 7, 8])], greedy(8), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    got = gen(shm_llm)
+    assert got == gen(stock_llm)
+    assert got[1] == [469, 686] * 4
+
+
+def test_output_thread_mode_identical(model_dir, stock_llm, monkeypatch):
+    """SHMCLIENT_VLLM_ENGINE_OUTPUT=thread: outputs written by vLLM's output IO thread."""
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "thread")
+    llm = make_llm(model_dir, shm=True)
+    try:
+        assert llm.llm_engine.engine_core._rings.output_mode == "thread"
+        assert run(llm, PROMPTS, 12) == run(stock_llm, PROMPTS, 12)
+        assert llm.reset_prefix_cache() is True
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_bad_output_mode_is_refused(model_dir, monkeypatch):
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "fast")
+    with pytest.raises(ValueError, match="SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got 'fast'"):
+        make_llm(model_dir, shm=True)
 
 
 def test_utility_calls(shm_llm):

