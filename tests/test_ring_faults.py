@@ -448,7 +448,20 @@ def test_a_channel_that_cannot_be_reserved_names_what_the_whole_channel_needs(mo
             made.append(seg)
         return seg
 
+    def memfds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            except OSError:
+                pass
+        return n
+
     monkeypatch.setattr(shm.Segment, "create", classmethod(fail_on_arena))
     need = 2 * (4096 + 4096 + (1 << 20))
+    before = memfds()
     with pytest.raises(ShmCapacityError, match=f"needs {need} bytes"):
         ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=True)
+    made.clear()
+    gc.collect()
+    assert memfds() == before  # the rings and the first arena were released again
