@@ -261,8 +261,9 @@ class EngineCore:
         """Whether ``step()`` would make progress now: an ABORT output to send, a pause
         in mode "wait" to complete, or a request the (un)paused scheduler may run. The
         engine process steps while this is True and waits for messages otherwise."""
-        return (bool(self._aborted) or bool(self._pause_waiters)
-                or (not self._asleep and self.scheduler.has_schedulable_requests()))
+        schedulable = self.scheduler.has_schedulable_requests()
+        return (bool(self._aborted) or (bool(self._pause_waiters) and not schedulable)
+                or (not self._asleep and schedulable))
 
     def shutdown(self) -> None:
         """Drop every request (no outputs) and the model's state. Idempotent."""

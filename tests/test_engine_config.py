@@ -17,7 +17,7 @@ def test_defaults_are_valid_and_documented_values():
     assert c.kv_cache_memory_bytes == 256 * MiB and c.ring_capacity_bytes == 4 * MiB
     assert c.tensor_arena_bytes == 64 * MiB and c.gpu_memory_utilization == 0.5
     assert c.engine_ready_timeout_s is None and c.enable_cuda_ipc is True
-    assert c.fault_injection is None
+    assert c.fault_injection is None and c.utility_modules == ()
 
 
 def test_frozen_and_keyword_only():
@@ -64,6 +64,8 @@ BAD_VALUES = [
     ("spin_us", -1.0), ("spin_us", float("inf")), ("spin_us", None),
     ("engine_ready_timeout_s", 0), ("engine_ready_timeout_s", -1.0),
     ("enable_cuda_ipc", 1), ("fault_injection", 3),
+    ("utility_modules", "tests.user_utilities"), ("utility_modules", ("a b",)),
+    ("utility_modules", ("",)), ("utility_modules", (3,)), ("utility_modules", ("a..b",)),
 ]
 
 
@@ -86,6 +88,13 @@ VALID = [
     dict(engine_ready_timeout_s=0.1), dict(fault_injection="raise_in_step:3"),
     dict(hidden_size=12, num_heads=3), dict(vocab_size=3, eos_token_id=2),
 ]
+
+
+def test_utility_modules_list_becomes_a_tuple_and_survives_msgpack():
+    c = EngineConfig(utility_modules=["tests.user_utilities", "pkg.mod_2"])
+    assert c.utility_modules == ("tests.user_utilities", "pkg.mod_2")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
+    assert back == c and hash(back) == hash(c)
 
 
 def test_valid_values():

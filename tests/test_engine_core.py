@@ -600,3 +600,24 @@ def test_registered_utility_is_called_with_the_core_and_unknown_names_still_fail
 def test_utility_module_that_does_not_import_is_a_config_error():
     with pytest.raises(ConfigError, match="utility_modules.*'tests.no_such_module'"):
         EngineCore(CFG.replace(utility_modules=("tests.no_such_module",)))
+
+
+def test_wait_pause_behind_a_sleeping_model_idles_until_wake_up():
+    # A "wait" pause whose requests cannot run (the model sleeps) must not make the
+    # engine loop spin: no work until wake_up, then the requests drain and it completes.
+    c = EngineCore(CFG, supports_wait=True)
+    try:
+        c.add_request(req("kept", max_tokens=3))
+        run = Run(c)
+        run.step()
+        c.sleep(1, "keep")
+        fut = c.pause_scheduler("wait")
+        assert fut is not None and not c.has_work()
+        c.wake_up(["weights", "kv_cache"])  # resumes scheduling too
+        while not fut.done():
+            assert c.has_work()
+            run.step()
+            assert run.steps < 50
+        assert run.tokens["kept"] == predict([1, 2, 3], 3)
+    finally:
+        c.shutdown()
