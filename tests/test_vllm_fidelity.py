@@ -192,6 +192,16 @@ async def test_user_registered_utility_is_callable_through_call_utility(drv):
     assert len(res["after-user-utility"]["tokens"]) == 2
 
 
+async def test_utility_returning_a_future_is_answered_when_it_completes(drv):
+    # vLLM's engine answers a utility that returns a Future once the Future is done.
+    assert await drv.call_utility("done_future", {"k": [1, 2]}) == {"k": [1, 2]}
+    if drv.is_inproc:
+        # Nothing would ever complete it in-process: a failed call, not a hang.
+        with pytest.raises(UtilityCallError, match="Call to never_done_future method failed"):
+            await drv.call_utility("never_done_future")
+        assert await drv.util("echo", 2) == 2
+
+
 def test_utility_registered_only_in_the_frontend_is_unknown_to_the_engine_process():
     # The engine runs in a fresh interpreter: registering in this process (this module
     # imported user_utilities) is not enough without EngineConfig.utility_modules.

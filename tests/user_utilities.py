@@ -39,3 +39,21 @@ def scale_values(core: Any, values: list[float], factor: float = 2.0) -> list[fl
 @register_utility
 def fail_with(core: Any, text: str) -> None:
     raise ValueError(text)
+
+
+@register_utility
+def done_future(core: Any, value: Any) -> Any:
+    """A Future that is already complete: answered with its result."""
+    import concurrent.futures
+
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+@register_utility
+def never_done_future(core: Any) -> Any:
+    """A Future nothing completes (only InprocClient may call it: it refuses to wait)."""
+    import concurrent.futures
+
+    return concurrent.futures.Future()
