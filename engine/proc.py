@@ -177,7 +177,7 @@ class EngineProc:
 
         try:
             # A pause or sleep in mode "wait" returns a Future that core.step() completes
-            # once the running requests have drained: answered then, like any Future.
+            # once the requests that came before it have finished: answered then.
             result = self.core.call_utility(req.method, tuple(req.args))
         except Exception as e:
             reply(failure=str(e))  # read as "Call to <method> method failed: <e>", as vLLM

@@ -172,7 +172,7 @@ def test_sleep_wake_keeps_outputs(greedy_reference, level):
     got = []
     for _ in range(3):
         got += core.step()[0].outputs[0].new_token_ids
-    core.sleep(level, "wait")
+    core.sleep(level, "keep")  # kept, recomputed after wake-up
     if level == 2:
         assert core.model.weights is None
     assert core.step() == {} and core.model.num_cached_requests() == 0
