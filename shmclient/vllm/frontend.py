@@ -12,9 +12,11 @@ the output ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD on
 * ``ShmSyncMPClient`` reads the ring in the caller's thread (``get_output`` and a
   ``call_utility`` waiting for its reply): no reader thread, no queue hand-off. Whoever
   reads resolves utility futures and queues outputs for ``get_output``.
-* ``ShmAsyncMPClient`` reads it in an event-loop task that drains the ring and then parks
-  on the ring's wake FIFO (``loop.add_reader``); what it reads goes where vLLM's own
-  output task puts it (``outputs_queue``, utility futures, ``process_engine_outputs``).
+* ``ShmAsyncMPClient`` reads it in a reader callback on the ring's wake pipe
+  (``loop.add_reader``), which drains the ring in the loop iteration that saw the pipe
+  readable; what it reads goes where vLLM's own output task puts it (``outputs_queue``,
+  utility futures). Data parallelism (whose output handlers are coroutines) keeps
+  vLLM's client.
 
 Blocking: ``get_output`` blocks like vLLM's (until an output, or EngineDeadError within
 about 0.1 s of the engine's death); sends block only while the request ring is full
@@ -290,68 +292,59 @@ def _done() -> asyncio.Future:
 
 
 async def _read_outputs(client_ref, rings: _Rings, resources, outputs_queue, utility_results, cls) -> None:
-    """Drain the output ring, then park on its wake FIFO; dispatch like vLLM's task."""
-    from vllm.v1.engine import EEP_NOTIFICATION_CALL_ID, FT_STATUS_CALL_ID
+    """Read the output ring from the event loop: a reader callback on the ring's wake pipe
+    drains the ring and dispatches like vLLM's output task, in the same loop iteration
+    that saw the pipe readable (no task wake-up in between). This task only owns the
+    callback's lifetime: it ends when the callback fails or the task is cancelled
+    (shutdown), and then removes the callback and closes the rings on the loop."""
+    from vllm.v1.engine import FT_STATUS_CALL_ID
 
     loop = asyncio.get_running_loop()
     ring = rings.outputs
     fd = ring.fileno()
-    wake = asyncio.Event()
-    loop.add_reader(fd, wake.set)
-    output_handler = getattr(cls, "process_engine_outputs", None)
-    notification_handler = getattr(cls, "eep_process_engine_core_notification", None)
+    failed: asyncio.Future = loop.create_future()
     partial: list = []
-    decoder = None
-    try:
-        while True:
-            wake.clear()
-            ring.drain_wake_fd()
-            try:
-                records = ring.try_recv()
-            except (PeerDeadError, ClientClosedError):
-                raise EngineDeadError() from None
-            if not records:
-                if resources.engine_dead:
-                    raise EngineDeadError()
-                await wake.wait()
-                continue
-            if decoder is None:
+    client = client_ref()
+    decoder = client.decoder if client is not None else None
+    del client
+
+    def dispatch(outputs: EngineCoreOutputs) -> None:
+        if outputs.utility_output:
+            if outputs.utility_output.call_id == FT_STATUS_CALL_ID:
                 client = client_ref()
-                if client is None:
+                if client is not None and outputs.utility_output.result is not None:
+                    client._engine_status[outputs.engine_index] = outputs.utility_output.result.result
+            else:
+                _process_utility_output(outputs.utility_output, utility_results)
+        elif outputs.outputs or outputs.scheduler_stats:
+            outputs_queue.put_nowait(outputs)
+
+    def on_readable() -> None:
+        if failed.done():
+            return
+        try:
+            while True:
+                ring.drain_wake_fd()
+                try:
+                    records = ring.try_recv()
+                except (PeerDeadError, ClientClosedError):
+                    raise EngineDeadError() from None
+                if not records:
                     return
-                decoder = client.decoder
-                del client
-            for _, frames in wire.split_messages(records, partial):
-                if len(frames) > 1:
-                    frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-                outputs: EngineCoreOutputs = decoder.decode(frames)
-                if outputs.utility_output:
-                    call_id = outputs.utility_output.call_id
-                    if call_id == EEP_NOTIFICATION_CALL_ID and notification_handler is not None:
-                        client = client_ref()
-                        if client is None:
-                            return
-                        if outputs.utility_output.result is not None:
-                            asyncio.create_task(notification_handler(client, outputs.utility_output.result.result))
-                        del client
-                    elif call_id == FT_STATUS_CALL_ID:
-                        client = client_ref()
-                        if client is None:
-                            return
-                        if outputs.utility_output.result is not None:
-                            client._engine_status[outputs.engine_index] = outputs.utility_output.result.result
-                        del client
-                    else:
-                        _process_utility_output(outputs.utility_output, utility_results)
-                    continue
-                if output_handler is not None:
-                    client = client_ref()
-                    if client is None:
-                        return
-                    await output_handler(client, outputs)
-                    del client
-                if outputs.outputs or outputs.scheduler_stats:
-                    outputs_queue.put_nowait(outputs)
+                for _, frames in wire.split_messages(records, partial):
+                    if len(frames) > 1:
+                        frames = [frames[0], *(bytearray(f) for f in frames[1:])]
+                    dispatch(decoder.decode(frames))
+        except BaseException as e:  # noqa: BLE001 - handed to the owning task
+            loop.remove_reader(fd)
+            failed.set_exception(e)
+
+    if decoder is None:
+        return
+    loop.add_reader(fd, on_readable)
+    try:
+        on_readable()  # whatever arrived before the callback was in place
+        await failed
     except asyncio.CancelledError:
         outputs_queue.put_nowait(EngineDeadError())
     except Exception as e:
@@ -363,4 +356,3 @@ async def _read_outputs(client_ref, rings: _Rings, resources, outputs_queue, uti
                 future.set_exception(EngineDeadError())
         loop.remove_reader(fd)
         rings.close()
-
