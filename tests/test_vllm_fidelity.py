@@ -170,6 +170,20 @@ async def test_sleep_wait_returns_after_in_flight_requests_finish(drv):
     assert len((await drv.collect(["after-wait"]))["after-wait"]["tokens"]) == 2
 
 
+def test_async_client_defines_every_utility_async_with_the_sync_signature():
+    # vLLM's AsyncMPClient spells out pause_scheduler_async, reset_prefix_cache_async, ...
+    # in its class body; type checkers and IDEs see them only if they are written there.
+    from shmclient.client import UTILITY_METHODS, EngineCoreClient
+
+    for name in UTILITY_METHODS:
+        fn = AsyncMPClient.__dict__.get(f"{name}_async")
+        assert fn is not None and inspect.iscoroutinefunction(fn), name
+        want = inspect.signature(getattr(EngineCoreClient, name)).parameters
+        got = inspect.signature(fn).parameters
+        assert [(p.name, p.default) for p in got.values()] == [
+            (p.name, p.default) for p in want.values()], name
+
+
 # ------------------------------------------------------------------ user utilities
 
 
