@@ -184,6 +184,13 @@ def test_async_client_defines_every_utility_async_with_the_sync_signature():
             (p.name, p.default) for p in want.values()], name
 
 
+def test_every_client_utility_is_one_the_engine_serves():
+    from engine.core import UTILITY_METHODS as ENGINE_UTILITIES
+    from shmclient.client import UTILITY_METHODS
+
+    assert set(UTILITY_METHODS) == set(ENGINE_UTILITIES)
+
+
 # ------------------------------------------------------------------ user utilities
 
 
