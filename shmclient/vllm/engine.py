@@ -92,8 +92,9 @@ class _EngineRings:
 
 
 def _rings() -> "_EngineRings | None":
-    """Attach once, from the environment (the variable is removed so that processes this
-    one starts, e.g. workers, do not see it)."""
+    """Attach once, from the environment, and remove the variable (processes started
+    later do not see it; workers started before carry it and ignore it: only an
+    EngineCoreProc's IO threads read it)."""
     global _state
     with _state_lock:
         if _state is None:
