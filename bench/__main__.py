@@ -4,7 +4,8 @@ Sections (``--only`` picks some): ``latency`` (round trip of one max_tokens=1 re
 ``streaming`` (N concurrent requests x M tokens), ``idle`` (idle CPU of client and
 engine), ``tensors`` (bench.tensors' transfer sweep), ``ring`` (bench.ring's raw ring
 against pyzmq ipc) and ``contention`` (bench.contention: the sync client over shm and
-over zmq with an unrelated busy-loop process running). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
+over zmq with an unrelated busy-loop process running) and ``vllm`` (bench.vllm: stock vLLM
+against vLLM over the rings, tiny dummy model; skipped with a note without vLLM). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
 model as a realism check. Progress goes to stderr; the tables to stdout; results.json,
 samples.json and the PNG plots to a folder of the run's own (``--out``, which must not
@@ -40,9 +41,9 @@ import psutil
 from . import clients, report
 from .load import THRESHOLD_CORES, LoadMonitor
 
-SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention")
+SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "vllm")
 #: Sections that run in a child process of their own (``_external``).
-EXTERNAL = ("tensors", "ring", "contention")
+EXTERNAL = ("tensors", "ring", "contention", "vllm")
 
 #: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
 #: 24 s quiet, full 54 s with other load; see the README).
@@ -504,7 +505,7 @@ def _run_section(name: str, quick: bool, path: str) -> int:
         out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         rc = 1
     else:
-        render = getattr(mod, "report", None) or getattr(mod, "table", None)
+        render = getattr(mod, "report", None) or getattr(mod, "table", None) or getattr(mod, "format_table", None)
         if callable(render):
             try:
                 text = render(out["result"])

@@ -576,6 +576,16 @@ def format_report(res: dict[str, Any]) -> str:
         res.get("ring"),
         tables.get("ring"),
     )
+    lines += _external_section(
+        "Sync client on a busy host, shm vs zmq (bench.contention):" + noisy_tag("contention"),
+        res.get("contention"),
+        tables.get("contention"),
+    )
+    lines += _external_section(
+        "Stock vLLM vs vLLM over the rings (bench.vllm):" + noisy_tag("vllm"),
+        res.get("vllm"),
+        tables.get("vllm"),
+    )
     notes = res.get("notes") or []
     if notes:
         lines.append("")
