@@ -160,7 +160,7 @@ class Ring:
         _check_tuning(spin_us, liveness_interval)
         res = _Resources(owner=True)
         try:
-            res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix)
+            res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=True)
             _ring.init_header(res.seg.buf, capacity)
             wake = ""
             if consumer_wake_fd:
@@ -184,7 +184,7 @@ class Ring:
         _check_tuning(spin_us, liveness_interval)
         res = _Resources(owner=False)
         try:
-            res.seg = Segment.attach(spec.segment)
+            res.seg = Segment.attach(spec.segment, populate=True)
             if res.seg.size < HEADER_BYTES + spec.capacity:
                 raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
             try:
