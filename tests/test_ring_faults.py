@@ -440,10 +440,10 @@ def test_a_channel_that_cannot_be_reserved_names_what_the_whole_channel_needs(mo
     real = shm.Segment.create.__func__
     made = []
 
-    def fail_on_arena(cls, size, prefix="shmc", name=None):
+    def fail_on_arena(cls, size, prefix="shmc", name=None, **kw):
         if prefix == "shmc-t" and made:  # the second arena: the host ran out
             raise ShmCapacityError(f"cannot reserve {size} bytes")
-        seg = real(cls, size, prefix, name)
+        seg = real(cls, size, prefix, name, **kw)
         if prefix == "shmc-t":
             made.append(seg)
         return seg
