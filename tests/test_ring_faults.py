@@ -72,7 +72,14 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
     c = Ring.create("consumer", 4096, spin_us=5)
     parent, kid = CTX.Pipe()
     proc = CTX.Process(target=_producer_main, args=(_spec_bytes(c), count, 20e-6, kid))
-    old = signal.signal(signal.SIGINT, lambda *_: (_ for _ in ()).throw(_Interrupted()))
+    receiving = [False]
+
+    def on_sigint(*_) -> None:
+        # Raise only inside the receive call (the test's own loop lines must not be hit).
+        if receiving[0]:
+            raise _Interrupted()
+
+    old = signal.signal(signal.SIGINT, on_sigint)
     stop = threading.Event()
     sent = [0]
 
@@ -92,11 +99,16 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
         interrupts = 0
         deadline = time.monotonic() + 60
         while (not seen or seen[-1] < count - 1) and time.monotonic() < deadline:
+            got = []
             try:
-                for rtype, body in c.recv(timeout=5):
-                    seen.append(int.from_bytes(body[:8], "little"))
+                try:
+                    receiving[0] = True
+                    got = c.recv(timeout=5)
+                finally:
+                    receiving[0] = False
             except _Interrupted:
                 interrupts += 1
+            seen += [int.from_bytes(body[:8], "little") for _, body in got]
         signal.signal(signal.SIGINT, lambda *_: None)  # one may still be pending
         stop.set()
         t.join()
