@@ -893,8 +893,7 @@ static void c_rearm(Consumer *c) {
     char *b = c->e.base;
     atomic_fetch_or_explicit(U32(b, OFF_C_WAIT), 2, memory_order_seq_cst);
     atomic_thread_fence(memory_order_seq_cst);
-    if (ld_acq(b, OFF_HEAD) != c->rpos ||
-        atomic_load_explicit(U32(b, OFF_P_CLOSED), memory_order_acquire)) {
+    if (ld_acq(b, OFF_HEAD) != c->rpos) { /* (a close writes its own byte, once) */
         char x = 1;
         ssize_t r = write(c->e.pipe_fd, &x, 1);
         (void)r;
@@ -1060,6 +1059,13 @@ static PyObject *consumer_close(Consumer *self, PyObject *unused) {
     return end_close_common(&self->e, OFF_C_CLOSED);
 }
 
+static PyObject *consumer_rearm(Consumer *self, PyObject *unused) {
+    if (end_enter(&self->e) < 0) return NULL;
+    c_rearm(self);
+    end_leave(&self->e);
+    Py_RETURN_NONE;
+}
+
 static PyObject *consumer_unpin(Consumer *self, PyObject *unused) {
     if (end_enter(&self->e) < 0) return NULL;
     int rr = c_release(self, 0, 0);
@@ -1088,6 +1094,8 @@ static PyMethodDef consumer_methods[] = {
      "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
      "producer closed and everything was read. Releases the GIL only while asleep; a signal "
      "handler's exception propagates."},
+    {"rearm", (PyCFunction)consumer_rearm, METH_NOARGS,
+     "Ask for a wake byte at the next publish; write one now if a record is unread."},
     {"unpin", (PyCFunction)consumer_unpin, METH_NOARGS,
      "Release the space of records whose kept views have been dropped; -> pins left."},
     {"poll", (PyCFunction)consumer_poll, METH_NOARGS, "1 data, 2 producer closed, 0 nothing."},

@@ -135,8 +135,11 @@ class RingConsumer(Ring):
         return self._wake_r
 
     def drain_wake_fd(self) -> None:
-        """Consume pending wake bytes. Never blocks."""
+        """Consume pending wake bytes; if a record is still unread, the descriptor is
+        made readable again at once (so a reader that fails after draining it never
+        loses the wake-up of the records it did not get to). Never blocks."""
         drain_pipe(self.fileno())
+        self._c.rearm()
 
     @property
     def pinned(self) -> int:

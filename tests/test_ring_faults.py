@@ -477,3 +477,26 @@ def test_a_channel_that_cannot_be_reserved_names_what_the_whole_channel_needs(mo
     made.clear()
     gc.collect()
     assert memfds() == before  # the rings and the first arena were released again
+
+
+def test_a_reader_that_fails_after_draining_the_wake_pipe_is_woken_again():
+    """An event-loop reader drains the wake pipe, then fails before it reads: the
+    records still in the ring must keep the descriptor readable."""
+    import select
+
+    c = Ring.create("consumer", 4096, consumer_wake_fd=True)
+    p = Ring.attach(c.spec, "producer")
+    try:
+        p.send(1, b"one")
+        assert select.select([c.fileno()], [], [], 1.0)[0]
+        c.drain_wake_fd()  # ... and the reader raises here, reading nothing
+        assert select.select([c.fileno()], [], [], 0.5)[0], "the wake-up was lost"
+        p.send(2, b"two")  # later records wake it as well
+        assert c.try_recv() == [(1, b"one"), (2, b"two")]
+        c.drain_wake_fd()
+        assert not select.select([c.fileno()], [], [], 0)[0]  # nothing unread: quiet
+        p.send(3, b"three")
+        assert select.select([c.fileno()], [], [], 1.0)[0]
+    finally:
+        p.close()
+        c.close()
