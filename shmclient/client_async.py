@@ -234,6 +234,7 @@ class AsyncMPClient(MPClient):
                 raise self._dead_error()
             self._read_now(spin.budget)
             if outputs:
+                spin.after(True, 0.0)  # the spin paid
                 return outputs.popleft()
             waiter = loop.create_future()
             self._waiters.add(waiter)

@@ -318,7 +318,11 @@ class Ring:
         budget = spin.budget
         t0 = perf_counter()
         r = wait(budget, self._interval if timeout is None else min(timeout, self._interval))
-        spin.after(r == _ring.READY, perf_counter() - t0 - budget if r == _ring.WOKEN else 0.0)
+        if r == _ring.READY:
+            spin.after(True, 0.0)
+        elif r == _ring.WOKEN:
+            spin.after(False, perf_counter() - t0 - budget)
+        # (a timeout says nothing about spinning: the caller's window was just short)
         if r == _ring.CLOSED:
             raise self._peer_dead()
         if r != _ring.TIMEOUT:

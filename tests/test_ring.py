@@ -867,3 +867,13 @@ def test_a_timed_out_fragmented_send_resumes_and_nothing_slips_between_its_fragm
         got += pr.c.recv(timeout=5)
     assert got == [(7, big), (1, b"next")]
     assert pr.p.stats()["fragments"] <= 20_000 // pr.p._frag_chunk + 2  # no restart from 0
+
+
+def test_short_receive_windows_that_time_out_do_not_switch_the_spin_off(pair):
+    """A caller polling with windows shorter than the spin (an event loop's reader) times
+    out often; that is no evidence against spinning, so the spin stays on."""
+    pr = pair(4096, spin_us=50)
+    for _ in range(3 * doorbell.Spin.MISSES):
+        with pytest.raises(PeerNotProducingError):
+            pr.c.recv(timeout=20e-6)
+    assert pr.c._spin.budget > 0
