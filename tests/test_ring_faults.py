@@ -500,3 +500,63 @@ def test_a_reader_that_fails_after_draining_the_wake_pipe_is_woken_again():
     finally:
         p.close()
         c.close()
+
+
+_SHIFTED_CLOCK = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/time.h>
+#include <time.h>
+/* CLOCK_REALTIME reads one hour ahead, as if the wall clock had been stepped. */
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    static int (*real)(clockid_t, struct timespec *);
+    if (!real) real = dlsym(RTLD_NEXT, "clock_gettime");
+    int r = real(id, ts);
+    if (r == 0 && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) ts->tv_sec += 3600;
+    return r;
+}
+int gettimeofday(struct timeval *tv, void *tz) {
+    static int (*real)(struct timeval *, void *);
+    if (!real) real = dlsym(RTLD_NEXT, "gettimeofday");
+    int r = real(tv, tz);
+    if (r == 0 && tv) tv->tv_sec += 3600;
+    return r;
+}
+"""
+
+
+def test_a_wall_clock_step_does_not_stretch_a_wait(tmp_path):
+    """Waits are measured on CLOCK_MONOTONIC: with the process's CLOCK_REALTIME reading
+    an hour off (what an absolute-deadline wait would see after a step of the clock), a
+    0.3 s receive still times out after about 0.3 s."""
+    import shutil
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler to build the clock shim")
+    src = tmp_path / "shift.c"
+    src.write_text(_SHIFTED_CLOCK)
+    lib = tmp_path / "shift.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(src), "-ldl"], check=True)
+    script = textwrap.dedent(
+        """
+        import time
+        from shmclient.errors import PeerNotProducingError
+        from shmclient.ring import Ring
+        import os
+        assert time.time() - os.stat("/proc/self").st_mtime > 3000  # the shim is in effect
+        c = Ring.create("consumer", 4096, spin_us=0)
+        p = Ring.attach(c.spec, "producer")
+        t0 = time.monotonic()
+        try:
+            c.recv(timeout=0.3)
+        except PeerNotProducingError:
+            pass
+        print(f"{time.monotonic() - t0:.3f}")
+        p.close(); c.close()
+        """
+    )
+    env = dict(os.environ, LD_PRELOAD=str(lib))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout) < 2.0
