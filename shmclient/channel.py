@@ -228,7 +228,7 @@ class ShmChannel:
         return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc)
 
     def peer_attached(self) -> None:
-        """Owner: the peer has attached, remove every name from /dev/shm now."""
+        """Owner: the peer has attached; release the handles, so nothing else can attach."""
         for m in self._owned:
             m.unlink()
 
@@ -467,14 +467,6 @@ class ZmqChannel:
 
     def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
         pass
-
-    def handle_fds(self) -> tuple[int, ...]:
-        """Owner: the fds behind the handles in this channel's spec (segments, wake pipe),
-        for a child to inherit (``subprocess.Popen(pass_fds=...)``)."""
-        fds = []
-        for m in self._owned:
-            fds += m.handle_fds() if isinstance(m, Ring) else [m.fd]
-        return tuple(fd for fd in fds if fd >= 0)
 
     def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
         return True
