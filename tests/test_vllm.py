@@ -33,30 +33,12 @@ from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 import shmclient.vllm as plugin  # noqa: E402
+from bench import vllm as bench_vllm  # noqa: E402
 from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
 
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 1024,
-    "max_position_embeddings": 512,
-    "torch_dtype": "float32",
-}
-ENGINE_KW = dict(
-    load_format="dummy",
-    skip_tokenizer_init=True,
-    enforce_eager=True,
-    dtype="float32",
-    max_model_len=256,
-    kv_cache_memory_bytes=64 << 20,  # the CPU backend otherwise asks for 92 % of RAM
-    disable_log_stats=True,
-    enable_prompt_embeds=True,
-)
+# The tiny dummy Llama and engine settings the benchmark uses; the tests add prompt embeds.
+CONFIG = bench_vllm.CONFIG
+ENGINE_KW = dict(bench_vllm.ENGINE_KW, enable_prompt_embeds=True)
 PROMPTS = [[5, 6, 7, 8], [1, 2, 3], [100, 200, 300, 400, 500], [7] * 40, [11, 12]]
 STREAM_PROMPTS = [[i + 1, 2 * i + 3, 3 * i + 5] for i in range(16)]
 
