@@ -33,7 +33,7 @@ class InprocClient(EngineCoreClient):
     """
 
     def __init__(self, config: Any) -> None:
-        from engine.core import EngineCore, WaitNotSupportedError
+        from shmclient_engine.core import EngineCore, WaitNotSupportedError
 
         self.config = config
         self._refused = WaitNotSupportedError

@@ -1,7 +1,7 @@
 """Start, watch and stop the engine core process; own everything a client holds.
 
 Upper-middle layer: imports control, channel, shm, errors, zmq; not the client classes and
-not ``engine`` (the engine runs as ``python -m engine.proc`` in a fresh interpreter, which
+not ``engine`` (the engine runs as ``python -m shmclient_engine.proc`` in a fresh interpreter, which
 is what CUDA needs: no fork). ``EngineResources`` is the finalizer-owned bag, as vLLM's
 BackgroundResources: the client registers ``weakref.finalize(client, resources.shutdown)``,
 so a failure half-way through construction, ``shutdown()`` or plain garbage collection all
@@ -117,7 +117,7 @@ class EngineResources:
         # attaches without going through /proc/<pid>/fd.
         fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.proc", address, str(os.getpid())],
+            [sys.executable, "-m", "shmclient_engine.proc", address, str(os.getpid())],
             env=env,
             stdin=subprocess.DEVNULL,
             pass_fds=fds,

@@ -2,7 +2,7 @@
 
 Lowest layer beside ``messages``: imports ``messages`` and ``errors`` only (torch is looked
 up in ``sys.modules``, never imported: a tensor can only exist if torch is loaded). The
-same functions guard the engine (``engine.request.check_request`` calls
+same functions guard the engine (``shmclient_engine.request.check_request`` calls
 ``check_request``), so a request either client refuses is one the engine would refuse,
 with the same words. Every failure is an ``InvalidRequestError`` (a ``ValueError``)
 naming the request and the field. Nothing here blocks or changes its argument.

@@ -20,8 +20,8 @@ import numpy as np
 import psutil
 import pytest
 
-from bench import __main__ as bench_main
-from bench import clients, report
+from shmclient_bench import __main__ as bench_main
+from shmclient_bench import clients, report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -363,7 +363,7 @@ def test_console_entry_takes_sys_argv(monkeypatch, capsys):
 
 
 def test_load_monitor_counts_the_runs_own_children_as_its_own():
-    from bench import load
+    from shmclient_bench import load
 
     with pytest.raises(ValueError, match="threshold_cores"):
         load.LoadMonitor(0)
@@ -431,7 +431,7 @@ TINY_RUN = ["--configs", "inproc", "--models", "mock", "--only", "latency", "--s
 
 
 class BenchProc:
-    """``python -m bench ARGS`` in a child process with a private TMPDIR; stderr lines are
+    """``python -m shmclient_bench ARGS`` in a child process with a private TMPDIR; stderr lines are
     collected by a reader thread, the run's processes by polling while waiting."""
 
     def __init__(self, args: list[str], cwd: str, tmpdir: str) -> None:
@@ -439,7 +439,7 @@ class BenchProc:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "shmclient_bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.lines: queue.Queue[str] = queue.Queue()

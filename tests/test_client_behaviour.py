@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from shmclient_engine.config import EngineConfig
 from shmclient import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -222,7 +222,7 @@ _REFERENCE: dict[str, list[int]] = {}
 def _reference_tokens() -> dict[str, list[int]]:
     """Greedy tokens of the tiny model in process with a KV cache too big to preempt."""
     if not _REFERENCE:
-        from engine.core import EngineCore
+        from shmclient_engine.core import EngineCore
 
         core = EngineCore(TINY.replace(num_gpu_blocks=4096))
         for r in _tiny_requests():

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import UTILITY_METHODS, EngineCore
-from engine.request import derive_seed
-from engine.model import mock_next_token
+from shmclient_engine.config import EngineConfig
+from shmclient_engine.core import UTILITY_METHODS, EngineCore
+from shmclient_engine.request import derive_seed
+from shmclient_engine.model import mock_next_token
 from shmclient.errors import ConfigError, InvalidRequestError
 from shmclient.messages import (
     EngineCoreOutputs,
@@ -541,7 +541,7 @@ class _NoControl:
 
 
 def test_refused_and_undecodable_requests_are_queued_not_sent_from_handle():
-    from engine.proc import EngineProc
+    from shmclient_engine.proc import EngineProc
     from shmclient.channel import REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
 
     channel = _RecordingChannel()
@@ -573,7 +573,7 @@ def test_refused_and_undecodable_requests_are_queued_not_sent_from_handle():
 # --------------------------------------------------------------------- user utilities
 
 def test_registered_utility_is_called_with_the_core_and_unknown_names_still_fail():
-    from engine.core import register_utility
+    from shmclient_engine.core import register_utility
 
     from . import user_utilities
 

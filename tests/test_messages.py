@@ -40,7 +40,7 @@ def test_public_exports_are_pinned():
 def test_import_starts_nothing_and_does_not_import_the_engine():
     code = (
         "import sys, threading, shmclient; "
-        "assert 'engine' not in sys.modules and 'engine.core' not in sys.modules; "
+        "assert 'shmclient_engine' not in sys.modules and 'shmclient_engine.core' not in sys.modules; "
         "assert threading.active_count() == 1; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

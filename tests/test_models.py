@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.model import ScheduledChunk, build_model
-from engine.tiny import TinyModel, sample
+from shmclient_engine.config import EngineConfig
+from shmclient_engine.core import EngineCore
+from shmclient_engine.model import ScheduledChunk, build_model
+from shmclient_engine.tiny import TinyModel, sample
 from shmclient.errors import InvalidRequestError
 from shmclient.messages import (
     EngineCoreOutputs,

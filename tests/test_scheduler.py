@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.model import MockModel, mock_next_token
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
+from shmclient_engine.config import EngineConfig
+from shmclient_engine.model import MockModel, mock_next_token
+from shmclient_engine.request import Request, RequestStatus
+from shmclient_engine.scheduler import Scheduler
 from shmclient.errors import InvalidRequestError
 from shmclient.messages import FinishReason, PoolingParams, SamplingParams
 

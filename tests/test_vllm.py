@@ -33,7 +33,7 @@ from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 import shmclient.vllm as plugin  # noqa: E402
-from bench import vllm as bench_vllm  # noqa: E402
+from shmclient_bench import vllm as bench_vllm  # noqa: E402
 from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
 
 # The tiny dummy Llama and engine settings the benchmark uses; the tests add prompt embeds.

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from engine.config import EngineConfig
+from shmclient_engine.config import EngineConfig
 from shmclient import (
     AsyncMPClient,
     ConfigError,
@@ -185,7 +185,7 @@ def test_async_client_defines_every_utility_async_with_the_sync_signature():
 
 
 def test_every_client_utility_is_one_the_engine_serves():
-    from engine.core import UTILITY_METHODS as ENGINE_UTILITIES
+    from shmclient_engine.core import UTILITY_METHODS as ENGINE_UTILITIES
     from shmclient.client import UTILITY_METHODS
 
     assert set(UTILITY_METHODS) == set(ENGINE_UTILITIES)
@@ -195,7 +195,7 @@ def test_every_client_utility_is_one_the_engine_serves():
 
 
 async def test_user_registered_utility_is_callable_through_call_utility(drv):
-    # A method the user registered on the engine side (engine.core.register_utility,
+    # A method the user registered on the engine side (shmclient_engine.core.register_utility,
     # reaching the engine process through EngineConfig.utility_modules) is called like
     # vLLM's own utilities; failures read "Call to <method> method failed: <message>".
     assert await drv.call_utility("scale", [1.0, 2.5], 4.0) == [4.0, 10.0]

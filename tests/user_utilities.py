@@ -1,5 +1,5 @@
 """User utilities for the tests: the engine imports this module at start-up when it is
-named in ``EngineConfig.utility_modules`` (see ``engine.core.register_utility``).
+named in ``EngineConfig.utility_modules`` (see ``shmclient_engine.core.register_utility``).
 
 They also let a test look at engine-side state that a multiprocess client cannot reach
 otherwise (the scheduler's pause state, the profiler, the block accounting).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.core import register_utility
+from shmclient_engine.core import register_utility
 
 MODULE = __name__
 

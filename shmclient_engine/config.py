@@ -36,7 +36,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Nothing here blocks. Field meanings:
 
-    * ``model``: ``"mock"`` (no compute, see ``engine.model.MockModel``) or ``"tiny"``
+    * ``model``: ``"mock"`` (no compute, see ``shmclient_engine.model.MockModel``) or ``"tiny"``
       (a small seeded torch transformer).
     * ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     * ``transport``: data plane between client and engine process, ``"shm"`` or ``"zmq"``.
@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
       client and the engine process, not by the core).
     * ``fault_injection``: free-form directive read by the engine process in tests.
     * ``utility_modules``: import paths of modules that register user utilities
-      (``engine.core.register_utility``); every engine core imports them at start-up,
+      (``shmclient_engine.core.register_utility``); every engine core imports them at start-up,
       in the engine process for the multiprocess clients. An import failure is a
       ``ConfigError`` at start-up.
     * ``cpu_threads``: torch threads of the engine process when the device is cpu (1

@@ -1,7 +1,7 @@
 """Continuous batching in the manner of vLLM v1's scheduler: who runs in the next step.
 
-Engine layer, below the core: imports ``engine.model`` (for ``ScheduledChunk``),
-``engine.request``, ``shmclient.messages`` and ``shmclient.errors`` only; never torch
+Engine layer, below the core: imports ``shmclient_engine.model`` (for ``ScheduledChunk``),
+``shmclient_engine.request``, ``shmclient.messages`` and ``shmclient.errors`` only; never torch
 directly, the core, or a shmclient client module. It owns the waiting and running queues,
 the per-step token budget with chunked prefill, the KV-block accounting and preemption by
 recompute, and the stop rules. It never runs a model: it hands out ``ScheduledChunk``

@@ -1,6 +1,6 @@
-"""Engine process main: ``python -m engine.proc <control address> <frontend pid>``.
+"""Engine process main: ``python -m shmclient_engine.proc <control address> <frontend pid>``.
 
-Top of the engine side: imports engine.core/config and shmclient's channel, control and
+Top of the engine side: imports shmclient_engine.core/config and shmclient's channel, control and
 messages (never the client classes). The process attaches the channel the frontend
 created, builds the EngineCore, answers READY and runs the busy loop:
 
@@ -69,7 +69,7 @@ from .config import EngineConfig
 
 _SLICE_S = 0.1
 
-log = logging.getLogger("engine")
+log = logging.getLogger("shmclient_engine")
 
 
 class EngineProc:

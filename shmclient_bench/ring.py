@@ -1,7 +1,7 @@
 """Benchmark of the shared-memory ring against pyzmq ipc:// PUSH/PULL, two processes.
 
-Run ``python -m bench.ring [--quick] [--json PATH]``; ``run(quick)`` returns the figures
-as a dict for a top-level ``python -m bench``. Measures, in one run:
+Run ``python -m shmclient_bench.ring [--quick] [--json PATH]``; ``run(quick)`` returns the figures
+as a dict for a top-level ``python -m shmclient_bench``. Measures, in one run:
 
 * ping-pong round trip p50 / p99 (µs) for 64 B, 4 KiB, 1 MiB, 16 MiB records, through
   the ring (default 4 MiB ring, so 16 MiB travels in fragments) and through two zmq

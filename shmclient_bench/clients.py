@@ -76,7 +76,7 @@ class ConfigSpec:
     def engine_config(self, base: Any = None) -> Any:
         """The engine config of this configuration: ``base`` (default EngineConfig())
         with the model, device and transport of this configuration."""
-        from engine.config import EngineConfig
+        from shmclient_engine.config import EngineConfig
 
         base = base if base is not None else EngineConfig()
         changes: dict[str, Any] = {"model": "tiny" if self.model.startswith("tiny") else "mock"}
@@ -127,7 +127,7 @@ def parse_configs(configs: str | Sequence[str] | None, models: str | Sequence[st
 
 @dataclass
 class Options:
-    """What to measure and how much (see ``bench.__main__`` for the defaults)."""
+    """What to measure and how much (see ``shmclient_bench.__main__`` for the defaults)."""
 
     sections: tuple[str, ...] = SECTIONS
     samples: int = 1000
@@ -430,7 +430,7 @@ class Session:
         self.error: str | None = None
         cfg = spec.engine_config(base_config)
         #: torch threads of the engine's compute: an engine process on cpu sets
-        #: cfg.cpu_threads (engine.proc), so the in-process engine runs under the same.
+        #: cfg.cpu_threads (shmclient_engine.proc), so the in-process engine runs under the same.
         self.cpu_threads: int | None = None if cfg.is_cuda else cfg.cpu_threads
         #: What torch reported inside this client's blocks (inproc), else the setting.
         self.torch_threads: int | None = self.cpu_threads
@@ -596,7 +596,7 @@ def measure_idle(
     get_output (a thread per sync client, a task in its own loop per async client), and
     CPU is read over ``window_s``. A client's CPU is that of the threads it started plus
     its waiting thread; the engine's is its whole process. ``monitor`` (a
-    ``bench.load.LoadMonitor``) judges the measured window.
+    ``shmclient_bench.load.LoadMonitor``) judges the measured window.
     """
     monitor = monitor if monitor is not None else NullMonitor()
     mp = [s for s in sessions if not s.spec.is_inproc and s.engine_pid is not None]
@@ -709,7 +709,7 @@ def run(
     """Measure every configuration in ``specs``; returns the results dict fragment:
     latency, latency_samples_ns, streaming, idle_cpu (+ their *_meta), skipped, errors.
 
-    ``monitor`` (a ``bench.load.LoadMonitor``) is sampled around every block. ``res``,
+    ``monitor`` (a ``shmclient_bench.load.LoadMonitor``) is sampled around every block. ``res``,
     when given, is filled in as each model's phase finishes and returned: a caller that
     is interrupted (KeyboardInterrupt) keeps what finished before.
     """

@@ -1,7 +1,7 @@
 """Round trip of the sync client on a busy host: shm against zmq, with one unrelated
 busy-loop process running, in one run.
 
-Run ``python -m bench.contention [--quick]``; ``run(quick)`` returns a JSON-able dict.
+Run ``python -m shmclient_bench.contention [--quick]``; ``run(quick)`` returns a JSON-able dict.
 Each configuration (shm, zmq) gets its own client and engine; the busy loop (a plain
 ``while True: pass`` process) runs for the whole measurement, and the two transports are
 measured in alternating rounds so that they see the same load. Round trip =
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from engine.config import EngineConfig
+from shmclient_engine.config import EngineConfig
 from shmclient import EngineCoreRequest, SamplingParams, make_client
 
 BUSY = "while True: pass"

@@ -1,6 +1,6 @@
 """The model interface the engine core drives, and ``MockModel``, which computes nothing.
 
-Engine layer, below the core and beside the scheduler: imports torch, ``engine.config``
+Engine layer, below the core and beside the scheduler: imports torch, ``shmclient_engine.config``
 and ``shmclient.messages`` / ``shmclient.errors`` only; never the scheduler, the core or
 any shmclient client module. A model owns per-request state (its KV cache, sampling state
 is owned by the caller) and turns one step's ``ScheduledChunk`` list into sampled tokens.
