@@ -42,7 +42,7 @@ from .messages import (
 __version__ = "0.1.0"
 
 _LAZY = {
-    "EngineConfig": ("shmclient_engine.config", "EngineConfig"),
+    "EngineConfig": ("shmclient.config", "EngineConfig"),
     "InprocClient": ("shmclient.client_inproc", "InprocClient"),
     "MPClient": ("shmclient.client_mp", "MPClient"),
     "SyncMPClient": ("shmclient.client_mp", "SyncMPClient"),

@@ -102,7 +102,7 @@ class EngineCoreClient(ABC):
 
         ``multiprocess_mode``: run the engine core in its own process (``SyncMPClient``,
         or ``AsyncMPClient`` with ``asyncio_mode``) instead of in this one
-        (``InprocClient``). ``config``: an ``shmclient_engine.config.EngineConfig`` (the default
+        (``InprocClient``). ``config``: an ``shmclient.config.EngineConfig`` (the default
         one if None); ``config.transport`` picks shared memory (``"shm"``) or ZMQ.
 
         Blocks until the engine is ready (for a multiprocess client: the engine process
@@ -117,7 +117,7 @@ class EngineCoreClient(ABC):
                 "Running EngineCore in asyncio without multiprocessing is not supported."
             )
         if config is None:
-            from shmclient_engine.config import EngineConfig
+            from shmclient.config import EngineConfig
 
             config = EngineConfig()
         if not multiprocess_mode:

@@ -188,7 +188,7 @@ def _base_config(items: Sequence[str]) -> Any:
         return None
     import ast
 
-    from shmclient_engine.config import EngineConfig
+    from shmclient.config import EngineConfig
 
     changes: dict[str, Any] = {}
     for item in items:
@@ -681,7 +681,7 @@ def _run(
         progress(f"results folder: {out}")
         res["machine"] = report.machine_facts()
         try:
-            from shmclient_engine.config import EngineConfig
+            from shmclient.config import EngineConfig
 
             cfg = opts.base_config if opts.base_config is not None else EngineConfig()
             res["engine_config"] = {f: getattr(cfg, f) for f in EngineConfig.__struct_fields__}

@@ -76,7 +76,7 @@ class ConfigSpec:
     def engine_config(self, base: Any = None) -> Any:
         """The engine config of this configuration: ``base`` (default EngineConfig())
         with the model, device and transport of this configuration."""
-        from shmclient_engine.config import EngineConfig
+        from shmclient.config import EngineConfig
 
         base = base if base is not None else EngineConfig()
         changes: dict[str, Any] = {"model": "tiny" if self.model.startswith("tiny") else "mock"}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import EngineCoreRequest, SamplingParams, make_client
 
 BUSY = "while True: pass"

@@ -36,7 +36,7 @@ from shmclient.messages import (
     SamplingParams,
 )
 
-from .config import EngineConfig
+from shmclient.config import EngineConfig
 from .model import SAMPLING_EPS, Model, ScheduledChunk, build_model
 from .request import Request, check_request, derive_seed
 from .scheduler import PauseState, Scheduler

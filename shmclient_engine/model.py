@@ -1,6 +1,6 @@
 """The model interface the engine core drives, and ``MockModel``, which computes nothing.
 
-Engine layer, below the core and beside the scheduler: imports torch, ``shmclient_engine.config``
+Engine layer, below the core and beside the scheduler: imports torch, ``shmclient.config``
 and ``shmclient.messages`` / ``shmclient.errors`` only; never the scheduler, the core or
 any shmclient client module. A model owns per-request state (its KV cache, sampling state
 is owned by the caller) and turns one step's ``ScheduledChunk`` list into sampled tokens.
@@ -31,7 +31,7 @@ import torch
 
 from shmclient.messages import PoolingParams, SamplingParams
 
-from .config import EngineConfig
+from shmclient.config import EngineConfig
 
 #: Temperatures below this sample greedily (as in vLLM).
 SAMPLING_EPS = 1e-5

@@ -65,7 +65,7 @@ from shmclient.messages import (
     UtilityRequest,
 )
 
-from .config import EngineConfig
+from shmclient.config import EngineConfig
 
 _SLICE_S = 0.1
 

@@ -1,7 +1,7 @@
 """``TinyModel``: a small decoder-only transformer in torch, seeded, nothing downloaded.
 
 Engine layer, beside ``shmclient_engine.model`` (whose ``Model`` interface it implements): imports
-torch, ``shmclient_engine.config``, ``shmclient_engine.model`` and ``shmclient.messages`` only; never the
+torch, ``shmclient.config``, ``shmclient_engine.model`` and ``shmclient.messages`` only; never the
 scheduler, the core or a shmclient client module. It owns its weights and a KV cache per
 request (grown on demand; the scheduler's block accounting bounds its total size).
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from shmclient.messages import PoolingParams, SamplingParams
 
-from .config import EngineConfig
+from shmclient.config import EngineConfig
 from .model import SAMPLING_EPS, Model, ScheduledChunk, kv_bytes_per_token
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import (
     EngineCoreRequest,
     FinishReason,

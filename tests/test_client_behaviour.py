@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import (
     EngineCoreOutputs,
     EngineCoreRequest,

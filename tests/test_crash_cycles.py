@@ -18,7 +18,7 @@ import pytest
 FRONTEND = textwrap.dedent(
     """
     import sys, torch
-    from shmclient_engine.config import EngineConfig
+    from shmclient.config import EngineConfig
     from shmclient import EngineCoreRequest, SamplingParams, make_client
     c = make_client(True, False, EngineConfig(model="mock", tensor_arena_bytes=4 << 20))
     print(c.engine_pid, flush=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shmclient_engine.config import MiB, EngineConfig
+from shmclient.config import MiB, EngineConfig
 from shmclient.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import torch
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient_engine.core import UTILITY_METHODS, EngineCore
 from shmclient_engine.request import derive_seed
 from shmclient_engine.model import mock_next_token

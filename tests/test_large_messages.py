@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import EngineCoreRequest, SamplingParams, make_client
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient_engine.core import EngineCore
 from shmclient_engine.model import ScheduledChunk, build_model
 from shmclient_engine.tiny import TinyModel, sample

@@ -21,7 +21,7 @@ from collections import deque
 
 import pytest
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import EngineDeadError, make_client
 
 from .drivers import req

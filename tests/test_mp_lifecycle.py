@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client
 from shmclient.launcher import READY_TIMEOUT_ENV
 
@@ -207,7 +207,7 @@ def test_shutdown_escalates_when_engine_ignores_it():
 FRONTEND = textwrap.dedent(
     """
     import sys, threading
-    from shmclient_engine.config import EngineConfig
+    from shmclient.config import EngineConfig
     from shmclient import make_client
     c = make_client(True, False, EngineConfig(model="mock", transport=sys.argv[1]))
     print(c.engine_pid, flush=True)

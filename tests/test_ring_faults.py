@@ -260,7 +260,7 @@ def test_a_fork_child_that_exits_leaves_the_parents_engine_alone():
     script = textwrap.dedent(
         """
         import os, sys
-        from shmclient_engine.config import EngineConfig
+        from shmclient.config import EngineConfig
         from shmclient import EngineCoreRequest, SamplingParams, make_client
         client = make_client(True, False, EngineConfig(model="mock"))
         pid = os.fork()
@@ -287,7 +287,7 @@ def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
     shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
     script = textwrap.dedent(
         """
-        from shmclient_engine.config import EngineConfig
+        from shmclient.config import EngineConfig
         from shmclient import make_client
         print("starting", flush=True)
         make_client(True, False, EngineConfig(model="mock", fault_injection="hang_before_ready",
@@ -391,7 +391,7 @@ def test_sigterm_to_an_idle_engine_is_a_clean_stop_not_a_crash():
     """docker stop / systemd send SIGTERM to an engine sleeping in a ring wait: its
     handler's SystemExit must come out of the wait (no 'interrupted by a signal' error
     reported as ENGINE_CORE_DEAD): the engine exits with 143 and says nothing is wrong."""
-    from shmclient_engine.config import EngineConfig
+    from shmclient.config import EngineConfig
     from shmclient import make_client
     from shmclient.errors import EngineDeadError
 

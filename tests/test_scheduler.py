@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient_engine.model import MockModel, mock_next_token
 from shmclient_engine.request import Request, RequestStatus
 from shmclient_engine.scheduler import Scheduler

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from shmclient_engine.config import EngineConfig
+from shmclient.config import EngineConfig
 from shmclient import (
     AsyncMPClient,
     ConfigError,

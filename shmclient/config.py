@@ -1,0 +1,199 @@
+"""``EngineConfig``: every setting of one engine core, validated once, never mutated.
+
+Lowest layer of shmclient, beside ``errors`` (its only import from the package, with msgspec
+and the standard library): the settings of the engine a client starts and of the transport
+between them. Both sides read it (it travels in the handshake), so it lives here and the
+engine imports it; it must not import torch, the engine or any client module, so that a
+frontend can build and send a config cheaply. The config is a
+frozen msgspec struct so it travels as-is in the msgpack ready handshake; ``__post_init__``
+validates it on construction, on ``replace()`` and on decoding (where msgspec wraps the
+``ConfigError`` into a ``msgspec.ValidationError`` carrying the same message).
+Capacity the engine derives at start-up (``num_gpu_blocks``, the fitted ``max_model_len``)
+is reported by ``EngineCore`` attributes, never written back into the config.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgspec
+
+from shmclient.errors import ConfigError
+
+MiB = 1 << 20
+
+#: Model names accepted by ``EngineConfig.model``.
+VALID_MODELS = ("mock", "tiny")
+#: Transports accepted by ``EngineConfig.transport``.
+VALID_TRANSPORTS = ("shm", "zmq")
+
+_CUDA_DEVICE = re.compile(r"cuda(:(0|[1-9][0-9]*))?")
+_MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Settings of one engine core. Construction raises ``ConfigError`` naming the field.
+
+    Nothing here blocks. Field meanings:
+
+    * ``model``: ``"mock"`` (no compute, see ``shmclient_engine.model.MockModel``) or ``"tiny"``
+      (a small seeded torch transformer).
+    * ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    * ``transport``: data plane between client and engine process, ``"shm"`` or ``"zmq"``.
+    * ``max_model_len``: longest sequence (prompt + output); the engine lowers it to what
+      the KV cache can hold.
+    * ``block_size`` / ``num_gpu_blocks``: KV cache granularity and size in blocks;
+      ``None`` derives the size from the memory budget below.
+    * ``max_num_seqs`` / ``max_num_batched_tokens``: running-batch size and per-step
+      token budget (chunked prefill splits longer prompts).
+    * ``kv_cache_memory_bytes``: KV budget on cpu; ``gpu_memory_utilization``: fraction of
+      the *free* GPU memory used for KV on cuda.
+    * ``vocab_size`` ... ``eos_token_id``: model shape (the mock uses vocab/hidden/eos too).
+    * ``ring_capacity_bytes``, ``tensor_arena_bytes``, ``spin_us``,
+      ``engine_ready_timeout_s``, ``enable_cuda_ipc``: transport settings (used by the
+      client and the engine process, not by the core).
+    * ``engine_module``: the engine a multiprocess client launches (``python -m
+      <engine_module>``, given the control address and the frontend's pid) and an
+      in-process client builds (``<engine_module>.make_core(config)``): an importable
+      module path; the project's own engine ``shmclient_engine`` by default.
+    * ``step_delay_s``: the mock model sleeps this long per engine step, standing in
+      for a GPU step in benchmarks and load tests (0: no delay).
+    * ``fault_injection``: the older spelling of the step delay, ``"step_delay:S"``.
+    * ``data_parallel_size`` / ``data_parallel_rank`` / ``data_parallel_external_lb``:
+      vLLM's data-parallel settings (engines behind one client; see ``client_dp``).
+    * ``utility_modules``: import paths of modules that register user utilities
+      (``shmclient_engine.core.register_utility``); every engine core imports them at start-up,
+      in the engine process for the multiprocess clients. An import failure is a
+      ``ConfigError`` at start-up.
+    * ``cpu_threads``: torch threads of the engine process when the device is cpu (1
+      by default: the tiny model gains nothing from more, and on a small host a thread
+      pool spinning against the frontend's process costs latency).
+    """
+
+    model: str = "mock"
+    device: str = "cpu"
+    transport: str = "shm"
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+    kv_cache_memory_bytes: int = 256 * MiB
+    gpu_memory_utilization: float = 0.5
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    eos_token_id: int = 2
+    ring_capacity_bytes: int = 4 * MiB
+    tensor_arena_bytes: int = 64 * MiB
+    spin_us: float = 50.0
+    engine_ready_timeout_s: float | None = None
+    enable_cuda_ipc: bool = True
+    engine_module: str = "shmclient_engine"
+    step_delay_s: float = 0.0
+    fault_injection: str | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
+    data_parallel_external_lb: bool = False
+    cpu_threads: int = 1
+    utility_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_choice("model", self.model, VALID_MODELS)
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu" or _CUDA_DEVICE.fullmatch(self.device)
+        ):
+            _fail("device", self.device, "expected 'cpu', 'cuda' or 'cuda:N'")
+        _check_choice("transport", self.transport, VALID_TRANSPORTS)
+        for name in (
+            "max_model_len",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+        ):
+            _check_int(name, getattr(self, name), low=1)
+        if self.num_gpu_blocks is not None:
+            _check_int("num_gpu_blocks", self.num_gpu_blocks, low=1)
+        _check_int("seed", self.seed, low=0, high=2**63 - 1)
+        _check_int("cpu_threads", self.cpu_threads, low=1)
+        _check_int("eos_token_id", self.eos_token_id, low=0, high=self.vocab_size - 1)
+        _check_int("ring_capacity_bytes", self.ring_capacity_bytes, low=4096)
+        _check_int("tensor_arena_bytes", self.tensor_arena_bytes, low=0)
+        if self.hidden_size % self.num_heads:
+            _fail(
+                "hidden_size",
+                self.hidden_size,
+                f"must be a multiple of num_heads={self.num_heads}",
+            )
+        g = _check_float("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0.0 < g <= 1.0:
+            _fail("gpu_memory_utilization", g, "must be in (0, 1]")
+        if _check_float("spin_us", self.spin_us) < 0:
+            _fail("spin_us", self.spin_us, "must be >= 0")
+        if self.engine_ready_timeout_s is not None:
+            if _check_float("engine_ready_timeout_s", self.engine_ready_timeout_s) <= 0:
+                _fail("engine_ready_timeout_s", self.engine_ready_timeout_s, "must be > 0 or None")
+        if not isinstance(self.enable_cuda_ipc, bool):
+            _fail("enable_cuda_ipc", self.enable_cuda_ipc, "must be a bool")
+        if self.fault_injection is not None and not isinstance(self.fault_injection, str):
+            _fail("fault_injection", self.fault_injection, "must be a str or None")
+        if not isinstance(self.engine_module, str) or not _MODULE_PATH.fullmatch(self.engine_module):
+            _fail("engine_module", self.engine_module, "must be a module import path such as 'pkg.engine'")
+        if _check_float("step_delay_s", self.step_delay_s) < 0:
+            _fail("step_delay_s", self.step_delay_s, "must be >= 0")
+        _check_int("data_parallel_size", self.data_parallel_size, low=1)
+        if self.data_parallel_rank is not None:
+            _check_int("data_parallel_rank", self.data_parallel_rank, low=0,
+                       high=self.data_parallel_size - 1)
+        if not isinstance(self.data_parallel_external_lb, bool):
+            _fail("data_parallel_external_lb", self.data_parallel_external_lb, "must be a bool")
+        if isinstance(self.utility_modules, list):
+            msgspec.structs.force_setattr(self, "utility_modules", tuple(self.utility_modules))
+        if not isinstance(self.utility_modules, tuple) or not all(
+            isinstance(m, str) and _MODULE_PATH.fullmatch(m) for m in self.utility_modules
+        ):
+            _fail("utility_modules", self.utility_modules,
+                  "must be a list or tuple of module import paths such as 'pkg.module'")
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied, validated again (raises ``ConfigError``)."""
+        return msgspec.structs.replace(self, **changes)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+    raise ConfigError(f"EngineConfig.{field}={value!r} is invalid: {why}")
+
+
+def _check_choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid or not isinstance(value, str):
+        _fail(field, value, f"expected one of {', '.join(map(repr, valid))}")
+
+
+def _check_int(field: str, value: Any, *, low: int, high: int | None = None) -> None:
+    if type(value) is not int:  # bool is an int subclass: refuse it too
+        _fail(field, value, "must be an int")
+    if value < low:
+        _fail(field, value, f"must be >= {low}")
+    if high is not None and value > high:
+        _fail(field, value, f"must be <= {high}")
+
+
+def _check_float(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(field, value, "must be a number")
+    if not math.isfinite(value):
+        _fail(field, value, "must be finite")
+    return float(value)
