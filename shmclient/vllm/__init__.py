@@ -91,7 +91,7 @@ def register() -> None:
         if not supported_version(vllm.__version__):
             os.environ.pop(ENV_SPEC, None)
             return
-        from . import shmclient_engine
+        from . import engine
 
         engine.install()
         if enabled():
