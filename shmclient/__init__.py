@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client import EngineCoreClient, make_client
+from .client import EngineCoreClient, make_async_mp_client, make_client
 from .errors import (
     ClientClosedError,
     ConfigError,
@@ -36,6 +36,7 @@ from .messages import (
     LoRARequest,
     PoolingParams,
     SamplingParams,
+    SchedulerStats,
     UtilityOutput,
 )
 
@@ -47,12 +48,16 @@ _LAZY = {
     "MPClient": ("shmclient.client_mp", "MPClient"),
     "SyncMPClient": ("shmclient.client_mp", "SyncMPClient"),
     "AsyncMPClient": ("shmclient.client_async", "AsyncMPClient"),
+    "DPAsyncMPClient": ("shmclient.client_dp", "DPAsyncMPClient"),
+    "DPLBAsyncMPClient": ("shmclient.client_dp", "DPLBAsyncMPClient"),
 }
 
 __all__ = [
     "AsyncMPClient",
     "ClientClosedError",
     "ConfigError",
+    "DPAsyncMPClient",
+    "DPLBAsyncMPClient",
     "EngineConfig",
     "EngineCoreClient",
     "EngineCoreOutput",
@@ -73,6 +78,7 @@ __all__ = [
     "PoolingParams",
     "ProtocolError",
     "SamplingParams",
+    "SchedulerStats",
     "SerializationError",
     "ShmCapacityError",
     "ShmClientError",
@@ -80,6 +86,7 @@ __all__ = [
     "UsageError",
     "UtilityCallError",
     "UtilityOutput",
+    "make_async_mp_client",
     "make_client",
 ]
 

@@ -34,6 +34,7 @@ __all__ = [
     "check_abort_ids",
     "check_request",
     "check_utility_call",
+    "make_async_mp_client",
     "make_client",
 ]
 
@@ -85,7 +86,9 @@ class EngineCoreClient(ABC):
 
     * ``make_client(False, False, config)`` → ``InprocClient`` (core in this process)
     * ``make_client(True, False, config)``  → ``SyncMPClient`` (core in its own process)
-    * ``make_client(True, True, config)``   → ``AsyncMPClient``
+    * ``make_client(True, True, config)``   → ``make_async_mp_client(config)``:
+      ``AsyncMPClient``, or with ``data_parallel_size > 1`` ``DPLBAsyncMPClient``
+      (``DPAsyncMPClient`` with ``data_parallel_external_lb``)
 
     Every client checks each request, abort and utility call at the door (types and
     ranges of every field, ``shmclient.validate``) and raises ``InvalidRequestError``
@@ -125,12 +128,32 @@ class EngineCoreClient(ABC):
 
             return InprocClient(config)
         if asyncio_mode:
-            from .client_async import AsyncMPClient
-
-            return AsyncMPClient(config)
+            return EngineCoreClient.make_async_mp_client(config)
         from .client_mp import SyncMPClient
 
         return SyncMPClient(config)
+
+    @staticmethod
+    def make_async_mp_client(config: Any = None) -> "EngineCoreClient":
+        """The asyncio multiprocess client for ``config``, with vLLM's rules:
+        ``data_parallel_size > 1`` gives ``DPAsyncMPClient`` (one rank per client behind
+        an external load balancer) with ``data_parallel_external_lb``, else
+        ``DPLBAsyncMPClient`` (every rank behind this client, load-balanced); size 1
+        gives ``AsyncMPClient``. Blocks and raises as ``make_client``; a DP client
+        starts its engines concurrently."""
+        if config is None:
+            from shmclient.config import EngineConfig
+
+            config = EngineConfig()
+        if config.data_parallel_size > 1:
+            from .client_dp import DPAsyncMPClient, DPLBAsyncMPClient
+
+            if config.data_parallel_external_lb:
+                return DPAsyncMPClient(config)
+            return DPLBAsyncMPClient(config)
+        from .client_async import AsyncMPClient
+
+        return AsyncMPClient(config)
 
     # -- capacity, as reported by the engine -------------------------------------------
     num_gpu_blocks: int
@@ -295,3 +318,4 @@ class EngineCoreClient(ABC):
 
 
 make_client = EngineCoreClient.make_client
+make_async_mp_client = EngineCoreClient.make_async_mp_client

@@ -143,14 +143,33 @@ class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     result: Any = None
 
 
+class SchedulerStats(
+    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
+):  # type: ignore[call-arg]
+    """An engine's load after a step, with vLLM's names (``vllm/v1/metrics/stats.py``).
+
+    ``num_running_reqs`` / ``num_waiting_reqs``: requests in the running batch and in
+    the waiting queue; ``kv_cache_usage``: the fraction of KV cache blocks in use, 0..1.
+    The data-parallel load balancer reads them (``shmclient.client_dp``).
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+
+
 class EngineCoreOutputs(
     msgspec.Struct, array_like=True, omit_defaults=True, gc=False, kw_only=True
 ):  # type: ignore[call-arg]
-    """One batch from the engine to one client. ``timestamp`` defaults to now."""
+    """One batch from the engine to one client. ``timestamp`` defaults to now.
+
+    ``engine_index``: the data-parallel rank of the engine that sent it (0 without data
+    parallelism). ``scheduler_stats``: that engine's load after the step, on every batch
+    of step outputs (None on utility replies)."""
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = []
-    scheduler_stats: Any = None
+    scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None

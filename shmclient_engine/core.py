@@ -34,6 +34,7 @@ from shmclient.messages import (
     FinishReason,
     LoRARequest,
     SamplingParams,
+    SchedulerStats,
 )
 
 from shmclient.config import EngineConfig
@@ -204,7 +205,9 @@ class EngineCore:
         Pending ABORT outputs come first. While sleeping nothing is scheduled, while the
         scheduler is paused only what the pause allows. A pause or sleep in mode "wait"
         completes here once the requests that came before it have finished. Returns an empty dict when there is
-        nothing to report. Model errors propagate.
+        nothing to report. Each batch carries ``engine_index`` (the config's
+        ``data_parallel_rank``, 0 without one) and the ``SchedulerStats`` after the step.
+        Model errors propagate.
         """
         self._check_open()
         per_client: dict[int, list[EngineCoreOutput]] = {}
@@ -224,8 +227,19 @@ class EngineCore:
                     self._profile_step(batch, time.perf_counter() - t0)
         if self._pause_waiters and not self.scheduler.has_schedulable_requests():
             self._finish_waiting_pauses()
+        if not per_client:
+            return {}
+        # Every batch says which data-parallel engine sent it and its load after the
+        # step (what the client's load balancer reads).
+        index = self.config.data_parallel_rank or 0
+        sched = self.scheduler
+        stats = SchedulerStats(
+            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
+            kv_cache_usage=1.0 - sched.num_free_blocks / sched.num_gpu_blocks)
         return {
-            client: EngineCoreOutputs(outputs=outs, finished_requests=finished.get(client))
+            client: EngineCoreOutputs(engine_index=index, outputs=outs,
+                                      scheduler_stats=stats,
+                                      finished_requests=finished.get(client))
             for client, outs in per_client.items()
         }
 

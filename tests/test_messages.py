@@ -21,13 +21,15 @@ from shmclient import (
 )
 
 PUBLIC = {
-    "AsyncMPClient", "ClientClosedError", "ConfigError", "EngineConfig", "EngineCoreClient",
+    "AsyncMPClient", "ClientClosedError", "ConfigError", "DPAsyncMPClient", "DPLBAsyncMPClient",
+    "EngineConfig", "EngineCoreClient",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
     "EngineDeadError", "FinishReason", "InprocClient", "InvalidRequestError", "LoRARequest",
     "MPClient", "PROTOCOL_VERSION", "PeerDeadError", "PeerNotConsumingError",
     "PeerNotProducingError", "PeerTimeoutError", "PoolingParams", "ProtocolError",
-    "SamplingParams", "SerializationError", "ShmCapacityError", "ShmClientError",
-    "SyncMPClient", "UsageError", "UtilityCallError", "UtilityOutput", "make_client",
+    "SamplingParams", "SchedulerStats", "SerializationError", "ShmCapacityError", "ShmClientError",
+    "SyncMPClient", "UsageError", "UtilityCallError", "UtilityOutput", "make_async_mp_client",
+    "make_client",
 }
 
 
