@@ -368,8 +368,20 @@ class DPAsyncMPClient(EngineCoreClient):
         self._bind()
         self._ensure_alive()
         check_utility_call(method)
-        calls = [asyncio.ensure_future(e.call_utility_async(method, *args)) for e in self.engines]
+        calls = [asyncio.ensure_future(self._call_on(i, method, args))
+                 for i in range(len(self.engines))]
         return await self._guard(asyncio.gather(*calls))
+
+    async def _call_on(self, pos: int, method: str, args: tuple) -> Any:
+        try:
+            return await self.engines[pos].call_utility_async(method, *args)
+        except EngineDeadError as e:
+            # Its engine's death, said as the client says it (which engine, why).
+            if self._closed or self._dead_reason is not None:
+                raise self._dead_error() from e
+            raise EngineDeadError(
+                f"data-parallel engine {self.engine_ranks[pos]} (pid "
+                f"{self.engine_pids[pos]}) died: {e}") from e
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Call ``method(*args)`` on this client's engine (``DPLBAsyncMPClient``: on

@@ -1,0 +1,364 @@
+"""Data-parallel clients: routing, balance, aborts, utilities, death of one engine.
+
+Each test builds its own client (two mock engines start in about a second); the autouse
+``no_leaks`` fixture checks that no process, thread or /dev/shm entry survives. The
+routing score is also tested without engines, on a client whose state is set by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import time
+
+import pytest
+
+from shmclient import (
+    AsyncMPClient,
+    ConfigError,
+    DPAsyncMPClient,
+    DPLBAsyncMPClient,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    InvalidRequestError,
+    PeerNotProducingError,
+    SamplingParams,
+    SchedulerStats,
+    UtilityCallError,
+    make_async_mp_client,
+    make_client,
+)
+from shmclient.config import EngineConfig
+
+#: Least-loaded routing under a skewed load may put at most this many requests more
+#: than its even share on one engine (the share is rounded up; the margin covers a
+#: request that finishes while the burst is being routed).
+BALANCE_MARGIN = 1
+
+
+def cfg(**kw) -> EngineConfig:
+    kw.setdefault("data_parallel_size", 2)
+    kw.setdefault("max_model_len", 512)
+    return EngineConfig(model="mock", **kw)
+
+
+def req(rid: str, max_tokens: int = 4, rank: int | None = None, prompt=(1, 2, 3)) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=list(prompt), data_parallel_rank=rank,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+async def collect(client, ids, timeout: float = 20.0) -> dict[str, tuple[list[int], FinishReason, int]]:
+    """Run until every id in ``ids`` finished: id -> (tokens, finish reason, engine_index)."""
+    want, got, tokens = set(ids), {}, {}
+    deadline = time.monotonic() + timeout
+    while want - got.keys():
+        outs = await asyncio.wait_for(client.get_output_async(), deadline - time.monotonic())
+        for o in outs.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                got[o.request_id] = (tokens[o.request_id], o.finish_reason, outs.engine_index)
+    return got
+
+
+# -- selection ---------------------------------------------------------------------------
+
+
+def test_make_client_selection_follows_vllms_rules():
+    # Refused before anything starts.
+    with pytest.raises(ConfigError, match="data_parallel_rank=None"):
+        make_client(True, True, cfg(data_parallel_external_lb=True))
+    with pytest.raises(ConfigError, match="data_parallel_rank=1"):
+        make_async_mp_client(cfg(data_parallel_rank=1))
+    clients = []
+    try:
+        clients.append(make_client(True, True, cfg(data_parallel_size=1)))
+        assert type(clients[-1]) is AsyncMPClient
+        clients.append(make_client(True, True, cfg()))
+        assert type(clients[-1]) is DPLBAsyncMPClient and clients[-1].engine_ranks == (0, 1)
+        clients.append(make_async_mp_client(cfg(data_parallel_external_lb=True, data_parallel_rank=1)))
+        assert type(clients[-1]) is DPAsyncMPClient and clients[-1].engine_ranks == (1,)
+        lb = clients[1]
+        # Capacity as vLLM reports it: blocks summed, the shortest max_model_len.
+        assert lb.num_gpu_blocks == sum(e.num_gpu_blocks for e in lb.engines)
+        assert lb.max_model_len == min(e.max_model_len for e in lb.engines) == 512
+        assert len(set(lb.engine_pids)) == 2
+    finally:
+        for c in clients:
+            c.shutdown()
+
+
+def test_engine_core_stamps_its_rank_and_reports_its_load():
+    from shmclient_engine.core import EngineCore
+
+    core = EngineCore(cfg(data_parallel_rank=1, num_gpu_blocks=64, max_model_len=256,
+                          max_num_seqs=2))
+    try:
+        for i in range(3):
+            core.add_request(req(f"r{i}", max_tokens=3, prompt=range(1, 17)))
+        outs = core.step()[0]
+        assert outs.engine_index == 1
+        s = outs.scheduler_stats
+        assert isinstance(s, SchedulerStats)
+        # Two run (max_num_seqs=2), one waits; each 16-token prompt holds 1 of the 64
+        # blocks of 16 tokens.
+        assert (s.num_running_reqs, s.num_waiting_reqs) == (2, 1)
+        assert s.kv_cache_usage == pytest.approx(2 / 64)
+    finally:
+        core.shutdown()
+    core0 = EngineCore(cfg(data_parallel_size=1, num_gpu_blocks=64, max_model_len=256))
+    try:
+        core0.add_request(req("a", max_tokens=1))
+        outs = core0.step()[0]
+        assert outs.engine_index == 0 and outs.scheduler_stats.num_running_reqs == 0
+    finally:
+        core0.shutdown()
+
+
+# -- routing -----------------------------------------------------------------------------
+
+
+async def test_requests_go_to_the_rank_they_name():
+    c = make_client(True, True, cfg(step_delay_s=0.005))
+    try:
+        ids = [f"r{i}" for i in range(6)]
+        for i, rid in enumerate(ids):
+            await c.add_request_async(req(rid, rank=i % 2))
+        got = await collect(c, ids)
+        assert {rid: got[rid][2] for rid in ids} == {rid: i % 2 for i, rid in enumerate(ids)}
+        assert c.requests_routed == [3, 3]
+        with pytest.raises(InvalidRequestError, match="data_parallel_rank=2"):
+            await c.add_request_async(req("bad", rank=2))
+        with pytest.raises(InvalidRequestError, match="already live"):
+            await c.add_request_async(req("dup", max_tokens=400))
+            await c.add_request_async(req("dup"))
+        assert c.requests_routed == [4, 3] or c.requests_routed == [3, 4]
+        await c.abort_requests_async(["dup"])
+        assert (await collect(c, ["dup"]))["dup"][1] is FinishReason.ABORT
+        assert c.reqs_in_flight == {} and c.engine_inflight == [0, 0]
+    finally:
+        c.shutdown()
+
+
+async def test_least_loaded_routing_evens_out_a_skewed_load():
+    """A third of the requests are pinned to engine 0; the balancer sends the free ones
+    mostly to engine 1, so that both hold about half (round robin would leave 2/3 on
+    engine 0)."""
+    c = make_client(True, True, cfg(step_delay_s=0.02))
+    try:
+        pinned = [f"pin{i}" for i in range(12)]
+        free = [f"free{i}" for i in range(24)]
+        for rid in pinned:
+            await c.add_request_async(req(rid, max_tokens=300, rank=0))
+        for rid in free:
+            await c.add_request_async(req(rid, max_tokens=300))
+        share = -(-(len(pinned) + len(free)) // 2)
+        assert max(c.requests_routed) <= share + BALANCE_MARGIN, c.requests_routed
+        assert max(c.engine_inflight) <= share + BALANCE_MARGIN, c.engine_inflight
+        await c.abort_requests_async(pinned + free)
+        got = await collect(c, pinned + free)
+        assert all(got[r][2] == 0 for r in pinned)
+        assert all(v[1] is FinishReason.ABORT for v in got.values())
+    finally:
+        c.shutdown()
+
+
+class _NoEngine:
+    is_dead = False
+
+
+def _hand_made(n: int) -> DPLBAsyncMPClient:
+    """A DPLBAsyncMPClient with routing state only (no engines), to test the score."""
+    c = DPLBAsyncMPClient.__new__(DPLBAsyncMPClient)
+    c.engines = [_NoEngine()] * n
+    c.engine_inflight = [0] * n
+    c.engine_work = [0] * n
+    c.lb_engines = [SchedulerStats()] * n
+    c.reqs_in_flight, c.requests_routed = {}, [0] * n
+    c.max_model_len, c.config, c._closed, c._dead_reason = 512, cfg(), False, None
+    c._start = 0
+    return c
+
+
+def test_score_follows_the_engines_stats_and_kv_pressure():
+    c = _hand_made(2)
+    # Engine 0 reports requests of another frontend: the free request goes to engine 1.
+    c.lb_engines = [SchedulerStats(num_running_reqs=5), SchedulerStats()]
+    assert [c.get_core_engine_for_request(req(f"a{i}")) for i in range(2)] == [1, 1]
+    # Waiting requests on a KV-bound engine weigh more than running ones (vLLM's penalty):
+    # 4 waiting at 100 % KV use count 4 + 4 * 3 = 16 against 10 running.
+    c.lb_engines = [SchedulerStats(num_waiting_reqs=4, kv_cache_usage=1.0),
+                    SchedulerStats(num_running_reqs=10, kv_cache_usage=0.2)]
+    assert c.get_core_engine_for_request(req("b")) == 1
+    # The local in-flight count wins over a stale, lower snapshot.
+    c.lb_engines = [SchedulerStats(), SchedulerStats()]
+    c.engine_inflight = [3, 1]
+    assert c.get_core_engine_for_request(req("c")) == 1
+    # Equal loads: the engine with less work (prompt + max_tokens) in flight.
+    c.engine_inflight = [2, 2]
+    c.engine_work = [400, 10]
+    assert c._start == 0  # the rotation alone would pick engine 0
+    assert c.get_core_engine_for_request(req("d")) == 1
+
+
+def test_alternating_long_and_short_requests_do_not_pile_up_on_one_engine():
+    """Round robin sends every long request of an alternating burst to the same engine;
+    the work tie-break keeps the engines' work within one long request of each other."""
+    c = _hand_made(2)
+    long_per_engine = [0, 0]
+    for i in range(40):
+        r = req(f"r{i}", max_tokens=200 if i % 2 == 0 else 2)
+        pos, _ = c._route(r)
+        long_per_engine[pos] += i % 2 == 0
+    assert abs(c.engine_work[0] - c.engine_work[1]) <= 203, c.engine_work
+    assert max(long_per_engine) <= 11, long_per_engine
+    assert abs(c.requests_routed[0] - c.requests_routed[1]) <= 1
+
+
+# -- aborts and utilities ----------------------------------------------------------------
+
+
+async def test_aborts_reach_the_engine_that_owns_the_request():
+    c = make_client(True, True, cfg(step_delay_s=0.01))
+    try:
+        ids = [f"r{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            await c.add_request_async(req(rid, max_tokens=400, rank=i % 2))
+        with pytest.raises(InvalidRequestError):
+            await c.abort_requests_async("r0")  # a bare str, not a list of ids
+        await c.abort_requests_async(ids + ["never-added"])
+        got = await collect(c, ids)
+        assert {rid: (v[1], v[2]) for rid, v in got.items()} == {
+            rid: (FinishReason.ABORT, i % 2) for i, rid in enumerate(ids)}
+        assert c.engine_inflight == [0, 0] and not c.dp_engines_running()
+    finally:
+        c.shutdown()
+
+
+async def test_utilities_reach_every_engine():
+    c = make_client(True, True, cfg())
+    try:
+        assert await c.call_utility_all_async("echo", {"x": 1}) == [{"x": 1}, {"x": 1}]
+        await c.set_weight_version_async("v7")
+        assert await c.call_utility_all_async("get_weight_version") == ["v7", "v7"]
+        assert await c.get_weight_version_async() == "v7"
+        await c.sleep_async(0)
+        assert await c.call_utility_all_async("is_scheduler_paused") == [True, True]
+        assert await c.wake_up_async() is True
+        assert await c.is_sleeping_async() is False
+        # Engines that disagree: the common answer does not exist.
+        await c.engines[1].call_utility_async("set_weight_version", "other")
+        with pytest.raises(UtilityCallError, match="different get_weight_version"):
+            await c.get_weight_version_async()
+        with pytest.raises(UtilityCallError, match="no_such_method"):
+            await c.call_utility_async("no_such_method")
+        with pytest.raises(InvalidRequestError):
+            await c.call_utility_async("")
+        with pytest.raises(PeerNotProducingError):
+            await c.get_output_async(timeout=0.05)
+    finally:
+        c.shutdown()
+
+
+# -- outputs -----------------------------------------------------------------------------
+
+
+async def test_same_tokens_as_a_single_engine():
+    ids = [f"r{i}" for i in range(10)]
+    reqs = lambda: [req(rid, max_tokens=3 + i, prompt=range(i + 1, i + 5))  # noqa: E731
+                    for i, rid in enumerate(ids)]
+    single = make_client(True, True, cfg(data_parallel_size=1))
+    try:
+        for r in reqs():
+            await single.add_request_async(r)
+        want = await collect(single, ids)
+    finally:
+        single.shutdown()
+    c = make_client(True, True, cfg())
+    try:
+        for r in reqs():
+            await c.add_request_async(r)
+        got = await collect(c, ids)
+    finally:
+        c.shutdown()
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}
+    assert {v[2] for v in got.values()} == {0, 1}  # both engines served
+
+
+async def test_external_lb_client_serves_its_own_rank():
+    c = make_client(True, True, cfg(data_parallel_external_lb=True, data_parallel_rank=1))
+    try:
+        await c.add_request_async(req("a"))
+        await c.add_request_async(req("b", rank=1))
+        with pytest.raises(InvalidRequestError, match="serves rank 1 only"):
+            await c.add_request_async(req("c", rank=0))
+        got = await collect(c, ["a", "b"])
+        assert [v[2] for v in got.values()] == [1, 1]
+        assert await c.echo_async(3) == 3
+        assert c.num_gpu_blocks == c.engines[0].num_gpu_blocks
+    finally:
+        c.shutdown()
+
+
+# -- death and shutdown ------------------------------------------------------------------
+
+
+async def test_one_engine_killed_fails_everything_pending_and_stops_the_others():
+    c = make_client(True, True, cfg(step_delay_s=0.01))
+    try:
+        for i in range(4):
+            await c.add_request_async(req(f"r{i}", max_tokens=400, rank=i % 2))
+        await asyncio.wait_for(c.get_output_async(), 10)
+        # Waits until the requests drained on every engine: pending on the survivor too.
+        util = asyncio.ensure_future(c.pause_scheduler_async("wait"))
+
+        async def drain():
+            while True:
+                await c.get_output_async()
+
+        getter = asyncio.ensure_future(drain())
+        await asyncio.sleep(0)  # let both start waiting
+        survivor = os.pidfd_open(c.engine_pids[0])
+        os.kill(c.engine_pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        for fut in (util, getter):
+            with pytest.raises(EngineDeadError, match="engine 1"):
+                await asyncio.wait_for(fut, 2.0)
+        assert time.monotonic() - t0 < 2.0
+        assert c.is_dead
+        with pytest.raises(EngineDeadError):
+            await c.add_request_async(req("late"))
+        with pytest.raises(EngineDeadError):
+            await c.echo_async(1)
+        await c.abort_requests_async(["r0"])  # a quiet no-op, as on a dead AsyncMPClient
+        # As vLLM: the death of one engine stops the others (readable once it exited).
+        try:
+            readable, _, _ = await asyncio.to_thread(select.select, [survivor], [], [], 10)
+            assert readable, "the surviving engine was not stopped"
+        finally:
+            os.close(survivor)
+    finally:
+        c.shutdown()
+
+
+async def test_shutdown_fails_pending_calls_and_is_idempotent():
+    c = make_client(True, True, cfg(step_delay_s=0.01))
+    await c.add_request_async(req("r", max_tokens=400))
+    getter = asyncio.ensure_future(c.get_output_async())
+    util = asyncio.ensure_future(c.pause_scheduler_async("wait"))
+    await asyncio.sleep(0)
+    c.shutdown()
+    c.shutdown()
+    for fut in (getter, util):
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(fut, 2.0)
+    with pytest.raises(EngineDeadError):
+        await c.add_request_async(req("late"))
+
+
+def test_a_start_up_failure_leaves_nothing_behind():
+    with pytest.raises(ConfigError, match="device"):
+        make_client(True, True, cfg(device="cuda:7"))
