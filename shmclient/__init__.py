@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client import EngineCoreClient, make_async_mp_client, make_client
+from .client import EngineCoreClient, SyncEngineCoreClient, make_async_mp_client, make_client
 from .errors import (
     ClientClosedError,
     ConfigError,
@@ -25,6 +25,7 @@ from .errors import (
     ShmClientError,
     UsageError,
     UtilityCallError,
+    WouldBlock,
 )
 from .messages import (
     PROTOCOL_VERSION,
@@ -82,10 +83,12 @@ __all__ = [
     "SerializationError",
     "ShmCapacityError",
     "ShmClientError",
+    "SyncEngineCoreClient",
     "SyncMPClient",
     "UsageError",
     "UtilityCallError",
     "UtilityOutput",
+    "WouldBlock",
     "make_async_mp_client",
     "make_client",
 ]

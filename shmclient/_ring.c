@@ -28,7 +28,8 @@ PyDoc_STRVAR(RING_DOC,
 "  320 consumer statistics (records, bytes, batches, spins, blocks)\n"
 "  384 c_closed (u32)\n"
 "  448 c_wait (u32: 1 = asleep on data_seq, 2 = wants a byte on the wake pipe), data_seq\n"
-"  512 p_wait (u32: 1 = asleep on space_seq), space_seq (u32)\n"
+"  512 p_wait (u32: 1 = asleep on space_seq, 2 = wants a byte on the space pipe),\n"
+"      space_seq (u32)\n"
 "  576 producer spins, blocks (statistics)\n"
 "  4096 data: capacity bytes of records\n"
 "A record is an 8-byte header (u32 payload length, u8 type, u8 flags, 2 spare bytes)\n"
@@ -70,6 +71,10 @@ PyDoc_STRVAR(RING_DOC,
 "  2 after every read, fences and re-checks head (writing the byte itself if a record\n"
 "  slipped in); the poster writes one byte to the pipe per flag it clears. So the pipe\n"
 "  is readable whenever a published record has not been read.\n"
+"* A producer with a space pipe (an event-loop task waiting for room) does the mirror\n"
+"  image: arm_space() sets flag 2 on p_wait and fences, then the caller retries its\n"
+"  write, which loads tail; the consumer stores tail, fences, loads the flag and writes\n"
+"  the byte when it clears flag 2. Either the retry sees the new tail or the byte comes.\n"
 "* close() stores the closed flag (seq_cst), then bumps both futex words, wakes every\n"
 "  waiter and writes the pipe. A consumer loads the peer's closed flag before head, so\n"
 "  it always reads what was published before the close first.\n"
@@ -210,6 +215,10 @@ typedef struct {
     int closed;
     int detach_pending; /* detach() came while a call was running (from its handler) */
     Py_ssize_t views;   /* record views alive: the mapping stays until the last is gone */
+    Py_ssize_t waiters; /* threads inside a wait (they do not make the end busy: a wait
+                           touches no read or write state outside the GIL, so another
+                           thread may send or receive meanwhile); the mapping stays until
+                           the last has left */
     int held;           /* a Python-level slow path of this end is running (see ring.py):
                            fast-path calls (mine=False) then decline and take the lock */
 } End;
@@ -255,7 +264,7 @@ static void end_drop_buffer(End *self) {
 /* Every call that entered with end_enter leaves through here. */
 static inline void end_leave(End *self) {
     self->busy = 0;
-    if (self->detach_pending && self->views == 0) {
+    if (self->detach_pending && self->views == 0 && self->waiters == 0) {
         self->detach_pending = 0;
         end_drop_buffer(self);
     }
@@ -349,12 +358,19 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
     double spin, timeout;
     int first = 1;
     if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
-    if (end_enter(e) < 0) return NULL;
+    if (e->closed || !e->base) {
+        PyErr_SetString(PyExc_ValueError, "this ring end is closed");
+        return NULL;
+    }
+    e->waiters++;
     if (first && counted_off) stat_add(e->base, counted_off, 1);
     int r = wait_common(e, ready, flag_off, seq_off, spin, timeout);
     if (r == W_READY) stat_add(e->base, spins_off, 1);
     else if (r == W_WOKEN) stat_add(e->base, blocks_off, 1);
-    end_leave(e);
+    if (--e->waiters == 0 && e->detach_pending && !e->busy && e->views == 0) {
+        e->detach_pending = 0;
+        end_drop_buffer(e);
+    }
     if (r < 0) return NULL;
     return PyLong_FromLong(r);
 }
@@ -589,6 +605,16 @@ static PyObject *producer_wait_space(Producer *self, PyObject *args) {
                            OFF_P_BLOCKS, OFF_WAITS_FULL);
 }
 
+/* arm_space(): ask the consumer for a byte on the space pipe at its next release (flag 2
+   on p_wait, then a full fence). The caller then retries its write: either the retry sees
+   the released space or the consumer sees the flag (see RING_DOC). */
+static PyObject *producer_arm_space(Producer *self, PyObject *unused) {
+    if (!self->e.base) Py_RETURN_NONE;
+    atomic_fetch_or_explicit(U32(self->e.base, OFF_P_WAIT), 2, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
 static PyObject *producer_pending(Producer *self, PyObject *unused) {
     if (end_enter(&self->e) < 0) return NULL;
     end_leave(&self->e);
@@ -620,8 +646,9 @@ static PyObject *end_detach(End *self, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "detach() before close()");
         return NULL;
     }
-    if (self->busy || self->views) /* from inside a handler, or views still alive: the
-                                      running call, or the last view, drops it */
+    if (self->busy || self->views || self->waiters) /* from inside a handler, views still
+                                      alive, or a thread asleep in a wait: the running call,
+                                      the last view or the last waiter drops it */
         self->detach_pending = 1;
     else
         end_drop_buffer(self);
@@ -651,6 +678,9 @@ static PyMethodDef producer_methods[] = {
      "2 timed out, 3 consumer closed. Releases the GIL only while asleep; a signal "
      "handler's exception propagates."},
     {"pending", (PyCFunction)producer_pending, METH_NOARGS, "Bytes not yet released."},
+    {"arm_space", (PyCFunction)producer_arm_space, METH_NOARGS,
+     "Ask the consumer for a byte on the space pipe at its next release; then retry the "
+     "write (a lost wake-up is impossible: see the module docstring)."},
     {"close", (PyCFunction)producer_close, METH_NOARGS,
      "Publish, mark this side closed and wake every waiter. Idempotent."},
     {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
@@ -703,7 +733,7 @@ static void recview_releasebuffer(RecView *self, Py_buffer *view) { self->export
 
 static void recview_dealloc(RecView *self) {
     End *e = (End *)self->owner;
-    if (e && --e->views == 0 && e->detach_pending && !e->busy) {
+    if (e && --e->views == 0 && e->detach_pending && !e->busy && e->waiters == 0) {
         e->detach_pending = 0;
         end_drop_buffer(e);
     }
@@ -734,17 +764,20 @@ typedef struct {
     uint64_t frag_off;
     uint8_t frag_type;
     PyObject *pinned;  /* list of [end_position, memoryview] a handler kept an export of */
+    int space_fd;      /* write end of the producer's space pipe, or -1 */
 } Consumer;
 
 static void c_rearm(Consumer *c);
 
 static int consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
     PyObject *mapping;
-    int fd = -1;
-    static char *kwlist[] = {"mapping", "wake_fd", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &mapping, &fd)) return -1;
+    int fd = -1, space_fd = -1;
+    static char *kwlist[] = {"mapping", "wake_fd", "space_fd", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ii", kwlist, &mapping, &fd, &space_fd))
+        return -1;
     if (end_init_buffer(&self->e, mapping) < 0) return -1;
     self->e.pipe_fd = fd; /* our own write end of the wake pipe: see c_rearm */
+    self->space_fd = space_fd;
     self->rpos = self->released = ld_acq(self->e.base, OFF_TAIL);
     self->head = self->rpos;
     self->pinned = PyList_New(0);
@@ -806,7 +839,7 @@ static int c_release(Consumer *c, uint64_t nrec, uint64_t nbytes) {
     if (upto != c->released) {
         c->released = upto;
         st_rel(b, OFF_TAIL, upto);
-        notify(b, OFF_P_WAIT, OFF_SPACE_SEQ, -1);
+        notify(b, OFF_P_WAIT, OFF_SPACE_SEQ, c->space_fd);
     }
     return 0;
 }
@@ -1055,6 +1088,11 @@ static PyObject *consumer_close(Consumer *self, PyObject *unused) {
         Py_CLEAR(self->frag);
         if (self->pinned) PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL);
         PyErr_Clear();
+        if (self->space_fd >= 0) { /* a producer parked on its space pipe sees the close */
+            char x = 1;
+            ssize_t r = write(self->space_fd, &x, 1);
+            (void)r;
+        }
     }
     return end_close_common(&self->e, OFF_C_CLOSED);
 }
@@ -1121,7 +1159,8 @@ static PyTypeObject ConsumerType = {
     .tp_basicsize = sizeof(Consumer),
     .tp_dealloc = (destructor)consumer_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Consumer(mapping, wake_fd=-1): the reading end over a mapped ring; wake_fd: "
+    .tp_doc = "Consumer(mapping, wake_fd=-1, space_fd=-1): the reading end over a mapped ring; "
+               "space_fd: the write end of the producer's space pipe, if it has one; wake_fd: "
                "the write end of its own wake pipe, if it has one.",
     .tp_methods = consumer_methods,
     .tp_getset = consumer_getset,

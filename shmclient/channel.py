@@ -1,18 +1,17 @@
-"""Duplex message endpoints shared by the client AND the engine: codec + tx + rx.
+"""The sans-IO duplex endpoint shared by the client AND the engine: codec + tx + rx.
 
-Middle layer: imports ring, shm, tensors, codec, messages, errors; never clients, asyncio
-or the engine. An endpoint sends ``(record_type, object)`` pairs and receives them decoded.
-Two transports with one interface:
+Middle layer: imports ring, shm, tensors, codec, messages, errors; never clients, asyncio,
+``waiting`` or the engine. An endpoint sends ``(record_type, payload)`` pairs and receives
+them decoded. ``ShmChannel`` is a request ring (frontend → engine) and an output ring
+(engine → frontend) plus one tensor arena per direction; ``channel_zmq.ZmqChannel`` has
+the same interface over vLLM's socket layout (the baseline transport).
 
-* ``ShmChannel``: a request ring (frontend → engine) and an output ring (engine →
-  frontend) plus one tensor arena per direction. Out-of-band tensor blocks are released by
-  the receiver; the releases ride back on the opposite ring as ``REC_RELEASE`` records,
-  flushed with every send and every receive call.
-* ``ZmqChannel``: the baseline with vLLM's socket layout: ROUTER/DEALER for requests,
-  PUSH/PULL for outputs, tensors as out-of-band frames.
-
-Nothing here waits except ``recv`` / ``send`` with their timeouts; ``try_recv`` never
-blocks. Waiting in an event loop is the caller's business (``fileno()``).
+Nothing here blocks. ``send_nowait`` / ``recv_nowait`` go ahead or raise ``WouldBlock``;
+the wait handle (``wait_send`` / ``wait_recv`` for a thread, ``send_fd`` / ``recv_fd``
+with ``arm_send`` / ``arm_recv`` for an event loop) is what ``shmclient.waiting``, the
+one module that blocks, waits on. Out-of-band tensor blocks are released by the receiver;
+the releases ride back on the opposite ring as ``REC_RELEASE`` records, sent ahead of the
+next message and with every receive call (never in the middle of a fragmented message).
 
 Isolation: a message that arrives intact but does not decode (a typed-decoder
 ``ValidationError``, malformed msgpack, nesting too deep, a tensor that cannot be opened)
@@ -26,14 +25,12 @@ returned first and the error is raised by the next call.
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
-import zmq
 
 from .codec import Decoder, Encoder
-from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError, ShmCapacityError
+from .errors import PeerTimeoutError, ProtocolError, ShmCapacityError, WouldBlock
 from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -60,8 +57,6 @@ _PAYLOAD_TYPES: dict[int, Any] = {
     REC_OUTPUTS: EngineCoreOutputs,
 }
 
-Alive = Callable[[], bool]
-
 
 class ShmChannelSpec(msgspec.Struct, frozen=True):
     """What the engine needs to attach: ring and arena names (engine's point of view)."""
@@ -72,11 +67,6 @@ class ShmChannelSpec(msgspec.Struct, frozen=True):
     tensor_tx: str
     spin_us: float
     enable_cuda_ipc: bool = True
-
-
-class ZmqChannelSpec(msgspec.Struct, frozen=True):
-    input_address: str
-    output_address: str
 
 
 def _decoders(tensors: ShmTensorReceiver | None) -> dict[int, Decoder]:
@@ -146,7 +136,11 @@ class ShmChannel:
         self._encoder = Encoder(tensors=self._tensor_tx)
         self._decoders = _decoders(self._tensor_rx)
         self._owned = owned  # things to unlink once the peer attached (owner side only)
+        #: Held only around a non-blocking send (never while waiting).
         self._send_lock = threading.Lock()
+        #: The payload of a fragmented message half-way through tx whose sender still
+        #: waits to finish it (others wait for it), or None.
+        self._partial: Any = None
         self._held_release: list[bytes] | None = None
         self._released = self._tensor_rx.pending  # tested for emptiness without a lock
         self._got: list[tuple[int, Any]] = []
@@ -166,12 +160,13 @@ class ShmChannel:
         enable_cuda_ipc: bool = True,
     ) -> tuple["ShmChannel", ShmChannelSpec]:
         """Create both rings and both arenas (frontend side). Returns the channel and the
-        spec the engine attaches with. Raises ShmCapacityError naming the bytes the whole
+        spec the engine attaches with. ``wake_fd``: also make the pipes an event loop
+        waits on (``recv_fd`` for outputs, ``send_fd`` for room in the request ring). Raises ShmCapacityError naming the bytes the whole
         channel needs when its memory cannot be reserved; on any failure everything
         created so far is removed again."""
         made: list[Any] = []
         try:
-            req = Ring.create("producer", ring_capacity, spin_us=spin_us)
+            req = Ring.create("producer", ring_capacity, spin_us=spin_us, producer_wake_fd=wake_fd)
             made.append(req)
             out = Ring.create(
                 "consumer", ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd
@@ -255,30 +250,64 @@ class ShmChannel:
         ``send_encoded`` may be retried without placing the tensors again."""
         return self._encoder.encode(obj)
 
-    def send(
-        self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
-    ) -> None:
-        """Encode and send one message (pending tensor releases go ahead of it). Blocks
-        only while the ring is full (backpressure), up to ``timeout``; raises
-        PeerNotConsumingError / PeerDeadError / ClientClosedError."""
-        self.send_encoded(rtype, self._encoder.encode(obj), timeout=timeout, alive=alive)
-
-    def send_encoded(
-        self,
-        rtype: int,
-        payload: bytes,
-        *,
-        timeout: float | None = None,
-        alive: Alive | None = None,
-    ) -> None:
-        """Send bytes from ``encode``. When it raises, nothing of this message was sent
-        (a message larger than the ring may have been sent in part; the receiver drops
-        it). Pending tensor releases go first if the ring has room now; otherwise they
-        wait for the next send or receive (never lost, never sent twice)."""
+    def send_nowait(self, rtype: int, payload: bytes) -> None:
+        """Send bytes from ``encode`` now, or raise WouldBlock: nothing of this message
+        was sent, or (a message longer than one record) the fragments that fit were;
+        sending the same payload again resumes after them. Pending tensor releases go
+        first when there is room (else they wait for the next call: never lost, never
+        sent twice). Raises PeerDeadError (the engine closed its end), ClientClosedError,
+        ValueError (over 4 GiB). Never blocks (other threads' sends hold the lock only
+        for their own non-blocking call)."""
         with self._send_lock:
-            if self._held_release is not None or self._released:
+            tx = self.tx
+            if tx.partial_pending:
+                if self._partial is not None and self._partial is not payload:
+                    # another sender's fragmented message is half-way: it goes first
+                    raise WouldBlock("another message is half-way through the ring")
+            elif self._held_release is not None or self._released:
                 self._flush_releases_locked()
-            self.tx.send(rtype, payload, timeout=timeout, alive=alive)
+            try:
+                tx.send_nowait(rtype, payload)
+            except WouldBlock:
+                self._partial = payload if tx.partial_pending else None
+                raise
+            self._partial = None
+
+    def abandon(self, payload: Any) -> None:
+        """A send of ``payload`` gave up: if it is half-way through the ring, other
+        messages may now go first (the engine then drops the partial message); sending
+        the same payload again before that still resumes it."""
+        with self._send_lock:
+            if self._partial is payload:
+                self._partial = None
+
+    # -- the wait handle (see shmclient.waiting) ----------------------------------------
+    def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Block this thread, once, until the request ring may have room (True) or
+        ``timeout`` seconds passed (False)."""
+        return self.tx.wait_writable(timeout, spin=spin, first=first)
+
+    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Block this thread, once, until a record may be there (True) or ``timeout``
+        seconds passed (False): spin (``spin``, None: adaptive), then the futex."""
+        return self.rx.wait_readable(timeout, spin=spin, first=first)
+
+    def send_fd(self) -> int:
+        """Readable when the engine released room after ``arm_send()`` (needs
+        ``wake_fd=True`` at creation)."""
+        return self.tx.space_fileno()
+
+    def arm_send(self) -> None:
+        """Ask for a byte on ``send_fd()`` at the engine's next release; then try again."""
+        self.tx.arm_space()
+
+    def recv_fd(self) -> int:
+        """Readable whenever a published record has not been read (``wake_fd=True``)."""
+        return self.rx.fileno()
+
+    def arm_recv(self) -> None:
+        """Drain ``recv_fd()``; it turns readable again at once if a record is unread."""
+        self.rx.drain_wake_fd()
 
     def _take_releases(self) -> list[bytes]:
         """Pending releases, oldest first: those held back before, then new ones.
@@ -289,13 +318,13 @@ class ShmChannel:
         return held + [rel] if rel is not None else held
 
     def flush_releases(self) -> None:
-        """Send pending tensor releases without blocking; if the ring is full, or another
-        thread is sending (it may be waiting for room), they are kept and go out with the
-        next message or flush (never lost)."""
+        """Send pending tensor releases without blocking; if the ring is full, a
+        fragmented message is half-way, or another thread is sending, they are kept and
+        go out with the next message or flush (never lost)."""
         if self._held_release is None and not self._released:
             return  # the common case, without a lock
-        if not self._send_lock.acquire(False):
-            return  # a sender holds it (perhaps waiting on a full ring): it flushes them
+        if self.tx.partial_pending or not self._send_lock.acquire(False):
+            return
         try:
             self._flush_releases_locked()
         finally:
@@ -347,40 +376,30 @@ class ShmChannel:
         self._deferred = e
         return self._take_got()
 
-    def try_recv(self) -> list[tuple[int, Any]]:
-        """Every message available now, decoded, in order; [] if none. Never blocks.
+    def recv_nowait(self) -> list[tuple[int, Any]]:
+        """Every message available now, decoded, in order (at least one), or WouldBlock.
         A message that does not decode comes as ``BadMessage``; ProtocolError when the
-        ring is broken."""
+        ring is broken (after the messages before it, returned first); PeerDeadError once
+        the engine closed its end and everything it sent was read. Never blocks."""
         if self._deferred is not None:
             self._raise_deferred()
         self.flush_releases()
         try:
             self.rx.recv_into(self._on_record, timeout=0.0)
+        except PeerTimeoutError:  # another thread of ours is reading this ring right now
+            raise WouldBlock("another thread is reading this channel") from None
         except Exception as e:
             return self._got_then_raise(e)
-        return self._take_got() if self._got else []
-
-    def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
-        """Spin, then block until at least one record arrives (may decode to [] when only
-        releases came). Raises PeerNotProducingError on timeout, PeerDeadError,
-        ProtocolError; messages decoded before an error are returned first."""
-        if self._deferred is not None:
-            self._raise_deferred()
-        self.flush_releases()
-        if timeout is not None and timeout <= 0:
-            timeout = 1e-9  # recv_into reads 0 as "never wait"
-        try:
-            self.rx.recv_into(self._on_record, timeout=timeout, alive=alive)
-        except Exception as e:
-            return self._got_then_raise(e)
+        if not self._got:
+            raise WouldBlock("nothing to receive")
         return self._take_got()
 
-    def fileno(self) -> int:
-        """A file descriptor that becomes readable when something was published."""
-        return self.rx.fileno()
-
-    def drain_wake(self) -> None:
-        self.rx.drain_wake_fd()
+    def try_recv(self) -> list[tuple[int, Any]]:
+        """``recv_nowait`` with [] instead of WouldBlock."""
+        try:
+            return self.recv_nowait()
+        except WouldBlock:
+            return []
 
     @property
     def peer_closed(self) -> bool:
@@ -402,188 +421,3 @@ class ShmChannel:
         self._tensor_rx.close()
         self._tx_segment.close()
         self._rx_segment.close()
-
-
-def _data_socket_options(sock: zmq.Socket) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)  # unbounded queues, as vLLM: sends never block
-    sock.setsockopt(zmq.RCVHWM, 0)
-
-
-class ZmqChannel:
-    """One side of the ZMQ data path (the baseline transport).
-
-    Frontend: ROUTER bound for requests (the engine's DEALER registers with one empty
-    message), PULL bound for outputs. Engine: DEALER and PUSH connected. Each message is
-    ``[type byte, msgpack frame, *tensor frames]``.
-    """
-
-    ENGINE_IDENTITY = b"\x00\x00"
-
-    def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
-        self._tx = tx
-        self._rx = rx
-        self._frontend = frontend
-        self._encoder = Encoder()
-        self._decoders = _decoders(None)
-        self._send_lock = threading.Lock()
-        self._poller = zmq.Poller()
-        self._poller.register(rx, zmq.POLLIN)
-        self._deferred: BaseException | None = None
-        self._closed = False
-
-    @classmethod
-    def create(cls, ctx: zmq.Context, base: str) -> tuple["ZmqChannel", ZmqChannelSpec]:
-        spec = ZmqChannelSpec(input_address=f"{base}-in", output_address=f"{base}-out")
-        tx = ctx.socket(zmq.ROUTER)
-        rx = ctx.socket(zmq.PULL)
-        for s in (tx, rx):
-            _data_socket_options(s)
-        tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        tx.bind(spec.input_address)
-        rx.bind(spec.output_address)
-        return cls(tx, rx, frontend=True), spec
-
-    @classmethod
-    def attach(cls, ctx: zmq.Context, spec: ZmqChannelSpec) -> "ZmqChannel":
-        rx = ctx.socket(zmq.DEALER)
-        rx.setsockopt(zmq.IDENTITY, cls.ENGINE_IDENTITY)
-        tx = ctx.socket(zmq.PUSH)
-        for s in (tx, rx):
-            _data_socket_options(s)
-        rx.connect(spec.input_address)
-        tx.connect(spec.output_address)
-        rx.send(b"")  # registration: lets the ROUTER route to us
-        return cls(tx, rx, frontend=False)
-
-    def wait_registered(self, timeout: float) -> None:
-        """Frontend: wait for the engine DEALER's registration message."""
-        if not self._tx.poll(int(timeout * 1000), zmq.POLLIN):
-            raise PeerNotProducingError("engine did not connect to the request socket")
-        self._tx.recv_multipart()
-
-    def peer_attached(self) -> None:  # nothing to unlink: abstract socket names
-        pass
-
-    def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
-        pass
-
-    def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
-        return True
-
-    def encode(self, obj: Any) -> list:
-        return self._encoder.encode_frames(obj)
-
-    def send(
-        self, rtype: int, obj: Any, *, timeout: float | None = None, alive: Alive | None = None
-    ) -> None:
-        self.send_encoded(rtype, self._encoder.encode_frames(obj))
-
-    def send_encoded(
-        self, rtype: int, frames: list, *, timeout: float | None = None, alive: Alive | None = None
-    ) -> None:
-        """Queue the frames; never blocks (no high-water mark, as vLLM's sockets)."""
-        head = [self.ENGINE_IDENTITY] if self._frontend else []
-        with self._send_lock:
-            if self._closed:
-                raise ClientClosedError("this zmq channel was closed")
-            try:
-                self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)
-            except zmq.ZMQError as e:
-                raise self._socket_error(e) from e
-
-    def _socket_error(self, e: zmq.ZMQError) -> Exception:
-        """A socket failure as the error a caller handles: our end closed, or the peer
-        gone (``Host unreachable``: the engine's DEALER disconnected)."""
-        if self._closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
-            return ClientClosedError("this zmq channel was closed")
-        return PeerDeadError(f"the peer is not connected to the socket ({e})")
-
-    def flush_releases(self) -> None:  # tensors travel as frames: nothing to release
-        pass
-
-    def _decode_msg(self, frames: list[zmq.Frame]) -> tuple[int, Any]:
-        head = frames[0].bytes
-        dec = self._decoders.get(head[0]) if len(head) == 1 and len(frames) > 1 else None
-        if dec is None:
-            raise ProtocolError(
-                f"malformed message on the socket (type frame {head[:4]!r}, {len(frames)} "
-                "frames): the peer does not speak this protocol"
-            )
-        rtype = head[0]
-        bufs = [f.buffer for f in frames[1:]]
-        try:
-            return rtype, dec.decode_frames(bufs)
-        except Exception as e:  # this message alone is bad
-            return rtype, BadMessage(rtype, _describe(e), dec.salvage(bufs[0]))
-
-    def try_recv(self) -> list[tuple[int, Any]]:
-        """Every message available now, in order; [] if none. Never blocks. A message
-        that does not decode comes as ``BadMessage``; ProtocolError for a malformed one
-        (after the messages before it, which are returned first)."""
-        if self._deferred is not None:
-            e, self._deferred = self._deferred, None
-            raise e
-        out: list[tuple[int, Any]] = []
-        while True:
-            try:
-                frames = self._rx.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return out
-            except zmq.ZMQError as e:
-                err = self._socket_error(e)
-                if out:
-                    self._deferred = err
-                    return out
-                raise err from e
-            if len(frames) == 1 and len(frames[0]) == 0:
-                continue  # stray registration echo
-            try:
-                out.append(self._decode_msg(frames))
-            except ProtocolError as e:
-                if out:
-                    self._deferred = e
-                    return out
-                raise
-
-    def recv(self, *, timeout: float | None, alive: Alive | None = None) -> list[tuple[int, Any]]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            got = self.try_recv()
-            if got:
-                return got
-            if alive is not None and not alive():
-                raise PeerDeadError("peer is gone")
-            slice_s = 0.1
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerNotProducingError(
-                        f"nothing arrived within {timeout} s: the peer is not producing"
-                    )
-                slice_s = min(slice_s, left)
-            try:
-                self._poller.poll(int(slice_s * 1000) + 1)
-            except zmq.ZMQError as e:
-                raise self._socket_error(e) from e
-
-    def fileno(self) -> int:
-        return self._rx.getsockopt(zmq.FD)
-
-    def drain_wake(self) -> None:
-        # ZMQ_FD is edge-triggered; reading ZMQ_EVENTS re-arms it.
-        self._rx.getsockopt(zmq.EVENTS)
-
-    @property
-    def peer_closed(self) -> bool:
-        return False
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._tx.close(linger=0)
-        self._rx.close(linger=0)

@@ -1,11 +1,14 @@
 """``EngineCoreClient``: the API every client shares, and ``make_client``.
 
-Top layer: imports messages, errors and validate; the concrete clients are imported
-inside ``make_client`` so that importing ``shmclient`` does not import the engine or start
-anything. The base class holds what is written once for every client: the named utility
-methods, each a one-line ``call_utility`` (the async client derives its ``*_async`` forms
-from this table). The checks every client runs before anything travels are
-``shmclient.validate``'s (re-exported here as ``check_request``).
+Top layer: imports config, messages, errors and validate; the concrete clients are
+imported inside ``make_client`` so that importing ``shmclient`` starts nothing. Two
+classes, so that no client carries methods it cannot serve: ``EngineCoreClient`` is what
+every client has (``make_client``, capacity, ``shutdown``, ``dp_engines_running``, ``with``);
+``SyncEngineCoreClient`` adds the blocking API (``add_request``, ``get_output``,
+``abort_requests``, ``call_utility`` and the named utilities, each a one-line
+``call_utility``) for ``InprocClient`` and ``SyncMPClient``. ``AsyncMPClient`` has the
+``*_async`` forms only, written out in its class body. The checks every client runs
+before anything travels are ``shmclient.validate``'s (re-exported here).
 
 Errors a client raises are all ``ShmClientError`` subclasses, each also the builtin that
 vLLM code catches: ``InvalidRequestError`` (``ValueError``) for a request, abort or call
@@ -30,6 +33,7 @@ from .validate import check_abort_ids, check_request, check_utility_call
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "EngineCoreClient",
+    "SyncEngineCoreClient",
     "UTILITY_METHODS",
     "check_abort_ids",
     "check_request",
@@ -93,8 +97,10 @@ class EngineCoreClient(ABC):
     Every client checks each request, abort and utility call at the door (types and
     ranges of every field, ``shmclient.validate``) and raises ``InvalidRequestError``
     naming the field before anything travels. A client is a context manager: leaving the
-    ``with`` block calls ``shutdown()``. After ``shutdown()`` every call raises
-    ``EngineDeadError`` (``ClientClosedError``, a subclass).
+    ``with`` block calls ``shutdown()`` (``AsyncMPClient``: ``async with`` and
+    ``shutdown_async()``). After ``shutdown()`` every call raises ``EngineDeadError``
+    (``ClientClosedError``, a subclass). The blocking API is ``SyncEngineCoreClient``'s;
+    the asyncio one ``AsyncMPClient``'s.
     """
 
     @staticmethod
@@ -160,6 +166,33 @@ class EngineCoreClient(ABC):
     block_size: int
     max_model_len: int
 
+    @abstractmethod
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine and free everything. Idempotent; later calls on the client
+        raise ``EngineDeadError``. A multiprocess client waits up to ``timeout`` seconds
+        (None: ``DEFAULT_SHUTDOWN_TIMEOUT_S``, never forever) for the engine to exit,
+        then sends SIGTERM and, 2 s later, SIGKILL: it returns within about
+        ``timeout + 2`` s even when the engine hangs. InvalidRequestError for a timeout
+        that is not a finite number >= 0."""
+
+    def __enter__(self) -> "EngineCoreClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def dp_engines_running(self) -> bool:
+        """Whether data-parallel engines are collectively running. One engine, no data
+        parallelism: always False, as vLLM's non-DP clients answer. No engine call."""
+        return False
+
+
+
+class SyncEngineCoreClient(EngineCoreClient):
+    """The blocking client API: ``InprocClient`` and ``SyncMPClient``. Each named utility
+    is a one-line ``call_utility``; ``AsyncMPClient`` has the same list as ``*_async``
+    methods (a test keeps the two in step with ``UTILITY_METHODS``)."""
+
     # -- the core API ------------------------------------------------------------------
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -183,21 +216,6 @@ class EngineCoreClient(ABC):
         ("Call to <method> method failed: <message>", as vLLM), InvalidRequestError for
         a ``method`` that is not a non-empty str, SerializationError for arguments that
         cannot cross, or EngineDeadError."""
-
-    @abstractmethod
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the engine and free everything. Idempotent; later calls on the client
-        raise ``EngineDeadError``. A multiprocess client waits up to ``timeout`` seconds
-        (None: ``DEFAULT_SHUTDOWN_TIMEOUT_S``, never forever) for the engine to exit,
-        then sends SIGTERM and, 2 s later, SIGKILL: it returns within about
-        ``timeout + 2`` s even when the engine hangs. InvalidRequestError for a timeout
-        that is not a finite number >= 0."""
-
-    def __enter__(self) -> "EngineCoreClient":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
 
     # -- named utilities: one line each over call_utility ------------------------------
     def echo(self, x: Any) -> Any:
@@ -310,11 +328,6 @@ class EngineCoreClient(ABC):
     def get_weight_version(self) -> str:
         """The label set by ``set_weight_version``; "default" until one was set."""
         return self.call_utility("get_weight_version")
-
-    def dp_engines_running(self) -> bool:
-        """Whether data-parallel engines are collectively running. One engine, no data
-        parallelism: always False, as vLLM's non-DP clients answer. No engine call."""
-        return False
 
 
 make_client = EngineCoreClient.make_client

@@ -1,18 +1,23 @@
 """``AsyncMPClient``: the MP client for asyncio frontends.
 
-Top layer: imports client_mp and asyncio. Like pyzmq's asyncio socket over its sync one,
-it tries the channel at once and waits on a file descriptor only when it would block: the
-output ring's wake FIFO (``transport="shm"``) or the ZMQ socket's FD, registered with
-``loop.add_reader``. The reader callback drains the channel whenever something arrives,
-so utility replies and outputs are handled in the loop even with no caller waiting, and
-without a thread hop per message. Before parking, ``get_output_async`` spins on the ring
-for the configured spin budget (``spin_us``; it holds the loop for at most that long).
+Top layer: imports client_mp, waiting and asyncio. Like pyzmq's asyncio socket over its
+sync one, it tries the channel at once and waits on a file descriptor only when it would
+block (``shmclient.waiting``): for outputs, the output ring's wake pipe
+(``transport="shm"``) or the ZMQ socket's FD, registered with ``loop.add_reader``, whose
+callback drains the channel whenever something arrives, so utility replies and outputs
+are handled in the loop even with no caller waiting, without a thread hop per message;
+for room in a full request ring, the ring's space pipe. Before parking,
+``get_output_async`` may spin on the ring for at most ``spin_us`` (adaptive, and it stops
+spinning on a host where that does not pay), so the loop is never held longer.
 
-Every method has an ``_async`` form: ``add_request_async``, ``get_output_async``,
-``abort_requests_async``, ``call_utility_async`` and one per utility method of the base
-class, written out (as vLLM's AsyncMPClient) so that type checkers and IDEs see them; a
-test checks that the list matches ``UTILITY_METHODS``. The client binds to the first
-running loop that uses it.
+The API is the ``*_async`` forms only (no inherited blocking method that raises):
+``add_request_async``, ``get_output_async``, ``abort_requests_async``,
+``call_utility_async`` and one per named utility, written out (as vLLM's AsyncMPClient)
+so that type checkers and IDEs see them; a test keeps the list in step with
+``UTILITY_METHODS``. Start-up and shutdown block for up to seconds, so from a running
+loop use ``await AsyncMPClient.create(config)`` and ``await shutdown_async()`` (or
+``async with``), which run them in a thread. The client binds to the first running loop
+that uses it.
 """
 
 from __future__ import annotations
@@ -21,13 +26,15 @@ import asyncio
 import time
 from typing import Any
 
-from .client_mp import MPClient
+from . import waiting
+from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
+from .channel_zmq import ZmqChannel
+from .client_mp import MPClient, _check_timeout
 from .doorbell import Spin
-from .channel import REQ_ADD, ZmqChannel
 from .errors import (
     ClientClosedError,
+    EngineDeadError,
     PeerDeadError,
-    PeerNotConsumingError,
     PeerNotProducingError,
     ProtocolError,
     UsageError,
@@ -40,11 +47,11 @@ class AsyncMPClient(MPClient):
     """The multiprocess client for asyncio frontends: ``make_client(True, True, config)``.
 
     Use the ``*_async`` methods from one event loop (the first that calls one binds the
-    client; another loop gets ``UsageError``). None of them blocks the loop for longer
-    than the spin budget: a task waiting for output parks on the channel's file
-    descriptor. The blocking forms ``get_output`` and ``call_utility`` raise
-    ``UsageError``; ``add_request`` and ``abort_requests`` work but may block the loop
-    while the request ring is full. Errors are those of ``EngineCoreClient``.
+    client; another loop gets ``UsageError``). None of them holds the loop for longer
+    than a short spin (at most ``spin_us``): a task waiting for output, or for room in
+    a full request ring, parks on a file descriptor. Build it from a running loop with
+    ``await AsyncMPClient.create(config)`` (start-up runs in a thread) and close it with
+    ``await shutdown_async()`` or ``async with``. Errors are those of the sync client.
     """
 
     _asyncio = True
@@ -54,10 +61,24 @@ class AsyncMPClient(MPClient):
         self._waiters: set[asyncio.Future] = set()
         self._fd: int | None = None
         super().__init__(config)
-        # Spin on the ring before parking the task, adaptively as the ring's own waits
-        # do: waking an event loop costs tens of µs on small virtual machines.
+        # Spin on the ring before parking the task (waking an event loop costs tens of µs
+        # on small virtual machines), adaptively as the ring's own waits do, but never
+        # longer than spin_us: the loop's other tasks wait meanwhile.
         self._spin = Spin(config.spin_us * 1e-6 if config.transport == "shm" else 0.0)
         self.resources.before_close(self._remove_reader_hook())
+
+    @classmethod
+    async def create(cls, config: Any) -> "AsyncMPClient":
+        """Build the client from a running loop without blocking it: the engine starts
+        in a thread (seconds for a model). Raises what the constructor raises."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, cls, config)
+
+    async def __aenter__(self) -> "AsyncMPClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown_async()
 
     # -- loop binding -----------------------------------------------------------------
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
@@ -68,7 +89,7 @@ class AsyncMPClient(MPClient):
             raise UsageError("this AsyncMPClient is already used by another event loop")
         self._ensure_alive()
         self._loop = loop
-        self._fd = self.channel.fileno()
+        self._fd = self.channel.recv_fd()
         loop.add_reader(self._fd, weak_callback(self._on_readable))
         return loop
 
@@ -98,7 +119,7 @@ class AsyncMPClient(MPClient):
         try:
             if self._closed:
                 return
-            self.channel.drain_wake()
+            self.channel.arm_recv()
             try:
                 got = self.channel.try_recv()
             except (PeerDeadError, ClientClosedError):
@@ -135,21 +156,17 @@ class AsyncMPClient(MPClient):
         self._fail_all_futures()
         self._wake_waiters()
 
-    def _read_now(self, timeout: float) -> None:
-        """Read and dispatch what is there (spinning up to ``timeout``), unless another
-        task or shutdown holds the channel."""
+    def _read_now(self, spin: float) -> None:
+        """Read and dispatch what is there (spinning up to ``spin`` seconds for it),
+        unless another task or shutdown holds the channel."""
         if not self._lead.acquire(False):
             return
         try:
             if self._closed or self.resources.dead.is_set():
                 return
             try:
-                got = (
-                    self.channel.recv(timeout=timeout, alive=self.resources.alive)
-                    if timeout > 0
-                    else self.channel.try_recv()
-                )
-            except (PeerNotProducingError, PeerDeadError, ClientClosedError):
+                got = waiting.recv_spin(self.channel, spin)
+            except (PeerDeadError, ClientClosedError):
                 # Dead peer: the monitor's report wakes the waiters with its reason.
                 got = []
             except ProtocolError as e:
@@ -162,37 +179,44 @@ class AsyncMPClient(MPClient):
             self._lead.release()
 
     # -- async API --------------------------------------------------------------------
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
+    async def _send_async(self, rtype: int, payload: Any, timeout: float | None = None) -> None:
+        """Send without blocking the loop: while the request ring is full the task parks
+        on its space pipe (the reader callback keeps handling outputs meanwhile)."""
+        self._ensure_alive()
+        try:
+            await waiting.send_async(self.channel, rtype, payload, timeout=timeout,
+                                     alive=self.resources.alive)
+        except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
+            raise self._dead_error() from e
+
+    async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is
-        sent) and queue. If the request ring is full, read outputs and yield to other
-        tasks until it has room, instead of blocking the event loop. EngineDeadError once
-        the engine is gone or the client was shut down."""
+        sent) and queue. While the request ring is full the task waits for room without
+        blocking the loop, ``timeout`` seconds at most (None: as long as the engine
+        lives), then PeerNotConsumingError (a ``TimeoutError``; the request was not sent
+        and may be added again). EngineDeadError once the engine is gone or the client
+        was shut down."""
+        timeout = _check_timeout("add_request_async", timeout)
         self._bind_loop()
         self._admit(request)
         try:
-            payload = self.channel.encode(request)
-            # A message bigger than the ring goes in fragments and must wait for room as
-            # it goes; the engine keeps draining requests, so that wait is short.
-            timeout = 0.0 if self.channel.fits_whole(len(payload)) else None
-            while True:
-                self._ensure_alive()
-                try:
-                    self.channel.send_encoded(
-                        REQ_ADD, payload, timeout=timeout, alive=self.resources.alive
-                    )
-                    return
-                except PeerNotConsumingError:
-                    self._read_now(0.0)
-                    await asyncio.sleep(0)
-                except PeerDeadError as e:
-                    raise self._dead_error() from e
+            await self._send_async(REQ_ADD, self.channel.encode(request), timeout)
         except BaseException:
             self._live.discard(request.request_id)
             raise
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        """Abort requests (see ``abort_requests``); never waits for the engine."""
-        self.abort_requests(request_ids)
+        """Abort requests; rides the same ordered ring as the adds. InvalidRequestError
+        for ids that are not a list of str; a quiet no-op for [] or once the engine is
+        dead. Waits (without blocking the loop) only while the request ring is full."""
+        ids = self._abort_ids(request_ids)
+        if not ids:
+            return
+        self._bind_loop()
+        try:
+            await self._send_async(REQ_ABORT, self.channel.encode(ids))
+        except EngineDeadError:
+            pass
 
     async def _read_remains_async(self) -> None:
         """Once the engine died: read what it wrote before dying and queue it, without
@@ -215,15 +239,19 @@ class AsyncMPClient(MPClient):
                     self._lead.release()
             await asyncio.sleep(0.005)
 
-    async def get_output_async(self) -> EngineCoreOutputs:
-        """The next output batch; waits without blocking the loop. Once the engine
-        died, the outputs it wrote before dying still come first (as vLLM's), then
-        EngineDeadError; EngineDeadError too once the client was shut down."""
+    async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next output batch; waits without blocking the loop, ``timeout`` seconds
+        at most (None: no limit), then PeerNotProducingError (a ``TimeoutError``). Once
+        the engine died, the outputs it wrote before dying still come first (as
+        vLLM's), then EngineDeadError; EngineDeadError too once the client was shut
+        down."""
         outputs = self._outputs
         if outputs:
             return outputs.popleft()
+        timeout = _check_timeout("get_output_async", timeout)
         loop = self._bind_loop()
         spin = self._spin
+        deadline = None if timeout is None else loop.time() + timeout
         while True:
             if self._closed:
                 raise self._dead_error()
@@ -232,17 +260,25 @@ class AsyncMPClient(MPClient):
                 if outputs:
                     return outputs.popleft()
                 raise self._dead_error()
-            self._read_now(spin.budget)
+            self._read_now(min(spin.budget, spin.base))
             if outputs:
                 spin.after(True, 0.0)  # the spin paid
                 return outputs.popleft()
+            if deadline is not None and loop.time() >= deadline:
+                raise PeerNotProducingError(
+                    f"no output from the engine within {timeout} s (the engine is alive)")
             waiter = loop.create_future()
             self._waiters.add(waiter)
+            handle = None
+            if deadline is not None:
+                handle = loop.call_at(deadline, lambda: waiter.done() or waiter.set_result(None))
             parked = time.perf_counter()
             try:
                 await waiter
             finally:
                 self._waiters.discard(waiter)
+                if handle is not None:
+                    handle.cancel()
             # Woken just after the spin gave up: spin longer next time (up to 8x).
             spin.after_block(time.perf_counter() - parked)
             if outputs:
@@ -253,7 +289,12 @@ class AsyncMPClient(MPClient):
         ``EngineCoreClient.call_utility`` for the errors."""
         loop = self._bind_loop()
         fut = loop.create_future()
-        self._new_call(method, args, fut)
+        call_id, payload = self._register_call(method, args, fut)
+        try:
+            await self._send_async(REQ_UTILITY, payload)
+        except BaseException:
+            self._futures.pop(call_id, None)
+            raise
         return await fut
 
     # -- named utilities, spelled out as in vLLM's AsyncMPClient ----------------------
@@ -366,21 +407,26 @@ class AsyncMPClient(MPClient):
         """Async form of ``get_weight_version``."""
         return await self.call_utility_async("get_weight_version")
 
-    # Sync forms need a thread that may block; in an event loop use the _async forms.
-    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """Not available here: raises UsageError (use ``await get_output_async()``)."""
-        raise UsageError("AsyncMPClient: use 'await get_output_async()'")
-
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Not available here: raises UsageError (use ``await call_utility_async()``)."""
-        raise UsageError("AsyncMPClient: use 'await call_utility_async(method, *args)'")
-
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the engine and free everything (blocks for up to about ``timeout + 2``
-        s, None meaning ``DEFAULT_SHUTDOWN_TIMEOUT_S``); pending and later calls raise
+        """Stop the engine and free everything, blocking the calling thread for up to
+        about ``timeout + 2`` s (None meaning ``DEFAULT_SHUTDOWN_TIMEOUT_S``; from a
+        running loop use ``shutdown_async``); pending and later calls raise
         EngineDeadError. Idempotent."""
         super().shutdown(timeout)
         if self._loop is not None and not self._loop.is_closed() and _running_loop() is self._loop:
+            self._fail_in_loop()
+
+    async def shutdown_async(self, timeout: float | None = None) -> None:
+        """``shutdown`` without blocking the loop (it runs in a thread); pending calls
+        get EngineDeadError at once. Idempotent."""
+        from .client import shutdown_timeout
+
+        timeout = shutdown_timeout(timeout)
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            return
+        await loop.run_in_executor(None, self.shutdown, timeout)
+        if self._loop is loop and not loop.is_closed():
             self._fail_in_loop()
 
 

@@ -12,7 +12,7 @@ import concurrent.futures
 from typing import Any
 
 from .client import (
-    EngineCoreClient,
+    SyncEngineCoreClient,
     check_abort_ids,
     check_request,
     check_utility_call,
@@ -22,7 +22,7 @@ from .errors import ClientClosedError, UtilityCallError
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
-class InprocClient(EngineCoreClient):
+class InprocClient(SyncEngineCoreClient):
     """The engine core in the caller's process, driven by the caller's thread.
 
     For tests and single-process frontends (vLLM's ``InprocClient``). Nothing runs in the

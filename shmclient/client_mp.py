@@ -27,9 +27,12 @@ import weakref
 from collections import deque
 from typing import Any
 
-from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage, ZmqChannel
+from . import waiting
+from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
+from .channel_zmq import ZmqChannel
 from .client import (
     EngineCoreClient,
+    SyncEngineCoreClient,
     check_abort_ids,
     check_request,
     check_utility_call,
@@ -54,6 +57,18 @@ logger = logging.getLogger("shmclient")
 #: How the engine process reports a ConfigError during start-up (shmclient_engine/proc.py sends
 #: "<type name>: <message>"; the launcher puts its prefix in front).
 _STARTUP_CONFIG_ERROR = re.compile(r"initialization failed: ConfigError: (.*)", re.S)
+
+
+def _check_timeout(what: str, timeout: Any) -> float | None:
+    """``timeout`` as seconds or None; anything but None or a number >= 0 raises
+    InvalidRequestError naming the call."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not timeout >= 0):
+        raise InvalidRequestError(
+            f"{what}(): timeout={timeout!r} is invalid: must be a number of seconds >= 0 or None")
+    return float(timeout)
 
 
 def _startup_error(e: BaseException) -> Exception | None:
@@ -153,23 +168,14 @@ class MPClient(EngineCoreClient):
         return self._dead_error()
 
     # -- sending (never waits for the engine, only for ring space) ---------------------
-    def _send(self, rtype: int, obj: Any) -> None:
+    def _send(self, rtype: int, obj: Any, timeout: float | None = None) -> None:
         self._ensure_alive()
+        channel = self.channel
         try:
-            self.channel.send(rtype, obj, timeout=None, alive=self.resources.alive)
+            waiting.send(channel, rtype, channel.encode(obj), timeout=timeout,
+                         alive=self.resources.alive)
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate (InvalidRequestError), then queue. EngineDeadError if the engine is
-        gone. Blocks only while the request ring is full (the engine keeps taking
-        requests even while its own output ring is full, so this always progresses)."""
-        self._admit(request)
-        try:
-            self._send(REQ_ADD, request)
-        except BaseException:
-            self._live.discard(request.request_id)
-            raise
 
     def _admit(self, request: EngineCoreRequest) -> None:
         """Checks before a request travels; marks its id live."""
@@ -184,29 +190,23 @@ class MPClient(EngineCoreClient):
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         self._live.add(request.request_id)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort; rides the same ordered ring as the adds. InvalidRequestError for ids
-        that are not a list of str; a quiet no-op once the engine is dead or for []."""
+    def _abort_ids(self, request_ids: Any) -> list[str]:
+        """The checked ids to send, [] when there is nothing to send (none given, or
+        the engine is dead or the client shut down: aborts are then quiet no-ops)."""
         ids = check_abort_ids(request_ids)
         if not ids or self._closed or self.resources.dead.is_set():
-            return
-        try:
-            self._send(REQ_ABORT, ids)
-        except EngineDeadError:
-            pass
+            return []
+        return ids
 
-    def _new_call(self, method: str, args: tuple, future: Any) -> None:
+    def _register_call(self, method: str, args: tuple, future: Any) -> tuple[int, Any]:
+        """A new call's id and its encoded message; the future is registered (the
+        caller unregisters it if the send fails)."""
         self._ensure_alive()
         check_utility_call(method)
         call_id = next(self._call_ids)
+        payload = self.channel.encode(UtilityRequest(0, call_id, method, args))
         self._futures[call_id] = (method, future)
-        try:
-            # Death may have failed every registered future just before ours went in.
-            self._ensure_alive()
-            self._send(REQ_UTILITY, UtilityRequest(0, call_id, method, args))
-        except BaseException:
-            self._futures.pop(call_id, None)
-            raise
+        return call_id, payload
 
     # -- receiving --------------------------------------------------------------------
     def _dispatch(self, got: list[tuple[int, Any]]) -> None:
@@ -250,7 +250,7 @@ class MPClient(EngineCoreClient):
         zmq_grace = grace if isinstance(self.channel, ZmqChannel) else 0.0
         while True:
             try:
-                more = (self.channel.recv(timeout=zmq_grace) if zmq_grace > 0
+                more = (waiting.recv(self.channel, timeout=zmq_grace) if zmq_grace > 0
                         else self.channel.try_recv())
             except (PeerNotProducingError, PeerDeadError, ClientClosedError, ProtocolError):
                 more = []
@@ -304,7 +304,7 @@ class MPClient(EngineCoreClient):
         return self.resources.dead.is_set()
 
 
-class SyncMPClient(MPClient):
+class SyncMPClient(MPClient, SyncEngineCoreClient):
     """Blocking client: ``get_output()`` waits for the next batch in the caller's thread.
 
     ``make_client(True, False, config)``. Thread-safe: any number of threads may add,
@@ -357,7 +357,7 @@ class SyncMPClient(MPClient):
                 try:
                     if done() or dead.is_set():
                         continue
-                    got = self.channel.recv(timeout=left, alive=self._alive_and_flush)
+                    got = waiting.recv(self.channel, timeout=left, alive=self._alive_and_flush)
                     if got:
                         self._dispatch(got)
                 except PeerNotProducingError:
@@ -425,13 +425,49 @@ class SyncMPClient(MPClient):
                     continue
                 raise self._dead_error()
             if deadline is None and timeout is not None:
-                deadline = time.monotonic() + timeout
+                deadline = time.monotonic() + _check_timeout("get_output", timeout)
             self._pump(outputs.__len__, deadline)
+
+    def add_request(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
+        """Validate (InvalidRequestError), then queue. EngineDeadError if the engine is
+        gone. Blocks only while the request ring is full (the engine keeps taking
+        requests even while its own output ring is full, so this always progresses
+        while the engine runs): ``timeout`` seconds at most (None: as long as the engine
+        lives), then PeerNotConsumingError (a ``TimeoutError``) and the request was not
+        sent (a request bigger than the ring may have gone in part; the engine drops
+        it), so it may be added again."""
+        timeout = _check_timeout("add_request", timeout)
+        self._admit(request)
+        try:
+            self._send(REQ_ADD, request, timeout)
+        except BaseException:
+            self._live.discard(request.request_id)
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort; rides the same ordered ring as the adds. InvalidRequestError for ids
+        that are not a list of str; a quiet no-op once the engine is dead or for []."""
+        ids = self._abort_ids(request_ids)
+        if ids:
+            try:
+                self._send(REQ_ABORT, ids)
+            except EngineDeadError:
+                pass
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Call ``method(*args)`` in the engine and wait for its result; see
-        ``EngineCoreClient.call_utility`` for the errors."""
+        ``SyncEngineCoreClient.call_utility`` for the errors."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._new_call(method, args, fut)
+        call_id, payload = self._register_call(method, args, fut)
+        try:
+            # Death may have failed every registered future just before ours went in.
+            self._ensure_alive()
+            waiting.send(self.channel, REQ_UTILITY, payload, alive=self.resources.alive)
+        except PeerDeadError as e:
+            self._futures.pop(call_id, None)
+            raise self._dead_error() from e
+        except BaseException:
+            self._futures.pop(call_id, None)
+            raise
         self._pump(fut.done, None)
         return fut.result()

@@ -51,6 +51,12 @@ class ClientClosedError(EngineDeadError):
     """
 
 
+class WaitNotSupportedError(InvalidRequestError):
+    """``mode="wait"`` of ``sleep`` / ``pause_scheduler`` asked of an engine that nothing
+    steps while the caller waits (in-process). Raised by the engine core; ``InprocClient``
+    passes it on unwrapped. A ``ValueError``, as vLLM's in-process engine raises."""
+
+
 class ProtocolError(ShmClientError, RuntimeError):
     """The channel itself is broken: a record of unknown type, corrupt framing, a message
     that violates the protocol. Fatal for the channel (unlike a single message that does
@@ -60,6 +66,12 @@ class ProtocolError(ShmClientError, RuntimeError):
 class UsageError(ShmClientError, TypeError, RuntimeError):
     """A client was called in a way it does not support (a blocking method of
     ``AsyncMPClient``, a second event loop); the message says what to call instead."""
+
+
+class WouldBlock(ShmClientError, BlockingIOError):
+    """A ``*_nowait`` call could not go ahead without waiting: nothing to receive, no room
+    to send (or another thread of this side holds the end). Nothing was lost: retry
+    after waiting on the channel's wait handle (``shmclient.waiting``)."""
 
 
 class PeerTimeoutError(ShmClientError, TimeoutError):

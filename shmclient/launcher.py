@@ -29,7 +29,8 @@ import msgspec
 import zmq
 
 from . import control, forksafe
-from .channel import ShmChannel, ZmqChannel
+from .channel import ShmChannel
+from .channel_zmq import ZmqChannel
 from .messages import PROTOCOL_VERSION
 from .tensors_cuda import local_gpu_uuids
 

@@ -62,12 +62,14 @@ Role = Literal["producer", "consumer"]
 
 class RingSpec(msgspec.Struct, frozen=True):
     """Everything the peer process needs to attach (msgpack-able): the segment's handle,
-    the capacity and, for a consumer that waits in an event loop, the handle of its wake
-    pipe's write end."""
+    the capacity and the handles of the pipes' write ends: ``wake_pipe`` for a consumer
+    that waits in an event loop (the producer writes it on publish), ``space_pipe`` for a
+    producer that waits for room in an event loop (the consumer writes it on release)."""
 
     segment: str
     capacity: int
     wake_pipe: str = ""
+    space_pipe: str = ""
 
 
 class _Resources:
@@ -78,6 +80,9 @@ class _Resources:
         self.seg: Segment | None = None
         self.fds: list[int] = []
         self.wake_w = -1  # a write end of the consumer's wake pipe (both roles keep one)
+        self.wake_r = -1  # the consumer's: its wake pipe's read end
+        self.space_w = -1  # a write end of the producer's space pipe (both roles keep one)
+        self.space_r = -1  # the producer's: its space pipe's read end
         self.ends: list = []  # the C end: dropped before the mapping is closed
 
     def unlink(self) -> None:
@@ -93,9 +98,11 @@ class _Resources:
             end.detach()
         self.ends.clear()
         self.unlink()
-        if self.wake_w >= 0:
-            os.close(self.wake_w)
-            self.wake_w = -1
+        for name in ("wake_w", "space_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
         if self.seg is not None:
             self.seg.close()
         for fd in self.fds:
@@ -139,6 +146,7 @@ class Ring:
         prefix: str = "shmc",
         spin_us: float = 30.0,
         consumer_wake_fd: bool = False,
+        producer_wake_fd: bool = False,
         liveness_interval: float = 0.1,
     ) -> "Ring":
         """Create a ring (owner side) and return this process's end of it.
@@ -147,7 +155,10 @@ class Ring:
         waiter spins before it sleeps (0: never spins; adapted, see ``doorbell.Spin``).
         ``consumer_wake_fd``: also make a pipe the consumer can watch with an event loop
         (``fileno()``); the producer then writes a byte when a parked consumer asked for
-        one. ``liveness_interval``: seconds between ``alive()`` checks while blocked.
+        one. ``producer_wake_fd``: also make a pipe the producer can watch with an event
+        loop while it waits for room (``space_fileno()``, ``arm_space()``); the consumer
+        then writes a byte when it releases space the producer asked for.
+        ``liveness_interval``: seconds between ``alive()`` checks while blocked.
         Raises ShmCapacityError if the memory cannot be reserved (nothing is left
         behind), ValueError for bad arguments. Call ``unlink()`` once the peer has
         attached. Does not block.
@@ -162,12 +173,20 @@ class Ring:
         try:
             res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=True)
             _ring.init_header(res.seg.buf, capacity)
-            wake = ""
+            wake = space = ""
             if consumer_wake_fd:
                 r, w, wake = make_pipe()
                 res.fds.append(r)
                 res.wake_w = w
-            spec = RingSpec(res.seg.name, capacity, wake)
+                if role == "consumer":
+                    res.wake_r = r
+            if producer_wake_fd:
+                r, w, space = make_pipe()
+                res.fds.append(r)
+                res.space_w = w
+                if role == "producer":
+                    res.space_r = r
+            spec = RingSpec(res.seg.name, capacity, wake, space)
             return kind._build(spec, res, spin_us, liveness_interval)
         except BaseException:
             res.release()
@@ -195,8 +214,14 @@ class Ring:
                 raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
             if spec.wake_pipe:
                 if role == "consumer":
-                    res.fds.append(open_handle(spec.wake_pipe, os.O_RDONLY | os.O_NONBLOCK))
+                    res.wake_r = open_handle(spec.wake_pipe, os.O_RDONLY | os.O_NONBLOCK)
+                    res.fds.append(res.wake_r)
                 res.wake_w = open_handle(spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
+            if spec.space_pipe:
+                if role == "producer":
+                    res.space_r = open_handle(spec.space_pipe, os.O_RDONLY | os.O_NONBLOCK)
+                    res.fds.append(res.space_r)
+                res.space_w = open_handle(spec.space_pipe, os.O_WRONLY | os.O_NONBLOCK)
             return kind._build(spec, res, spin_us, liveness_interval)
         except BaseException:
             res.release()
@@ -246,10 +271,11 @@ class Ring:
         self._res.unlink()
 
     def handle_fds(self) -> list[int]:
-        """Owner: the fds behind ``spec`` (segment, wake pipe) while they are still open,
-        for a child process to inherit; attach then uses them instead of /proc."""
+        """Owner: the fds behind ``spec`` (segment, pipes) while they are still open, for
+        a child process to inherit; attach then uses them instead of /proc."""
         res = self._res
-        return [fd for fd in (res.seg.fd if res.seg is not None else -1, res.wake_w) if fd >= 0]
+        seg = res.seg.fd if res.seg is not None else -1
+        return [fd for fd in (seg, res.wake_w, res.space_w) if fd >= 0]
 
     def close(self) -> None:
         """Tell the peer this side has gone, wake anything blocked on the ring, unmap.
@@ -308,6 +334,27 @@ class Ring:
         if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
             err = PeerNotConsumingError if self.role == "producer" else PeerNotProducingError
             raise err(f"another thread held this {self.role} end for the whole timeout ({timeout} s)")
+
+    def _wait_once(self, wait: Callable[..., int], timeout: float, spin: float | None, first: bool) -> bool:
+        """One C wait: spin (``spin`` seconds; None: the adaptive budget, on a first
+        wait only), then sleep until ready or ``timeout`` seconds. True when ready (or
+        the peer closed: the caller's next try says so), False on the timeout. Raises
+        ClientClosedError, or what a signal handler raised. No lock is taken: the C end
+        refuses re-entry itself, and a wait changes nothing but statistics."""
+        if self._closed:
+            raise self._closed_error()
+        adaptive = spin is None
+        budget = (self._spin.budget if first else 0.0) if adaptive else max(spin, 0.0)
+        t0 = perf_counter()
+        r = wait(budget, max(timeout, budget, 0.0), first)
+        if adaptive:
+            if r == _ring.READY:
+                self._spin.after(True, 0.0)
+            elif r == _ring.WOKEN:
+                self._spin.after(False, perf_counter() - t0 - budget)
+        if self._closed:
+            raise self._closed_error()
+        return r != _ring.TIMEOUT
 
     def _wait(self, wait: Callable[..., int], timeout: float | None, alive) -> bool:
         """The slice loop around a C wait: spin (adaptive), then sleep in slices of

@@ -29,8 +29,8 @@ class RingConsumer(Ring):
     _peer = "producer"
 
     def _make_end(self, res):
-        self._wake_r = res.fds[0] if self.spec.wake_pipe else -1
-        return _ring.Consumer(res.seg.buf, res.wake_w)
+        self._wake_r = res.wake_r
+        return _ring.Consumer(res.seg.buf, res.wake_w, res.space_w)
 
     # ---- public
 
@@ -124,6 +124,17 @@ class RingConsumer(Ring):
     def has_data(self) -> bool:
         """Whether a record is waiting (a plain look; never blocks)."""
         return self._c.poll() == 1
+
+    def wait_readable(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Wait, once, for a record to read: spin (``spin`` seconds, None: the adaptive
+        budget), then sleep up to ``timeout`` seconds. True when one is there or the
+        producer closed (the next ``try_recv`` says which), False on the timeout. No
+        liveness check, no retry: the slice loop is the caller's (``shmclient.waiting``).
+        Raises ClientClosedError or what a signal handler raised."""
+        c = self._c
+        if c.pinned:
+            c.unpin()  # views dropped since the last call free their space now
+        return self._wait_once(c.wait, timeout, spin, first)
 
     def fileno(self) -> int:
         """A descriptor that is readable whenever a published record has not been read

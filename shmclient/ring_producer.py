@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import _ring
-from .errors import PeerNotConsumingError
+from .doorbell import drain_pipe
+from .errors import PeerNotConsumingError, WouldBlock
 from .ring import MAX_PAYLOAD, BytesLike, Ring, _as_bytes
 
 
@@ -65,6 +66,88 @@ class RingProducer(Ring):
             if r is None:
                 raise self._peer_dead()
             return r
+
+    def send_nowait(self, rtype: int, payload: BytesLike) -> None:
+        """Write and publish one message without ever waiting: raises WouldBlock when the
+        ring has no room now (or another thread of this side is in a call). A message
+        longer than ``max_record`` goes in fragments: as many as fit now are written,
+        then WouldBlock; calling again with the same payload resumes after them (any
+        other record sent first makes the consumer drop the partial message). Raises
+        ValueError, PeerDeadError, ClientClosedError as ``send``."""
+        try:
+            if self._c.try_send(rtype, payload):  # fast path: no lock, one C call
+                return
+        except OverflowError:
+            pass
+        if not self._lock.acquire(False):
+            raise WouldBlock(f"another thread is in a call on this {self.role} end")
+        c = self._c
+        try:
+            if self._closed:
+                raise self._closed_error()
+            c.held = True
+            if self._partial is not None:
+                ptype, ppayload, off = self._partial
+                self._partial = None
+                if ptype == rtype and (ppayload is payload or ppayload == payload):
+                    self._fragments_nowait(rtype, payload, off)
+                    return
+            try:
+                r = c.try_send(rtype, payload, True)
+            except OverflowError:  # longer than one record: fragments
+                self._fragments_nowait(rtype, payload, 0)
+                return
+            if r is None:
+                raise self._peer_dead()
+            if not r:
+                raise WouldBlock(f"the ring is full ({c.pending()} of {self.capacity} bytes unread)")
+        finally:
+            c.held = self._partial is not None
+            self._lock.release()
+
+    def _fragments_nowait(self, rtype: int, payload, off: int) -> None:
+        n = _nbytes(payload)
+        if n > MAX_PAYLOAD:
+            raise _too_big(n)
+        if type(payload) is not bytes:
+            payload = _as_bytes(payload)
+        new = self._c.send_part(rtype, payload, off, self._frag_chunk)
+        if new is None:
+            raise self._peer_dead()
+        if new < n:
+            self._partial = (rtype, payload, new)
+            raise WouldBlock(f"{new} of {n} bytes of a fragmented message written; the ring is full")
+
+    def wait_writable(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Wait, once, for the consumer to release space since the last write that did
+        not fit: spin (``spin`` seconds, None: the adaptive budget), then sleep up to
+        ``timeout`` seconds. True when space was released or the consumer closed (the
+        next send says which), False on the timeout. No liveness check, no retry (see
+        ``shmclient.waiting``). Raises ClientClosedError or what a signal handler raised."""
+        return self._wait_once(self._c.wait_space, timeout, spin, first)
+
+    @property
+    def partial_pending(self) -> bool:
+        """A fragmented message is half-way (``send_nowait`` ran out of room): it must
+        be finished before any other record goes."""
+        return self._partial is not None
+
+    def space_fileno(self) -> int:
+        """A descriptor that turns readable when the consumer released space after
+        ``arm_space()`` (for ``loop.add_reader``). Needs ``producer_wake_fd=True`` at
+        creation. Does not block."""
+        if self._closed:
+            raise self._closed_error()
+        if self._res.space_r < 0:
+            raise ValueError("this ring was created without producer_wake_fd=True")
+        return self._res.space_r
+
+    def arm_space(self) -> None:
+        """Drain the space pipe and ask the consumer for a byte at its next release;
+        then retry the send (no wake-up is lost between the two). Does not block."""
+        if self._res.space_r >= 0:
+            drain_pipe(self._res.space_r)
+        self._c.arm_space()
 
     def send(self, rtype: int, payload: BytesLike, *, timeout: float | None = None, alive=None) -> None:
         """Write one record and publish it, waiting for space while the ring is full

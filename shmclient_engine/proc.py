@@ -37,7 +37,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from shmclient import control
+from shmclient import control, waiting
+from shmclient.channel_zmq import ZmqChannel, ZmqChannelSpec
 from shmclient.channel import (
     REC_OUTPUTS,
     BadMessage,
@@ -46,8 +47,6 @@ from shmclient.channel import (
     REQ_UTILITY,
     ShmChannel,
     ShmChannelSpec,
-    ZmqChannel,
-    ZmqChannelSpec,
 )
 from shmclient.errors import (
     PeerDeadError,
@@ -196,7 +195,7 @@ class EngineProc:
         payload = channel.encode(outputs)
         while True:
             try:
-                channel.send_encoded(REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
+                waiting.send(channel, REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
                 return
             except PeerNotConsumingError:
                 for rtype, obj in channel.try_recv():
@@ -218,7 +217,7 @@ class EngineProc:
                     self.alive()
             else:
                 try:
-                    got = self.channel.recv(timeout=_SLICE_S, alive=self.alive)
+                    got = waiting.recv(self.channel, timeout=_SLICE_S, alive=self.alive)
                 except PeerNotProducingError:
                     got = []
             for rtype, obj in got:

@@ -34,7 +34,9 @@ from shmclient import (
     UtilityCallError,
     client_mp,
 )
-from shmclient.channel import REQ_ABORT, REQ_ADD, BadMessage, ShmChannel, ZmqChannel
+from shmclient import waiting
+from shmclient.channel import REQ_ABORT, REQ_ADD, BadMessage, ShmChannel
+from shmclient.channel_zmq import ZmqChannel
 from shmclient.errors import PeerDeadError
 
 from .drivers import KINDS, Driver, build, req
@@ -300,6 +302,10 @@ async def test_refused_request_finishes_with_finish_reason_error_and_engine_keep
 # ----------------------------------------------------------------- channel isolation
 
 
+def send(channel, rtype, obj):
+    waiting.send(channel, rtype, channel.encode(obj), timeout=5.0)
+
+
 @pytest.fixture
 def shm_pair():
     front, spec = ShmChannel.create(
@@ -314,10 +320,10 @@ def shm_pair():
 
 def test_shm_recv_keeps_messages_around_one_that_does_not_decode(shm_pair):
     front, engine = shm_pair
-    front.send(REQ_ADD, add("before"))
-    front.send_encoded(REQ_ADD, msgspec.msgpack.encode(["bad", [1.0, 2.5]]))
-    front.send(REQ_ADD, add("after"))
-    got = engine.recv(timeout=5.0)
+    send(front, REQ_ADD, add("before"))
+    waiting.send(front, REQ_ADD, msgspec.msgpack.encode(["bad", [1.0, 2.5]]), timeout=5.0)
+    send(front, REQ_ADD, add("after"))
+    got = waiting.recv(engine, timeout=5.0)
     assert [t for t, _ in got] == [REQ_ADD] * 3
     first, bad, last = (obj for _, obj in got)
     assert first.request_id == "before" and last.request_id == "after"
@@ -329,9 +335,9 @@ def test_shm_recv_keeps_messages_around_one_that_does_not_decode(shm_pair):
 def test_shm_undecodable_message_gives_its_tensor_block_back(shm_pair):
     front, engine = shm_pair
     big = torch.randn(64, 32)  # out of band, in the frontend's arena
-    front.send(REQ_ADD, EngineCoreRequest(request_id=5, prompt_embeds=big))
+    send(front, REQ_ADD, EngineCoreRequest(request_id=5, prompt_embeds=big))
     assert front._tensor_tx.stats()["blocks_in_flight"] == 1
-    (_, bad), = engine.recv(timeout=5.0)
+    (_, bad), = waiting.recv(engine, timeout=5.0)
     assert type(bad) is BadMessage and bad.field("request_id") == 5
     engine.flush_releases()
     front.try_recv()  # reads the release record
@@ -340,9 +346,9 @@ def test_shm_undecodable_message_gives_its_tensor_block_back(shm_pair):
 
 def test_shm_unknown_record_type_is_a_protocol_error_after_what_came_before(shm_pair):
     front, engine = shm_pair
-    front.send(REQ_ADD, add("kept"))
+    send(front, REQ_ADD, add("kept"))
     front.tx.send(0x7E, b"junk", timeout=1.0)
-    got = engine.recv(timeout=5.0)
+    got = waiting.recv(engine, timeout=5.0)
     assert [obj.request_id for _, obj in got] == ["kept"]
     with pytest.raises(ProtocolError, match="unknown record type 0x7e"):
         engine.try_recv()
@@ -362,13 +368,13 @@ def zmq_pair():
 
 def test_zmq_message_that_does_not_decode_fails_alone(zmq_pair):
     front, engine = zmq_pair
-    front.send(REQ_ADD, add("before"))
-    front.send_encoded(REQ_ABORT, [msgspec.msgpack.encode([1, 2])])
-    front.send(REQ_ADD, add("after"))
+    send(front, REQ_ADD, add("before"))
+    waiting.send(front, REQ_ABORT, [msgspec.msgpack.encode([1, 2])], timeout=5.0)
+    send(front, REQ_ADD, add("after"))
     got: list = []
     deadline = time.monotonic() + 5.0
     while len(got) < 3 and time.monotonic() < deadline:
-        got += engine.recv(timeout=1.0)
+        got += waiting.recv(engine, timeout=1.0)
     assert [t for t, _ in got] == [REQ_ADD, REQ_ABORT, REQ_ADD]
     assert got[0][1].request_id == "before" and got[2][1].request_id == "after"
     assert type(got[1][1]) is BadMessage and "Expected `str`" in got[1][1].error
@@ -381,5 +387,5 @@ def test_zmq_send_to_a_gone_engine_is_peer_dead_not_zmq_error(zmq_pair):
     deadline = time.monotonic() + 10.0
     with pytest.raises(PeerDeadError, match="not connected"):
         while time.monotonic() < deadline:  # until the ROUTER has seen the disconnect
-            front.send(REQ_ADD, add("x"))
+            send(front, REQ_ADD, add("x"))
             front._tx.poll(10)

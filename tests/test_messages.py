@@ -28,7 +28,7 @@ PUBLIC = {
     "MPClient", "PROTOCOL_VERSION", "PeerDeadError", "PeerNotConsumingError",
     "PeerNotProducingError", "PeerTimeoutError", "PoolingParams", "ProtocolError",
     "SamplingParams", "SchedulerStats", "SerializationError", "ShmCapacityError", "ShmClientError",
-    "SyncMPClient", "UsageError", "UtilityCallError", "UtilityOutput", "make_async_mp_client",
+    "SyncEngineCoreClient", "SyncMPClient", "UsageError", "WouldBlock", "UtilityCallError", "UtilityOutput", "make_async_mp_client",
     "make_client",
 }
 

@@ -337,7 +337,7 @@ async def test_broken_output_channel_is_engine_dead_error_saying_so(kind, monkey
         def broken(*args, **kwargs):
             raise ProtocolError("unknown record type 0x7e on the ring")
 
-        monkeypatch.setattr(client.channel, "recv", broken)
+        monkeypatch.setattr(client.channel, "recv_nowait", broken)
         monkeypatch.setattr(client.channel, "try_recv", broken)
         await drv.add(req("r", max_tokens=2))
         with pytest.raises(EngineDeadError, match="channel from the engine core is broken"):

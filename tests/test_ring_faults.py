@@ -281,7 +281,7 @@ def test_a_fork_child_that_exits_leaves_the_parents_engine_alone():
     assert r.returncode == 0 and r.stdout.strip() == "served", r.stderr[-2000:]
 
 
-def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
+def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path, monkeypatch):
     """The engine hangs before READY (as a slow model load would); the frontend is
     SIGKILLed then. Nothing may stay in /dev/shm or /tmp, and the engine exits."""
     shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
@@ -290,10 +290,13 @@ def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path):
         from shmclient.config import EngineConfig
         from shmclient import make_client
         print("starting", flush=True)
-        make_client(True, False, EngineConfig(model="mock", fault_injection="hang_before_ready",
+        make_client(True, False, EngineConfig(model="mock", engine_module="tests.fault_engine",
                                               engine_ready_timeout_s=60))
         """
     )
+    from .fault_engine import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "hang_before_ready")  # the frontend passes it on
     front = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     engine = None
     try:
@@ -418,16 +421,17 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
     """One thread's send waits on a full request ring (a stalled engine); the reading
     thread, with tensor releases to hand back, must still time out on its own schedule
     instead of queueing behind the sender's lock."""
+    from shmclient import waiting
     from shmclient.channel import REQ_UTILITY, ShmChannel
 
     front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
     engine = ShmChannel.attach(spec)
     front.peer_attached()
     stuck = threading.Thread(
-        target=lambda: pytest.raises(PeerNotConsumingError, front.send_encoded, REQ_UTILITY, b"x" * 3000, timeout=3)
+        target=lambda: pytest.raises(PeerNotConsumingError, waiting.send, front, REQ_UTILITY, b"x" * 3000, timeout=3)
     )
     try:
-        front.send_encoded(REQ_UTILITY, b"x" * 3000, timeout=1)  # the engine never reads
+        waiting.send(front, REQ_UTILITY, b"x" * 3000, timeout=1)  # the engine never reads
         stuck.start()
         deadline = time.monotonic() + 5
         while front.tx.stats()["waits_on_full"] == 0 and time.monotonic() < deadline:
@@ -436,7 +440,7 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
         front._released.append(7)  # a tensor block this side is done with
         t0 = time.monotonic()
         with pytest.raises(PeerNotProducingError):
-            front.recv(timeout=0.2)
+            waiting.recv(front, timeout=0.2)
         assert time.monotonic() - t0 < 1.5, "the reader waited behind the stuck sender"
     finally:
         stuck.join(10)

@@ -173,15 +173,27 @@ async def test_sleep_wait_returns_after_in_flight_requests_finish(drv):
 def test_async_client_defines_every_utility_async_with_the_sync_signature():
     # vLLM's AsyncMPClient spells out pause_scheduler_async, reset_prefix_cache_async, ...
     # in its class body; type checkers and IDEs see them only if they are written there.
-    from shmclient.client import UTILITY_METHODS, EngineCoreClient
+    from shmclient.client import UTILITY_METHODS, SyncEngineCoreClient
 
     for name in UTILITY_METHODS:
         fn = AsyncMPClient.__dict__.get(f"{name}_async")
         assert fn is not None and inspect.iscoroutinefunction(fn), name
-        want = inspect.signature(getattr(EngineCoreClient, name)).parameters
+        want = inspect.signature(getattr(SyncEngineCoreClient, name)).parameters
         got = inspect.signature(fn).parameters
         assert [(p.name, p.default) for p in got.values()] == [
             (p.name, p.default) for p in want.values()], name
+
+
+def test_async_client_has_no_blocking_method_that_raises():
+    # vLLM's base class carries sync and async forms that raise NotImplementedError; here
+    # the async client has the *_async forms only, so a blocking call is an AttributeError
+    # a type checker sees, never a method that exists only to raise.
+    from shmclient.client import UTILITY_METHODS
+
+    for name in ("add_request", "get_output", "abort_requests", "call_utility", *UTILITY_METHODS):
+        assert not hasattr(AsyncMPClient, name), name
+    for name in ("shutdown", "shutdown_async", "__aenter__", "__aexit__", "create", "dp_engines_running"):
+        assert hasattr(AsyncMPClient, name), name
 
 
 def test_every_client_utility_is_one_the_engine_serves():

@@ -1,0 +1,219 @@
+"""``ZmqChannel``: the channel interface over vLLM's socket layout (the baseline transport).
+
+Middle layer, beside ``channel`` (whose record types, decoders and ``BadMessage`` it
+shares): imports pyzmq, codec, messages, errors; never clients, asyncio, ``waiting`` or
+the engine. Frontend: ROUTER bound for requests (the engine's DEALER registers with one
+empty message), PULL bound for outputs; engine: DEALER and PUSH connected. Each message
+is ``[type byte, msgpack frame, *tensor frames]``; tensors travel as frames. As vLLM's
+sockets, nothing has a high-water mark: ``send_nowait`` always goes ahead (never
+WouldBlock), ``recv_nowait`` raises WouldBlock when nothing is queued. The wait handle:
+``wait_recv`` polls the socket, ``recv_fd`` is the socket's ZMQ_FD (edge-triggered:
+``arm_recv`` reads ZMQ_EVENTS, which re-arms it). Nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from .channel import BadMessage, _decoders, _describe
+from .codec import Encoder
+from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError, WouldBlock
+
+
+class ZmqChannelSpec(msgspec.Struct, frozen=True):
+    """The two socket addresses the engine connects to."""
+
+    input_address: str
+    output_address: str
+
+
+def _data_socket_options(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # unbounded queues, as vLLM: sends never block
+    sock.setsockopt(zmq.RCVHWM, 0)
+
+
+class ZmqChannel:
+    """One side of the ZMQ data path (see the module docstring)."""
+
+    ENGINE_IDENTITY = b"\x00\x00"
+
+    def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
+        self._tx = tx
+        self._rx = rx
+        self._frontend = frontend
+        self._encoder = Encoder()
+        self._decoders = _decoders(None)
+        self._send_lock = threading.Lock()  # held only around one non-blocking send
+        self._poller = zmq.Poller()
+        self._poller.register(rx, zmq.POLLIN)
+        self._deferred: BaseException | None = None
+        self._closed = False
+
+    @classmethod
+    def create(cls, ctx: zmq.Context, base: str) -> tuple["ZmqChannel", ZmqChannelSpec]:
+        spec = ZmqChannelSpec(input_address=f"{base}-in", output_address=f"{base}-out")
+        tx = ctx.socket(zmq.ROUTER)
+        rx = ctx.socket(zmq.PULL)
+        for s in (tx, rx):
+            _data_socket_options(s)
+        tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        tx.bind(spec.input_address)
+        rx.bind(spec.output_address)
+        return cls(tx, rx, frontend=True), spec
+
+    @classmethod
+    def attach(cls, ctx: zmq.Context, spec: ZmqChannelSpec) -> "ZmqChannel":
+        rx = ctx.socket(zmq.DEALER)
+        rx.setsockopt(zmq.IDENTITY, cls.ENGINE_IDENTITY)
+        tx = ctx.socket(zmq.PUSH)
+        for s in (tx, rx):
+            _data_socket_options(s)
+        rx.connect(spec.input_address)
+        tx.connect(spec.output_address)
+        rx.send(b"")  # registration: lets the ROUTER route to us
+        return cls(tx, rx, frontend=False)
+
+    def wait_registered(self, timeout: float) -> None:
+        """Frontend: wait for the engine DEALER's registration message."""
+        if not self._tx.poll(int(timeout * 1000), zmq.POLLIN):
+            raise PeerNotProducingError("engine did not connect to the request socket")
+        self._tx.recv_multipart()
+
+    def peer_attached(self) -> None:  # nothing to unlink: abstract socket names
+        pass
+
+    def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
+        pass
+
+    def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
+        return True
+
+    def encode(self, obj: Any) -> list:
+        return self._encoder.encode_frames(obj)
+
+    def send_nowait(self, rtype: int, frames: list) -> None:
+        """Queue the frames from ``encode``; always goes ahead (no high-water mark, as
+        vLLM's sockets). Raises PeerDeadError (the engine's socket is gone),
+        ClientClosedError. Never blocks."""
+        head = [self.ENGINE_IDENTITY] if self._frontend else []
+        with self._send_lock:
+            if self._closed:
+                raise ClientClosedError("this zmq channel was closed")
+            try:
+                self._tx.send_multipart([*head, bytes((rtype,)), *frames], copy=False)
+            except zmq.ZMQError as e:
+                raise self._socket_error(e) from e
+
+    def _socket_error(self, e: zmq.ZMQError) -> Exception:
+        """A socket failure as the error a caller handles: our end closed, or the peer
+        gone (``Host unreachable``: the engine's DEALER disconnected)."""
+        if self._closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
+            return ClientClosedError("this zmq channel was closed")
+        return PeerDeadError(f"the peer is not connected to the socket ({e})")
+
+    def flush_releases(self) -> None:  # tensors travel as frames: nothing to release
+        pass
+
+    def _decode_msg(self, frames: list[zmq.Frame]) -> tuple[int, Any]:
+        head = frames[0].bytes
+        dec = self._decoders.get(head[0]) if len(head) == 1 and len(frames) > 1 else None
+        if dec is None:
+            raise ProtocolError(
+                f"malformed message on the socket (type frame {head[:4]!r}, {len(frames)} "
+                "frames): the peer does not speak this protocol"
+            )
+        rtype = head[0]
+        bufs = [f.buffer for f in frames[1:]]
+        try:
+            return rtype, dec.decode_frames(bufs)
+        except Exception as e:  # this message alone is bad
+            return rtype, BadMessage(rtype, _describe(e), dec.salvage(bufs[0]))
+
+    def recv_nowait(self) -> list[tuple[int, Any]]:
+        """Every message queued now, decoded, in order (at least one), or WouldBlock. A
+        message that does not decode comes as ``BadMessage``; ProtocolError for a
+        malformed one (after the messages before it, which are returned first). Never
+        blocks."""
+        if self._deferred is not None:
+            e, self._deferred = self._deferred, None
+            raise e
+        out: list[tuple[int, Any]] = []
+        while True:
+            try:
+                frames = self._rx.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not out:
+                    raise WouldBlock("nothing to receive") from None
+                return out
+            except zmq.ZMQError as e:
+                err = self._socket_error(e)
+                if out:
+                    self._deferred = err
+                    return out
+                raise err from e
+            if len(frames) == 1 and len(frames[0]) == 0:
+                continue  # stray registration echo
+            try:
+                out.append(self._decode_msg(frames))
+            except ProtocolError as e:
+                if out:
+                    self._deferred = e
+                    return out
+                raise
+
+    def try_recv(self) -> list[tuple[int, Any]]:
+        """``recv_nowait`` with [] instead of WouldBlock."""
+        try:
+            return self.recv_nowait()
+        except WouldBlock:
+            return []
+
+    # -- the wait handle (see shmclient.waiting) ----------------------------------------
+    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Block this thread, once, until a message is queued (True) or ``timeout``
+        seconds passed (False). Sockets are not spun on: ``spin`` is ignored."""
+        try:
+            return bool(self._poller.poll(max(0, int(timeout * 1000 + 0.999))))
+        except zmq.ZMQError as e:
+            raise self._socket_error(e) from e
+
+    def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
+        """Sends never wait here: always True."""
+        return True
+
+    def recv_fd(self) -> int:
+        """The socket's ZMQ_FD: readable when ``arm_recv()`` must be called again."""
+        return self._rx.getsockopt(zmq.FD)
+
+    def arm_recv(self) -> None:
+        """Read ZMQ_EVENTS, which re-arms the edge-triggered ZMQ_FD."""
+        self._rx.getsockopt(zmq.EVENTS)
+
+    def send_fd(self) -> int:
+        """Sends never wait here (no high-water mark): there is no send descriptor."""
+        raise ProtocolError("a zmq channel never waits for room: send_nowait always goes ahead")
+
+    def arm_send(self) -> None:
+        """Sends never wait here."""
+
+    def abandon(self, payload: Any) -> None:
+        """Sends never go in part here: nothing to do."""
+
+    @property
+    def peer_closed(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._tx.close(linger=0)
+        self._rx.close(linger=0)

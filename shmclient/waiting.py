@@ -1,0 +1,209 @@
+"""The only place above the ring that blocks: waiting on a channel, for threads and asyncio.
+
+Middle layer: imports errors and asyncio only; it knows channels by their interface (both
+``channel.ShmChannel`` and ``channel_zmq.ZmqChannel`` have it), never the clients or the
+engine. Every other module tries without blocking (``send_nowait`` / ``recv_nowait``, which
+raise ``WouldBlock``) and comes here to wait; both clients and the engine loop do.
+
+A channel's wait handle is four calls:
+
+* ``wait_recv(timeout, spin=None, first=True)`` / ``wait_send(...)``: block this thread,
+  once, until the channel may have something to read / room to write, or ``timeout``
+  seconds passed (True / False). The shared-memory channel spins for its adaptive budget,
+  then sleeps on the ring's futex; zmq polls its socket.
+* ``recv_fd()`` / ``send_fd()``: a file descriptor for ``loop.add_reader``, readable when
+  the channel may have something to read / room to write after ``arm_recv()`` /
+  ``arm_send()``. Arm, try again, and only then park: a wake-up is never lost between
+  the try and the park (see ``_ring.c``'s docstring for the ring's argument).
+* ``abandon(payload)``: a send of ``payload`` gave up (timeout, dead peer, cancelled)
+  possibly half-way through a fragmented message; other messages may go first now.
+
+Every wait here has a timeout (PeerNotProducingError / PeerNotConsumingError, both
+``TimeoutError``) and a liveness check: it sleeps in slices of ``LIVENESS_S`` and calls
+``alive()`` between slices; a peer that is not alive ends the wait with PeerDeadError
+(after one last try, so what it wrote before going is not lost). Signals: a thread's wait
+returns to Python on EINTR, so a handler's exception comes out of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, TypeVar
+
+from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
+
+__all__ = ["LIVENESS_S", "recv", "recv_spin", "send", "send_async", "wait_fd"]
+
+#: Longest a wait sleeps before it checks ``alive()`` again.
+LIVENESS_S = 0.1
+
+T = TypeVar("T")
+Alive = Callable[[], bool]
+
+
+def _block(
+    attempt: Callable[[], T],
+    wait_once: Callable[..., bool],
+    timeout: float | None,
+    alive: Alive | None,
+    timed_out: Callable[[], Exception],
+) -> T:
+    """``attempt()`` until it does not raise WouldBlock, waiting with ``wait_once``
+    between tries; a deadline of ``timeout`` seconds (None: none) and ``alive()``
+    between slices."""
+    try:
+        return attempt()
+    except WouldBlock:
+        pass
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first = True
+    while True:
+        if deadline is None:
+            slice_s = LIVENESS_S
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise timed_out()
+            slice_s = min(left, LIVENESS_S)
+        ready = wait_once(slice_s, first=first)
+        first = False
+        try:
+            return attempt()
+        except WouldBlock:
+            pass
+        if not ready and alive is not None and not alive():
+            try:
+                return attempt()  # it may have written just before it went
+            except WouldBlock:
+                raise PeerDeadError("the peer is gone: its liveness check failed while we waited") from None
+
+
+def send(
+    channel: Any, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
+) -> None:
+    """Send ``payload`` (from ``channel.encode``) from this thread, waiting while the
+    channel has no room (backpressure). Raises PeerNotConsumingError after ``timeout``
+    seconds (None: no limit; a message bigger than the ring may then be sent in part and
+    resumes when sent again), PeerDeadError, ClientClosedError, ValueError."""
+
+    def timed_out() -> Exception:
+        return PeerNotConsumingError(
+            f"the peer is not consuming: no room for the message within {timeout} s")
+
+    try:
+        _block(lambda: channel.send_nowait(rtype, payload), channel.wait_send, timeout, alive, timed_out)
+    except BaseException:
+        channel.abandon(payload)  # half-sent: the next other message may go first
+        raise
+
+
+def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = None) -> list[tuple[int, Any]]:
+    """At least one message, decoded (everything available), waiting in this thread.
+    Raises PeerNotProducingError after ``timeout`` seconds (None: no limit), PeerDeadError,
+    ProtocolError, ClientClosedError, or what a signal handler raised."""
+
+    def timed_out() -> Exception:
+        return PeerNotProducingError(f"nothing arrived within {timeout} s: the peer is not producing")
+
+    return _block(channel.recv_nowait, channel.wait_recv, timeout, alive, timed_out)
+
+
+def recv_spin(channel: Any, spin: float | None) -> list[tuple[int, Any]]:
+    """What is there now, else what arrives within a spin of ``spin`` seconds (None: the
+    channel's adaptive budget; never a sleep), else []. For an event loop: it holds the
+    loop for at most the spin. Raises as ``recv``."""
+    try:
+        return channel.recv_nowait()
+    except WouldBlock:
+        pass
+    if spin is not None and spin <= 0:
+        return []
+    channel.wait_recv(0.0, spin=spin)
+    try:
+        return channel.recv_nowait()
+    except WouldBlock:
+        return []
+
+
+#: Tasks parked on a descriptor, per (loop, fd): one reader serves them all (a second
+#: ``add_reader`` on the same fd would replace the first task's callback).
+_parked: dict[tuple[int, int], set[asyncio.Future]] = {}
+
+
+def _wake_parked(loop: asyncio.AbstractEventLoop, key: tuple[int, int]) -> None:
+    futs = _parked.pop(key, ())
+    loop.remove_reader(key[1])
+    for f in futs:
+        if not f.done():
+            f.set_result(True)
+
+
+async def wait_fd(fd: int, timeout: float | None) -> bool:
+    """Park the running task until ``fd`` is readable (True) or ``timeout`` seconds
+    passed (False; None: no limit). Never blocks the loop; any number of tasks may wait
+    on one fd; a cancelled or timed-out wait leaves no reader behind once no task
+    waits."""
+    loop = asyncio.get_running_loop()
+    key = (id(loop), fd)
+    fut = loop.create_future()
+    futs = _parked.get(key)
+    if futs is None:
+        futs = _parked[key] = set()
+        loop.add_reader(fd, _wake_parked, loop, key)
+    futs.add(fut)
+    handle = None
+    if timeout is not None:
+        handle = loop.call_later(max(timeout, 0.0), lambda: fut.done() or fut.set_result(False))
+    try:
+        return await fut
+    finally:
+        if handle is not None:
+            handle.cancel()
+        futs.discard(fut)
+        if not futs and _parked.get(key) is futs:
+            del _parked[key]
+            loop.remove_reader(fd)
+
+
+async def send_async(
+    channel: Any, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
+) -> None:
+    """``send`` for an event loop: while the channel has no room, the task parks on the
+    channel's ``send_fd()`` (the loop keeps running other tasks; no polling). Raises as
+    ``send``."""
+    try:
+        return channel.send_nowait(rtype, payload)
+    except WouldBlock:
+        pass
+    try:
+        await _send_parked(channel, rtype, payload, timeout, alive)
+    except BaseException:
+        channel.abandon(payload)  # half-sent: the next other message may go first
+        raise
+
+
+async def _send_parked(channel: Any, rtype: int, payload: Any, timeout: float | None,
+                       alive: Alive | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        channel.arm_send()
+        try:
+            return channel.send_nowait(rtype, payload)
+        except WouldBlock:
+            pass
+        if deadline is None:
+            slice_s = LIVENESS_S
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerNotConsumingError(
+                    f"the peer is not consuming: no room for the message within {timeout} s")
+            slice_s = min(left, LIVENESS_S)
+        ready = await wait_fd(channel.send_fd(), slice_s)
+        if not ready and alive is not None and not alive():
+            try:
+                return channel.send_nowait(rtype, payload)
+            except WouldBlock:
+                raise PeerDeadError("the peer is gone: its liveness check failed while we waited") from None
+
