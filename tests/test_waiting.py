@@ -1,0 +1,273 @@
+"""The one waiting module and the sans-IO channel under it: bounded waits, no busy
+polling, an event loop that keeps running while a client waits for room or output."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+
+from shmclient import (
+    AsyncMPClient,
+    EngineConfig,
+    EngineDeadError,
+    InvalidRequestError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+    WouldBlock,
+    make_client,
+    waiting,
+)
+from shmclient.channel import REQ_UTILITY, ShmChannel
+from shmclient.ring import Ring
+
+from .drivers import req
+
+
+def small_ring_config(**kw) -> EngineConfig:
+    # The smallest ring: a few dozen requests fill it while the engine is stopped.
+    return EngineConfig(ring_capacity_bytes=4096, **kw)
+
+
+class Stopped:
+    """SIGSTOP the engine process for the block (a live but stalled engine)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> "Stopped":
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+
+class Ticker:
+    """A task that sleeps 5 ms in a loop and records how late each wake-up was."""
+
+    def __init__(self) -> None:
+        self.late: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.005)
+            self.late.append(loop.time() - t - 0.005)
+
+    def __enter__(self) -> "Ticker":
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._task.cancel()
+
+
+# ------------------------------------------------------------------ the ring's space pipe
+
+
+def test_space_pipe_turns_readable_on_release_after_arming_and_on_close():
+    p = Ring.create("producer", 4096, producer_wake_fd=True)
+    c = Ring.attach(p.spec, "consumer")
+    try:
+        with pytest.raises(WouldBlock):
+            while True:
+                p.send_nowait(1, b"x" * 100)
+        fd = p.space_fileno()
+        c.try_recv()  # a release nobody asked for writes nothing
+        assert select.select([fd], [], [], 0)[0] == []
+        with pytest.raises(WouldBlock):
+            while True:
+                p.send_nowait(1, b"x" * 100)
+        p.arm_space()
+        assert select.select([fd], [], [], 0)[0] == []
+        c.try_recv()
+        assert select.select([fd], [], [], 1.0)[0] == [fd]
+        p.arm_space()  # drains the byte
+        assert select.select([fd], [], [], 0)[0] == []
+        c.close()
+        assert select.select([fd], [], [], 1.0)[0] == [fd]
+    finally:
+        c.close()
+        p.close()
+
+
+def test_a_fragmented_message_is_never_cut_by_another_thread_s_send():
+    """Thread A sends a message five times the ring; thread B sends small ones at the
+    same time: A's arrives whole, B's all arrive. Neither holds a lock while it waits
+    for room, so the channel itself must keep B's records out from between A's
+    fragments (one between them makes the reader drop A's message)."""
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 16, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    big = bytes(range(256)) * 80
+    got: list = []
+    try:
+        a = threading.Thread(target=waiting.send, args=(front, REQ_UTILITY, big), kwargs={"timeout": 20})
+        b = threading.Thread(target=lambda: [
+            waiting.send(front, REQ_UTILITY, b"small-%d" % i, timeout=20) for i in range(50)])
+        a.start()
+        b.start()
+        deadline = time.monotonic() + 20
+        while (a.is_alive() or b.is_alive() or len(got) < 51) and time.monotonic() < deadline:
+            got += engine_raw(engine)
+        a.join(5)
+        b.join(5)
+        fragments = front.tx.stats()["fragments"]
+        chunk = front.tx._frag_chunk
+    finally:
+        engine.close()
+        front.close()
+    assert fragments <= len(big) // chunk + 2, f"{fragments} fragments: restarted from the first"
+    assert big in got
+    assert sorted(x for x in got if x != big) == sorted(b"small-%d" % i for i in range(50))
+
+
+def engine_raw(engine: ShmChannel) -> list[bytes]:
+    """Raw payloads of the records there now (the REQ_UTILITY decoder is bypassed)."""
+    return [bytes(p) for _, p in engine.rx.try_recv()]
+
+
+# ------------------------------------------------------------------ sync client
+
+
+def test_sync_add_request_times_out_on_a_stalled_engine_and_the_client_goes_on():
+    """Defect: add_request had no timeout; it blocked as long as a stopped engine did."""
+    with make_client(True, False, small_ring_config()) as client:
+        with Stopped(client.engine_pid):
+            t0 = time.monotonic()
+            with pytest.raises(PeerNotConsumingError):
+                for i in range(1000):
+                    client.add_request(req(f"r{i}", max_tokens=1), timeout=0.3)
+            assert time.monotonic() - t0 < 5.0
+            n = i
+        # The engine catches up; the timed-out id is free again and everything finishes.
+        client.add_request(req(f"r{n}", max_tokens=1), timeout=10)
+        done: set[str] = set()
+        deadline = time.monotonic() + 30
+        while len(done) < n + 1 and time.monotonic() < deadline:
+            done |= {o.request_id for o in client.get_output(timeout=10).outputs if o.finished}
+        assert done == {f"r{i}" for i in range(n + 1)}
+
+
+def test_sync_timeouts_are_checked():
+    with make_client(True, False, EngineConfig()) as client:
+        for bad in (-1, "1", True, float("nan")):
+            with pytest.raises(InvalidRequestError, match="timeout"):
+                client.add_request(req("x"), timeout=bad)
+        with pytest.raises(PeerNotProducingError):
+            client.get_output(timeout=0.05)
+
+
+# ------------------------------------------------------------------ async client
+
+
+async def test_async_add_waits_for_room_without_spinning_or_holding_the_loop():
+    """Defect: add_request_async busy-polled (100 % of a core) while the request ring was
+    full. Now the task parks on the ring's space pipe: the process stays idle, the loop
+    keeps serving other tasks, and the timeout is kept."""
+    client = await AsyncMPClient.create(small_ring_config())
+    async with client:
+        with Stopped(client.engine_pid), Ticker() as ticker:
+            cpu0, t0 = time.process_time(), time.monotonic()
+            with pytest.raises(PeerNotConsumingError):
+                for i in range(1000):
+                    await client.add_request_async(req(f"r{i}", max_tokens=1), timeout=1.0)
+            wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        assert 0.9 < wall < 5.0
+        assert cpu < 0.3 * wall, f"{cpu:.2f} s of CPU in a {wall:.2f} s wait: busy polling"
+        assert ticker.late and max(ticker.late) < 0.1
+        # The engine resumes: what was queued is served, the refused id may come again.
+        await client.add_request_async(req(f"r{i}", max_tokens=1), timeout=10)
+        done: set[str] = set()
+        while len(done) < i + 1:
+            done |= {o.request_id for o in (await client.get_output_async(timeout=10)).outputs
+                     if o.finished}
+
+
+async def test_async_add_of_a_request_bigger_than_the_ring_does_not_block_the_loop():
+    """Defect: a request larger than the ring was sent with a blocking wait in the loop
+    (unbounded with a stalled engine)."""
+    prompt = [1000 + (i % 20) for i in range(2000)]  # ~6 KB: more than the 4 KiB ring
+    client = await AsyncMPClient.create(small_ring_config(max_model_len=2100))
+    async with client:
+        with Stopped(client.engine_pid), Ticker() as ticker:
+            t0 = time.monotonic()
+            with pytest.raises(PeerNotConsumingError):
+                await client.add_request_async(req("big", prompt, max_tokens=1), timeout=0.5)
+            assert time.monotonic() - t0 < 3.0
+        assert ticker.late and max(ticker.late) < 0.1
+        # Resumed: the half-sent request is dropped by the engine; a new one is served.
+        await client.add_request_async(req("big", prompt, max_tokens=2), timeout=10)
+        out = []
+        while not any(o.finished for o in out):
+            out += (await client.get_output_async(timeout=10)).outputs
+        assert sum(len(o.new_token_ids) for o in out if o.request_id == "big") == 2
+
+
+async def test_async_get_output_timeout_and_concurrent_waiters_for_room():
+    client = await AsyncMPClient.create(small_ring_config())
+    async with client:
+        with pytest.raises(PeerNotProducingError):
+            await client.get_output_async(timeout=0.05)
+        with pytest.raises(InvalidRequestError, match="timeout"):
+            await client.get_output_async(timeout=-1)
+        # Several tasks wait for room on the same descriptor at once: all get through.
+        with Stopped(client.engine_pid):
+            for i in range(1000):
+                try:
+                    await client.add_request_async(req(f"f{i}", max_tokens=1), timeout=0.05)
+                except PeerNotConsumingError:
+                    break
+            tasks = [asyncio.ensure_future(
+                client.add_request_async(req(f"w{k}", max_tokens=1), timeout=20)) for k in range(4)]
+            await asyncio.sleep(0.05)
+            assert not any(t.done() for t in tasks)
+        await asyncio.wait_for(asyncio.gather(*tasks), 20)
+
+
+async def test_async_with_and_shutdown_async_keep_the_loop_running():
+    with_ticks = Ticker()
+    client = await AsyncMPClient.create(EngineConfig())
+    with with_ticks:
+        async with client:
+            assert await client.echo_async("x") == "x"
+            pending = asyncio.ensure_future(client.get_output_async())
+            await asyncio.sleep(0)
+        # shutdown ran in a thread: the ticker kept ticking, the waiter got the error
+        with pytest.raises(EngineDeadError):
+            await pending
+    assert with_ticks.late and max(with_ticks.late) < 0.1
+    assert client.is_dead
+    await client.shutdown_async()  # idempotent
+    with pytest.raises(EngineDeadError):
+        await client.add_request_async(req("late"))
+
+
+def test_waiting_recv_bounds_and_reports_a_dead_peer():
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 16, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PeerNotProducingError):
+            waiting.recv(front, timeout=0.2)
+        assert 0.15 < time.monotonic() - t0 < 2.0
+        with pytest.raises(WouldBlock):
+            front.recv_nowait()
+        from shmclient import PeerDeadError
+
+        t0 = time.monotonic()
+        with pytest.raises(PeerDeadError, match="liveness"):
+            waiting.recv(front, timeout=None, alive=lambda: False)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        engine.close()
+        front.close()
