@@ -1,6 +1,9 @@
 """``InprocClient``: the EngineCore in this process, no transport.
 
-Top layer: imports client and the engine (at construction, not at module load).
+Top layer: imports client, errors and messages; never an engine module by name. The engine
+is ``EngineConfig.engine_module`` (the project's ``shmclient_engine`` by default), imported
+with importlib at construction; its entry point ``make_core(config)`` builds the core (the
+contract is in ``shmclient_engine``'s docstring).
 ``get_output()`` runs exactly one engine step and never blocks: with nothing scheduled it
 returns an empty ``EngineCoreOutputs``. Everything else forwards directly, after the same
 door checks as the multiprocess clients (``shmclient.validate``).
@@ -9,6 +12,7 @@ door checks as the multiprocess clients (``shmclient.validate``).
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
 from typing import Any
 
 from .client import (
@@ -18,7 +22,7 @@ from .client import (
     check_utility_call,
     shutdown_timeout,
 )
-from .errors import ClientClosedError, UtilityCallError
+from .errors import ClientClosedError, ConfigError, UtilityCallError, WaitNotSupportedError
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -27,17 +31,15 @@ class InprocClient(SyncEngineCoreClient):
 
     For tests and single-process frontends (vLLM's ``InprocClient``). Nothing runs in the
     background: ``get_output()`` is one engine step, so outputs only advance while the
-    caller calls it. Not thread-safe. Construction builds the model and raises
-    ``ConfigError`` for a configuration it cannot run (e.g. ``device="cuda"`` on a host
-    without a GPU).
+    caller calls it. Not thread-safe. Construction imports ``config.engine_module``, builds
+    the model (blocking meanwhile) and raises ``ConfigError`` for a configuration it
+    cannot run (e.g. ``device="cuda"`` on a host without a GPU, an ``engine_module`` that
+    does not exist or has no ``make_core``).
     """
 
     def __init__(self, config: Any) -> None:
-        from shmclient_engine.core import EngineCore, WaitNotSupportedError
-
         self.config = config
-        self._refused = WaitNotSupportedError
-        self.engine_core = EngineCore(config)
+        self.engine_core = load_engine(config.engine_module).make_core(config)
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self.block_size = self.engine_core.block_size
         self.max_model_len = self.engine_core.max_model_len
@@ -100,7 +102,7 @@ class InprocClient(SyncEngineCoreClient):
                         "the method returned a Future that only later engine steps can "
                         "complete, and in-process nothing steps the engine meanwhile")
                 result = result.result()
-        except self._refused:
+        except WaitNotSupportedError:
             raise
         except Exception as e:
             raise UtilityCallError(f"Call to {method} method failed: {e}") from e
@@ -114,3 +116,24 @@ class InprocClient(SyncEngineCoreClient):
         if not self._closed:
             self._closed = True
             self.engine_core.shutdown()
+
+
+def load_engine(name: str) -> Any:
+    """Import the engine module ``name`` and check its entry point ``make_core``. Raises
+    ``ConfigError`` naming ``EngineConfig.engine_module`` when no module of that name
+    exists or it has no callable ``make_core``; any other failure of its import
+    propagates unchanged. Blocks while the module imports."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        missing = e.name or ""
+        if missing and (name == missing or name.startswith(missing + ".")):
+            raise ConfigError(
+                f"EngineConfig.engine_module={name!r} is invalid: no module {missing!r} is "
+                "importable here") from e
+        raise
+    if not callable(getattr(module, "make_core", None)):
+        raise ConfigError(
+            f"EngineConfig.engine_module={name!r} is invalid: it has no make_core(config), "
+            "the entry point an in-process client calls")
+    return module

@@ -57,10 +57,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     * ``engine_module``: the engine a multiprocess client launches (``python -m
       <engine_module>``, given the control address and the frontend's pid) and an
       in-process client builds (``<engine_module>.make_core(config)``): an importable
-      module path; the project's own engine ``shmclient_engine`` by default.
-    * ``step_delay_s``: the mock model sleeps this long per engine step, standing in
-      for a GPU step in benchmarks and load tests (0: no delay).
-    * ``fault_injection``: the older spelling of the step delay, ``"step_delay:S"``.
+      module path; the project's own engine ``shmclient_engine`` by default (the
+      contract an engine module keeps is in that package's docstring). A module that
+      cannot be found, or lacks the entry point, is a ``ConfigError`` naming this field
+      when a client starts.
+    * ``step_delay_s``: seconds the mock model sleeps in every step that has work,
+      standing in for a GPU step in benchmarks and load tests (0, the default: none;
+      the tiny model ignores it: it computes).
+    * ``fault_injection``: the older spelling of the step delay: ``"step_delay:S"`` is
+      ``step_delay_s=S`` (construction moves it there and leaves ``None`` here, so the
+      two spellings give equal configs; both given with different delays is a
+      ``ConfigError``). Nothing else is accepted: the test directives once read from
+      this field (raise in a step, exit or hang before ready) live in a test-only engine
+      module, launched through ``engine_module``.
     * ``data_parallel_size`` / ``data_parallel_rank`` / ``data_parallel_external_lb``:
       vLLM's data-parallel settings (engines behind one client; see ``client_dp``).
     * ``utility_modules``: import paths of modules that register user utilities
@@ -144,12 +153,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 _fail("engine_ready_timeout_s", self.engine_ready_timeout_s, "must be > 0 or None")
         if not isinstance(self.enable_cuda_ipc, bool):
             _fail("enable_cuda_ipc", self.enable_cuda_ipc, "must be a bool")
-        if self.fault_injection is not None and not isinstance(self.fault_injection, str):
-            _fail("fault_injection", self.fault_injection, "must be a str or None")
         if not isinstance(self.engine_module, str) or not _MODULE_PATH.fullmatch(self.engine_module):
             _fail("engine_module", self.engine_module, "must be a module import path such as 'pkg.engine'")
         if _check_float("step_delay_s", self.step_delay_s) < 0:
             _fail("step_delay_s", self.step_delay_s, "must be >= 0")
+        if self.fault_injection is not None:
+            delay = _legacy_step_delay(self.fault_injection)
+            if self.step_delay_s and self.step_delay_s != delay:
+                _fail("fault_injection", self.fault_injection,
+                      f"says a step delay of {delay:g} s but step_delay_s={self.step_delay_s!r}: "
+                      "give the delay once, as step_delay_s")
+            msgspec.structs.force_setattr(self, "step_delay_s", delay)
+            msgspec.structs.force_setattr(self, "fault_injection", None)
         _check_int("data_parallel_size", self.data_parallel_size, low=1)
         if self.data_parallel_rank is not None:
             _check_int("data_parallel_rank", self.data_parallel_rank, low=0,
@@ -171,6 +186,26 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def is_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+
+def _legacy_step_delay(value: Any) -> float:
+    """The delay of ``fault_injection="step_delay:S"``; ``ConfigError`` for anything else."""
+    if not isinstance(value, str):
+        _fail("fault_injection", value, "must be a str or None")
+    head, sep, tail = value.partition(":")
+    if head != "step_delay" or not sep:
+        _fail("fault_injection", value,
+              "only 'step_delay:S' is accepted (the same as step_delay_s=S); the test "
+              "directives raise_in_step, exit_before_ready and hang_before_ready moved out "
+              "of the production config into a test-only engine module (engine_module)")
+    try:
+        delay = float(tail)
+    except ValueError:
+        delay = math.nan
+    if not math.isfinite(delay) or delay < 0:
+        _fail("fault_injection", value, "the step delay S in 'step_delay:S' must be a "
+                                        "finite number of seconds >= 0")
+    return delay
 
 
 def _fail(field: str, value: Any, why: str) -> None:

@@ -1,8 +1,12 @@
 """Start, watch and stop the engine core process; own everything a client holds.
 
 Upper-middle layer: imports control, channel, shm, errors, zmq; not the client classes and
-not ``engine`` (the engine runs as ``python -m shmclient_engine.proc`` in a fresh interpreter, which
-is what CUDA needs: no fork). ``EngineResources`` is the finalizer-owned bag, as vLLM's
+never an engine: the engine runs as ``python -m <EngineConfig.engine_module>`` (the
+project's ``shmclient_engine`` by default) in a fresh interpreter, which is what CUDA needs:
+no fork. The module is looked up, not imported, before the launch (``find_engine_module``);
+the engine process finds it on its own path: the working directory, ``PYTHONPATH`` (this
+project's root is put first) and the installed packages. ``EngineResources`` is the
+finalizer-owned bag, as vLLM's
 BackgroundResources: the client registers ``weakref.finalize(client, resources.shutdown)``,
 so a failure half-way through construction, ``shutdown()`` or plain garbage collection all
 end the same way: engine stopped (SHUTDOWN, then SIGTERM, then SIGKILL), monitor thread
@@ -23,12 +27,13 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import msgspec
 import zmq
 
 from . import control, forksafe
+from .errors import ConfigError
 from .channel import ShmChannel
 from .channel_zmq import ZmqChannel
 from .messages import PROTOCOL_VERSION
@@ -53,6 +58,29 @@ def ready_timeout_s(config: Any) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{READY_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+
+
+def find_engine_module(name: str) -> None:
+    """Check that ``python -m <name>`` can run: ``name`` is found on this interpreter's
+    path and, for a package, has a ``__main__``. Never imports ``name`` itself (its parent
+    packages are imported, as any lookup of a dotted name does), never blocks. Raises
+    ``ConfigError`` naming ``EngineConfig.engine_module`` otherwise."""
+    import importlib.machinery
+    import importlib.util
+
+    def fail(why: str) -> NoReturn:
+        raise ConfigError(f"EngineConfig.engine_module={name!r} is invalid: {why}")
+
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:
+        fail(f"cannot look it up: {type(e).__name__}: {e}")
+    if spec is None:
+        fail("no module of that name is importable here")
+    if spec.submodule_search_locations is not None and importlib.machinery.PathFinder.find_spec(
+            "__main__", list(spec.submodule_search_locations)) is None:
+        fail("it is a package without a __main__ module, so 'python -m' cannot run it as "
+             "the engine process")
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -94,10 +122,13 @@ class EngineResources:
 
     # -- start ------------------------------------------------------------------------
     def start(self, config: Any, *, wake_fd: bool) -> control.ReadyInfo:
-        """Create the channel, spawn the engine and wait for READY. Raises TimeoutError
-        (ready timeout) or RuntimeError (engine died during start-up). On failure the
-        caller must call ``shutdown()`` (the finalizer does)."""
+        """Create the channel, spawn the engine and wait for READY. Raises ConfigError
+        (``engine_module`` cannot be run, or exits before its first handshake message),
+        TimeoutError (ready timeout) or RuntimeError
+        (engine died during start-up). On failure the caller must call ``shutdown()``
+        (the finalizer does)."""
         timeout = ready_timeout_s(config)
+        find_engine_module(config.engine_module)
         self.ctx = zmq.Context()
         address = control.make_address("ctl")
         self.ctl = control.frontend_socket(self.ctx, address)
@@ -118,7 +149,7 @@ class EngineResources:
         # attaches without going through /proc/<pid>/fd.
         fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shmclient_engine.proc", address, str(os.getpid())],
+            [sys.executable, "-m", config.engine_module, address, str(os.getpid())],
             env=env,
             stdin=subprocess.DEVNULL,
             pass_fds=fds,
@@ -137,15 +168,25 @@ class EngineResources:
     def _handshake(self, config: Any, spec: Any, timeout: float) -> control.ReadyInfo:
         assert self.ctl is not None and self.proc is not None
         deadline = time.monotonic() + timeout
+        hello = False
         while True:
             msg = control.recv(self.ctl, min(_POLL_S, max(0.0, deadline - time.monotonic())))
             if msg is None:
                 rc = self.proc.poll()
+                if rc is not None and rc >= 0 and not hello:
+                    # It ran and ended without a word of the handshake: not an engine
+                    # (no such module there, or one that does not speak the protocol).
+                    raise ConfigError(
+                        f"EngineConfig.engine_module={config.engine_module!r} is invalid: "
+                        f"'python -m {config.engine_module}' (pid {self.proc.pid}) "
+                        f"exited ({describe_exit(rc)}) without starting the engine "
+                        "handshake. See its output above for the root cause.")
                 if rc is not None:
                     raise RuntimeError(
                         f"Engine core initialization failed: the engine process "
-                        f"{self.proc.pid} exited before it was ready ({describe_exit(rc)}). "
-                        "See its output above for the root cause."
+                        f"{self.proc.pid} (python -m {config.engine_module}) exited before "
+                        f"it was ready ({describe_exit(rc)}). See its output above for the "
+                        "root cause."
                     )
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
@@ -158,6 +199,7 @@ class EngineResources:
                 continue
             kind = msg[0]
             if kind == control.HELLO:
+                hello = True
                 self.ctl.send_multipart(
                     [
                         control.START,

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import msgspec
 import torch
 
-from shmclient.errors import ConfigError, InvalidRequestError
+from shmclient.errors import ConfigError, InvalidRequestError, WaitNotSupportedError
 from shmclient.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -105,11 +105,6 @@ def register_utility(name: str | Callable[..., Any] | None = None) -> Any:
 def _ident(fn: Callable[..., Any]) -> tuple[str, str]:
     # A module imported twice (reload, or under two names) registers "the same" function.
     return getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn))
-
-
-class WaitNotSupportedError(InvalidRequestError):
-    """``mode="wait"`` asked of an engine that nothing steps while the caller waits
-    (in-process). A ``ValueError``, as vLLM's in-process engine raises."""
 
 
 class EngineCore:

@@ -20,10 +20,15 @@ token. Sampling parameters (temperature, seed, ...) are ignored. Pooling returns
 ``prompt_embeds.float().mean(0)`` for embeds, else the float32 vector of length
 ``hidden_size`` whose element ``j`` is ``float(ids[j % len(ids)])`` (the prompt ids,
 cycled); both are L2-normalised when ``PoolingParams.normalize`` is set.
+
+``EngineConfig.step_delay_s`` makes the mock sleep that long in every ``execute`` that has
+work, standing in for a GPU step in benchmarks and load tests (a busy engine whose
+requests are still running when the next call arrives); 0, the default, adds nothing.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +145,8 @@ def mock_pool(prompt_token_ids: Any, prompt_embeds: Any, hidden_size: int,
 
 
 class MockModel(Model):
-    """No compute and no state: the next token follows ``mock_next_token``."""
+    """No compute and no state: the next token follows ``mock_next_token``; each
+    ``execute`` sleeps ``config.step_delay_s`` (blocking the engine, as a GPU step would)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.hidden_size = config.hidden_size
@@ -148,8 +154,11 @@ class MockModel(Model):
         self.eos_token_id = config.eos_token_id
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.device = torch.device(config.device)  # only where pooled vectors live
+        self.step_delay_s = config.step_delay_s
 
     def execute(self, batch: list[ScheduledChunk]) -> list[int | None]:
+        if self.step_delay_s and batch:
+            time.sleep(self.step_delay_s)
         out: list[int | None] = []
         for chunk in batch:
             if not chunk.sample:

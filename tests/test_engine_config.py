@@ -18,6 +18,7 @@ def test_defaults_are_valid_and_documented_values():
     assert c.tensor_arena_bytes == 64 * MiB and c.gpu_memory_utilization == 0.5
     assert c.engine_ready_timeout_s is None and c.enable_cuda_ipc is True
     assert c.fault_injection is None and c.utility_modules == ()
+    assert c.engine_module == "shmclient_engine" and c.step_delay_s == 0.0
 
 
 def test_frozen_and_keyword_only():
@@ -29,7 +30,8 @@ def test_frozen_and_keyword_only():
 
 
 def test_msgpack_round_trip():
-    c = EngineConfig(model="tiny", device="cuda:1", num_gpu_blocks=7, fault_injection="x:1",
+    c = EngineConfig(model="tiny", device="cuda:1", num_gpu_blocks=7, step_delay_s=0.25,
+                     engine_module="pkg.engine",
                      engine_ready_timeout_s=2.5)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(c), type=EngineConfig)
     assert back == c
@@ -63,7 +65,12 @@ BAD_VALUES = [
     ("eos_token_id", 1024), ("ring_capacity_bytes", 100), ("tensor_arena_bytes", -1), ("cpu_threads", 0),
     ("spin_us", -1.0), ("spin_us", float("inf")), ("spin_us", None),
     ("engine_ready_timeout_s", 0), ("engine_ready_timeout_s", -1.0),
-    ("enable_cuda_ipc", 1), ("fault_injection", 3),
+    ("enable_cuda_ipc", 1), ("fault_injection", 3), ("fault_injection", "raise_in_step:3"),
+    ("fault_injection", "hang_before_ready"), ("fault_injection", "exit_before_ready:7"),
+    ("fault_injection", "step_delay:-1"), ("fault_injection", "step_delay:nan"),
+    ("fault_injection", "step_delay:"), ("step_delay_s", -0.5), ("step_delay_s", "0.1"),
+    ("step_delay_s", float("inf")), ("engine_module", ""), ("engine_module", "a b"),
+    ("engine_module", "pkg..eng"), ("engine_module", None),
     ("utility_modules", "tests.user_utilities"), ("utility_modules", ("a b",)),
     ("utility_modules", ("",)), ("utility_modules", (3,)), ("utility_modules", ("a..b",)),
 ]
@@ -85,7 +92,8 @@ def test_unknown_model_lists_valid_ones():
 VALID = [
     dict(device="cuda"), dict(device="cuda:12"), dict(model="tiny"), dict(transport="zmq"),
     dict(num_gpu_blocks=1), dict(spin_us=0), dict(gpu_memory_utilization=1),
-    dict(engine_ready_timeout_s=0.1), dict(fault_injection="raise_in_step:3"),
+    dict(engine_ready_timeout_s=0.1), dict(step_delay_s=0.5), dict(step_delay_s=0),
+    dict(engine_module="tests.fault_engine"),
     dict(hidden_size=12, num_heads=3), dict(vocab_size=3, eos_token_id=2),
 ]
 
@@ -102,3 +110,22 @@ def test_valid_values():
         c = EngineConfig(**kw)
         for k, v in kw.items():
             assert getattr(c, k) == v
+
+
+def test_legacy_step_delay_spelling_is_the_same_config_as_step_delay_s():
+    old = EngineConfig(fault_injection="step_delay:0.01")
+    assert old == EngineConfig(step_delay_s=0.01)
+    assert (old.step_delay_s, old.fault_injection) == (0.01, None)
+    assert EngineConfig(fault_injection="step_delay:0.01", step_delay_s=0.01) == old
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=EngineConfig)
+    assert back == old
+    with pytest.raises(ConfigError, match="fault_injection.*step_delay_s=0.02"):
+        EngineConfig(fault_injection="step_delay:0.01", step_delay_s=0.02)
+
+
+def test_test_directives_in_fault_injection_say_where_they_went():
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(fault_injection="raise_in_step:3")
+    text = str(info.value)
+    assert "EngineConfig.fault_injection='raise_in_step:3'" in text
+    assert "moved" in text and "engine_module" in text and "step_delay_s" in text

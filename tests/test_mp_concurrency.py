@@ -34,7 +34,7 @@ def cfg(transport: str = "shm", **kw) -> EngineConfig:
 
 
 def test_concurrent_get_output_threads_never_index_error():
-    c = make_client(True, False, cfg(fault_injection="step_delay:0.001"))
+    c = make_client(True, False, cfg(step_delay_s=0.001))
 
     class YieldingDeque(deque):
         def popleft(self):  # widen the window between done() and popleft(): give up the GIL
@@ -92,7 +92,7 @@ async def test_two_output_waiters_both_get_engine_death(transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_shutdown_fails_pending_utility_call_with_engine_dead(transport):
-    c = make_client(True, False, cfg(transport, fault_injection="step_delay:0.01"))
+    c = make_client(True, False, cfg(transport, step_delay_s=0.01))
     res: dict[str, BaseException] = {}
     try:
         c.add_request(req("long", max_tokens=100000, ignore_eos=True))
@@ -191,7 +191,7 @@ async def test_tensors_of_aborted_and_finished_requests_are_released(mode):
 
     from shmclient import EngineCoreRequest, SamplingParams
 
-    c = make_client(True, mode == "async", cfg(fault_injection="step_delay:0.01"))
+    c = make_client(True, mode == "async", cfg(step_delay_s=0.01))
 
     def in_flight() -> int:  # blocks of the frontend's arena the engine still holds
         return c.channel.stats()["tensors"]["blocks_in_flight"]

@@ -24,6 +24,7 @@ from shmclient.config import EngineConfig
 from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client
 from shmclient.launcher import READY_TIMEOUT_ENV
 
+from . import fault_engine
 from .drivers import KINDS, Driver, build, req
 
 TRANSPORTS = ("shm", "zmq")
@@ -51,7 +52,7 @@ def test_ready_timeout_names_the_setting(monkeypatch):
     monkeypatch.setenv(READY_TIMEOUT_ENV, "1.5")
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as ei:
-        SyncMPClient(cfg(fault_injection="hang_before_ready"))
+        SyncMPClient(cfg(**fault_engine.inject(monkeypatch, "hang_before_ready")))
     elapsed = time.monotonic() - t0
     assert 0.9 * 1.5 <= elapsed <= 1.5 * 1.5, elapsed
     msg = str(ei.value)
@@ -59,25 +60,27 @@ def test_ready_timeout_names_the_setting(monkeypatch):
     assert READY_TIMEOUT_ENV in msg and "1.5" in msg
 
 
-def test_ready_timeout_from_config():
+def test_ready_timeout_from_config(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        SyncMPClient(cfg(fault_injection="hang_before_ready", engine_ready_timeout_s=1.0))
+        SyncMPClient(cfg(engine_ready_timeout_s=1.0,
+                         **fault_engine.inject(monkeypatch, "hang_before_ready")))
     assert 0.9 <= time.monotonic() - t0 <= 1.5
 
 
-def test_startup_crash_is_reported_with_exit_code_not_timeout():
+def test_startup_crash_is_reported_with_exit_code_not_timeout(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="initialization failed.*exit code 7"):
-        SyncMPClient(cfg(fault_injection="exit_before_ready:7", engine_ready_timeout_s=60))
+        SyncMPClient(cfg(engine_ready_timeout_s=60,
+                         **fault_engine.inject(monkeypatch, "exit_before_ready:7")))
     # Start-up of a fresh interpreter takes a few seconds; the failure must come from the
     # exit (detected within a poll slice), far before the 60 s timeout.
     assert time.monotonic() - t0 < 15
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_exception_in_engine_loop_reaches_client(transport):
-    c = SyncMPClient(cfg(transport, fault_injection="raise_in_step:3"))
+def test_exception_in_engine_loop_reaches_client(transport, monkeypatch):
+    c = SyncMPClient(cfg(transport, **fault_engine.inject(monkeypatch, "raise_in_step:3")))
     try:
         c.add_request(req("boom", max_tokens=50))
         with pytest.raises(EngineDeadError, match="injected fault in step 3"):
@@ -92,7 +95,7 @@ def test_exception_in_engine_loop_reaches_client(transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkill_engine_sync(transport):
-    c = SyncMPClient(cfg(transport, fault_injection="step_delay:0.01"))
+    c = SyncMPClient(cfg(transport, step_delay_s=0.01))
     try:
         c.add_request(req("long", max_tokens=200))
         c.get_output(timeout=30)
@@ -136,7 +139,7 @@ def test_sigkill_engine_sync(transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_sigkill_engine_async(transport):
-    c = make_client(True, True, cfg(transport, fault_injection="step_delay:0.01"))
+    c = make_client(True, True, cfg(transport, step_delay_s=0.01))
     try:
         await c.add_request_async(req("long", max_tokens=200))
         await asyncio.wait_for(c.get_output_async(), 30)
@@ -162,7 +165,7 @@ async def test_sigkill_engine_async(transport):
 
 
 async def test_cancelled_async_utility_leaves_client_usable():
-    c = make_client(True, True, cfg(fault_injection="step_delay:0.01"))
+    c = make_client(True, True, cfg(step_delay_s=0.01))
     try:
         await c.add_request_async(req("hold", max_tokens=60))
         slow = asyncio.ensure_future(c.sleep_async(1, "wait"))

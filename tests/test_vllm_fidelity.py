@@ -28,7 +28,7 @@ from shmclient import (
 )
 from shmclient import client as client_module
 
-from . import user_utilities
+from . import fault_engine, user_utilities
 from .drivers import KINDS, Driver, build, req
 
 MP_KINDS = tuple(k for k in KINDS if k != "inproc")
@@ -37,7 +37,7 @@ MP_KINDS = tuple(k for k in KINDS if k != "inproc")
 #: request is still running when the next call arrives (InprocClient steps only inside
 #: get_output, so it needs none).
 CFG = EngineConfig(
-    model="mock", max_model_len=256, hidden_size=32, fault_injection="step_delay:0.01",
+    model="mock", max_model_len=256, hidden_size=32, step_delay_s=0.01,
     utility_modules=(user_utilities.MODULE,),
 )
 
@@ -238,7 +238,7 @@ async def test_utility_returning_a_future_is_answered_when_it_completes(drv):
 def test_utility_registered_only_in_the_frontend_is_unknown_to_the_engine_process():
     # The engine runs in a fresh interpreter: registering in this process (this module
     # imported user_utilities) is not enough without EngineConfig.utility_modules.
-    c = SyncMPClient(CFG.replace(transport="zmq", utility_modules=(), fault_injection=None))
+    c = SyncMPClient(CFG.replace(transport="zmq", utility_modules=(), step_delay_s=0.0))
     try:
         with pytest.raises(UtilityCallError, match="unknown utility method 'scale'"):
             c.call_utility("scale", [1.0])
@@ -250,18 +250,19 @@ def test_utility_registered_only_in_the_frontend_is_unknown_to_the_engine_proces
 @pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
 def test_utility_module_that_does_not_import_is_a_config_error(kind):
     with pytest.raises(ConfigError, match="utility_modules: cannot import 'tests.no_such_mod'"):
-        build(kind, CFG.replace(utility_modules=("tests.no_such_mod",), fault_injection=None))
+        build(kind, CFG.replace(utility_modules=("tests.no_such_mod",), step_delay_s=0.0))
 
 
 # ------------------------------------------------------------------ engine death
 
 
 @pytest.mark.parametrize("kind", MP_KINDS)
-async def test_outputs_written_before_engine_death_are_delivered_before_engine_dead_error(kind):
+async def test_outputs_written_before_engine_death_are_delivered_before_engine_dead_error(
+        kind, monkeypatch):
     # vLLM's death notice queues behind the outputs: whatever the engine wrote before it
     # died reaches get_output() first, then EngineDeadError.
     client = build(kind, EngineConfig(model="mock", max_model_len=256,
-                                      fault_injection="raise_in_step:6"))
+                                      **fault_engine.inject(monkeypatch, "raise_in_step:6")))
     d = Driver(kind, client)
     try:
         await d.add(req("doomed", max_tokens=50))

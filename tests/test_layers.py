@@ -1,0 +1,154 @@
+"""Layers: shmclient never imports an engine, and the engine a client uses is a parameter.
+
+``EngineConfig.engine_module`` names it: the multiprocess clients run ``python -m <it>``,
+``InprocClient`` calls its ``make_core``. These tests import every shmclient module in a
+fresh interpreter and check that no engine module came along, and launch a user's engine
+module (written to a temporary directory, wrapping the project's engine) on every kind of
+client.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from shmclient import ConfigError, EngineDeadError
+from shmclient.config import EngineConfig
+
+from .drivers import Driver, build, req
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_no_shmclient_module_imports_an_engine():
+    # Walk the package in the child, so that a module added later is covered too; the
+    # vLLM adapter is left out (it imports vLLM, which is not installed here). Then run a
+    # multiprocess client there: launching the default engine must not import it either.
+    code = textwrap.dedent(
+        """
+        import importlib, json, pkgutil, sys
+        import shmclient
+        names = sorted(m.name for m in pkgutil.walk_packages(shmclient.__path__, "shmclient.")
+                       if not m.name.startswith("shmclient.vllm"))
+        for name in names:
+            importlib.import_module(name)
+        def engine():
+            return sorted(m for m in sys.modules
+                          if m.split(".")[0] in ("shmclient_engine", "tests"))
+        after_import = engine()
+        c = shmclient.SyncMPClient(shmclient.EngineConfig(model="mock", max_model_len=64))
+        try:
+            assert c.echo(5) == 5
+        finally:
+            c.shutdown()
+        print(json.dumps({"imported": names, "engine": after_import, "after_run": engine()}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    must_cover = {"shmclient.client", "shmclient.client_inproc", "shmclient.client_mp",
+                  "shmclient.client_async", "shmclient.launcher", "shmclient.channel",
+                  "shmclient.validate", "shmclient.config", "shmclient.control"}
+    assert must_cover <= set(got["imported"]), sorted(must_cover - set(got["imported"]))
+    assert got["engine"] == [], got["engine"]
+    assert got["after_run"] == [], got["after_run"]
+
+
+USER_ENGINE = '''
+"""A user's engine: the project's engine, with a KV cache of exactly 123 blocks."""
+import shmclient_engine
+from shmclient_engine import proc
+
+BLOCKS = 123
+
+
+def make_core(config, *, supports_wait=False):
+    return shmclient_engine.make_core(config.replace(num_gpu_blocks=BLOCKS),
+                                      supports_wait=supports_wait)
+
+
+if __name__ == "__main__":
+    proc.main(make_core=make_core)
+'''
+
+
+@pytest.fixture
+def user_path(tmp_path, monkeypatch):
+    """A directory with a user's modules, on this process's path and the engine's."""
+    (tmp_path / "user_engine.py").write_text(USER_ENGINE)
+    (tmp_path / "plain_module.py").write_text("print('not an engine')\n")
+    (tmp_path / "bare_package").mkdir()
+    (tmp_path / "bare_package" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    yield tmp_path
+    for name in ("user_engine", "plain_module", "bare_package"):
+        sys.modules.pop(name, None)
+
+
+CFG = EngineConfig(model="mock", max_model_len=256, engine_module="user_engine")
+
+
+@pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
+async def test_a_user_engine_module_is_launched(kind, user_path):
+    client = build(kind, CFG)
+    drv = Driver(kind, client)
+    try:
+        # 123 blocks of 16 tokens: only the user's make_core says so.
+        assert client.num_gpu_blocks == 123
+        if kind != "inproc":
+            cmd = psutil.Process(client.engine_pid).cmdline()
+            assert cmd[1:3] == ["-m", "user_engine"], cmd
+        await drv.add(req("r", max_tokens=3))
+        tokens = []
+        for _ in range(50):
+            out = await drv.get_output(timeout=30)
+            tokens += [t for o in out.outputs for t in o.new_token_ids]
+            if len(tokens) == 3:
+                break
+        assert len(tokens) == 3
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
+def test_an_engine_module_that_does_not_exist_is_a_config_error(kind):
+    with pytest.raises(ConfigError, match="EngineConfig.engine_module='no_such_engine_mod'"):
+        build(kind, CFG.replace(engine_module="no_such_engine_mod"))
+    with pytest.raises(ConfigError, match="engine_module='shmclient_engine.no_such'"):
+        build(kind, CFG.replace(engine_module="shmclient_engine.no_such"))
+
+
+@pytest.mark.parametrize("kind", ["inproc", "sync-shm"])
+def test_an_engine_module_without_the_entry_point_is_a_config_error(kind, user_path):
+    # In-process the entry point is make_core; for the engine process it is
+    # "python -m <module>" speaking the handshake.
+    for module, why in (("plain_module", "make_core" if kind == "inproc" else "handshake"),
+                        ("bare_package", "make_core" if kind == "inproc" else "__main__")):
+        with pytest.raises(ConfigError) as info:
+            build(kind, CFG.replace(engine_module=module))
+        text = str(info.value)
+        assert f"EngineConfig.engine_module={module!r}" in text and why in text, text
+
+
+def test_a_config_error_of_the_engine_itself_still_names_its_field(user_path):
+    # The engine module is found and runs; what it refuses is reported as before.
+    with pytest.raises(ConfigError, match="utility_modules"):
+        build("sync-shm", CFG.replace(utility_modules=("tests.no_such_mod",)))
+
+
+def test_engine_dead_error_is_not_a_config_error_once_the_handshake_began(monkeypatch):
+    from . import fault_engine
+
+    with pytest.raises(EngineDeadError) as info:
+        build("sync-shm", EngineConfig(model="mock", engine_ready_timeout_s=60,
+                                       **fault_engine.inject(monkeypatch, "exit_before_ready:3")))
+    assert not isinstance(info.value, ConfigError)
+    assert "exit code 3" in str(info.value) and "tests.fault_engine" in str(info.value)
