@@ -295,9 +295,15 @@ class DPAsyncMPClient(EngineCoreClient):
         """Checks at the door (InvalidRequestError naming the field), then the engine
         and the work estimate; records the request as in flight on that engine."""
         self._ensure_alive()
-        check_request(request, max_model_len=self.max_model_len,
-                      hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
+        if type(request) is not EngineCoreRequest or type(request.request_id) is not str:
+            # The full checks run in the engine's client; these are what routing reads.
+            check_request(request, max_model_len=self.max_model_len,
+                          hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
         rid = request.request_id
+        dpr = request.data_parallel_rank
+        if dpr is not None and type(dpr) is not int:
+            raise InvalidRequestError(
+                f"request {rid!r}: data_parallel_rank={dpr!r} is invalid: must be None or an int")
         if rid in self.reqs_in_flight:
             raise InvalidRequestError(f"request id {rid!r} is already live")
         pos = self.get_core_engine_for_request(request)

@@ -582,6 +582,11 @@ def format_report(res: dict[str, Any]) -> str:
         tables.get("contention"),
     )
     lines += _external_section(
+        "Data parallelism, 1 and 2 engines (shmclient_bench.dp):" + noisy_tag("dp"),
+        res.get("dp"),
+        tables.get("dp"),
+    )
+    lines += _external_section(
         "Stock vLLM vs vLLM over the rings (shmclient_bench.vllm):" + noisy_tag("vllm"),
         res.get("vllm"),
         tables.get("vllm"),

@@ -362,3 +362,36 @@ async def test_shutdown_fails_pending_calls_and_is_idempotent():
 def test_a_start_up_failure_leaves_nothing_behind():
     with pytest.raises(ConfigError, match="device"):
         make_client(True, True, cfg(device="cuda:7"))
+
+
+# -- the benchmark section ---------------------------------------------------------------
+
+
+def test_bench_dp_section_is_registered_and_rendered():
+    from shmclient_bench import __main__ as bench_main
+    from shmclient_bench import dp, report
+
+    assert "dp" in bench_main.SECTIONS and "dp" in bench_main.EXTERNAL
+    res = {
+        "settings": {"requests": 8, "max_tokens": 4, "rounds": 1, "step_delay_s": 0.005,
+                     "max_num_seqs": 8},
+        "throughput": {k: {"requests_per_s": v, "tokens_per_s": 4 * v, "rounds": [v]}
+                       for k, v in (("async_1_engine", 100.0), ("dp_lb_1_engine", 99.0),
+                                    ("dp_lb_2_engines", 190.0))},
+        "speedup_2_vs_1_engine": 1.9, "dp_layer_cost": 0.99,
+        "overhead_no_delay": {"requests": 64, "async_1_engine": {"requests_per_s": 5000.0},
+                              "dp_lb_1_engine": {"requests_per_s": 4000.0},
+                              "us_per_request_added": 50.0},
+        "balance_pinned": {"pinned_to_rank_0": 1 / 3, "request_share": [0.5, 0.5],
+                           "token_share": [0.5, 0.5], "round_robin_request_share": [2 / 3, 1 / 3],
+                           "elapsed_s": 1.0},
+        "balance_alternating": {"long_tokens": 16, "short_tokens": 2, "request_share": [0.5, 0.5],
+                                "token_share": [0.48, 0.52],
+                                "round_robin_token_share": [16 / 18, 2 / 18], "elapsed_s": 1.0},
+    }
+    text = dp.report(res)
+    for needle in ("dp_lb_2_engines", "190.0", "1.90x", "+50.0 us", "0.50 / 0.50",
+                   "round robin 0.67 / 0.33", "0.48 / 0.52"):
+        assert needle in text, needle
+    full = report.format_report({"machine": {}, "dp": res, "tables": {"dp": text}})
+    assert "Data parallelism, 1 and 2 engines" in full and "dp_lb_2_engines" in full

@@ -1,0 +1,218 @@
+"""Data parallelism: requests/s with one and two engines, and the balance under a skewed
+load, with the mock model and a fixed per-step delay that stands in for a GPU step.
+
+Run ``python -m shmclient_bench.dp [--quick]``; ``run(quick)`` returns a JSON-able dict.
+Each engine runs at most ``max_num_seqs`` requests at once and sleeps ``step_delay_s``
+per step, as a saturated GPU would take its step time whatever the host does; the
+sleeping engines leave the CPUs to the frontend, so that the scaling from one engine to
+two shows on a 2-core host. Throughput: a burst of requests of a fixed length, from the
+first add to the last finished output; ``AsyncMPClient`` (one engine), and
+``DPLBAsyncMPClient`` with one and with two engines (the first two compare the cost of
+the DP layer), measured in alternating rounds; and, with no step delay, 1-token
+requests through ``AsyncMPClient`` and a one-engine ``DPLBAsyncMPClient`` (what the DP
+layer adds per request). Balance (``DPLBAsyncMPClient``, two
+engines): "pinned", a third of the requests name rank 0 and the rest are free (even
+shares mean the balancer made up for the skew; round robin would give rank 0 two
+thirds); "alternating", long and short requests in turn (round robin would put every
+long one on the same engine). Not a test: it asserts nothing, it reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from shmclient import EngineCoreRequest, SamplingParams, make_async_mp_client
+from shmclient.config import EngineConfig
+
+STEP_DELAY_S = 0.005
+MAX_NUM_SEQS = 8
+
+
+def _config(engines: int, step_delay_s: float = STEP_DELAY_S) -> EngineConfig:
+    return EngineConfig(model="mock", max_model_len=512, max_num_seqs=MAX_NUM_SEQS,
+                        step_delay_s=step_delay_s, data_parallel_size=engines)
+
+
+def _req(rid: str, max_tokens: int, rank: int | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=[1, 2, 3, 4], data_parallel_rank=rank,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+async def _burst(client: Any, reqs: list[EngineCoreRequest]) -> dict[str, Any]:
+    """Add every request at once, wait for all to finish: elapsed seconds, and the
+    requests and tokens each engine served (by ``engine_index``)."""
+    t0 = time.perf_counter()
+    for r in reqs:
+        await client.add_request_async(r)
+    left = {r.request_id for r in reqs}
+    requests: dict[int, int] = {}
+    tokens: dict[int, int] = {}
+    while left:
+        outs = await asyncio.wait_for(client.get_output_async(), 60)
+        e = outs.engine_index
+        for o in outs.outputs:
+            tokens[e] = tokens.get(e, 0) + len(o.new_token_ids)
+            if o.finished:
+                left.discard(o.request_id)
+                requests[e] = requests.get(e, 0) + 1
+    return {"elapsed_s": time.perf_counter() - t0, "requests": requests, "tokens": tokens}
+
+
+def _shares(counts: dict[int, int], n: int) -> list[float]:
+    total = sum(counts.values()) or 1
+    return [counts.get(i, 0) / total for i in range(n)]
+
+
+def run(quick: bool = False) -> dict:
+    n_req, tokens, rounds = (64, 16, 2) if quick else (256, 32, 3)
+    configs = {
+        "async_1_engine": (_config(1), False),
+        "dp_lb_1_engine": (_config(1), True),
+        "dp_lb_2_engines": (_config(2), True),
+    }
+    res: dict[str, Any] = {
+        "settings": {"requests": n_req, "max_tokens": tokens, "rounds": rounds,
+                     "step_delay_s": STEP_DELAY_S, "max_num_seqs": MAX_NUM_SEQS},
+    }
+
+    async def main() -> None:
+        from shmclient.client_dp import DPLBAsyncMPClient
+
+        clients: dict[str, Any] = {}
+        try:
+            for name, (cfg, dp) in configs.items():
+                clients[name] = DPLBAsyncMPClient(cfg) if dp else make_async_mp_client(cfg)
+            rates: dict[str, list[float]] = {k: [] for k in clients}
+            for name, c in clients.items():  # warm-up
+                await _burst(c, [_req(f"warm-{name}-{i}", 2) for i in range(8)])
+            for r in range(rounds):
+                order = list(clients) if r % 2 == 0 else list(reversed(clients))
+                for name in order:
+                    got = await _burst(clients[name],
+                                       [_req(f"t{r}-{name}-{i}", tokens) for i in range(n_req)])
+                    rates[name].append(n_req / got["elapsed_s"])
+            res["throughput"] = {
+                k: {"requests_per_s": statistics.median(v), "tokens_per_s": statistics.median(v) * tokens,
+                    "rounds": v}
+                for k, v in rates.items()
+            }
+            t = res["throughput"]
+            res["speedup_2_vs_1_engine"] = (t["dp_lb_2_engines"]["requests_per_s"]
+                                            / t["async_1_engine"]["requests_per_s"])
+            res["dp_layer_cost"] = (t["dp_lb_1_engine"]["requests_per_s"]
+                                    / t["async_1_engine"]["requests_per_s"])
+            lb = clients["dp_lb_2_engines"]
+            pinned = [_req(f"pin-{i}", tokens, rank=0 if i % 3 == 0 else None) for i in range(n_req)]
+            got = await _burst(lb, pinned)
+            share0 = sum(1 for r in pinned if r.data_parallel_rank == 0) / n_req
+            res["balance_pinned"] = {
+                "pinned_to_rank_0": share0,
+                "request_share": _shares(got["requests"], 2),
+                "token_share": _shares(got["tokens"], 2),
+                "round_robin_request_share": [share0 + (1 - share0) / 2, (1 - share0) / 2],
+                "elapsed_s": got["elapsed_s"],
+            }
+            alt = [_req(f"alt-{i}", tokens * 4 if i % 2 == 0 else 2) for i in range(n_req)]
+            got = await _burst(lb, alt)
+            res["balance_alternating"] = {
+                "long_tokens": tokens * 4, "short_tokens": 2,
+                "request_share": _shares(got["requests"], 2),
+                "token_share": _shares(got["tokens"], 2),
+                "round_robin_token_share": [(tokens * 4) / (tokens * 4 + 2), 2 / (tokens * 4 + 2)],
+                "elapsed_s": got["elapsed_s"],
+            }
+        finally:
+            for c in clients.values():
+                c.shutdown()
+
+    async def overhead() -> None:
+        """The DP layer's own cost: 1-token requests, no step delay, one engine."""
+        from shmclient.client_dp import DPLBAsyncMPClient
+
+        clients: dict[str, Any] = {}
+        try:
+            clients["async_1_engine"] = make_async_mp_client(_config(1, 0.0))
+            clients["dp_lb_1_engine"] = DPLBAsyncMPClient(_config(1, 0.0))
+            rates: dict[str, list[float]] = {k: [] for k in clients}
+            for name, c in clients.items():  # warm-up
+                await _burst(c, [_req(f"warm-{name}-{i}", 1) for i in range(32)])
+            for r in range(rounds):
+                order = list(clients) if r % 2 == 0 else list(reversed(clients))
+                for name in order:
+                    got = await _burst(clients[name],
+                                       [_req(f"o{r}-{name}-{i}", 1) for i in range(n_req * 16)])
+                    rates[name].append(n_req * 16 / got["elapsed_s"])
+            res["overhead_no_delay"] = {
+                "requests": n_req * 16,
+                **{k: {"requests_per_s": statistics.median(v), "rounds": v} for k, v in rates.items()},
+            }
+            o = res["overhead_no_delay"]
+            o["us_per_request_added"] = 1e6 * (1 / o["dp_lb_1_engine"]["requests_per_s"]
+                                               - 1 / o["async_1_engine"]["requests_per_s"])
+        finally:
+            for c in clients.values():
+                c.shutdown()
+
+    asyncio.run(main())
+    asyncio.run(overhead())
+    res["machine"] = {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]}
+    return res
+
+
+def report(res: dict) -> str:
+    s = res["settings"]
+    lines = [
+        f"{s['requests']} requests x {s['max_tokens']} tokens at once, mock model, "
+        f"{s['step_delay_s'] * 1e3:g} ms per step, max_num_seqs={s['max_num_seqs']} per engine",
+        "",
+        f"{'client':>16} | {'requests/s':>10} {'tokens/s':>9}",
+    ]
+    for name, t in res["throughput"].items():
+        lines.append(f"{name:>16} | {t['requests_per_s']:10.1f} {t['tokens_per_s']:9.0f}")
+    lines.append(f"2 engines vs 1: {res['speedup_2_vs_1_engine']:.2f}x; "
+                 f"DP layer over AsyncMPClient, 1 engine: {res['dp_layer_cost']:.2f}x")
+    o = res.get("overhead_no_delay")
+    if o:
+        lines.append(
+            f"no step delay, {o['requests']} 1-token requests, 1 engine: AsyncMPClient "
+            f"{o['async_1_engine']['requests_per_s']:.0f}/s, DPLBAsyncMPClient "
+            f"{o['dp_lb_1_engine']['requests_per_s']:.0f}/s "
+            f"({o['us_per_request_added']:+.1f} us per request)")
+    p, a = res["balance_pinned"], res["balance_alternating"]
+    lines.append("")
+    lines.append("balance, 2 engines (share of rank 0 / rank 1):")
+    lines.append(f"  pinned ({p['pinned_to_rank_0']:.0%} name rank 0): requests "
+                 f"{p['request_share'][0]:.2f} / {p['request_share'][1]:.2f} "
+                 f"(round robin {p['round_robin_request_share'][0]:.2f} / "
+                 f"{p['round_robin_request_share'][1]:.2f})")
+    lines.append(f"  alternating {a['long_tokens']} and {a['short_tokens']} tokens: tokens "
+                 f"{a['token_share'][0]:.2f} / {a['token_share'][1]:.2f} "
+                 f"(round robin, and vLLM's score alone: {a['round_robin_token_share'][0]:.2f} / "
+                 f"{a['round_robin_token_share'][1]:.2f}), requests "
+                 f"{a['request_share'][0]:.2f} / {a['request_share'][1]:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer and shorter requests (~15 s)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    res = run(args.quick)
+    print(report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
