@@ -55,6 +55,9 @@ class AsyncMPClient(MPClient):
     """
 
     _asyncio = True
+    #: A task taking outputs that were already queued yields to the loop at least this
+    #: often (see get_output_async).
+    YIELD_EVERY_S = 200e-6
 
     def __init__(self, config: Any) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -65,6 +68,7 @@ class AsyncMPClient(MPClient):
         # on small virtual machines), adaptively as the ring's own waits do, but never
         # longer than spin_us: the loop's other tasks wait meanwhile.
         self._spin = Spin(config.spin_us * 1e-6 if config.transport == "shm" else 0.0)
+        self._last_yield = 0.0
         self.resources.before_close(self._remove_reader_hook())
 
     @classmethod
@@ -247,6 +251,15 @@ class AsyncMPClient(MPClient):
         down."""
         outputs = self._outputs
         if outputs:
+            # Outputs already queued return at once, without suspending the task; a
+            # consumer that is behind would then never let the loop run its other tasks.
+            # So it yields once every YIELD_EVERY_S of such returns.
+            now = time.perf_counter()
+            if now - self._last_yield > self.YIELD_EVERY_S:
+                self._last_yield = now
+                await asyncio.sleep(0)
+                if not outputs:  # another task took it meanwhile
+                    return await self.get_output_async(timeout)
             return outputs.popleft()
         timeout = _check_timeout("get_output_async", timeout)
         loop = self._bind_loop()
@@ -279,8 +292,8 @@ class AsyncMPClient(MPClient):
                 self._waiters.discard(waiter)
                 if handle is not None:
                     handle.cancel()
-            # Woken just after the spin gave up: spin longer next time (up to 8x).
-            spin.after_block(time.perf_counter() - parked)
+            self._last_yield = now = time.perf_counter()
+            spin.after_block(now - parked)  # how the wait ended steers the next spin
             if outputs:
                 return outputs.popleft()
 

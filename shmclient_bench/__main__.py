@@ -4,7 +4,9 @@ Sections (``--only`` picks some): ``latency`` (round trip of one max_tokens=1 re
 ``streaming`` (N concurrent requests x M tokens), ``idle`` (idle CPU of client and
 engine), ``tensors`` (shmclient_bench.tensors' transfer sweep), ``ring`` (shmclient_bench.ring's raw ring
 against pyzmq ipc) and ``contention`` (shmclient_bench.contention: the sync client over shm and
-over zmq with an unrelated busy-loop process running), ``dp`` (shmclient_bench.dp: requests/s
+over zmq with an unrelated busy-loop process running), ``fairness`` (shmclient_bench.fairness:
+how late a concurrent asyncio task's 1 ms sleep wakes while the async client waits, engine
+idle and busy, shm and zmq), ``dp`` (shmclient_bench.dp: requests/s
 with one and two data-parallel engines, and their balance under a skewed load) and ``vllm`` (shmclient_bench.vllm: stock vLLM
 against vLLM over the rings, tiny dummy model; skipped with a note without vLLM). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
@@ -42,9 +44,9 @@ import psutil
 from . import clients, report
 from .load import THRESHOLD_CORES, LoadMonitor
 
-SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "dp", "vllm")
+SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fairness", "dp", "vllm")
 #: Sections that run in a child process of their own (``_external``).
-EXTERNAL = ("tensors", "ring", "contention", "dp", "vllm")
+EXTERNAL = ("tensors", "ring", "contention", "fairness", "dp", "vllm")
 
 #: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
 #: 24 s quiet, full 54 s with other load; see the README).

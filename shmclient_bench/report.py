@@ -582,6 +582,11 @@ def format_report(res: dict[str, Any]) -> str:
         tables.get("contention"),
     )
     lines += _external_section(
+        "Event-loop fairness of the async client (shmclient_bench.fairness):" + noisy_tag("fairness"),
+        res.get("fairness"),
+        tables.get("fairness"),
+    )
+    lines += _external_section(
         "Data parallelism, 1 and 2 engines (shmclient_bench.dp):" + noisy_tag("dp"),
         res.get("dp"),
         tables.get("dp"),

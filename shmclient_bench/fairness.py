@@ -1,0 +1,148 @@
+"""Event-loop fairness of AsyncMPClient: how late a concurrent task's 1 ms sleep wakes up
+while the client waits for output, with the engine idle and busy, shm against zmq.
+
+Run ``python -m shmclient_bench.fairness [--quick]``; ``run(quick)`` returns a JSON-able
+dict. One event loop per configuration runs a "ticker" task (``await asyncio.sleep(1 ms)``
+in a loop, recording how late each wake-up is) beside the client:
+
+* ``loop alone``: no client at all, the floor of this host's timer and scheduler;
+* ``idle``: a task awaits ``get_output_async()`` with nothing running in the engine;
+* ``busy``: four streams of long requests are read as they come, the mock model taking
+  ``STEP_S`` per step (standing in for a GPU step: an engine step of no time at all
+  floods the output ring faster than any frontend reads it), so the client's reader runs
+  between the ticker's sleeps all the time.
+
+The figure is the overshoot (wake-up time − 1 ms) at p50 / p99 / max. A client that
+spins or blocks in the loop shows up here directly. Not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+
+from shmclient import AsyncMPClient, EngineCoreRequest, SamplingParams
+from shmclient.config import EngineConfig
+
+TICK_S = 0.001
+STEP_S = 0.0005
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def _ticks(n: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    late = []
+    for _ in range(n):
+        t = loop.time()
+        await asyncio.sleep(TICK_S)
+        late.append((loop.time() - t - TICK_S) * 1e6)
+    return late
+
+
+async def _idle_waiter(client: AsyncMPClient) -> None:
+    try:
+        await client.get_output_async()
+    except Exception:  # the client shutting down at the end
+        pass
+
+
+async def _streams(client: AsyncMPClient, stop: asyncio.Event) -> int:
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    live: set[str] = set()
+    k = 0
+    outputs = 0
+    while not stop.is_set():
+        while len(live) < 4:
+            rid = f"s{k}"
+            k += 1
+            live.add(rid)
+            await client.add_request_async(
+                EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3], sampling_params=sp))
+        batch = await client.get_output_async(timeout=30)
+        outputs += 1
+        for o in batch.outputs:
+            if o.finished:
+                live.discard(o.request_id)
+    if live:
+        await client.abort_requests_async(sorted(live))
+    return outputs
+
+
+async def _measure(transport: str | None, mode: str, n: int) -> dict:
+    if transport is None:
+        late = await _ticks(n)
+        return _summary(late)
+    cfg = EngineConfig(model="mock", transport=transport,
+                       fault_injection=f"step_delay:{STEP_S}" if mode == "busy" else None)
+    client = await AsyncMPClient.create(cfg)
+    async with client:
+        await client.echo_async("warm-up")
+        if mode == "idle":
+            waiter = asyncio.ensure_future(_idle_waiter(client))
+            await asyncio.sleep(0.05)
+            late = await _ticks(n)
+            waiter.cancel()
+            out = _summary(late)
+        else:
+            stop = asyncio.Event()
+            streams = asyncio.ensure_future(_streams(client, stop))
+            await asyncio.sleep(0.2)
+            late = await _ticks(n)
+            stop.set()
+            batches = await streams
+            out = _summary(late)
+            out["output_batches"] = batches
+    return out
+
+
+def _summary(late: list[float]) -> dict:
+    return {"p50_us": statistics.median(late), "p99_us": _pct(late, 0.99), "max_us": max(late),
+            "n": len(late)}
+
+
+def run(quick: bool = False) -> dict:
+    n = 1500 if quick else 5000
+    res: dict = {"tick_ms": TICK_S * 1e3, "step_ms": STEP_S * 1e3}
+    res["loop_alone"] = asyncio.run(_measure(None, "", n))
+    for transport in ("shm", "zmq"):
+        for mode in ("idle", "busy"):
+            res[f"{transport}_{mode}"] = asyncio.run(_measure(transport, mode, n))
+    res["machine"] = {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]}
+    return res
+
+
+def report(res: dict) -> str:
+    lines = [f"a concurrent task's {res['tick_ms']:g} ms sleep: how late it wakes (µs), AsyncMPClient"
+             f" (busy: engine step {res['step_ms']:g} ms)",
+             "", f"{'while the client':>22} | {'p50':>7} {'p99':>7} {'max':>8}"]
+    rows = [("loop alone (no client)", "loop_alone")] + [
+        (f"{t} {m}", f"{t}_{m}") for t in ("shm", "zmq") for m in ("idle", "busy")]
+    for label, key in rows:
+        r = res[key]
+        lines.append(f"{label:>22} | {r['p50_us']:7.0f} {r['p99_us']:7.0f} {r['max_us']:8.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1,500 ticks per configuration (~15 s)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    res = run(args.quick)
+    print(report(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
