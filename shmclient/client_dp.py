@@ -420,8 +420,32 @@ class DPAsyncMPClient(EngineCoreClient):
         from .client import shutdown_timeout
 
         timeout = shutdown_timeout(timeout)
-        if self._closed:
+        if self._begin_shutdown():
+            self._join_stopper()
+            for e in self.engines:
+                e.shutdown(timeout)
+
+    async def shutdown_async(self, timeout: float | None = None) -> None:
+        """As ``shutdown``, without blocking the loop: the engines are stopped at once
+        (each engine client's ``shutdown_async`` where it has one, else its
+        ``shutdown`` in a worker thread), so this takes about one engine's stop."""
+        from .client import shutdown_timeout
+
+        timeout = shutdown_timeout(timeout)
+        if not self._begin_shutdown():
             return
+        if self._stopper is not None:
+            await asyncio.to_thread(self._join_stopper)
+        stops = []
+        for e in self.engines:
+            stop = getattr(e, "shutdown_async", None)
+            stops.append(stop(timeout) if stop is not None else asyncio.to_thread(e.shutdown, timeout))
+        await asyncio.gather(*stops)
+
+    def _begin_shutdown(self) -> bool:
+        """Mark the client closed and fail what waits on it; False if it already was."""
+        if self._closed:
+            return False
         self._closed = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -436,16 +460,18 @@ class DPAsyncMPClient(EngineCoreClient):
                     loop.call_soon_threadsafe(self._fail_in_loop)
                 except RuntimeError:  # closed meanwhile
                     pass
+        return True
+
+    def _join_stopper(self) -> None:
+        # It gives each engine 1 s, then SIGTERM and SIGKILL: done well within this.
         if self._stopper is not None:
-            self._stopper.join(timeout * len(self.engines) + 5.0)
-        for e in self.engines:
-            e.shutdown(timeout)
+            self._stopper.join(15.0)
 
     async def __aenter__(self) -> "DPAsyncMPClient":
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self.shutdown()
+        await self.shutdown_async()
 
     # -- named utilities, as vLLM's DP clients answer them ---------------------------
     async def echo_async(self, x: Any) -> Any:

@@ -395,3 +395,20 @@ def test_bench_dp_section_is_registered_and_rendered():
         assert needle in text, needle
     full = report.format_report({"machine": {}, "dp": res, "tables": {"dp": text}})
     assert "Data parallelism, 1 and 2 engines" in full and "dp_lb_2_engines" in full
+
+
+async def test_async_with_stops_every_engine_without_blocking_the_loop():
+    async with make_client(True, True, cfg()) as c:
+        assert await c.echo_async("hi") == "hi"
+        pids = list(c.engine_pids)
+        fds = [os.pidfd_open(p) for p in pids]
+    try:
+        with pytest.raises(EngineDeadError):
+            await c.echo_async("late")
+        readable, _, _ = select.select(fds, [], [], 10)
+        assert len(readable) == 2, "an engine outlived the async with block"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    await c.shutdown_async()  # idempotent
+    c.shutdown()
