@@ -1,7 +1,7 @@
 """``EngineCore``: one engine, driven one ``step()`` at a time, with no IO of its own.
 
-Engine layer, top of ``engine`` below the process main (``shmclient_engine.proc``): imports the
-config, the request checks, the scheduler, the models, torch, and ``shmclient.messages``
+Engine layer, top of ``shmclient_engine`` below the process main (``proc``), built through
+``shmclient_engine.make_core``: imports the config, the request checks, the scheduler, the models, torch, and ``shmclient.messages``
 / ``shmclient.errors`` only; never a transport, a socket, a thread, or a shmclient client
 module. It owns the model, the scheduler and the request lifecycle: validation at add
 time, aborts, turning sampled tokens into ``EngineCoreOutputs`` per client, and the

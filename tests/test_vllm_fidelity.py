@@ -33,9 +33,9 @@ from .drivers import KINDS, Driver, build, req
 
 MP_KINDS = tuple(k for k in KINDS if k != "inproc")
 
-#: Steps of 10 ms in the engine process stand in for a model's step time, so that a
+#: Steps of 10 ms (the mock's step_delay_s) stand in for a model's step time, so that a
 #: request is still running when the next call arrives (InprocClient steps only inside
-#: get_output, so it needs none).
+#: get_output, so there they only slow it down).
 CFG = EngineConfig(
     model="mock", max_model_len=256, hidden_size=32, step_delay_s=0.01,
     utility_modules=(user_utilities.MODULE,),
