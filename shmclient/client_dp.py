@@ -54,14 +54,28 @@ def _async_client_class() -> type:
     return AsyncMPClient
 
 
+def engine_config(config: Any, rank: int) -> Any:
+    """The config of the engine of ``rank``: ``data_parallel_rank=rank`` and, when one
+    client starts every rank on this host (the internal load balancer) with
+    ``device="cuda"`` (no index), the GPU of that rank, ``"cuda:<rank>"`` (one GPU per
+    rank, as vLLM places DP ranks; ``"cuda:N"`` keeps every rank on GPU N; behind an
+    external load balancer each rank's process picks its GPU as it likes, e.g. with
+    ``CUDA_VISIBLE_DEVICES``). Nothing is started; raises nothing for a valid config."""
+    changes: dict[str, Any] = {"data_parallel_rank": rank}
+    if (config.device == "cuda" and config.data_parallel_size > 1
+            and not config.data_parallel_external_lb):
+        changes["device"] = f"cuda:{rank}"
+    return config.replace(**changes)
+
+
 def start_engines(config: Any, ranks: list[int]) -> list[Any]:
     """Start one ``AsyncMPClient`` per rank, concurrently (one thread each, so start-up
-    takes about as long as one engine's), each with
-    ``config.replace(data_parallel_rank=rank)``. Blocks until all are ready. If any
-    fails, the others are shut down and the first failure is raised as the client
-    raised it (``ConfigError``, ``PeerNotProducingError``, ``EngineDeadError``)."""
+    takes about as long as one engine's), each with ``engine_config(config, rank)``.
+    Blocks until all are ready. If any fails, the others are shut down and the first
+    failure is raised as the client raised it (``ConfigError``,
+    ``PeerNotProducingError``, ``EngineDeadError``)."""
     cls = _async_client_class()
-    configs = [config.replace(data_parallel_rank=r) for r in ranks]
+    configs = [engine_config(config, r) for r in ranks]
     if len(configs) == 1:
         return [cls(configs[0])]
     pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")

@@ -412,3 +412,15 @@ async def test_async_with_stops_every_engine_without_blocking_the_loop():
             os.close(fd)
     await c.shutdown_async()  # idempotent
     c.shutdown()
+
+
+def test_each_rank_gets_its_own_gpu_unless_one_is_named():
+    from shmclient.client_dp import engine_config
+
+    c = engine_config(cfg(data_parallel_size=3, device="cuda"), 2)
+    assert (c.data_parallel_rank, c.device) == (2, "cuda:2")
+    assert engine_config(cfg(device="cuda:0"), 1).device == "cuda:0"
+    assert engine_config(cfg(), 1).device == "cpu"
+    assert engine_config(cfg(data_parallel_size=1, device="cuda"), 0).device == "cuda"
+    ext = cfg(device="cuda", data_parallel_external_lb=True, data_parallel_rank=1)
+    assert engine_config(ext, 1).device == "cuda"
