@@ -17,7 +17,7 @@ Exit is prompt: ``main`` closes the core, the channel and the control socket (th
 cleanup that matters: nothing named is left behind, the death notice is delivered), runs
 the ``atexit`` handlers, flushes logging and stdio, then leaves with ``os._exit``. The
 interpreter's own teardown is skipped: with torch loaded it took ~0.35 s, most of the time
-from a frontend's SIGKILL to the engine's exit (measured 0.40-0.53 s before, 0.05-0.15 s
+from a frontend's SIGKILL to the engine's exit (measured 0.40-0.65 s before, 0.05-0.18 s
 after, on a 2-core host).
 
 Extension points for an engine module that wraps this one (see ``shmclient_engine``):
