@@ -989,8 +989,9 @@ static PyObject *consumer_take(Consumer *self, PyObject *const *args, Py_ssize_t
     return inbox;
 }
 
-/* recv_views(handler) -> count: handler(type, memoryview) for every record published now;
-   the view points into the ring. Space is released when the call ends; a view the handler
+/* recv_views(handler[, mine[, limit]]) -> count: handler(type, memoryview) for every
+   record published now (at most `limit` messages when it is > 0: the rest stay for the
+   next call, and a wake pipe is readable again at once); the view points into the ring. Space is released when the call ends; a view the handler
    kept an export of (e.g. numpy.frombuffer) pins its record until that export is gone.
    If the handler raises, that record counts as read and the exception propagates. */
 static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1000,6 +1001,11 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
     }
     PyObject *handler = args[0];
     int mine = nargs > 1 && PyObject_IsTrue(args[1]);
+    unsigned long long limit = 0;
+    if (nargs > 2) {
+        limit = PyLong_AsUnsignedLongLong(args[2]);
+        if (limit == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
     if (!mine && (self->e.held || self->e.closed)) Py_RETURN_NONE; /* take the slow path */
     if (end_enter(&self->e) < 0) return NULL;
     uint64_t nrec = 0, nbytes = 0;
@@ -1054,6 +1060,7 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
                 break;
             }
             if (self->e.closed) break; /* the handler closed this end */
+            if (limit && nrec >= limit) break;
         }
     }
     PyObject *exc = failed ? get_raised() : NULL;
@@ -1126,8 +1133,8 @@ static PyMethodDef consumer_methods[] = {
      "released, in one call; None when another thread's slow path holds the end (or it is "
      "closed) and mine is false. Never blocks."},
     {"recv_views", (PyCFunction)(void (*)(void))consumer_recv_views, METH_FASTCALL,
-     "recv_views(handler, mine=False) -> n: handler(type, memoryview) per record, in place; "
-     "None as for take(). Never blocks."},
+     "recv_views(handler, mine=False, limit=0) -> n: handler(type, memoryview) per record, "
+     "in place, at most limit messages (0: all); None as for take(). Never blocks."},
     {"wait", (PyCFunction)consumer_wait, METH_VARARGS,
      "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
      "producer closed and everything was read. Releases the GIL only while asleep; a signal "

@@ -376,8 +376,9 @@ class ShmChannel:
         self._deferred = e
         return self._take_got()
 
-    def recv_nowait(self) -> list[tuple[int, Any]]:
-        """Every message available now, decoded, in order (at least one), or WouldBlock.
+    def recv_nowait(self, limit: int = 0) -> list[tuple[int, Any]]:
+        """Every message available now (at most ``limit`` if > 0; the rest stay for the
+        next call), decoded, in order (at least one), or WouldBlock.
         A message that does not decode comes as ``BadMessage``; ProtocolError when the
         ring is broken (after the messages before it, returned first); PeerDeadError once
         the engine closed its end and everything it sent was read. Never blocks."""
@@ -385,7 +386,7 @@ class ShmChannel:
             self._raise_deferred()
         self.flush_releases()
         try:
-            self.rx.recv_into(self._on_record, timeout=0.0)
+            self.rx.recv_into(self._on_record, timeout=0.0, limit=limit)
         except PeerTimeoutError:  # another thread of ours is reading this ring right now
             raise WouldBlock("another thread is reading this channel") from None
         except Exception as e:
@@ -394,10 +395,10 @@ class ShmChannel:
             raise WouldBlock("nothing to receive")
         return self._take_got()
 
-    def try_recv(self) -> list[tuple[int, Any]]:
+    def try_recv(self, limit: int = 0) -> list[tuple[int, Any]]:
         """``recv_nowait`` with [] instead of WouldBlock."""
         try:
-            return self.recv_nowait()
+            return self.recv_nowait(limit)
         except WouldBlock:
             return []
 

@@ -134,8 +134,9 @@ class ZmqChannel:
         except Exception as e:  # this message alone is bad
             return rtype, BadMessage(rtype, _describe(e), dec.salvage(bufs[0]))
 
-    def recv_nowait(self) -> list[tuple[int, Any]]:
-        """Every message queued now, decoded, in order (at least one), or WouldBlock. A
+    def recv_nowait(self, limit: int = 0) -> list[tuple[int, Any]]:
+        """Every message queued now (at most ``limit`` if > 0), decoded, in order (at
+        least one), or WouldBlock. A
         message that does not decode comes as ``BadMessage``; ProtocolError for a
         malformed one (after the messages before it, which are returned first). Never
         blocks."""
@@ -165,11 +166,13 @@ class ZmqChannel:
                     self._deferred = e
                     return out
                 raise
+            if limit and len(out) >= limit:
+                return out
 
-    def try_recv(self) -> list[tuple[int, Any]]:
+    def try_recv(self, limit: int = 0) -> list[tuple[int, Any]]:
         """``recv_nowait`` with [] instead of WouldBlock."""
         try:
-            return self.recv_nowait()
+            return self.recv_nowait(limit)
         except WouldBlock:
             return []
 

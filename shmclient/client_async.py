@@ -58,6 +58,9 @@ class AsyncMPClient(MPClient):
     #: A task taking outputs that were already queued yields to the loop at least this
     #: often (see get_output_async).
     YIELD_EVERY_S = 200e-6
+    #: Most messages one read in the loop decodes (a backlog of thousands would hold
+    #: the loop for milliseconds); the rest are read in the next turn of the loop.
+    READ_LIMIT = 64
 
     def __init__(self, config: Any) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,7 +128,7 @@ class AsyncMPClient(MPClient):
                 return
             self.channel.arm_recv()
             try:
-                got = self.channel.try_recv()
+                got = self.channel.try_recv(self.READ_LIMIT)
             except (PeerDeadError, ClientClosedError):
                 got = []
             except ProtocolError as e:
@@ -134,6 +137,10 @@ class AsyncMPClient(MPClient):
             if got:
                 self._dispatch(got)
                 self._wake_waiters()
+                if len(got) >= self.READ_LIMIT and self._loop is not None:
+                    # more may be waiting: read on after the loop's other tasks ran (an
+                    # edge-triggered socket descriptor would not signal them again)
+                    self._loop.call_soon(weak_callback(self._on_readable))
             if self.channel.peer_closed and self._loop is not None and self._fd is not None:
                 # The engine closed its end (it is exiting): stop watching a descriptor
                 # that now stays readable; the monitor reports the death to waiters.
@@ -169,7 +176,7 @@ class AsyncMPClient(MPClient):
             if self._closed or self.resources.dead.is_set():
                 return
             try:
-                got = waiting.recv_spin(self.channel, spin)
+                got = waiting.recv_spin(self.channel, spin, self.READ_LIMIT)
             except (PeerDeadError, ClientClosedError):
                 # Dead peer: the monitor's report wakes the waiters with its reason.
                 got = []
@@ -179,6 +186,8 @@ class AsyncMPClient(MPClient):
             if got:
                 self._dispatch(got)
                 self._wake_waiters()
+                if len(got) >= self.READ_LIMIT and self._loop is not None:
+                    self._loop.call_soon(weak_callback(self._on_readable))  # read on later
         finally:
             self._lead.release()
 
@@ -250,16 +259,15 @@ class AsyncMPClient(MPClient):
         vLLM's), then EngineDeadError; EngineDeadError too once the client was shut
         down."""
         outputs = self._outputs
+        # An output that is already queued, or that a short spin catches, returns
+        # without suspending the task; a consumer keeping pace with a fast engine would
+        # then never let the loop run its other tasks. So a call yields to the loop
+        # first when the task has not been suspended for YIELD_EVERY_S.
+        now = time.perf_counter()
+        if now - self._last_yield > self.YIELD_EVERY_S:
+            self._last_yield = now
+            await asyncio.sleep(0)
         if outputs:
-            # Outputs already queued return at once, without suspending the task; a
-            # consumer that is behind would then never let the loop run its other tasks.
-            # So it yields once every YIELD_EVERY_S of such returns.
-            now = time.perf_counter()
-            if now - self._last_yield > self.YIELD_EVERY_S:
-                self._last_yield = now
-                await asyncio.sleep(0)
-                if not outputs:  # another task took it meanwhile
-                    return await self.get_output_async(timeout)
             return outputs.popleft()
         timeout = _check_timeout("get_output_async", timeout)
         loop = self._bind_loop()

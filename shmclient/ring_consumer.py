@@ -78,7 +78,8 @@ class RingConsumer(Ring):
             self._lock.release()
 
     def recv_into(
-        self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None
+        self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None,
+        limit: int = 0,
     ) -> int:
         """Zero-copy receive: call ``handler(rtype, view)`` for every record available,
         in order; ``view`` points into the ring and is valid only during the call (it is
@@ -88,9 +89,10 @@ class RingConsumer(Ring):
         waits like ``recv`` for at least one record. Returns the number of records
         handled. If the handler raises, that record counts as consumed and the exception
         propagates; the rest come with the next call. The handler must not use this
-        ring (RuntimeError)."""
+        ring (RuntimeError). ``limit`` > 0: at most that many messages per call (the
+        rest stay; the wake pipe stays readable)."""
         c = self._c
-        n = c.recv_views(handler)  # fast path: no lock, one C call
+        n = c.recv_views(handler, False, limit)  # fast path: no lock, one C call
         if n:
             if self._closed:  # the handler closed this end
                 raise self._closed_error()
@@ -103,7 +105,7 @@ class RingConsumer(Ring):
                 raise self._closed_error()
             c.held = True
             while True:
-                n = c.recv_views(handler, True)
+                n = c.recv_views(handler, True, limit)
                 if self._closed:  # the handler closed this end
                     raise self._closed_error()
                 if n:

@@ -109,19 +109,20 @@ def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = No
     return _block(channel.recv_nowait, channel.wait_recv, timeout, alive, timed_out)
 
 
-def recv_spin(channel: Any, spin: float | None) -> list[tuple[int, Any]]:
+def recv_spin(channel: Any, spin: float | None, limit: int = 0) -> list[tuple[int, Any]]:
     """What is there now, else what arrives within a spin of ``spin`` seconds (None: the
-    channel's adaptive budget; never a sleep), else []. For an event loop: it holds the
-    loop for at most the spin. Raises as ``recv``."""
+    channel's adaptive budget; never a sleep), else []; at most ``limit`` messages if
+    > 0. For an event loop: it holds the loop for at most the spin and the decoding of
+    ``limit`` messages. Raises as ``recv``."""
     try:
-        return channel.recv_nowait()
+        return channel.recv_nowait(limit)
     except WouldBlock:
         pass
     if spin is not None and spin <= 0:
         return []
     channel.wait_recv(0.0, spin=spin)
     try:
-        return channel.recv_nowait()
+        return channel.recv_nowait(limit)
     except WouldBlock:
         return []
 
