@@ -5,8 +5,9 @@ without it. Uses the tiny dummy Llama (a ``config.json`` only, random weights, f
 no download). Everything runs in one child process (``python -m shmclient_bench.vllm --child``),
 one engine at a time: ``sync`` (``LLM``'s engine, stepped by hand) and ``async``
 (``AsyncLLM.generate``), each with ``stock`` (vLLM's ZMQ transport), ``shm`` (the plug-in)
-and, for sync, ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
-``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop).
+for sync ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
+``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop), and for async
+``shm-noprewake`` (no early wake-up of the parked frontend, ``SHMCLIENT_VLLM_PREWAKE=0``).
 
 Figures per configuration:
 
@@ -61,6 +62,7 @@ CONFIGS = (
     ("sync", "shm-thread"),
     ("async", "stock"),
     ("async", "shm"),
+    ("async", "shm-noprewake"),
 )
 STREAMS = (1, 16)
 CHILD_TIMEOUT_S = 900
@@ -128,6 +130,10 @@ def _set_switch(transport: str) -> None:
         os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = "thread"
     else:
         os.environ.pop("SHMCLIENT_VLLM_ENGINE_OUTPUT", None)
+    if transport == "shm-noprewake":
+        os.environ["SHMCLIENT_VLLM_PREWAKE"] = "0"
+    else:
+        os.environ.pop("SHMCLIENT_VLLM_PREWAKE", None)
 
 
 def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> dict[str, Any]:

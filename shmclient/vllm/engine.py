@@ -36,6 +36,7 @@ import zmq
 
 from ..errors import ClientClosedError, PeerDeadError, PeerTimeoutError
 from ..ring import Ring
+from ..shm import Segment, open_handle
 from . import wire
 
 _state_lock = threading.Lock()
@@ -57,6 +58,16 @@ class _EngineRings:
             raise
         self.frontend_pid = spec.frontend_pid
         self.frontend_gone = False
+        self._parked = self._parked_flag = None
+        self._wake_fd = -1
+        try:
+            if spec.parked and out_spec.wake_pipe:
+                self._parked = Segment.attach(spec.parked)
+                self._parked_flag = self._parked.buf
+                self._wake_fd = open_handle(out_spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except BaseException:
+            self.close()
+            raise
         self._inline: "_InlineOutputs | None" = None
         self._inline_lock = threading.Lock()
 
@@ -72,10 +83,29 @@ class _EngineRings:
             self.frontend_gone = True
         return not self.frontend_gone
 
+    def prewake(self) -> None:
+        """Early wake-up: if the frontend's output task is parked, write its wake byte now,
+        before this step's outputs are built and encoded, so that its wake-up overlaps
+        that work (it then spins for the outputs; see shmclient.vllm.frontend). One load
+        when it is not parked; never blocks."""
+        flag = self._parked_flag
+        if flag is not None and flag[0]:
+            flag[0] = 0
+            try:
+                os.write(self._wake_fd, b"\1")
+            except OSError:  # full (already readable) or the frontend is gone
+                pass
+
     def close(self) -> None:
         self.frontend_gone = True
         self.requests.close()
         self.outputs.close()
+        self._parked_flag = None
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+        if self._parked is not None:
+            self._parked.close()
 
     def send(self, kind: int, frames) -> None:
         """Write one message; drop it once the frontend is gone. Blocks while the ring is
@@ -187,6 +217,8 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
                     inline.put_nowait(old.get_nowait())
                 except queue.Empty:
                     break
+        if rings._parked_flag is not None:
+            _prewake_before_outputs(self, rings)
         # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
         handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
         ready_event.set()
@@ -226,6 +258,21 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
                     if request_type == EngineCoreRequestType.ABORT:
                         self.aborts_queue.put_nowait(request)
                 self.input_queue.put_nowait((request_type, request))
+
+
+def _prewake_before_outputs(self, rings: _EngineRings) -> None:
+    """Ring the parked frontend when the scheduler starts turning a step's model output
+    into EngineCoreOutputs (measured ~15 us before they are stamped, ~35 us before they
+    are published on this machine)."""
+    scheduler = self.scheduler
+    update = scheduler.update_from_output
+    prewake = rings.prewake
+
+    def update_from_output(*args, **kwargs):
+        prewake()
+        return update(*args, **kwargs)
+
+    scheduler.update_from_output = update_from_output
 
 
 class _InlineOutputs:

@@ -31,19 +31,29 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future
+from time import perf_counter
 from typing import Any
 
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from ..doorbell import Spin
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from ..ring import Ring
+from ..shm import Segment
 from . import wire
 
 __all__ = ["ShmAsyncMPClient", "ShmSyncMPClient"]
 
 SEND_TIMEOUT_S = 60.0
+#: How long (µs) get_output_async may spin on the output ring, holding the event loop,
+#: before it parks; adapted like the rings' own spins (doorbell.Spin).
+ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
+ASYNC_SPIN_US = 50.0
+#: "0" switches off the engine's early wake-up of a parked async frontend.
+PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
+PAGE_BYTES = 4096
 _spawn_lock = threading.Lock()  # the spec travels in os.environ while an engine starts
 
 
@@ -67,23 +77,39 @@ class _Rings:
         self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
         if self.output_mode not in ("thread", "inline"):
             raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
+        prewake = os.environ.get(PREWAKE_ENV, "1")
+        if prewake not in ("0", "1"):
+            raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
         self.requests = Ring.create("producer", capacity, spin_us=self.spin_us)
+        self.outputs = self.parked = None
         try:
             self.outputs = Ring.create("consumer", capacity, spin_us=self.spin_us, consumer_wake_fd=wake_fd)
+            if wake_fd and prewake == "1":
+                # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
+                self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
         except BaseException:
-            self.requests.close()
+            self.close()
             raise
+        self.parked_flag = self.parked.buf if self.parked is not None else bytearray(1)
 
     def spec_text(self) -> str:
-        return wire.encode_spec(self.requests, self.outputs, self.spin_us, self.output_mode)
+        return wire.encode_spec(self.requests, self.outputs, self.spin_us, self.output_mode,
+                                self.parked.name if self.parked is not None else "")
 
     def unlink(self) -> None:
         self.requests.unlink()
         self.outputs.unlink()
+        if self.parked is not None:
+            self.parked.release_handle()
 
     def close(self) -> None:
         self.requests.close()
-        self.outputs.close()
+        if self.outputs is not None:
+            self.outputs.close()
+        if self.parked is not None:
+            self.parked_flag = bytearray(1)
+            self.parked.release_handle()
+            self.parked.close()
 
 
 def _start_with_rings(rings: _Rings, construct) -> None:
@@ -226,6 +252,7 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
     def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
                  client_count: int = 1, client_index: int = 0, renderer=None) -> None:
         self._ring_task: asyncio.Task | None = None
+        self._reader: _AsyncReader | None = None
         self._init_rings(
             True,
             lambda: AsyncMPClient.__init__(
@@ -235,14 +262,44 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
         )
 
     def _ensure_output_queue_task(self) -> None:
-        super()._ensure_output_queue_task()  # vLLM's socket task: ENGINE_CORE_DEAD
+        if self.resources.output_queue_task is None and not isinstance(self.outputs_queue, _Inbox):
+            # vLLM's socket task (ENGINE_CORE_DEAD only) and the ring reader both put here.
+            self.outputs_queue = _Inbox()
+        super()._ensure_output_queue_task()
         if self._ring_task is not None or not hasattr(self, "_rings"):
             return
-        self._ring_task = asyncio.create_task(
-            _read_outputs(weakref.ref(self), self._rings, self.resources, self.outputs_queue,
-                          self.utility_results, type(self)),
-            name="ShmEngineCoreOutputTask",
-        )
+        self._reader = reader = _AsyncReader(weakref.ref(self), self._rings, self.decoder, self.outputs_queue,
+                                             self.utility_results)
+        self._ring_task = asyncio.create_task(_own_reader(reader), name="ShmEngineCoreOutputTask")
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next output batch. Reads the ring in this task: what is there is returned
+        at once; else spins on the ring for at most the spin budget (holding the loop);
+        else parks until the wake pipe's callback has read something. Raises
+        EngineDeadError (or the output reader's error) as vLLM's does."""
+        self._ensure_output_queue_task()
+        reader = self._reader
+        inbox = self.outputs_queue
+        items = inbox.items
+        if not items and reader is not None:
+            reader.read_now()
+            if not items and reader.spin_for_output():
+                reader.read_now()
+        while not items:
+            waiter = asyncio.get_running_loop().create_future()
+            inbox.waiter = waiter
+            rings = self._rings
+            if reader is not None and reader.arm_prewake():
+                rings.parked_flag[0] = 1  # the engine may now wake us before it publishes
+            try:
+                await waiter
+            finally:
+                inbox.waiter = None
+                rings.parked_flag[0] = 0
+        outputs = items.popleft()
+        if isinstance(outputs, Exception):
+            raise self._format_exception(outputs) from None
+        return outputs
 
     def _send_input(self, request_type, request, engine=None):
         self._ring_send(request_type, request)
@@ -291,68 +348,188 @@ def _done() -> asyncio.Future:
     return fut
 
 
-async def _read_outputs(client_ref, rings: _Rings, resources, outputs_queue, utility_results, cls) -> None:
-    """Read the output ring from the event loop: a reader callback on the ring's wake pipe
-    drains the ring and dispatches like vLLM's output task, in the same loop iteration
-    that saw the pipe readable (no task wake-up in between). This task only owns the
-    callback's lifetime: it ends when the callback fails or the task is cancelled
-    (shutdown), and then removes the callback and closes the rings on the loop."""
-    from vllm.v1.engine import FT_STATUS_CALL_ID
+class _Inbox:
+    """Stands in for vLLM's ``outputs_queue`` (an asyncio.Queue): outputs and errors in
+    order, and at most one parked ``get_output_async``, woken by ``put_nowait`` or by the
+    ring reader. Used from the loop's thread only (as vLLM's queue is)."""
 
-    loop = asyncio.get_running_loop()
-    ring = rings.outputs
-    fd = ring.fileno()
-    failed: asyncio.Future = loop.create_future()
-    partial: list = []
-    client = client_ref()
-    decoder = client.decoder if client is not None else None
-    del client
+    __slots__ = ("items", "waiter")
 
-    def dispatch(outputs: EngineCoreOutputs) -> None:
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self.items.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+
+class _AsyncReader:
+    """Reads the output ring on the event loop's thread, from ``get_output_async`` (the
+    fast path) and from the wake pipe's reader callback (a parked waiter, utility replies
+    nobody awaits as outputs). Dispatches as vLLM's output task does."""
+
+    def __init__(self, client_ref, rings: _Rings, decoder, inbox: _Inbox, utility_results) -> None:
+        self.client_ref = client_ref
+        self.rings = rings
+        self.ring = rings.outputs
+        self.decoder = decoder
+        self.inbox = inbox
+        self.utility_results = utility_results
+        self.partial: list = []
+        self.stopped = False
+        self.failed: asyncio.Future | None = None  # set by the owning task
+        self.parked_at: float | None = None
+        self.spin = Spin(_env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6)
+        # Whether the engine's early wake-up pays: spins after it that end in the
+        # outputs. Backs off (and probes now and then) like the rings' own spins.
+        self.prewake = Spin(self.spin.base if rings.parked is not None else 0.0)
+        self.armed = False
+        self.prewake_hits = self.prewake_misses = 0
+
+    def read_now(self) -> int:
+        """Decode and dispatch every record the ring holds now; never blocks. On a dead
+        or closed ring the error goes to the inbox (once) and the callback stops."""
+        if self.stopped:
+            return 0
+        try:
+            records = self.ring.try_recv()
+        except (PeerDeadError, ClientClosedError):
+            self._fail(EngineDeadError())
+            return 0
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            self._fail(e)
+            return 0
+        if not records:
+            return 0
+        try:
+            for _, frames in wire.split_messages(records, self.partial):
+                if len(frames) > 1:
+                    frames = [frames[0], *(bytearray(f) for f in frames[1:])]
+                self._dispatch(self.decoder.decode(frames))
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        return len(records)
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        from vllm.v1.engine import FT_STATUS_CALL_ID
+
         if outputs.utility_output:
             if outputs.utility_output.call_id == FT_STATUS_CALL_ID:
-                client = client_ref()
+                client = self.client_ref()
                 if client is not None and outputs.utility_output.result is not None:
                     client._engine_status[outputs.engine_index] = outputs.utility_output.result.result
             else:
-                _process_utility_output(outputs.utility_output, utility_results)
+                _process_utility_output(outputs.utility_output, self.utility_results)
         elif outputs.outputs or outputs.scheduler_stats:
-            outputs_queue.put_nowait(outputs)
+            self.inbox.items.append(outputs)
 
-    def on_readable() -> None:
-        if failed.done():
-            return
+    def spin_for_output(self) -> bool:
+        """Spin (holding the loop) until a record is there, for at most the adaptive
+        budget, never more than the configured spin; True if one came."""
+        spin = self.spin
+        budget = min(spin.budget, spin.base)
+        if budget <= 0.0:
+            spin.after(False, 0.0)  # counts towards the next probe
+            return False
+        if self._spin_until(budget):
+            spin.after(True, 0.0)
+            return True
+        self.parked_at = perf_counter()
+        return False
+
+    def arm_prewake(self) -> bool:
+        """Whether to let the engine wake this parked task early (see ``on_readable``)."""
+        prewake = self.prewake
+        if prewake.budget <= 0.0:
+            prewake.after(False, 0.0)  # backed off: counts towards the next probe
+            self.armed = False
+        else:
+            self.armed = True
+        return self.armed
+
+    def _spin_until(self, budget: float) -> bool:
+        has_data = self.ring.has_data
+        end = perf_counter() + budget
+        while not has_data():
+            if perf_counter() >= end:
+                return False
+        return True
+
+    def on_readable(self) -> None:
+        # Read before draining: draining first re-arms the pipe while the record that
+        # woke us is still unread, which writes a byte for it and wakes us once more for
+        # nothing. Read, then drain: a record published in between is seen by the
+        # re-arm (it writes the byte itself), so no wake-up is lost.
+        n = self.read_now()
         try:
-            while True:
-                ring.drain_wake_fd()
-                try:
-                    records = ring.try_recv()
-                except (PeerDeadError, ClientClosedError):
-                    raise EngineDeadError() from None
-                if not records:
-                    return
-                for _, frames in wire.split_messages(records, partial):
-                    if len(frames) > 1:
-                        frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-                    dispatch(decoder.decode(frames))
-        except BaseException as e:  # noqa: BLE001 - handed to the owning task
-            loop.remove_reader(fd)
-            failed.set_exception(e)
+            self.ring.drain_wake_fd()
+        except (ClientClosedError, OSError):
+            pass
+        inbox = self.inbox
+        waiter = inbox.waiter
+        if not n and waiter is not None and not inbox.items and self.armed and not self.rings.parked_flag[0]:
+            # The engine cleared our parked flag: its early wake-up, it is about to
+            # publish. Spin for it for at most the configured spin; else the publish
+            # wakes us again.
+            self.armed = False
+            if self._spin_until(self.prewake.base):
+                n = self.read_now()
+                self.prewake.after(True, 0.0)
+                self.prewake_hits += 1
+            else:
+                self.prewake.after(False, 0.0)
+                self.prewake_misses += 1
+        if n and waiter is not None:
+            inbox.wake()
+            parked_at = self.parked_at
+            if parked_at is not None:
+                # Woken just after the spin gave up: the spin policy stretches or backs off.
+                self.spin.after_block(perf_counter() - parked_at)
+                self.parked_at = None
 
-    if decoder is None:
-        return
-    loop.add_reader(fd, on_readable)
+    def _fail(self, e: BaseException) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.failed is not None and not self.failed.done():
+            self.failed.set_result(None)
+        self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
+
+
+async def _own_reader(reader: _AsyncReader) -> None:
+    """Own the wake pipe's reader callback: in place until the reader fails or the task
+    is cancelled (shutdown); then fail pending utility calls, remove the callback and
+    close the rings, on the loop."""
+    loop = asyncio.get_running_loop()
+    fd = reader.ring.fileno()
+    reader.failed = failed = loop.create_future()
+    inbox = reader.inbox
+    loop.add_reader(fd, reader.on_readable)
     try:
-        on_readable()  # whatever arrived before the callback was in place
-        await failed
+        if not reader.stopped:
+            reader.on_readable()  # whatever arrived before the callback was in place
+            await failed  # the error is in the inbox already
     except asyncio.CancelledError:
-        outputs_queue.put_nowait(EngineDeadError())
-    except Exception as e:
-        outputs_queue.put_nowait(e)
+        reader.stopped = True
+        inbox.put_nowait(EngineDeadError())
     finally:
+        failed.cancel()
+        utility_results = reader.utility_results
         for call_id in list(utility_results):
             future = utility_results.pop(call_id, None)
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError())
         loop.remove_reader(fd)
-        rings.close()
+        reader.rings.close()

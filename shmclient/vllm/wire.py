@@ -55,15 +55,18 @@ class EngineSpec(msgspec.Struct, frozen=True):
     frontend_pid: int
     spin_us: float
     output_mode: str  # "thread" or "inline", see shmclient.vllm.engine
+    #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend), "" for none
+    parked: str = ""
 
 
-def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str) -> str:
+def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str, parked: str = "") -> str:
     spec = EngineSpec(
         msgspec.msgpack.encode(requests.spec),
         msgspec.msgpack.encode(outputs.spec),
         os.getpid(),
         float(spin_us),
         output_mode,
+        parked,
     )
     return msgspec.msgpack.encode(spec).hex()
 
