@@ -111,7 +111,12 @@ class DPAsyncMPClient(EngineCoreClient):
     naming it, and the engines still alive are stopped, as vLLM does.
     """
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: Any = None, *, engines: list[Any] | None = None) -> None:
+        """``engines``: instead of starting them, take these engine clients, already
+        started, one per managed rank in rank order (each with ``AsyncMPClient``'s
+        public async API, e.g. ``AsyncMPClient(engine_config(config, rank))`` with
+        another transport); from then on this client owns them (``shutdown`` stops
+        them). ConfigError when their number is not the number of ranks."""
         if config is None:
             from .config import EngineConfig
 
@@ -120,7 +125,13 @@ class DPAsyncMPClient(EngineCoreClient):
         ranks = self._managed_ranks(config)
         #: The data-parallel rank of each engine, in order.
         self.engine_ranks: tuple[int, ...] = tuple(ranks)
-        self.engines: list[Any] = start_engines(config, ranks)
+        if engines is None:
+            engines = start_engines(config, ranks)
+        elif len(engines) != len(ranks):
+            raise ConfigError(
+                f"{type(self).__name__}: got {len(engines)} engine clients for ranks "
+                f"{list(ranks)}: give one per rank")
+        self.engines: list[Any] = list(engines)
         self.num_gpu_blocks = sum(e.num_gpu_blocks for e in self.engines)
         self.block_size = self.engines[0].block_size
         self.max_model_len = min(e.max_model_len for e in self.engines)
@@ -618,8 +629,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ``DPAsyncMPClient``.
     """
 
-    def __init__(self, config: Any = None) -> None:
-        super().__init__(config)
+    def __init__(self, config: Any = None, *, engines: list[Any] | None = None) -> None:
+        super().__init__(config, engines=engines)
         self._start = 0
 
     @staticmethod

@@ -424,3 +424,40 @@ def test_each_rank_gets_its_own_gpu_unless_one_is_named():
     assert engine_config(cfg(data_parallel_size=1, device="cuda"), 0).device == "cuda"
     ext = cfg(device="cuda", data_parallel_external_lb=True, data_parallel_rank=1)
     assert engine_config(ext, 1).device == "cuda"
+
+
+async def test_a_group_of_an_shm_engine_and_a_zmq_engine_gives_one_engines_tokens():
+    """Ranks over different transports in one group (the seam for engines on another
+    host): rank 0 over the shared-memory rings, rank 1 over zmq."""
+    from shmclient.client_dp import engine_config
+
+    ids = [f"r{i}" for i in range(8)]
+    reqs = lambda: [req(rid, max_tokens=2 + i, prompt=range(i + 1, i + 6))  # noqa: E731
+                    for i, rid in enumerate(ids)]
+    config = cfg()
+    with pytest.raises(ConfigError, match="one per rank"):
+        DPLBAsyncMPClient(config, engines=[])
+    single = AsyncMPClient(cfg(data_parallel_size=1))
+    try:
+        for r in reqs():
+            await single.add_request_async(r)
+        want = await collect(single, ids)
+    finally:
+        single.shutdown()
+    engines = [AsyncMPClient(engine_config(config, 0))]
+    try:
+        engines.append(AsyncMPClient(engine_config(config, 1).replace(transport="zmq")))
+    except BaseException:
+        engines[0].shutdown()
+        raise
+    c = DPLBAsyncMPClient(config, engines=engines)
+    try:
+        for r in reqs():
+            await c.add_request_async(r)
+        got = await collect(c, ids)
+        assert await c.call_utility_all_async("echo", 1) == [1, 1]
+    finally:
+        c.shutdown()
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}
+    assert {v[2] for v in got.values()} == {0, 1}
+    assert all(e.is_dead for e in engines)  # stopped with the group
