@@ -83,10 +83,8 @@ def start_engines(config: Any, ranks: list[int]) -> list[Any]:
         futs = [pool.submit(cls, c) for c in configs]
     finally:
         pool.shutdown(wait=True)  # also when interrupted: every start is then accounted for
-    started, errors = [], []
-    for f in futs:
-        e = f.exception()
-        (errors if e is not None else started).append(e if e is not None else f.result())
+    started = [f.result() for f in futs if f.exception() is None]
+    errors = [f.exception() for f in futs if f.exception() is not None]
     if errors:
         for c in started:
             c.shutdown(timeout=0.0)
@@ -107,8 +105,9 @@ class DPAsyncMPClient(EngineCoreClient):
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
     raises. Use the ``*_async`` methods from one event loop (the first that calls one
     binds the client; another loop gets ``UsageError``); none blocks the loop. As
-    ``AsyncMPClient``, it has no blocking forms. When an engine dies, every pending and later call raises ``EngineDeadError``
-    naming it, and the engines still alive are stopped, as vLLM does.
+    ``AsyncMPClient``, it has no blocking forms. When an engine dies, every pending and
+    later call raises ``EngineDeadError`` naming it, and the engines still alive are
+    stopped, as vLLM does.
     """
 
     def __init__(self, config: Any = None, *, engines: list[Any] | None = None) -> None:
