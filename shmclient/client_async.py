@@ -35,6 +35,7 @@ from .errors import (
     ClientClosedError,
     EngineDeadError,
     PeerDeadError,
+    PeerNotConsumingError,
     PeerNotProducingError,
     ProtocolError,
     UsageError,
@@ -201,6 +202,8 @@ class AsyncMPClient(MPClient):
                                      alive=self.resources.alive)
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
+        except PeerNotConsumingError as e:
+            raise self._stalled(timeout) from e
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

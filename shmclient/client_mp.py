@@ -44,6 +44,7 @@ from .errors import (
     EngineDeadError,
     InvalidRequestError,
     PeerDeadError,
+    PeerNotConsumingError,
     PeerNotProducingError,
     ProtocolError,
     ShmClientError,
@@ -176,6 +177,14 @@ class MPClient(EngineCoreClient):
                          alive=self.resources.alive)
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
+        except PeerNotConsumingError as e:
+            raise self._stalled(timeout) from e
+
+    def _stalled(self, timeout: float | None) -> PeerNotConsumingError:
+        return PeerNotConsumingError(
+            f"the engine core process (pid {self.engine_pid}) took nothing from the full "
+            f"request ring within {timeout} s: it is stalled or too busy; the message was "
+            "not sent")
 
     def _admit(self, request: EngineCoreRequest) -> None:
         """Checks before a request travels; marks its id live."""

@@ -144,7 +144,7 @@ def test_sync_add_request_times_out_on_a_stalled_engine_and_the_client_goes_on()
     with make_client(True, False, small_ring_config()) as client:
         with Stopped(client.engine_pid):
             t0 = time.monotonic()
-            with pytest.raises(PeerNotConsumingError):
+            with pytest.raises(PeerNotConsumingError, match=f"pid {client.engine_pid}.*stalled"):
                 for i in range(1000):
                     client.add_request(req(f"r{i}", max_tokens=1), timeout=0.3)
             assert time.monotonic() - t0 < 5.0
@@ -178,7 +178,7 @@ async def test_async_add_waits_for_room_without_spinning_or_holding_the_loop():
     async with client:
         with Stopped(client.engine_pid), Ticker() as ticker:
             cpu0, t0 = time.process_time(), time.monotonic()
-            with pytest.raises(PeerNotConsumingError):
+            with pytest.raises(PeerNotConsumingError, match=f"pid {client.engine_pid}"):
                 for i in range(1000):
                     await client.add_request_async(req(f"r{i}", max_tokens=1), timeout=1.0)
             wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
