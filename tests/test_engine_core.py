@@ -531,6 +531,15 @@ class _RecordingChannel:
     def send_encoded(self, rtype, payload, *, timeout=None, alive=None) -> None:
         self.sent.append(payload)
 
+    def send_nowait(self, rtype, payload) -> None:  # the sans-IO face the loop uses
+        self.sent.append(payload)
+
+    def wait_send(self, timeout, *, spin=None, first=True) -> bool:
+        return True
+
+    def abandon(self, payload) -> None:
+        pass
+
     def try_recv(self):
         return []
 
