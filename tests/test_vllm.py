@@ -35,6 +35,7 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 import shmclient.vllm as plugin  # noqa: E402
 from shmclient_bench import vllm as bench_vllm  # noqa: E402
 from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
+from shmclient.vllm.oob import TENSOR_MIN_BYTES  # noqa: E402
 
 # The tiny dummy Llama and engine settings the benchmark uses; the tests add prompt embeds.
 CONFIG = bench_vllm.CONFIG
@@ -107,6 +108,9 @@ def shmc_entries(pid: int) -> list[str]:
 @pytest.fixture(scope="module")
 def stock_llm(model_dir):
     llm = make_llm(model_dir, shm=False)
+    # A frame of 64 KiB or more makes pyzmq start its garbage-collector thread (zero-copy
+    # sends): start it here, not inside a test.
+    llm.generate([{"prompt_embeds": embeds(100, 9)}], greedy(1), use_tqdm=False)
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -146,19 +150,130 @@ def test_long_prompt_and_many_tokens(stock_llm, shm_llm):
     assert run(shm_llm, [prompt], 50) == run(stock_llm, [prompt], 50)
 
 
-def test_prompt_embeds_tensor_travels_as_extra_frames(stock_llm, shm_llm):
+def arena_stats(llm_or_client) -> dict:
+    client = getattr(getattr(llm_or_client, "llm_engine", None), "engine_core", llm_or_client)
+    return client._rings.tensors_out.stats()
+
+
+def embeds(rows: int, seed: int):
     import torch
 
-    emb = torch.randn(12, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(0))
-    assert emb.nbytes > 256  # above vLLM's inline limit: a frame of its own
+    return torch.randn(rows, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(seed))
+
+
+def test_small_prompt_embeds_travel_as_ring_frames(stock_llm, shm_llm):
+    emb = embeds(12, 0)
+    assert 256 < emb.nbytes < TENSOR_MIN_BYTES  # above vLLM's inline limit, below the arena's
 
     def gen(llm):
         outs = llm.generate([{"prompt_embeds": emb}, tokens([5, 6, 7, 8])], greedy(8), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    before = arena_stats(shm_llm)
     got = gen(shm_llm)
     assert got == gen(stock_llm)
     assert got[1] == [469, 686] * 4
+    after = arena_stats(shm_llm)
+    assert after["sent_arena"] == before["sent_arena"] and after["sent_one_off"] == before["sent_one_off"]
+
+
+def test_large_prompt_embeds_go_through_the_arena_and_come_back(stock_llm, shm_llm):
+    emb = embeds(100, 1)  # 100 KiB
+    assert emb.nbytes >= TENSOR_MIN_BYTES
+    before = arena_stats(shm_llm)
+
+    def gen(llm):
+        outs = llm.generate([{"prompt_embeds": emb}, {"prompt_embeds": embeds(100, 2)}], greedy(10), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    got = gen(shm_llm)
+    assert got == gen(stock_llm)
+    assert got[0] != got[1]
+    after = arena_stats(shm_llm)
+    assert after["sent_arena"] == before["sent_arena"] + 2
+    assert after["peak_used_bytes"] >= emb.nbytes
+    # The engine drops the requests' tensors and sends the releases back: the blocks
+    # are free again (each utility call reads the output ring, where releases arrive).
+    deadline = time.monotonic() + 20
+    while arena_stats(shm_llm)["blocks_in_flight"]:
+        assert time.monotonic() < deadline, arena_stats(shm_llm)
+        shm_llm.llm_engine.engine_core.call_utility("get_weight_version")
+    assert arena_stats(shm_llm)["used_bytes"] == 0
+
+
+def test_arena_tensors_through_vllms_encoder_and_decoder():
+    """The consumer/provider pair on vLLM's own MsgpackEncoder/Decoder, no engine: small
+    tensors stay vLLM's frames, large ones are arena views released when dropped."""
+    import gc
+
+    import torch
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.vllm.oob import ArenaProvider, ArenaTensors
+
+    seg = Segment.create(1 << 20)
+    sender = ShmTensorSender(seg)
+    receiver = ShmTensorReceiver(Segment.attach(seg.name))
+    try:
+        enc = MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, TENSOR_MIN_BYTES))
+        dec = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))
+        small, big = embeds(20, 2), embeds(300, 3)
+        frames = enc.encode(EngineCoreOutputs(outputs=[
+            EngineCoreOutput("s", [1], pooling_output=small), EngineCoreOutput("b", [2], pooling_output=big)]))
+        assert len(frames) == 2  # the message and the small tensor's frame
+        assert sender.stats()["sent_arena"] == 1
+        out = dec.decode([frames[0], bytearray(frames[1])])
+        got_small, got_big = (o.pooling_output for o in out.outputs)
+        assert torch.equal(got_small, small) and torch.equal(got_big, big)
+        assert receiver.in_use() == 1 and receiver.take_releases() is None  # still read
+        big[0, 0] += 1.0
+        assert not torch.equal(got_big, big)  # a copy in shared memory, not the sender's tensor
+        del out, got_big
+        gc.collect()
+        sender.on_release(receiver.take_releases())
+        assert sender.stats()["blocks_in_flight"] == 0 and sender.stats()["used_bytes"] == 0
+    finally:
+        receiver.close()
+        sender.close()
+        seg.release_handle()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
+    import gc
+
+    import torch
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.tensors_cuda import local_gpu_uuids
+    from shmclient.vllm.oob import ArenaProvider, ArenaTensors
+
+    t = torch.arange(4096, dtype=torch.float32, device="cuda")
+    for peer, want in ((local_gpu_uuids(), "sent_cuda"), ([], "sent_arena")):
+        seg = Segment.create(1 << 20)
+        sender = ShmTensorSender(seg, peer_gpu_uuids=peer)
+        receiver = ShmTensorReceiver(Segment.attach(seg.name))
+        try:
+            enc = MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, TENSOR_MIN_BYTES))
+            dec = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))
+            frames = enc.encode(EngineCoreOutputs(outputs=[EngineCoreOutput("c", [1], pooling_output=t)]))
+            assert sender.stats()[want] == 1
+            got = dec.decode(list(frames)).outputs[0].pooling_output
+            assert torch.equal(got.cpu(), t.cpu())
+            assert got.is_cuda == (want == "sent_cuda")
+            del got
+            gc.collect()
+        finally:
+            receiver.close()
+            sender.close()
+            seg.release_handle()
 
 
 def test_output_thread_mode_identical(model_dir, stock_llm, monkeypatch):

@@ -34,14 +34,17 @@ from typing import Any
 import msgspec
 import zmq
 
-from ..errors import ClientClosedError, PeerDeadError, PeerTimeoutError
+from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError, PeerTimeoutError
 from ..ring import Ring
 from ..shm import Segment, open_handle
+from ..tensors import ShmTensorReceiver, ShmTensorSender
 from . import wire
 
 _state_lock = threading.Lock()
 _state: "_EngineRings | None" = None
 _originals: dict[str, Any] = {}
+#: How often (s) an idle request reader sends the frontend pending tensor releases.
+RELEASE_FLUSH_S = 0.1
 
 
 class _EngineRings:
@@ -60,11 +63,19 @@ class _EngineRings:
         self.frontend_gone = False
         self._parked = self._parked_flag = None
         self._wake_fd = -1
+        self.tensors_in: ShmTensorReceiver | None = None  # requests' tensors
+        self.tensors_out: ShmTensorSender | None = None  # outputs' tensors
         try:
             if spec.parked and out_spec.wake_pipe:
                 self._parked = Segment.attach(spec.parked)
                 self._parked_flag = self._parked.buf
                 self._wake_fd = open_handle(out_spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
+            if spec.request_arena and spec.output_arena:
+                self.tensors_in = ShmTensorReceiver(Segment.attach(spec.request_arena))
+                self.tensors_out = ShmTensorSender(
+                    Segment.attach(spec.output_arena), enable_cuda_ipc=spec.cuda_ipc,
+                    peer_gpu_uuids=list(spec.frontend_gpus),
+                )
         except BaseException:
             self.close()
             raise
@@ -101,6 +112,9 @@ class _EngineRings:
         self.requests.close()
         self.outputs.close()
         self._parked_flag = None
+        for end in (self.tensors_in, self.tensors_out):
+            if end is not None:
+                end.close()
         if self._wake_fd >= 0:
             os.close(self._wake_fd)
             self._wake_fd = -1
@@ -112,6 +126,7 @@ class _EngineRings:
         full (the frontend is slow), checking the frontend's liveness."""
         if self.frontend_gone:
             return
+        self.flush_releases()
         try:
             if len(frames) == 1:
                 self.outputs.send(kind, frames[0], timeout=None, alive=self.frontend_alive)
@@ -119,6 +134,56 @@ class _EngineRings:
                 self.outputs.send_batch(wire.frames_to_records(kind, frames), timeout=None, alive=self.frontend_alive)
         except (PeerDeadError, ClientClosedError):
             self.frontend_gone = True
+
+
+    def flush_releases(self) -> None:
+        """Tell the frontend which request tensors this side is done with (they die with
+        vLLM's Request objects, in any thread). Never blocks: a full ring keeps them for
+        the next flush."""
+        receiver = self.tensors_in
+        if receiver is None or not receiver.pending or self.frontend_gone:
+            return
+        payload = receiver.take_releases()
+        if payload is not None:
+            try:
+                self.outputs.send(wire.RELEASES, payload, timeout=0.0)
+            except (PeerNotConsumingError, PeerDeadError, ClientClosedError):
+                pass
+
+    def on_release(self, payload) -> None:
+        if self.tensors_out is not None:
+            self.tensors_out.on_release(bytes(payload))
+
+    def provider(self, fallback):
+        """vLLM's oob_tensor_provider for requests: the arena, else ``fallback``."""
+        if self.tensors_in is None:
+            return fallback
+        from .oob import ArenaProvider
+
+        return ArenaProvider(self.tensors_in, fallback)
+
+    def consumer(self):
+        """vLLM's oob_tensor_consumer for outputs (None: vLLM's own frames)."""
+        if self.tensors_out is None:
+            return None
+        from .oob import ArenaTensors
+
+        return ArenaTensors(self.tensors_out, self.spec.tensor_min_bytes, self.spec.cuda_ipc)
+
+    def send_gpus(self) -> None:
+        """The GPUS record: the GPUs this process has a CUDA context on (CUDA tensors
+        from the frontend come by IPC handle only for those)."""
+        gpus: list[str] = []
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                from ..tensors_cuda import local_gpu_uuids
+
+                gpus = local_gpu_uuids()
+        except ImportError:
+            pass
+        self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
 
 
 def _rings() -> "_EngineRings | None":
@@ -199,11 +264,13 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
     from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
     from vllm.v1.serial_utils import MsgpackDecoder
 
-    add_decoder = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=self.tensor_ipc_receiver)
-    generic_decoder = MsgpackDecoder(oob_tensor_provider=self.tensor_ipc_receiver)
+    provider = rings.provider(self.tensor_ipc_receiver)
+    add_decoder = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=provider)
+    generic_decoder = MsgpackDecoder(oob_tensor_provider=provider)
     types = {t.value[0]: t for t in EngineCoreRequestType}
     ring = rings.requests
     partial: list = []
+    req = request = None
     with zmq.Context() as ctx, make_zmq_socket(
         ctx, input_address, zmq.DEALER, identity=identity, bind=False
     ) as handshake:
@@ -219,13 +286,20 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
                     break
         if rings._parked_flag is not None:
             _prewake_before_outputs(self, rings)
+        if rings.tensors_out is not None:
+            rings.send_gpus()
         # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
         handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
         ready_event.set()
         del ready_event
         while True:
             try:
-                records = ring.recv(timeout=None, alive=rings.frontend_alive)
+                # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
+                # of request tensors the busy loop has dropped since.
+                records = ring.recv(timeout=RELEASE_FLUSH_S, alive=rings.frontend_alive)
+            except PeerNotProducingError:
+                rings.flush_releases()
+                continue
             except (PeerDeadError, ClientClosedError, PeerTimeoutError):
                 rings.frontend_gone = True
                 # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
@@ -233,6 +307,9 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
                 self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
                 return
             for code, frames in wire.split_messages(records, partial):
+                if code == wire.RELEASES:
+                    rings.on_release(frames[0])
+                    continue
                 if len(frames) > 1:
                     frames = [frames[0], *(bytearray(f) for f in frames[1:])]
                 request_type = types[code]
@@ -258,6 +335,9 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
                     if request_type == EngineCoreRequestType.ABORT:
                         self.aborts_queue.put_nowait(request)
                 self.input_queue.put_nowait((request_type, request))
+            # Hold no request here: its tensors' arena blocks are released when the
+            # busy loop drops it.
+            req = request = frames = records = None
 
 
 def _prewake_before_outputs(self, rings: _EngineRings) -> None:
@@ -285,7 +365,7 @@ class _InlineOutputs:
         self._rings = rings
         self._engine_index = engine_index
         self._dead_marker = dead_marker
-        self._encoder = MsgpackEncoder()
+        self._encoder = MsgpackEncoder(oob_tensor_consumer=rings.consumer())
         self._buffer = bytearray()
         self._lock = threading.Lock()  # MsgpackEncoder is not thread-safe
         self.dead: queue.SimpleQueue = queue.SimpleQueue()
@@ -325,7 +405,7 @@ def _serve_outputs(self, rings: _EngineRings, output_path: str, engine_index: in
             # The input thread put the inline object in place of output_queue.
             dead_socket.send(rings.inline_outputs(self).dead.get())
             return
-        encoder = MsgpackEncoder()
+        encoder = MsgpackEncoder(oob_tensor_consumer=rings.consumer())
         buffer = bytearray()  # the ring copies it: reusable at once
         while True:
             output = self.output_queue.get()

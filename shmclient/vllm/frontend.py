@@ -34,14 +34,18 @@ from concurrent.futures import Future
 from time import perf_counter
 from typing import Any
 
+import msgspec
+
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from ..doorbell import Spin
-from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
+from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
 from ..ring import Ring
 from ..shm import Segment
+from ..tensors import ShmTensorReceiver, ShmTensorSender
+from . import oob
 from . import wire
 
 __all__ = ["ShmAsyncMPClient", "ShmSyncMPClient"]
@@ -54,6 +58,11 @@ ASYNC_SPIN_US = 50.0
 #: "0" switches off the engine's early wake-up of a parked async frontend.
 PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
 PAGE_BYTES = 4096
+#: Tensor arena per direction (bytes; 0: tensors go as ring frames, as vLLM's own).
+ARENA_ENV = "SHMCLIENT_VLLM_ARENA_BYTES"
+ARENA_BYTES = 32 << 20
+TENSOR_MIN_ENV = "SHMCLIENT_VLLM_TENSOR_MIN_BYTES"
+CUDA_IPC_ENV = "SHMCLIENT_VLLM_CUDA_IPC"
 _spawn_lock = threading.Lock()  # the spec travels in os.environ while an engine starts
 
 
@@ -80,27 +89,62 @@ class _Rings:
         prewake = os.environ.get(PREWAKE_ENV, "1")
         if prewake not in ("0", "1"):
             raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
+        arena = int(_env_float(ARENA_ENV, ARENA_BYTES))
+        self.tensor_min_bytes = int(_env_float(TENSOR_MIN_ENV, oob.TENSOR_MIN_BYTES))
+        cuda_ipc = os.environ.get(CUDA_IPC_ENV, "1")
+        if cuda_ipc not in ("0", "1") or arena < 0 or self.tensor_min_bytes < 0:
+            raise ValueError(
+                f"{CUDA_IPC_ENV} must be '0' or '1', {ARENA_ENV} and {TENSOR_MIN_ENV} >= 0; "
+                f"got {cuda_ipc!r}, {arena}, {self.tensor_min_bytes}"
+            )
+        self.cuda_ipc = cuda_ipc == "1"
         self.requests = Ring.create("producer", capacity, spin_us=self.spin_us)
         self.outputs = self.parked = None
+        self.tensors_out: ShmTensorSender | None = None  # requests' tensors
+        self.tensors_in: ShmTensorReceiver | None = None  # outputs' tensors
+        self._arenas: list[Segment] = []
         try:
             self.outputs = Ring.create("consumer", capacity, spin_us=self.spin_us, consumer_wake_fd=wake_fd)
             if wake_fd and prewake == "1":
                 # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
                 self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
+            if arena:
+                for _ in range(2):
+                    self._arenas.append(Segment.create(arena, prefix="shmc-vllm-arena"))
+                # No peer GPUs until the engine's GPUS record says which it sees: host copies.
+                self.tensors_out = ShmTensorSender(self._arenas[0], enable_cuda_ipc=self.cuda_ipc,
+                                                   peer_gpu_uuids=[])
+                self.tensors_in = ShmTensorReceiver(self._arenas[1])
         except BaseException:
             self.close()
             raise
         self.parked_flag = self.parked.buf if self.parked is not None else bytearray(1)
 
     def spec_text(self) -> str:
+        arenas = [a.name for a in self._arenas] or ["", ""]
+        gpus: list[str] = []
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():  # never create a CUDA context here for this
+                from ..tensors_cuda import local_gpu_uuids
+
+                gpus = local_gpu_uuids()
+        except ImportError:
+            pass
         return wire.encode_spec(self.requests, self.outputs, self.spin_us, self.output_mode,
-                                self.parked.name if self.parked is not None else "")
+                                self.parked.name if self.parked is not None else "",
+                                request_arena=arenas[0], output_arena=arenas[1],
+                                tensor_min_bytes=self.tensor_min_bytes, cuda_ipc=self.cuda_ipc,
+                                frontend_gpus=gpus)
 
     def unlink(self) -> None:
         self.requests.unlink()
         self.outputs.unlink()
         if self.parked is not None:
             self.parked.release_handle()
+        for seg in self._arenas:
+            seg.release_handle()
 
     def close(self) -> None:
         self.requests.close()
@@ -110,6 +154,37 @@ class _Rings:
             self.parked_flag = bytearray(1)
             self.parked.release_handle()
             self.parked.close()
+        for end in (self.tensors_out, self.tensors_in):
+            if end is not None:
+                end.close()
+        for seg in self._arenas:
+            seg.release_handle()
+            seg.close()
+
+    def on_control(self, kind: int, frames: list) -> bool:
+        """Handle a record that is not one of vLLM's messages; False if it is one."""
+        if kind == wire.RELEASES:
+            if self.tensors_out is not None:
+                self.tensors_out.on_release(bytes(frames[0]))
+            return True
+        if kind == wire.GPUS:
+            if self.tensors_out is not None:
+                self.tensors_out.set_peer_gpus(list(msgspec.msgpack.decode(frames[0])))
+            return True
+        return False
+
+    def flush_releases(self) -> None:
+        """Send the engine the ids of output tensors this side is done with. Never blocks
+        for long (a full ring keeps them for the next flush)."""
+        receiver = self.tensors_in
+        if receiver is None or not receiver.pending:
+            return
+        payload = receiver.take_releases()
+        if payload is not None:
+            try:
+                self.requests.send(wire.RELEASES, payload, timeout=0.0)
+            except (PeerNotConsumingError, PeerDeadError, ClientClosedError):
+                pass  # an engine that is gone or stuck: its blocks die with the arena
 
 
 def _start_with_rings(rings: _Rings, construct) -> None:
@@ -137,6 +212,21 @@ class _RingIO:
             raise
         self._partial: list = []
         self._alive = self._make_alive()
+        self._use_arenas()
+
+    def _use_arenas(self) -> None:
+        """vLLM's encoder and decoder, with the tensor arenas as their out-of-band path
+        (unless vLLM already gave the encoder one: its multimodal tensor queue)."""
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        rings = self._rings
+        if rings.tensors_out is None:
+            return
+        if self.encoder.oob_tensor_consumer is None:
+            self.encoder = MsgpackEncoder(
+                oob_tensor_consumer=oob.ArenaTensors(rings.tensors_out, rings.tensor_min_bytes, rings.cuda_ipc)
+            )
+        self.decoder = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=oob.ArenaProvider(rings.tensors_in))
 
     def _make_alive(self):
         resources = self.resources
@@ -144,6 +234,7 @@ class _RingIO:
 
     def _ring_send(self, request_type: EngineCoreRequestType, request: Any) -> None:
         self.ensure_alive()
+        self._rings.flush_releases()
         frames = self.encoder.encode(request)
         try:
             if len(frames) == 1:
@@ -158,7 +249,10 @@ class _RingIO:
 
     def _decode(self, records) -> list[EngineCoreOutputs]:
         out = []
-        for _, frames in wire.split_messages(records, self._partial):
+        rings = self._rings
+        for kind, frames in wire.split_messages(records, self._partial):
+            if kind != wire.OUTPUTS and rings.on_control(kind, frames):
+                continue
             if len(frames) > 1:
                 frames = [frames[0], *(bytearray(f) for f in frames[1:])]
             out.append(self.decoder.decode(frames))
@@ -195,6 +289,7 @@ class ShmSyncMPClient(_RingIO, SyncMPClient):
                 _process_utility_output(outputs.utility_output, self.utility_results)
             else:
                 self._pending.append(outputs)
+        self._rings.flush_releases()
 
     def _fail_utilities(self) -> None:
         for call_id in list(self.utility_results):
@@ -260,14 +355,20 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
                 renderer=renderer,
             ),
         )
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # started lazily, as vLLM's
+        else:
+            self._ensure_output_queue_task()
 
     def _ensure_output_queue_task(self) -> None:
         if self.resources.output_queue_task is None and not isinstance(self.outputs_queue, _Inbox):
             # vLLM's socket task (ENGINE_CORE_DEAD only) and the ring reader both put here.
             self.outputs_queue = _Inbox()
         super()._ensure_output_queue_task()
-        if self._ring_task is not None or not hasattr(self, "_rings"):
-            return
+        if self._ring_task is not None or not hasattr(self, "_alive"):
+            return  # (not before _init_rings has set up the decoder)
         self._reader = reader = _AsyncReader(weakref.ref(self), self._rings, self.decoder, self.outputs_queue,
                                              self.utility_results)
         self._ring_task = asyncio.create_task(_own_reader(reader), name="ShmEngineCoreOutputTask")
@@ -310,6 +411,7 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
         self.ensure_alive()
         request_type, *frames = message
         kind = bytes(request_type)[0]
+        self._rings.flush_releases()
         try:
             self._rings.requests.send_batch(
                 wire.frames_to_records(kind, frames), timeout=SEND_TIMEOUT_S, alive=self._alive
@@ -413,13 +515,17 @@ class _AsyncReader:
             return 0
         if not records:
             return 0
+        rings = self.rings
         try:
-            for _, frames in wire.split_messages(records, self.partial):
+            for kind, frames in wire.split_messages(records, self.partial):
+                if kind != wire.OUTPUTS and rings.on_control(kind, frames):
+                    continue
                 if len(frames) > 1:
                     frames = [frames[0], *(bytearray(f) for f in frames[1:])]
                 self._dispatch(self.decoder.decode(frames))
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
+        rings.flush_releases()
         return len(records)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:

@@ -14,6 +14,10 @@ about to start in the environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msg
 ``EngineSpec``); vLLM starts its engine with ``multiprocessing`` (spawn or fork), and both
 pass the environment as it is at ``Process.start()``. ``RingSpec`` is kept opaque: each
 one travels as its own msgspec encoding.
+
+Besides vLLM's messages: ``RELEASES`` records (either way) carry tensor-block releases
+back to the side that wrote the blocks, and one ``GPUS`` record (engine → frontend,
+before READY) says which GPUs the engine sees; see ``shmclient.vllm.oob``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from ..ring import Ring, RingSpec
 
 __all__ = [
     "AUX",
+    "GPUS",
+    "RELEASES",
     "ENV_SPEC",
     "MORE",
     "OUTPUTS",
@@ -41,6 +47,12 @@ ENV_SPEC = "SHMCLIENT_VLLM_SPEC"
 
 #: engine → frontend: one EngineCoreOutputs.
 OUTPUTS = 0x20
+#: either way: ids of tensor blocks the sender of this record is done with (packed u64s,
+#: ``ShmTensorReceiver.take_releases``), for the peer's ``ShmTensorSender.on_release``.
+RELEASES = 0x21
+#: engine → frontend, before READY: msgpack list of the GPU UUIDs the engine sees
+#: (empty when it has no CUDA context); CUDA tensors towards it go by IPC only to those.
+GPUS = 0x22
 #: a further frame (tensor bytes) of the message before it.
 AUX = 0x3F
 #: or-ed into the type of every frame of a message but its last.
@@ -57,9 +69,17 @@ class EngineSpec(msgspec.Struct, frozen=True):
     output_mode: str  # "thread" or "inline", see shmclient.vllm.engine
     #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend), "" for none
     parked: str = ""
+    #: tensor arenas (segment handles; "" for none): requests' (frontend writes) and outputs'
+    request_arena: str = ""
+    output_arena: str = ""
+    tensor_min_bytes: int = 64 * 1024
+    cuda_ipc: bool = True
+    #: GPU UUIDs the frontend has a CUDA context on (CUDA IPC towards it only for those)
+    frontend_gpus: list = []
 
 
-def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str, parked: str = "") -> str:
+def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str, parked: str = "", **tensors) -> str:
+    """``tensors``: the EngineSpec fields of the tensor arenas (request_arena, ...)."""
     spec = EngineSpec(
         msgspec.msgpack.encode(requests.spec),
         msgspec.msgpack.encode(outputs.spec),
@@ -67,6 +87,7 @@ def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str,
         float(spin_us),
         output_mode,
         parked,
+        **tensors,
     )
     return msgspec.msgpack.encode(spec).hex()
 

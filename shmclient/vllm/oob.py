@@ -1,0 +1,99 @@
+"""Tensors of vLLM's messages out of band: a shared-memory arena per direction, CUDA IPC.
+
+Middle layer of the plug-in: imports ``shmclient.tensors`` (arena sender and receiver,
+CUDA IPC through ``tensors_cuda``), torch and vLLM's ``serial_utils`` interfaces
+(``OOBTensorConsumer``); never the frontend or engine modules, which build these objects
+and carry the release records (``wire.RELEASES``) between them.
+
+vLLM's ``MsgpackEncoder`` offers every CUDA tensor, and every CPU tensor of at least its
+inline limit (256 B), to an ``oob_tensor_consumer``; the decoder hands the placeholder
+back to an ``oob_tensor_provider``. ``ArenaTensors`` is that consumer: a CPU tensor of at
+least ``threshold`` bytes is copied once into the sender's arena (or, when the arena is
+full, a one-off memfd segment) and travels as ``{"shmc": handle}``; a smaller one is
+declined and goes as vLLM's own extra frame through the ring. A CUDA tensor goes by IPC
+handle when IPC is on and the peer sees its GPU; otherwise a host copy goes through the
+arena. ``ArenaProvider`` turns the handle back into a tensor: a zero-copy view of the
+arena from ``tensors.VIEW_FROM`` up, whose block is released when the last tensor using
+it dies (``ShmTensorReceiver``); any other placeholder goes to vLLM's own provider.
+
+Lifetime: a block is reused only after the receiver's release came back over the other
+ring (``ShmTensorSender.on_release``), so it is never rewritten while the peer may still
+read it. Releases not yet carried back keep their blocks; a full arena costs a one-off
+segment, never a wait. Nothing here blocks.
+
+Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB), measured with
+``python -m shmclient_bench.vllm --tensors``: ``TENSOR_POLICY`` below.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
+
+__all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
+
+#: The placeholder's key: ``{"shmc": handle}``.
+KEY = "shmc"
+#: CPU tensors from this size travel through the arena; smaller ones as ring frames.
+TENSOR_MIN_BYTES = 64 * 1024
+
+try:
+    from vllm.v1.serial_utils import OOBTensorConsumer as _Consumer
+except ImportError:  # pragma: no cover - vLLM is what loads this module
+    _Consumer = object  # type: ignore[misc,assignment]
+
+
+class ArenaTensors(_Consumer):  # type: ignore[misc,valid-type]
+    """vLLM ``OOBTensorConsumer`` placing tensors in ``sender``'s arena (see module doc).
+    Called by one encoder at a time (vLLM's encoders are not thread-safe either)."""
+
+    def __init__(self, sender: ShmTensorSender, threshold: int = TENSOR_MIN_BYTES, cuda_ipc: bool = True) -> None:
+        self.sender = sender
+        self.threshold = threshold
+        self.cuda_ipc = cuda_ipc
+
+    def new_message(self) -> None:
+        pass
+
+    def __call__(self, tensor: torch.Tensor) -> dict | None:
+        if tensor.is_cuda:
+            if self.cuda_ipc:
+                handle = self.sender.put_cuda(tensor)
+                if handle is not None:
+                    return {KEY: handle}
+            tensor = tensor.detach().to("cpu")  # host copy: always out of band from here
+        elif tensor.nbytes < self.threshold:
+            return None  # vLLM's own extra frame
+        handle = self.sender.put(tensor.detach(), tensor.nbytes)
+        return None if handle is None else {KEY: handle}
+
+
+class ArenaProvider:
+    """vLLM ``oob_tensor_provider``: ``(dtype, shape, placeholder) -> tensor``. Placeholders
+    that are not ours go to ``fallback`` (vLLM's own, e.g. its multimodal tensor queue).
+    Raises ``SerializationError`` for a bad handle, ValueError for a placeholder nobody
+    knows."""
+
+    def __init__(self, receiver: ShmTensorReceiver, fallback: Callable[..., torch.Tensor] | None = None) -> None:
+        self.receiver = receiver
+        self.fallback = fallback
+
+    def __call__(self, dtype: str, shape: Any, meta: dict) -> torch.Tensor:
+        handle = meta.get(KEY) if isinstance(meta, dict) else None
+        if handle is None:
+            if self.fallback is None:
+                raise ValueError(f"shmclient.vllm: an out-of-band tensor placeholder it does not know: {meta!r}")
+            return self.fallback(dtype, shape, meta)
+        if handle[0] == CUDA_IPC:
+            return self.receiver.get_cuda(handle)
+        torch_dtype = getattr(torch, dtype)
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=torch_dtype)
+        arr = self.receiver.get(handle, nbytes)
+        # from_numpy keeps ``arr`` (the watched array) alive exactly as long as the tensor
+        return torch.from_numpy(arr).view(torch_dtype).view(tuple(shape))
