@@ -364,12 +364,19 @@ def async_pair(model_dir):
         # vLLM starts thread pools on first use: start them here, not inside a test
         for tag, engine in (("warm-stock", stock), ("warm-shm", shm)):
             loop.run_until_complete(concurrent(engine, tag, STREAM_PROMPTS, 2))
+            loop.run_until_complete(_drain(engine.generate({"prompt_embeds": embeds(100, 9)}, greedy(1),
+                                                           request_id=f"{tag}-emb")))
         yield loop, stock, shm
     finally:
         for engine in (shm, stock):
             if engine is not None:
                 loop.run_until_complete(_shutdown_async(engine))
         loop.close()
+
+
+async def _drain(gen) -> None:
+    async for _ in gen:
+        pass
 
 
 async def _shutdown_async(engine: AsyncLLM) -> None:
@@ -429,6 +436,24 @@ def test_async_abort_mid_stream_and_utility(async_pair):
     assert not shm.output_processor.has_unfinished_requests()
 
 
+def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):
+    loop, stock, shm = async_pair
+    emb = embeds(120, 4)
+    assert emb.nbytes >= TENSOR_MIN_BYTES
+
+    async def gen(engine, tag):
+        toks: list[int] = []
+        async for out in engine.generate({"prompt_embeds": emb}, greedy(8), request_id=f"{tag}-emb"):
+            toks = list(out.outputs[0].token_ids)
+        return toks
+
+    before = arena_stats(shm.engine_core)
+    got = loop.run_until_complete(gen(shm, "shm"))
+    assert got == loop.run_until_complete(gen(stock, "stock"))
+    assert len(got) == 8
+    assert arena_stats(shm.engine_core)["sent_arena"] == before["sent_arena"] + 1
+
+
 # ---------------------------------------------------------------------------- failure
 
 
@@ -437,9 +462,14 @@ def test_sigkill_engine_raises_engine_dead_sync(model_dir):
     try:
         engine = llm.llm_engine
         assert type(engine.engine_core) is ShmSyncMPClient
+        shm_before = set(os.listdir("/dev/shm"))
         engine.add_request("long", tokens([5, 6, 7, 8]), greedy(240))
         while not any(o.outputs[0].token_ids for o in engine.step()):
             pass
+        # tensors in flight: arena blocks the engine holds while it is killed
+        engine.add_request("emb-a", {"prompt_embeds": embeds(120, 5)}, greedy(200))
+        engine.add_request("emb-b", {"prompt_embeds": embeds(150, 6)}, greedy(200))
+        assert arena_stats(engine.engine_core)["blocks_in_flight"] >= 2
         os.kill(engine_pid(engine.engine_core), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -451,6 +481,7 @@ def test_sigkill_engine_raises_engine_dead_sync(model_dir):
             engine.engine_core.add_request(None)  # new calls fail at once
     finally:
         llm.llm_engine.engine_core.shutdown()
+    assert sorted(set(os.listdir("/dev/shm")) - shm_before) == []
 
 
 def test_sigkill_engine_raises_engine_dead_async(model_dir):
@@ -477,6 +508,7 @@ FRONTEND = textwrap.dedent(
     """
     import os, sys
     os.environ["SHMCLIENT_VLLM"] = "1"
+    os.environ["SHMCLIENT_VLLM_ARENA_BYTES"] = str(150 * 1024)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     def main():
@@ -485,6 +517,13 @@ FRONTEND = textwrap.dedent(
         assert type(client).__name__ == "ShmSyncMPClient", type(client)
         llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8])],
                      SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)
+        # tensors in flight when killed: one in the (small) arena, one in a one-off segment
+        import torch
+        params = SamplingParams(max_tokens=200, detokenize=False, ignore_eos=True)
+        llm.llm_engine.add_request("emb-a", {"prompt_embeds": torch.randn(100, 256)}, params)
+        llm.llm_engine.add_request("emb-b", {"prompt_embeds": torch.randn(200, 256)}, params)
+        stats = client._rings.tensors_out.stats()
+        assert stats["sent_arena"] == 1 and stats["sent_one_off"] == 1, stats
         print("READY", client.resources.engine_manager.processes[0].pid, flush=True)
         sys.stdin.read()  # until killed
     if __name__ == "__main__":
