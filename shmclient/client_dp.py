@@ -156,6 +156,14 @@ class DPAsyncMPClient(EngineCoreClient):
         self._closed = False
         self._stopper: threading.Thread | None = None
 
+    @classmethod
+    async def create(cls, config: Any = None) -> "DPAsyncMPClient":
+        """Build the client from a running loop without blocking it: the engines start
+        in a thread (each in one of its own, at once). Raises what the constructor
+        raises."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, cls, config)
+
     # -- set-up ----------------------------------------------------------------------
     @staticmethod
     def _managed_ranks(config: Any) -> list[int]:

@@ -398,7 +398,7 @@ def test_bench_dp_section_is_registered_and_rendered():
 
 
 async def test_async_with_stops_every_engine_without_blocking_the_loop():
-    async with make_client(True, True, cfg()) as c:
+    async with await DPLBAsyncMPClient.create(cfg()) as c:
         assert await c.echo_async("hi") == "hi"
         pids = list(c.engine_pids)
         fds = [os.pidfd_open(p) for p in pids]
