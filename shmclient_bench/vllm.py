@@ -359,12 +359,80 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     return path
 
 
+TENSOR_SIZES = (4 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+
+def tensor_threshold(repeats: int = 200) -> dict[str, Any]:
+    """Where the arena starts to pay: one CPU tensor of each size in an EngineCoreOutputs
+    (pooling_output), through vLLM's encoder, a ring and vLLM's decoder, as vLLM's extra
+    ring frame vs through the arena (with the release carried back), median µs per
+    message, one process (CPU cost of the two paths, no wake-ups)."""
+    import gc
+    import statistics
+
+    import torch
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from shmclient.ring import Ring
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.vllm import wire
+    from shmclient.vllm.oob import ArenaProvider, ArenaTensors
+
+    cons = Ring.create("consumer", 16 << 20)
+    prod = Ring.attach(cons.spec, "producer")
+    seg = Segment.create(64 << 20)
+    sender, receiver = ShmTensorSender(seg), ShmTensorReceiver(Segment.attach(seg.name))
+    out: dict[str, Any] = {"sizes": list(TENSOR_SIZES), "frames_us": [], "arena_us": []}
+    try:
+        paths = {
+            "frames_us": (MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)),
+            "arena_us": (MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, 0)),
+                         MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))),
+        }
+        for size in TENSOR_SIZES:
+            t = torch.randn(size // 4)
+            msg = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1], pooling_output=t)])
+            for key, (enc, dec) in paths.items():
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    prod.send_batch(wire.frames_to_records(wire.OUTPUTS, enc.encode(msg)), timeout=1.0)
+                    for _, frames in wire.split_messages(cons.recv(timeout=1.0), []):
+                        frames = [frames[0], *(bytearray(f) for f in frames[1:])]
+                        got = dec.decode(frames).outputs[0].pooling_output
+                        float(got[-1])  # touch it
+                        del got
+                    gc.collect(0)
+                    payload = receiver.take_releases()
+                    if payload is not None:
+                        sender.on_release(payload)
+                    times.append(time.perf_counter() - t0)
+                out[key].append(statistics.median(times) * 1e6)
+    finally:
+        receiver.close()
+        sender.close()
+        seg.release_handle()
+        prod.close()
+        cons.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shmclient_bench.vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens instead of 5 of 64")
     ap.add_argument("--out", help="folder for vllm.json and the plot (created; must not exist)")
     ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--tensors", action="store_true",
+                    help="only measure the tensor path (ring frames vs arena) by size")
     args = ap.parse_args(argv)
+    if args.tensors:
+        r = tensor_threshold()
+        print("| tensor bytes | ring frames us | arena us |\n|---|---|---|")
+        for size, a, b in zip(r["sizes"], r["frames_us"], r["arena_us"]):
+            print(f"| {size} | {a:.1f} | {b:.1f} |")
+        return 0
     if args.child:
         with open(args.child, "w") as f:
             json.dump(_child(args.quick), f)

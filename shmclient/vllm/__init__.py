@@ -16,8 +16,10 @@ process (in ``EngineCore.__init__``) and workers. It changes nothing unless
   write outputs to the rings (``engine.py``) when the process was handed rings.
 
 What travels is vLLM's own messages through vLLM's own ``MsgpackEncoder`` /
-``MsgpackDecoder`` (``wire.py`` for the framing), so every field vLLM has arrives; large
-tensors travel as extra ring records (copied through the ring, not yet out of band). The
+``MsgpackDecoder`` (``wire.py`` for the framing), so every field vLLM has arrives.
+Tensors in them (prompt_embeds, pooling outputs, multimodal inputs) of 64 KiB and more go
+out of band through a shared-memory arena per direction, CUDA tensors by IPC handle when
+the peer sees their GPU (``oob.py``); smaller ones stay vLLM's extra ring records. The
 handshake, ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals.
 
 Where the rings are read and written, and why. Measured with ``python -m shmclient_bench.vllm``
@@ -37,9 +39,10 @@ us, stock vLLM in brackets.
   stock (1.8 against 2.1 ms at one stream).
 * frontend, sync: in the thread that calls ``get_output`` (and in a ``call_utility``
   waiting for its reply): vLLM's reader thread and queue would add the same hand-off.
-* frontend, async: a reader callback on the ring's wake pipe drains the ring in the loop
-  iteration that saw the pipe readable, then ``outputs_queue`` as in vLLM: hop 81 (218).
-  What remains is mostly waking the frontend process and one loop iteration.
+* frontend, async: in the task that awaits ``get_output_async`` (a bounded spin before it
+  parks), and in a reader callback on the ring's wake pipe while it is parked; the engine
+  wakes a parked frontend as its scheduler starts building the outputs. Hop 38 (235), 49
+  without that early wake-up; the measured breakdown is in ``frontend.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output moved to rings.
 
-Imports vLLM (its engine module) and the plug-in's ``wire``; nothing of the frontend.
+Imports vLLM (its engine module) and the plug-in's ``wire`` and ``oob``; nothing of the
+frontend.
 ``install()`` wraps two methods of ``EngineCoreProc``, the targets of its two IO threads:
 
 * ``process_input_sockets``: still connects vLLM's DEALER socket to the frontend and sends
@@ -18,6 +19,14 @@ Imports vLLM (its engine module) and the plug-in's ``wire``; nothing of the fron
 
 Both wrappers fall back to vLLM's own method when this process was not given rings (the
 environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
+
+Tensors (``oob``): the request decoders read arena handles (anything else goes to vLLM's
+own tensor provider), the output encoders write large tensors to the output arena. The
+request reader frees output blocks named in the frontend's ``RELEASES`` records, and sends
+the releases of request tensors the busy loop has dropped with each output and, when
+idle, every 0.1 s (its liveness slice). Early wake-up: when the frontend's async task is
+parked (its flag in shared memory), ``Scheduler.update_from_output`` writes the wake
+byte first (see ``frontend``).
 The engine watches its frontend: the request ring's wait checks every 0.1 s that the
 frontend (its parent process) is still there; when it is gone the engine requests its own
 shutdown the way vLLM's SIGTERM handler does, and outputs nobody can read are dropped.

@@ -25,6 +25,25 @@ Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB), measured with
 ``python -m shmclient_bench.vllm --tensors``: ``TENSOR_POLICY`` below.
 """
 
+TENSOR_POLICY = """
+One float32 tensor as EngineCoreOutputs.pooling_output through vLLM's encoder, a ring and
+vLLM's decoder (then touched, dropped, its release carried back), median us per message,
+one process, 2 runs, 2-vCPU VM at a load average of ~3 from other work (2026-12-01):
+  bytes    vLLM's extra ring frame    arena
+  4 KiB    9.4                        14.1-14.3
+  16 KiB   10.1-10.3                  14.2-14.7
+  32 KiB   11.0-11.1                  14.8-15.1
+  64 KiB   13.2-13.8                  14.8-14.9
+  128 KiB  18.0-18.5                  15.5-15.6
+  256 KiB  25.4-26.3                  18.0-18.1
+  1 MiB    87-89                      37-39
+  4 MiB    352-474                    87-90
+The frame path copies three times (into the ring, out of it, into the decoder's buffer),
+the arena once (views from 64 KiB up); the arena's fixed cost (allocation, handle,
+release) is ~5 us. They meet between 64 and 128 KiB; from 64 KiB the arena also keeps
+large payloads out of the ring, where they would queue the outputs behind them.
+"""
+
 from __future__ import annotations
 
 import math
