@@ -25,6 +25,17 @@ Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB), measured with
 ``python -m shmclient_bench.vllm --tensors``: ``TENSOR_POLICY`` below.
 """
 
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
+
+__all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
+
 TENSOR_POLICY = """
 One float32 tensor as EngineCoreOutputs.pooling_output through vLLM's encoder, a ring and
 vLLM's decoder (then touched, dropped, its release carried back), median us per message,
@@ -43,17 +54,6 @@ the arena once (views from 64 KiB up); the arena's fixed cost (allocation, handl
 release) is ~5 us. They meet between 64 and 128 KiB; from 64 KiB the arena also keeps
 large payloads out of the ring, where they would queue the outputs behind them.
 """
-
-from __future__ import annotations
-
-import math
-from typing import Any, Callable
-
-import torch
-
-from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
-
-__all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
 
 #: The placeholder's key: ``{"shmc": handle}``.
 KEY = "shmc"
