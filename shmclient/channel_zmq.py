@@ -4,7 +4,9 @@ Middle layer, beside ``channel`` (whose record types, decoders and ``BadMessage`
 shares): imports pyzmq, codec, messages, errors; never clients, asyncio, ``waiting`` or
 the engine. Frontend: ROUTER bound for requests (the engine's DEALER registers with one
 empty message), PULL bound for outputs; engine: DEALER and PUSH connected. Each message
-is ``[type byte, msgpack frame, *tensor frames]``; tensors travel as frames. As vLLM's
+is ``[type byte, msgpack frame, *tensor frames]``; tensors travel as frames. The
+frontend binds on abstract unix sockets (same host) or on tcp (``create(..., host=)``, an
+engine on another host; free ports, announced in the spec). As vLLM's
 sockets, nothing has a high-water mark: ``send_nowait`` always goes ahead (never
 WouldBlock), ``recv_nowait`` raises WouldBlock when nothing is queued. The wait handle:
 ``wait_recv`` polls the socket, ``recv_fd`` is the socket's ZMQ_FD (edge-triggered:
@@ -55,15 +57,33 @@ class ZmqChannel:
         self._closed = False
 
     @classmethod
-    def create(cls, ctx: zmq.Context, base: str) -> tuple["ZmqChannel", ZmqChannelSpec]:
-        spec = ZmqChannelSpec(input_address=f"{base}-in", output_address=f"{base}-out")
+    def create(cls, ctx: zmq.Context, base: str | None = None, *,
+               host: str | None = None) -> tuple["ZmqChannel", ZmqChannelSpec]:
+        """Frontend: bind the two sockets, on ``<base>-in`` / ``<base>-out`` (ipc), or on
+        free tcp ports of ``host`` (one of the two must be given). Returns the channel
+        and the spec the engine attaches with (the bound addresses). Raises
+        ``zmq.ZMQError`` when an address cannot be bound. Never blocks."""
+        if (base is None) == (host is None):
+            raise ValueError("ZmqChannel.create takes an ipc base or a tcp host, not both")
         tx = ctx.socket(zmq.ROUTER)
         rx = ctx.socket(zmq.PULL)
-        for s in (tx, rx):
-            _data_socket_options(s)
-        tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        tx.bind(spec.input_address)
-        rx.bind(spec.output_address)
+        try:
+            for s in (tx, rx):
+                _data_socket_options(s)
+            tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if host is not None:
+                tx.bind(f"tcp://{host}:0")
+                rx.bind(f"tcp://{host}:0")
+            else:
+                tx.bind(f"{base}-in")
+                rx.bind(f"{base}-out")
+            spec = ZmqChannelSpec(
+                input_address=tx.getsockopt_string(zmq.LAST_ENDPOINT),
+                output_address=rx.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            tx.close(linger=0)
+            rx.close(linger=0)
+            raise
         return cls(tx, rx, frontend=True), spec
 
     @classmethod

@@ -9,7 +9,14 @@ request → engine map (aborts go to the owner), the merged output stream (one r
 per engine), the fan-out of utility calls and the capacity the engines report together.
 
 * ``DPLBAsyncMPClient`` (``data_parallel_size=N``, ``data_parallel_external_lb=False``):
-  starts engines of ranks 0..N-1 and balances requests between them.
+  starts engines of ranks 0..N-1 and balances requests between them. With
+  ``data_parallel_size_local=L`` only ranks 0..L-1 are started here (over the configured
+  transport); ranks L..N-1 are remote: each is awaited over tcp on
+  ``data_parallel_address`` (port ``data_parallel_rpc_port + rank - L``) until an engine
+  started apart (``python -m shmclient_engine --connect tcp://HOST:PORT``, possibly on
+  another host) connects, and is then one more engine of the group (its tensors travel
+  inline, as zmq frames). Ranks start concurrently, so the group is ready once the last
+  remote engine is.
 * ``DPAsyncMPClient`` (``data_parallel_external_lb=True``): an external load balancer
   runs one client per rank; this client starts and talks to its own rank only.
 
@@ -60,9 +67,16 @@ def engine_config(config: Any, rank: int) -> Any:
     ``device="cuda"`` (no index), the GPU of that rank, ``"cuda:<rank>"`` (one GPU per
     rank, as vLLM places DP ranks; ``"cuda:N"`` keeps every rank on GPU N; behind an
     external load balancer each rank's process picks its GPU as it likes, e.g. with
-    ``CUDA_VISIBLE_DEVICES``). Nothing is started; raises nothing for a valid config."""
+    ``CUDA_VISIBLE_DEVICES``). A remote rank (``rank >= data_parallel_size_local``:
+    not started here, awaited over tcp) gets ``transport="zmq"``, the one transport that
+    reaches another host, and keeps the device it names (its host places it). Nothing is
+    started; raises nothing for a valid config."""
     changes: dict[str, Any] = {"data_parallel_rank": rank}
-    if (config.device == "cuda" and config.data_parallel_size > 1
+    local = config.data_parallel_size_local
+    remote = local is not None and rank >= local
+    if remote:
+        changes["transport"] = "zmq"
+    elif (config.device == "cuda" and config.data_parallel_size > 1
             and not config.data_parallel_external_lb):
         changes["device"] = f"cuda:{rank}"
     return config.replace(**changes)

@@ -30,6 +30,7 @@ VALID_MODELS = ("mock", "tiny")
 VALID_TRANSPORTS = ("shm", "zmq")
 
 _CUDA_DEVICE = re.compile(r"cuda(:(0|[1-9][0-9]*))?")
+_HOST = re.compile(r"\*|[A-Za-z0-9][A-Za-z0-9.-]*")
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
@@ -76,6 +77,27 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
       (``shmclient_engine.core.register_utility``); every engine core imports them at start-up,
       in the engine process for the multiprocess clients. An import failure is a
       ``ConfigError`` at start-up.
+    * ``data_parallel_address`` / ``data_parallel_rpc_port`` / ``data_parallel_size_local``:
+      engines over tcp, as vLLM's settings of those names. ``data_parallel_address`` is
+      the address of this host the frontend binds its tcp sockets on (an IPv4 address or
+      interface, ``"0.0.0.0"`` or ``"*"`` for every interface); with it, an engine on the
+      ``"zmq"`` transport is reached over tcp (its control and data sockets), else over
+      abstract unix sockets. ``data_parallel_size_local`` is how many ranks are started
+      on this host, ranks ``0..local-1`` (``None``: all of them); the others are
+      *remote*: not started here, but awaited (up to the ready timeout) until an engine
+      started apart, ``python -m shmclient_engine --connect tcp://HOST:PORT``, connects
+      to the control socket of its rank. A remote rank always uses the ``"zmq"``
+      transport (tensors travel inline as frames). ``data_parallel_rpc_port`` is the
+      control port of the first remote rank (rank ``r`` listens on ``port + r -
+      local``); 0 (the default) picks free ports and logs each address at WARNING on
+      the ``shmclient`` logger (with the attribute ``shmclient_control_address`` on the
+      record). ``data_parallel_size=1, data_parallel_size_local=0`` is a plain client of
+      one remote engine.
+    * ``heartbeat_interval_s`` / ``heartbeat_misses``: liveness of a remote engine (no
+      pid to watch across hosts): each side sends a heartbeat on the control socket
+      every interval; a side that hears nothing from the other for ``misses`` intervals
+      (0.2 s x 5 = 1 s by default) takes it for dead: the client fails with
+      ``EngineDeadError``, the engine exits.
     * ``cpu_threads``: torch threads of the engine process when the device is cpu (1
       by default: the tiny model gains nothing from more, and on a small host a thread
       pool spinning against the frontend's process costs latency).
@@ -108,6 +130,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     data_parallel_size: int = 1
     data_parallel_rank: int | None = None
     data_parallel_external_lb: bool = False
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 0
+    data_parallel_size_local: int | None = None
+    heartbeat_interval_s: float = 0.2
+    heartbeat_misses: int = 5
     cpu_threads: int = 1
     utility_modules: tuple[str, ...] = ()
 
@@ -171,6 +198,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                        high=self.data_parallel_size - 1)
         if not isinstance(self.data_parallel_external_lb, bool):
             _fail("data_parallel_external_lb", self.data_parallel_external_lb, "must be a bool")
+        self._check_remote()
         if isinstance(self.utility_modules, list):
             msgspec.structs.force_setattr(self, "utility_modules", tuple(self.utility_modules))
         if not isinstance(self.utility_modules, tuple) or not all(
@@ -178,6 +206,41 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             _fail("utility_modules", self.utility_modules,
                   "must be a list or tuple of module import paths such as 'pkg.module'")
+
+    def _check_remote(self) -> None:
+        addr = self.data_parallel_address
+        if addr is not None and (not isinstance(addr, str) or not _HOST.fullmatch(addr)):
+            _fail("data_parallel_address", addr,
+                  "must be an IPv4 address or interface of this host, '0.0.0.0' or '*' "
+                  "(no scheme, no port: the port is data_parallel_rpc_port)")
+        _check_int("data_parallel_rpc_port", self.data_parallel_rpc_port, low=0, high=65535)
+        local = self.data_parallel_size_local
+        if local is not None:
+            _check_int("data_parallel_size_local", local, low=0, high=self.data_parallel_size)
+            if local < self.data_parallel_size and addr is None:
+                _fail("data_parallel_size_local", local,
+                      f"ranks {local}..{self.data_parallel_size - 1} are remote (awaited "
+                      "over tcp): give data_parallel_address, the address to listen on")
+        if _check_float("heartbeat_interval_s", self.heartbeat_interval_s) <= 0:
+            _fail("heartbeat_interval_s", self.heartbeat_interval_s, "must be > 0")
+        _check_int("heartbeat_misses", self.heartbeat_misses, low=1)
+        if self.is_remote and (self.data_parallel_rank is not None or self.data_parallel_size == 1) \
+                and self.transport != "zmq":
+            _fail("transport", self.transport,
+                  f"rank {self.data_parallel_rank or 0} is remote (data_parallel_size_local="
+                  f"{local}): only 'zmq' reaches another host")
+
+    @property
+    def is_remote(self) -> bool:
+        """True when this config's engine (rank ``data_parallel_rank``, 0 if None) is
+        not started here but awaited over tcp (see ``data_parallel_size_local``)."""
+        local = self.data_parallel_size_local
+        return local is not None and (self.data_parallel_rank or 0) >= local
+
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        """Silence after which a remote peer is taken for dead."""
+        return self.heartbeat_interval_s * self.heartbeat_misses
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied, validated again (raises ``ConfigError``)."""

@@ -6,20 +6,29 @@ Control traffic is rare, so ZMQ's ~80 µs per message does not matter here; all 
 to adds and aborts is the ring's order.
 
 One PAIR socket per engine, bound by the frontend on an abstract unix socket
-(``ipc://@...``), so that nothing is left in the file system if either side is killed.
-Every message is one multipart message whose first frame is its kind:
+(``ipc://@...``), so that nothing is left in the file system if either side is killed,
+or on tcp (``tcp_address``) for an engine on another host, which connects to it itself
+(``python -m shmclient_engine --connect tcp://HOST:PORT``). Every message is one
+multipart message whose first frame is its kind:
 
     engine → frontend   HELLO <pid>            the engine process is up
     frontend → engine   START <config> <transport> <channel spec> <frontend GPU UUIDs>
     engine → frontend   READY <ReadyInfo>      channel attached, core built
     engine → frontend   ENGINE_CORE_DEAD <error text>   (one frame kind, flushed before exit)
     frontend → engine   SHUTDOWN
+    both ways           HEARTBEAT              remote engines only, after READY
+
+A remote engine has no pid the frontend can watch and no parent it can poll, so both
+sides send HEARTBEAT every ``EngineConfig.heartbeat_interval_s`` and take the peer for
+dead after ``heartbeat_timeout_s`` of silence (any message counts; ``Heartbeat`` keeps
+the clock).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
 
 import msgspec
 import zmq
@@ -29,6 +38,7 @@ START = b"START"
 READY = b"READY"
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 SHUTDOWN = b"SHUTDOWN"
+HEARTBEAT = b"HEARTBEAT"
 
 
 class ReadyInfo(msgspec.Struct, frozen=True):
@@ -48,10 +58,39 @@ def make_address(tag: str = "ctl") -> str:
     return f"ipc://@shmc-{os.getpid()}-{secrets.token_hex(8)}-{tag}"
 
 
+def tcp_address(host: str, port: int = 0) -> str:
+    """``tcp://host:port`` to bind (``*`` and ``0.0.0.0`` are every interface; port 0: a
+    free port, read back with ``bound_address``)."""
+    return f"tcp://{host}:{port}"
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address a socket is bound on, with the port the OS picked."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def reachable(address: str, via: str) -> str:
+    """``address`` as a peer that reached us at ``via`` can connect to it: a wildcard
+    host (``0.0.0.0``, ``*``, ``[::]``) is replaced by the host of ``via``."""
+    scheme, _, rest = address.partition("://")
+    if scheme != "tcp":
+        return address
+    host, _, port = rest.rpartition(":")
+    if host in ("0.0.0.0", "*", "[::]"):
+        host = via.partition("://")[2].rpartition(":")[0]
+    return f"tcp://{host}:{port}"
+
+
 def frontend_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """The frontend's control socket, bound on ``address`` (raises ``zmq.ZMQError`` when
+    it cannot be bound, e.g. the port is taken). Never blocks."""
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except BaseException:
+        sock.close(linger=0)  # else the context's term() waits for it forever
+        raise
     return sock
 
 
@@ -68,3 +107,43 @@ def recv(sock: zmq.Socket, timeout_s: float) -> list[bytes] | None:
     if sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
         return sock.recv_multipart()
     return None
+
+
+class Heartbeat:
+    """The clock of one side's heartbeats: when to send the next, and whether the peer
+    has been silent too long. Not thread-safe (the one thread that owns the control
+    socket uses it); never blocks."""
+
+    def __init__(self, interval_s: float, timeout_s: float) -> None:
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        now = time.monotonic()
+        self._last_rx = now
+        self._next_tx = now
+
+    def heard(self) -> None:
+        """A message came from the peer."""
+        self._last_rx = time.monotonic()
+
+    def silence_s(self) -> float:
+        return time.monotonic() - self._last_rx
+
+    def expired(self) -> bool:
+        """The peer has been silent for longer than the timeout."""
+        return self.silence_s() > self.timeout_s
+
+    def beat(self, sock: zmq.Socket) -> None:
+        """Send HEARTBEAT if one is due (never blocks: dropped when the socket cannot
+        take it, e.g. no peer connected)."""
+        now = time.monotonic()
+        if now < self._next_tx:
+            return
+        self._next_tx = now + self.interval_s
+        try:
+            sock.send(HEARTBEAT, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def poll_s(self) -> float:
+        """How long the owner may wait before the next beat is due."""
+        return max(0.0, min(self._next_tx - time.monotonic(), self.interval_s))

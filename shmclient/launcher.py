@@ -15,6 +15,16 @@ joined, sockets closed before the ZMQ context terminates, /dev/shm names removed
 Engine death is detected from the OS, not from timeouts: the monitor thread polls the
 control socket (ENGINE_CORE_DEAD) and a pidfd of the engine process (exit), and calls the
 registered death callbacks at once.
+
+A remote engine (``EngineConfig.is_remote``: a data-parallel rank beyond
+``data_parallel_size_local``) is not spawned: the control and data sockets are bound on
+tcp (``data_parallel_address``; the control port from ``data_parallel_rpc_port``, data
+ports free and sent in START) and the frontend waits, up to the ready timeout, for an
+engine started apart (``python -m shmclient_engine --connect tcp://HOST:PORT``) to say
+HELLO. There is no pid to watch across hosts: from START on both sides send heartbeats on
+the control socket and the monitor marks the engine dead after ``heartbeat_timeout_s``
+of silence. It is stopped by SHUTDOWN on the control socket only (no signals to another
+host); if that is lost, the engine stops on the frontend's missing heartbeats.
 """
 
 from __future__ import annotations
@@ -44,6 +54,17 @@ logger = logging.getLogger("shmclient")
 READY_TIMEOUT_ENV = "SHMCLIENT_ENGINE_READY_TIMEOUT_S"
 DEFAULT_READY_TIMEOUT_S = 600.0
 _POLL_S = 0.1
+#: How long closing a remote engine's control socket may take to get SHUTDOWN out.
+_REMOTE_LINGER_MS = 500
+
+
+def remote_control_port(config: Any) -> int:
+    """The control port of a remote rank: ``data_parallel_rpc_port + rank - local``
+    (the first remote rank on the port itself), or 0 (a free port) when the port is 0."""
+    base = getattr(config, "data_parallel_rpc_port", 0)
+    if not base:
+        return 0
+    return base + (config.data_parallel_rank or 0) - (config.data_parallel_size_local or 0)
 
 
 def ready_timeout_s(config: Any) -> float:
@@ -103,6 +124,12 @@ class EngineResources:
         self.channel: ShmChannel | ZmqChannel | None = None
         self.proc: subprocess.Popen | None = None
         self.monitor: threading.Thread | None = None
+        #: True when the engine is remote: not started here, reached over tcp.
+        self.remote = False
+        #: The control socket's address (tcp for a remote engine).
+        self.control_address = ""
+        self._heartbeat: control.Heartbeat | None = None
+        self._rank = 0
         self.dead = threading.Event()
         self.dead_reason = ""
         self._callbacks: list[Callable[[], None]] = []
@@ -122,17 +149,31 @@ class EngineResources:
 
     # -- start ------------------------------------------------------------------------
     def start(self, config: Any, *, wake_fd: bool) -> control.ReadyInfo:
-        """Create the channel, spawn the engine and wait for READY. Raises ConfigError
-        (``engine_module`` cannot be run, or exits before its first handshake message),
-        TimeoutError (ready timeout) or RuntimeError
-        (engine died during start-up). On failure the caller must call ``shutdown()``
-        (the finalizer does)."""
+        """Create the channel, spawn the engine (or, for a remote rank, wait for one to
+        connect) and wait for READY. Raises ConfigError (``engine_module`` cannot be
+        run, or exits before its first handshake message; an address that cannot be
+        bound), TimeoutError (ready timeout) or RuntimeError (engine died during
+        start-up). On failure the caller must call ``shutdown()`` (the finalizer does)."""
         timeout = ready_timeout_s(config)
-        find_engine_module(config.engine_module)
+        self.remote = remote = bool(getattr(config, "is_remote", False))
+        host = getattr(config, "data_parallel_address", None)
+        if not remote:
+            find_engine_module(config.engine_module)
         self.ctx = zmq.Context()
-        address = control.make_address("ctl")
-        self.ctl = control.frontend_socket(self.ctx, address)
-        if config.transport == "shm":
+        tcp = remote or (host is not None and config.transport == "zmq")
+        address = (control.tcp_address(host, remote_control_port(config) if remote else 0)
+                   if tcp else control.make_address("ctl"))
+        try:
+            self.ctl = control.frontend_socket(self.ctx, address)
+        except zmq.ZMQError as e:
+            raise ConfigError(
+                f"EngineConfig.data_parallel_address={host!r} / data_parallel_rpc_port="
+                f"{getattr(config, 'data_parallel_rpc_port', 0)!r} is invalid: cannot listen "
+                f"on {address}: {e}") from e
+        if tcp:
+            address = control.bound_address(self.ctl)
+        self.control_address = address
+        if config.transport == "shm" and not remote:
             self.channel, spec = ShmChannel.create(
                 ring_capacity=config.ring_capacity_bytes,
                 arena_bytes=config.tensor_arena_bytes,
@@ -140,20 +181,32 @@ class EngineResources:
                 wake_fd=wake_fd,
                 enable_cuda_ipc=config.enable_cuda_ipc,
             )
+        elif tcp:
+            self.channel, spec = ZmqChannel.create(self.ctx, host=host)
         else:
             self.channel, spec = ZmqChannel.create(self.ctx, address[:-4])
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        # The engine inherits the segments' and the wake pipe's fds (same numbers), so it
-        # attaches without going through /proc/<pid>/fd.
-        fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", config.engine_module, address, str(os.getpid())],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            pass_fds=fds,
-        )
+        self._rank = rank = config.data_parallel_rank or 0
+        if remote:
+            port_given = getattr(config, "data_parallel_rpc_port", 0) != 0
+            logger.log(
+                logging.INFO if port_given else logging.WARNING,
+                "waiting up to %g s for the engine of data-parallel rank %d: start it with "
+                "'python -m %s --connect %s'", timeout, rank, config.engine_module,
+                address, extra={"shmclient_control_address": address,
+                                "data_parallel_rank": rank})
+        else:
+            env = dict(os.environ)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            # The engine inherits the segments' and the wake pipe's fds (same numbers), so
+            # it attaches without going through /proc/<pid>/fd.
+            fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", config.engine_module, address, str(os.getpid())],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                pass_fds=fds,
+            )
         info = self._handshake(config, spec, timeout)
         if isinstance(self.channel, ZmqChannel):
             self.channel.wait_registered(timeout=max(1.0, timeout))
@@ -166,13 +219,29 @@ class EngineResources:
         return info
 
     def _handshake(self, config: Any, spec: Any, timeout: float) -> control.ReadyInfo:
-        assert self.ctl is not None and self.proc is not None
+        assert self.ctl is not None and (self.proc is not None or self.remote)
         deadline = time.monotonic() + timeout
         hello = False
+        # A remote engine watches the frontend by its heartbeats from START on (its
+        # model may load for minutes); its own beats say it is still loading.
+        hb = self._heartbeat = (control.Heartbeat(config.heartbeat_interval_s,
+                                                  config.heartbeat_timeout_s)
+                                if self.remote else None)
         while True:
-            msg = control.recv(self.ctl, min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            wait = max(0.0, deadline - time.monotonic())
+            if hb is not None and hello:
+                hb.beat(self.ctl)
+                if hb.expired():
+                    raise RuntimeError(
+                        f"Engine core initialization failed: the remote engine at "
+                        f"{self.control_address} sent nothing for {hb.silence_s():.1f} s "
+                        f"(heartbeat_interval_s={config.heartbeat_interval_s:g} x "
+                        f"heartbeat_misses={config.heartbeat_misses}) while starting: it "
+                        "died or the network is down. See its output for the root cause.")
+                wait = min(wait, hb.poll_s())
+            msg = control.recv(self.ctl, min(_POLL_S, wait))
             if msg is None:
-                rc = self.proc.poll()
+                rc = self.proc.poll() if self.proc is not None else None
                 if rc is not None and rc >= 0 and not hello:
                     # It ran and ended without a word of the handshake: not an engine
                     # (no such module there, or one that does not speak the protocol).
@@ -189,6 +258,14 @@ class EngineResources:
                         "root cause."
                     )
                 if time.monotonic() >= deadline:
+                    if self.remote and not hello:
+                        raise TimeoutError(
+                            f"Timed out waiting for the remote engine of data-parallel rank "
+                            f"{config.data_parallel_rank or 0}: nothing connected to "
+                            f"{self.control_address} within {timeout:g} s. Start it with "
+                            f"'python -m {config.engine_module} --connect "
+                            f"{self.control_address}', or wait longer: set "
+                            f"{READY_TIMEOUT_ENV} or EngineConfig.engine_ready_timeout_s.")
                     raise TimeoutError(
                         "Timed out waiting for engine core processes to start. This is "
                         "often caused by slow weight loading for large models. Waited "
@@ -197,8 +274,10 @@ class EngineResources:
                         "EngineConfig.engine_ready_timeout_s to wait longer."
                     )
                 continue
+            if hb is not None:
+                hb.heard()
             kind = msg[0]
-            if kind == control.HELLO:
+            if kind == control.HELLO and not hello:
                 hello = True
                 self.ctl.send_multipart(
                     [
@@ -256,31 +335,51 @@ class EngineResources:
                 logger.exception("engine death callback failed")
 
     def _monitor_loop(self) -> None:
-        assert self.ctl is not None and self.proc is not None
+        assert self.ctl is not None and (self.proc is not None or self.remote)
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        try:
-            pidfd: int | None = os.pidfd_open(self.proc.pid)
-            poller.register(pidfd, zmq.POLLIN)
-        except (AttributeError, OSError):  # pragma: no cover - old kernels
-            pidfd = None
+        pidfd: int | None = None
+        if self.proc is not None:
+            try:
+                pidfd = os.pidfd_open(self.proc.pid)
+                poller.register(pidfd, zmq.POLLIN)
+            except (AttributeError, OSError):  # pragma: no cover - old kernels
+                pidfd = None
+        hb = self._heartbeat
         try:
             while True:
-                events = dict(poller.poll(None if pidfd is not None else _POLL_S * 1000))
+                if hb is not None:
+                    wait: float | None = hb.poll_s() * 1000
+                else:
+                    wait = None if pidfd is not None else _POLL_S * 1000
+                events = dict(poller.poll(wait))
                 if self.ctl in events:
-                    msg = self.ctl.recv_multipart()
-                    if msg[0] == control.ENGINE_CORE_DEAD:
-                        text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
-                        self._mark_dead(f"Engine core process reported a fatal error: {text}")
+                    while self.ctl.poll(0, zmq.POLLIN):
+                        msg = self.ctl.recv_multipart()
+                        if hb is not None:
+                            hb.heard()
+                        if msg[0] == control.ENGINE_CORE_DEAD:
+                            text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
+                            self._mark_dead(f"Engine core process reported a fatal error: {text}")
                 if self._wake_r in events:
-                    if self.proc.poll() is None:
+                    if self.proc is None or self.proc.poll() is None:
                         try:
                             self.ctl.send_multipart([control.SHUTDOWN], zmq.NOBLOCK)
                         except zmq.ZMQError:
                             pass
                     return
-                if (pidfd is not None and pidfd in events) or self.proc.poll() is not None:
+                if hb is not None:
+                    if self.dead.is_set():
+                        return  # it reported its death; it is gone
+                    hb.beat(self.ctl)
+                    if hb.expired():
+                        self._mark_dead(
+                            f"Remote engine core of data-parallel rank {self._rank} at "
+                            f"{self.control_address} sent no heartbeat for "
+                            f"{hb.silence_s():.1f} s: it died, or the network to it is down.")
+                        return
+                elif (pidfd is not None and pidfd in events) or self.proc.poll() is not None:
                     rc = self.proc.wait()
                     if not self._shutting_down:
                         self._mark_dead(
@@ -291,7 +390,9 @@ class EngineResources:
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-            self.ctl.close(linger=0)
+            # Over tcp the SHUTDOWN needs a moment to leave (ctx.term() waits for it); a
+            # remote engine that does not get it stops on the missing heartbeats.
+            self.ctl.close(linger=_REMOTE_LINGER_MS if hb is not None else 0)
 
     # -- stop -------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -339,7 +440,16 @@ class EngineResources:
             if self.proc is not None:
                 self._stop_process(self.proc, timeout)
             if mon is None and self.ctl is not None:
-                self.ctl.close(linger=0)
+                if self.remote and self._heartbeat is not None:
+                    # Failed after the handshake began: tell the engine (it would
+                    # otherwise stop on the missing heartbeats).
+                    try:
+                        self.ctl.send_multipart([control.SHUTDOWN], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+                    self.ctl.close(linger=_REMOTE_LINGER_MS)
+                else:
+                    self.ctl.close(linger=0)
             if self.ctx is not None:
                 if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
                     self.ctx.destroy(linger=0)

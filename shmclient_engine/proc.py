@@ -1,4 +1,6 @@
-"""Engine process main: ``python -m shmclient_engine <control address> <frontend pid>``.
+"""Engine process main: ``python -m shmclient_engine <control address> <frontend pid>``
+(launched by the frontend), or ``python -m shmclient_engine --connect tcp://HOST:PORT``
+(a remote engine, started apart, possibly on another host).
 
 Top of the engine side: imports shmclient's config, channel, control and messages (never
 the client classes), and the core only through the ``make_core`` it is given (this
@@ -20,6 +22,16 @@ interpreter's own teardown is skipped: with torch loaded it took ~0.35 s, most o
 from a frontend's SIGKILL to the engine's exit (measured 0.40-0.65 s before, 0.05-0.18 s
 after, on a 2-core host).
 
+A remote engine (``--connect``) has no parent to watch: it connects to the frontend's
+control socket (retrying until the frontend listens, up to ``--ready-timeout`` seconds,
+600 by default, for the START message), and from START on a ``FrontendLink`` thread owns
+that socket: it sends a heartbeat every ``EngineConfig.heartbeat_interval_s`` and stops
+the engine (exit status 0) on SHUTDOWN or after ``heartbeat_timeout_s`` without a word
+from the frontend (its heartbeats or anything else), i.e. a dead frontend, or a network
+that is down, stops the engine within about that time plus one 0.1 s slice. Data
+addresses the frontend bound on a wildcard host are reached at the host of
+``--connect``.
+
 Extension points for an engine module that wraps this one (see ``shmclient_engine``):
 ``main(argv, make_core=..., on_config=...)``.
 
@@ -40,6 +52,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -89,16 +102,19 @@ class EngineProc:
     """The loop around one EngineCore. Single-threaded; utility futures may complete on
     other threads and hand their replies over through a deque."""
 
-    def __init__(self, ctl: zmq.Socket, parent_pid: int, config: EngineConfig, channel: Any,
-                 make_core: MakeCore | None = None):
+    def __init__(self, ctl: zmq.Socket, parent_pid: int | None, config: EngineConfig,
+                 channel: Any, make_core: MakeCore | None = None, *,
+                 link: "FrontendLink | None" = None):
         """Builds the core with ``make_core(config, supports_wait=True)`` (this engine's
         ``shmclient_engine.make_core`` by default); blocks while the model loads and raises
-        what that raises (``ConfigError`` for a config it cannot run)."""
+        what that raises (``ConfigError`` for a config it cannot run). ``link``: a remote
+        engine's control thread (then ``parent_pid`` is None and ``ctl`` is the link's)."""
         if make_core is None:
             from . import make_core
 
         self.ctl = ctl
         self.parent_pid = parent_pid
+        self.link = link
         self.config = config
         self.channel = channel
         # This loop keeps stepping while a pause or sleep in mode "wait" drains.
@@ -113,7 +129,10 @@ class EngineProc:
     # -- liveness ---------------------------------------------------------------------
     def alive(self) -> bool:
         """Checked by every blocking wait: frontend alive and no SHUTDOWN received."""
-        if os.getppid() != self.parent_pid:
+        if self.link is not None:
+            if self.link.stopped:
+                self._stop = True
+        elif os.getppid() != self.parent_pid:
             self._stop = True
         elif self.ctl.poll(0, zmq.POLLIN):
             msg = self.ctl.recv_multipart()
@@ -246,6 +265,115 @@ class EngineProc:
                     self.send(0, self.replies.popleft())
 
 
+class FrontendLink:
+    """A remote engine's control socket from START on (see the module docstring): a
+    thread reads it (SHUTDOWN, heartbeats) and beats every interval; the main thread
+    sends through ``send``. The socket is used under one lock by both; never blocks for
+    longer than one non-blocking socket call."""
+
+    def __init__(self, ctl: zmq.Socket, interval_s: float, timeout_s: float) -> None:
+        self.ctl = ctl
+        #: Why the engine must stop (None while the frontend is there).
+        self.stop_reason: str | None = None
+        self._hb = control.Heartbeat(interval_s, timeout_s)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shmclient-engine-link",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Queue one message for the frontend; False when the socket cannot take it (no
+        frontend connected). Never blocks."""
+        with self._lock:
+            try:
+                self.ctl.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError:
+                return False
+
+    def _run(self) -> None:
+        hb = self._hb
+        while not self._done.wait(hb.poll_s()):
+            with self._lock:
+                while self.ctl.poll(0, zmq.POLLIN):
+                    msg = self.ctl.recv_multipart()
+                    hb.heard()
+                    if msg and msg[0] == control.SHUTDOWN:
+                        self.stop_reason = "the frontend said SHUTDOWN"
+                if self.stop_reason is None:
+                    hb.beat(self.ctl)
+                    if hb.expired():
+                        self.stop_reason = (f"the frontend sent nothing for {hb.silence_s():.1f} "
+                                            "s: it died, or the network to it is down")
+                        log.warning("remote engine stops: %s", self.stop_reason)
+            if self.stop_reason is not None:
+                return
+
+    def close(self) -> None:
+        """Stop the thread (waits for it, at most one interval and a bit)."""
+        self._done.set()
+        self._thread.join(timeout=5.0)
+
+
+def _parse_argv(argv: list[str]) -> tuple[str, int | None, float]:
+    """``[address, frontend pid]`` or ``--connect ADDRESS [--ready-timeout S]``: the
+    control address, the frontend's pid (None when remote) and how long a remote engine
+    waits for START. Raises ``SystemExit`` (usage) for anything else."""
+    if argv and not argv[0].startswith("-"):
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m shmclient_engine <control address> <frontend pid>"
+                             " | --connect tcp://HOST:PORT [--ready-timeout S]")
+        return argv[0], int(argv[1]), 0.0
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m shmclient_engine",
+        description="A remote engine core: connects to a frontend's control socket "
+                    "(EngineConfig.data_parallel_size_local) and serves it until it says "
+                    "SHUTDOWN or goes silent.")
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                   help="the frontend's control address (logged by the frontend)")
+    p.add_argument("--ready-timeout", type=float, default=None, metavar="S",
+                   help="seconds to wait for the frontend's START (default: "
+                        "$SHMCLIENT_ENGINE_READY_TIMEOUT_S, else 600)")
+    args = p.parse_args(argv)
+    if not args.connect.startswith("tcp://"):
+        p.error(f"--connect {args.connect!r}: expected tcp://HOST:PORT")
+    wait = args.ready_timeout
+    if wait is None:
+        wait = float(os.environ.get("SHMCLIENT_ENGINE_READY_TIMEOUT_S", "600"))
+    if not wait > 0:
+        p.error(f"--ready-timeout {wait!r}: must be > 0")
+    return args.connect, None, wait
+
+
+def _connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float) -> list[bytes] | None:
+    """Remote engine: say HELLO once the frontend listens, then wait for START; None if
+    either takes longer than ``wait_s`` in all."""
+    deadline = time.monotonic() + wait_s
+    hello = [control.HELLO, str(os.getpid()).encode()]
+    while True:
+        try:
+            ctl.send_multipart(hello, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ctl.poll(int(min(_SLICE_S, left) * 1000) + 1, zmq.POLLOUT)
+    while True:
+        msg = control.recv(ctl, min(_SLICE_S, max(0.0, deadline - time.monotonic())))
+        if msg is not None and msg[0] == control.START:
+            return msg
+        if msg is None and time.monotonic() >= deadline:
+            return None
+
+
 def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:
     try:
         reply(fut.result())
@@ -253,9 +381,10 @@ def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:
         reply(failure=str(e))
 
 
-def _send_dead(ctl: zmq.Socket, text: str) -> None:
+def _send_dead(ctl: zmq.Socket, text: str, block: bool = True) -> None:
     try:
-        ctl.send_multipart([control.ENGINE_CORE_DEAD, text.encode(errors="replace")])
+        ctl.send_multipart([control.ENGINE_CORE_DEAD, text.encode(errors="replace")],
+                           0 if block else zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
 
@@ -266,28 +395,39 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
     frontend said SHUTDOWN, closed its end or died; 1: a fatal error, reported as
     ENGINE_CORE_DEAD; 143: SIGTERM). Blocks for the engine's whole life; raises nothing.
 
-    ``argv``: ``[control address, frontend pid]``. ``make_core(config, supports_wait=True)``
+    ``argv``: ``[control address, frontend pid]``, or ``["--connect", address,
+    ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
+    sent START in time). ``make_core(config, supports_wait=True)``
     builds the core (``shmclient_engine.make_core`` by default). ``on_config(config)``, if
     given, runs once the config has arrived, before the core is built (an exception there
     is reported as a start-up failure; ``SystemExit`` exits with its code)."""
-    address, parent_pid = argv[0], int(argv[1])
+    address, parent_pid, wait_s = _parse_argv(argv)
     # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = zmq.Context()
     ctl = control.engine_socket(ctx, address)
     proc: EngineProc | None = None
+    link: FrontendLink | None = None
     channel: Any = None
     code = 0
     try:
-        ctl.send_multipart([control.HELLO, str(os.getpid()).encode()])
-        msg = None
-        while msg is None:
-            if os.getppid() != parent_pid:
-                return 0
-            msg = control.recv(ctl, _SLICE_S)
+        if parent_pid is None:
+            msg = _connect_and_hello(ctl, address, wait_s)
+            if msg is None:
+                log.error("no frontend sent START at %s within %g s: exiting", address, wait_s)
+                return 1
+        else:
+            ctl.send_multipart([control.HELLO, str(os.getpid()).encode()])
+            msg = None
+            while msg is None:
+                if os.getppid() != parent_pid:
+                    return 0
+                msg = control.recv(ctl, _SLICE_S)
         _, raw_config, transport, raw_spec, raw_gpus = msg
         config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
+        if parent_pid is None:
+            link = FrontendLink(ctl, config.heartbeat_interval_s, config.heartbeat_timeout_s)
         if on_config is not None:
             on_config(config)
         if not config.is_cuda:
@@ -299,9 +439,12 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
         if transport == b"shm":
             channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
         else:
-            channel = ZmqChannel.attach(ctx, msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec))
+            spec = msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec)
+            spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),
+                                  output_address=control.reachable(spec.output_address, address))
+            channel = ZmqChannel.attach(ctx, spec)
         channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
-        proc = EngineProc(ctl, parent_pid, config, channel, make_core)
+        proc = EngineProc(ctl, parent_pid, config, channel, make_core, link=link)
         info = control.ReadyInfo(
             pid=os.getpid(),
             num_gpu_blocks=proc.core.num_gpu_blocks,
@@ -310,7 +453,11 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
             protocol_version=PROTOCOL_VERSION,
             gpu_uuids=local_gpu_uuids(),
         )
-        ctl.send_multipart([control.READY, msgspec.msgpack.encode(info)])
+        ready = [control.READY, msgspec.msgpack.encode(info)]
+        if link is not None:
+            link.send(ready)
+        else:
+            ctl.send_multipart(ready)
         proc.run()
     except PeerDeadError:
         code = 0  # the frontend closed its end or went away: a normal exit
@@ -318,9 +465,13 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001 - everything else is fatal and reported
         traceback.print_exc()
-        _send_dead(ctl, f"{type(e).__name__}: {e}")
+        if link is not None:
+            link.close()
+        _send_dead(ctl, f"{type(e).__name__}: {e}", block=link is None)
         code = 1
     finally:
+        if link is not None:
+            link.close()
         if proc is not None:
             try:
                 proc.core.shutdown()
@@ -358,7 +509,9 @@ def main(argv: list[str] | None = None, *, make_core: MakeCore | None = None,
     try:
         code = run_process(sys.argv[1:] if argv is None else argv,
                            make_core=make_core, on_config=on_config)
-    except SystemExit as e:  # SIGTERM before the loop started
+    except SystemExit as e:  # SIGTERM before the loop started, or a usage error
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - bad arguments: say why, then exit
         traceback.print_exc()

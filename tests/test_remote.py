@@ -1,0 +1,381 @@
+"""Remote engines over tcp, on loopback: an engine started apart (``python -m
+shmclient_engine --connect tcp://127.0.0.1:PORT``) serves a plain client, or one rank of
+a data-parallel group whose other rank runs here over the shared-memory rings.
+
+Each test starts the remote engine itself, as a child process, before building the client
+(the engine retries until the frontend listens), so no thread is needed; the autouse
+``no_leaks`` fixture checks that no process, thread, /dev/shm or /tmp entry survives.
+Liveness across hosts is by heartbeats (0.2 s x 5 by default): the deaths below are
+noticed from the silence alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from shmclient import (
+    AsyncMPClient,
+    ConfigError,
+    DPLBAsyncMPClient,
+    EngineCoreRequest,
+    EngineDeadError,
+    PeerNotProducingError,
+    SamplingParams,
+    SyncMPClient,
+)
+from shmclient.channel import ShmChannel
+from shmclient.channel_zmq import ZmqChannel
+from shmclient.config import EngineConfig
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+HOST = "127.0.0.1"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zmq_gc_thread():
+    """A frame of 64 KiB or more (the embeds here) makes pyzmq start its process-wide
+    garbage-collector thread (zero-copy sends), which lives until exit: start it here,
+    before the per-test thread check, not inside a test."""
+    from zmq.utils.garbage import gc
+
+    gc.start()
+    yield
+
+
+def free_port() -> int:
+    """A tcp port free on loopback now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def start_remote(address: str, wait_s: float = 60.0) -> subprocess.Popen:
+    """A remote engine, started apart from any client, connecting to ``address``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shmclient_engine", "--connect", address,
+         "--ready-timeout", str(wait_s)], cwd=ROOT, stdin=subprocess.DEVNULL)
+
+
+def reap(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        raise
+
+
+def remote_cfg(port: int, **kw) -> EngineConfig:
+    """One remote engine behind a plain client."""
+    return EngineConfig(model="mock", max_model_len=512, transport="zmq",
+                        data_parallel_size_local=0, data_parallel_address=HOST,
+                        data_parallel_rpc_port=port, engine_ready_timeout_s=60.0, **kw)
+
+
+def group_cfg(port: int, **kw) -> EngineConfig:
+    """Rank 0 here over shm, rank 1 remote over tcp."""
+    return EngineConfig(model="mock", max_model_len=512, data_parallel_size=2,
+                        data_parallel_size_local=1, data_parallel_address=HOST,
+                        data_parallel_rpc_port=port, engine_ready_timeout_s=60.0, **kw)
+
+
+def req(rid: str, max_tokens: int = 4, prompt=(1, 2, 3), rank: int | None = None,
+        embeds=None) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid, prompt_token_ids=None if embeds is not None else list(prompt),
+        prompt_embeds=embeds, data_parallel_rank=rank,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def requests() -> list[EngineCoreRequest]:
+    """Eight token prompts and one 64 KiB prompt_embeds tensor pinned to rank 1 (the
+    remote one: it travels inline, as a zmq frame)."""
+    emb = torch.Generator().manual_seed(7)
+    out = [req(f"r{i}", max_tokens=2 + i, prompt=range(i + 1, i + 6)) for i in range(8)]
+    out.append(req("emb", max_tokens=3, rank=1,
+                   embeds=torch.randn(256, 64, generator=emb, dtype=torch.float32)))
+    return out
+
+
+def single_request_view(r: EngineCoreRequest) -> EngineCoreRequest:
+    """The same request for a one-engine client (no rank)."""
+    return EngineCoreRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                             prompt_embeds=r.prompt_embeds, sampling_params=r.sampling_params)
+
+
+async def collect(client, ids, timeout: float = 30.0) -> dict[str, tuple[list[int], int]]:
+    """Run until every id finished: id -> (tokens, engine_index)."""
+    want, got, tokens = set(ids), {}, {}
+    deadline = time.monotonic() + timeout
+    while want - got.keys():
+        outs = await asyncio.wait_for(client.get_output_async(), deadline - time.monotonic())
+        for o in outs.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                got[o.request_id] = (tokens[o.request_id], outs.engine_index)
+    return got
+
+
+def sync_collect(client, ids, timeout: float = 30.0) -> dict[str, list[int]]:
+    want, got, tokens = set(ids), {}, {}
+    deadline = time.monotonic() + timeout
+    while want - got.keys():
+        outs = client.get_output(timeout=deadline - time.monotonic())
+        for o in outs.outputs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                got[o.request_id] = tokens[o.request_id]
+    return got
+
+
+async def one_engine_tokens(reqs) -> dict[str, list[int]]:
+    single = AsyncMPClient(EngineConfig(model="mock", max_model_len=512))
+    try:
+        for r in reqs:
+            await single.add_request_async(single_request_view(r))
+        got = await collect(single, [r.request_id for r in reqs])
+    finally:
+        single.shutdown()
+    return {k: v[0] for k, v in got.items()}
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+def test_remote_settings_are_validated():
+    with pytest.raises(ConfigError, match="data_parallel_size_local=1 .*give data_parallel_address"):
+        EngineConfig(data_parallel_size=2, data_parallel_size_local=1)
+    with pytest.raises(ConfigError, match="data_parallel_size_local=3 .*<= 2"):
+        EngineConfig(data_parallel_size=2, data_parallel_size_local=3, data_parallel_address=HOST)
+    with pytest.raises(ConfigError, match="transport='shm' .*only 'zmq' reaches another host"):
+        EngineConfig(data_parallel_size_local=0, data_parallel_address=HOST)
+    with pytest.raises(ConfigError, match="data_parallel_address='tcp://x:1' .*no scheme"):
+        EngineConfig(data_parallel_address="tcp://x:1")
+    with pytest.raises(ConfigError, match="data_parallel_rpc_port=70000 .*<= 65535"):
+        EngineConfig(data_parallel_rpc_port=70000)
+    with pytest.raises(ConfigError, match="heartbeat_interval_s=0 .*> 0"):
+        EngineConfig(heartbeat_interval_s=0)
+    with pytest.raises(ConfigError, match="heartbeat_misses=0"):
+        EngineConfig(heartbeat_misses=0)
+    c = EngineConfig(data_parallel_size=3, data_parallel_size_local=1, data_parallel_address=HOST)
+    assert not c.is_remote  # the group: rank 0 is here
+    assert c.replace(data_parallel_rank=2, transport="zmq").is_remote
+    assert EngineConfig().heartbeat_timeout_s == pytest.approx(1.0)
+    from shmclient.client_dp import engine_config
+    from shmclient.launcher import remote_control_port
+
+    assert engine_config(c.replace(device="cuda"), 0).device == "cuda:0"
+    r2 = engine_config(c.replace(device="cuda", data_parallel_rpc_port=5000), 2)
+    assert (r2.transport, r2.device, remote_control_port(r2)) == ("zmq", "cuda", 5001)
+
+
+def test_no_engine_connecting_times_out_naming_the_address_and_the_command():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(PeerNotProducingError) as ei:
+        SyncMPClient(remote_cfg(port).replace(engine_ready_timeout_s=0.5))
+    assert time.monotonic() - t0 < 5
+    text = str(ei.value)
+    assert f"tcp://{HOST}:{port}" in text and "--connect" in text
+
+
+def test_a_remote_engine_without_a_frontend_gives_up_after_its_ready_timeout():
+    proc = start_remote(f"tcp://{HOST}:{free_port()}", wait_s=0.5)
+    assert reap(proc, 20) == 1
+
+
+def test_a_port_that_is_taken_is_a_config_error():
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"data_parallel_rpc_port={port}.*cannot listen"):
+            SyncMPClient(remote_cfg(port))
+
+
+# -- plain clients -----------------------------------------------------------------------
+
+
+def test_sync_client_of_a_remote_engine_gives_one_engines_tokens_and_stops_it():
+    reqs = [single_request_view(r) for r in requests()]
+    want = asyncio.run(one_engine_tokens(reqs))
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        c = SyncMPClient(remote_cfg(port))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        assert c.engine_pid == engine.pid
+        assert isinstance(c.channel, ZmqChannel)
+        for r in reqs:
+            c.add_request(r)
+        got = sync_collect(c, [r.request_id for r in reqs])
+        assert c.echo("x") == "x"
+    finally:
+        c.shutdown()
+    assert got == want
+    # SHUTDOWN over the control socket only: the engine exits cleanly on its own.
+    assert reap(engine) == 0
+
+
+async def test_async_client_of_a_remote_engine_on_a_port_the_os_picked():
+    """Port 0: the frontend logs the address to give ``--connect`` (and puts it on the
+    record); here the handler starts the engine from that record."""
+    engines: list[subprocess.Popen] = []
+
+    class StartEngine(logging.Handler):
+        def emit(self, record):
+            addr = getattr(record, "shmclient_control_address", None)
+            if addr is not None:
+                engines.append(start_remote(addr))
+
+    handler = StartEngine()
+    logging.getLogger("shmclient").addHandler(handler)
+    try:
+        c = await AsyncMPClient.create(remote_cfg(0))
+    finally:
+        logging.getLogger("shmclient").removeHandler(handler)
+        if not engines:
+            pytest.fail("the frontend logged no control address")
+    try:
+        assert c.engine_pid == engines[0].pid
+        await c.add_request_async(req("a", max_tokens=5))
+        got = await collect(c, ["a"])
+        assert len(got["a"][0]) == 5
+    finally:
+        await c.shutdown_async()
+    assert reap(engines[0]) == 0
+
+
+# -- a data-parallel group over two transports ----------------------------------------------
+
+
+async def test_group_of_a_local_shm_rank_and_a_remote_tcp_rank_gives_one_engines_tokens():
+    reqs = requests()
+    want = await one_engine_tokens(reqs)
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        c = await DPLBAsyncMPClient.create(group_cfg(port))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        local, remote = c.engines
+        assert isinstance(local.channel, ShmChannel) and isinstance(remote.channel, ZmqChannel)
+        assert c.engine_pids[1] == engine.pid
+        for r in reqs:
+            await c.add_request_async(r)
+        got = await collect(c, [r.request_id for r in reqs])
+        assert await c.call_utility_all_async("echo", 3) == [3, 3]
+    finally:
+        await c.shutdown_async()
+    assert {k: v[0] for k, v in got.items()} == want
+    assert {v[1] for v in got.values()} == {0, 1}
+    assert got["emb"][1] == 1  # the tensor went to the remote rank
+    assert reap(engine) == 0
+
+
+async def test_remote_engine_killed_fails_the_group_within_two_seconds():
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        c = await DPLBAsyncMPClient.create(group_cfg(port, step_delay_s=0.01))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        # A long request on each engine: outputs keep coming from both until the kill.
+        await c.add_request_async(req("long0", max_tokens=400, rank=0))
+        await c.add_request_async(req("long1", max_tokens=400, rank=1))
+        await c.get_output_async(timeout=10)
+        t0 = time.monotonic()
+        os.kill(engine.pid, signal.SIGKILL)
+        reap(engine)
+        with pytest.raises(EngineDeadError, match="engine 1 .*rank 1 .*sent no heartbeat"):
+            while True:
+                await c.get_output_async(timeout=5)
+        took = time.monotonic() - t0
+        assert took < 2.0, took
+        with pytest.raises(EngineDeadError):
+            await c.call_utility_async("echo", 1)
+    finally:
+        await c.shutdown_async()
+
+
+async def test_remote_engine_that_hangs_is_declared_dead_by_its_missing_heartbeats():
+    """SIGSTOP: the process and its sockets stay, only the heartbeats stop."""
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        c = await AsyncMPClient.create(remote_cfg(port, heartbeat_interval_s=0.1))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        os.kill(engine.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="sent no heartbeat"):
+            await asyncio.wait_for(c.get_output_async(), 5)
+        assert 0.4 < time.monotonic() - t0 < 2.0  # 0.1 s x 5 missed beats
+    finally:
+        engine.kill()
+        reap(engine)
+        await c.shutdown_async()
+
+
+FRONTEND = textwrap.dedent(
+    """
+    import sys
+    from shmclient import SyncMPClient
+    from shmclient.config import EngineConfig
+    c = SyncMPClient(EngineConfig(model="mock", max_model_len=64, transport="zmq",
+                                  data_parallel_size_local=0, data_parallel_address="127.0.0.1",
+                                  data_parallel_rpc_port=int(sys.argv[1]),
+                                  engine_ready_timeout_s=60.0))
+    assert c.echo(1) == 1
+    print("ready", flush=True)
+    sys.stdin.read()  # until killed
+    """
+)
+
+
+def test_frontend_killed_makes_the_remote_engine_exit_within_two_seconds():
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    front = subprocess.Popen([sys.executable, "-c", FRONTEND, str(port)], cwd=ROOT,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        ready, _, _ = select.select([front.stdout], [], [], 60)
+        assert ready and front.stdout.readline() == b"ready\n"
+        t0 = time.monotonic()
+        front.kill()
+        front.wait(5)
+        assert reap(engine, 5) == 0
+        took = time.monotonic() - t0
+        assert took < 2.5, took  # 1 s of silence, one 0.2 s beat, the engine's exit
+    finally:
+        for p in (front, engine):
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        front.stdin.close()
+        front.stdout.close()
