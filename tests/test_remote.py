@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from shmclient import (
     AsyncMPClient,
@@ -38,6 +39,8 @@ from shmclient import (
 from shmclient.channel import ShmChannel
 from shmclient.channel_zmq import ZmqChannel
 from shmclient.config import EngineConfig
+
+from .fault_engine import FAULT_ENV, MODULE as FAULT_MODULE
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
 HOST = "127.0.0.1"
@@ -61,11 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_remote(address: str, wait_s: float = 60.0) -> subprocess.Popen:
-    """A remote engine, started apart from any client, connecting to ``address``."""
+def start_remote(address: str, wait_s: float = 60.0, module: str = "shmclient_engine",
+                 fault: str | None = None) -> subprocess.Popen:
+    """A remote engine, started apart from any client, connecting to ``address``
+    (``fault``: a directive of the test engine ``tests.fault_engine``)."""
+    env = dict(os.environ)
+    if fault is not None:
+        env[FAULT_ENV] = fault
     return subprocess.Popen(
-        [sys.executable, "-m", "shmclient_engine", "--connect", address,
-         "--ready-timeout", str(wait_s)], cwd=ROOT, stdin=subprocess.DEVNULL)
+        [sys.executable, "-m", module, "--connect", address,
+         "--ready-timeout", str(wait_s)], cwd=ROOT, stdin=subprocess.DEVNULL, env=env)
 
 
 def reap(proc: subprocess.Popen, timeout: float = 10.0) -> int:
@@ -196,6 +204,48 @@ def test_a_remote_engine_without_a_frontend_gives_up_after_its_ready_timeout():
     assert reap(proc, 20) == 1
 
 
+def test_wildcard_data_addresses_are_reached_at_the_host_of_connect():
+    from shmclient.control import reachable
+
+    via = "tcp://10.1.2.3:5000"
+    assert reachable("tcp://0.0.0.0:41000", via) == "tcp://10.1.2.3:41000"
+    assert reachable("tcp://*:41000", via) == "tcp://10.1.2.3:41000"
+    assert reachable("tcp://192.168.0.9:41000", via) == "tcp://192.168.0.9:41000"
+    assert reachable("ipc://@x-in", via) == "ipc://@x-in"
+
+
+def test_a_remote_engine_dying_while_it_starts_fails_the_client_at_once():
+    """No pid to watch: the missing heartbeats, not the 60 s ready timeout, say it."""
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}", module=FAULT_MODULE,
+                          fault="exit_before_ready:3")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="sent nothing for .* while starting"):
+            SyncMPClient(remote_cfg(port))
+    finally:
+        assert reap(engine) == 3
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_fatal_error_in_a_remote_engine_reaches_the_client():
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}", module=FAULT_MODULE, fault="raise_in_step:1")
+    try:
+        c = SyncMPClient(remote_cfg(port))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        c.add_request(req("a"))
+        with pytest.raises(EngineDeadError, match="injected fault in step 1"):
+            sync_collect(c, ["a"], timeout=10)
+    finally:
+        c.shutdown()
+    assert reap(engine) == 1
+
+
 def test_a_port_that_is_taken_is_a_config_error():
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -260,6 +310,22 @@ async def test_async_client_of_a_remote_engine_on_a_port_the_os_picked():
     finally:
         await c.shutdown_async()
     assert reap(engines[0]) == 0
+
+
+def test_a_local_zmq_engine_binds_on_tcp_when_an_address_is_given():
+    """Spawned here, watched by its pid as usual, but reached over tcp."""
+    c = SyncMPClient(EngineConfig(model="mock", max_model_len=512, transport="zmq",
+                                  data_parallel_address=HOST))
+    try:
+        assert c.resources.control_address.startswith(f"tcp://{HOST}:")
+        assert c.channel._tx.getsockopt_string(zmq.LAST_ENDPOINT).startswith(f"tcp://{HOST}:")
+        c.add_request(req("a", max_tokens=3))
+        assert len(sync_collect(c, ["a"])["a"]) == 3
+        os.kill(c.engine_pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="died unexpectedly"):
+            c.get_output(timeout=5)
+    finally:
+        c.shutdown()
 
 
 # -- a data-parallel group over two transports ----------------------------------------------
