@@ -41,9 +41,12 @@ cold caches) ~16, and the queue hand-off to the awaiting task one more loop iter
   side sets before parking and the engine clears when it writes the wake byte. The
   callback then spins (at most the async spin) for the publish. Adaptive: pre-wakes that
   miss back it off (``doorbell.Spin``), so a busy host, where the spin takes the CPU the
-  engine needs, stops using it. ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off. Quick run
-  (``python -m shmclient_bench.vllm --quick``, load average 0.6 → 4.3 during the run):
-  async hop p50 235 µs stock, 49 shm without the pre-wake, 38 with it (0.16× stock).
+  engine needs, stops using it. ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off. Three
+  alternating pairs of the benchmark's async run (2 rounds of 32 tokens, load average
+  ~1.1): hop p50 49 / 49 / 39 µs with it, 39 / 70 / 74 without, stock 207; TPOT equal
+  within noise. Quick runs of the whole benchmark swung both ways with the host's load
+  (38 against 49; 105 against 72 in a run whose load rose to 4): the final figures come
+  from a quiet host, where both configurations are measured in the same run.
 
 Idle: the frontend sleeps in the event loop on the pipe (0.00 % of a core over 5 s); the
 engine's request reader wakes every 0.1 s (liveness, tensor releases: 0.4 %).
