@@ -145,5 +145,8 @@ class Heartbeat:
             pass
 
     def poll_s(self) -> float:
-        """How long the owner may wait before the next beat is due."""
-        return max(0.0, min(self._next_tx - time.monotonic(), self.interval_s))
+        """How long the owner may wait before the next beat is due or the peer's
+        silence runs out, whichever comes first."""
+        now = time.monotonic()
+        return max(0.0, min(self._next_tx - now, self._last_rx + self.timeout_s - now,
+                            self.interval_s))
