@@ -436,6 +436,19 @@ def test_async_abort_mid_stream_and_utility(async_pair):
     assert not shm.output_processor.has_unfinished_requests()
 
 
+def test_async_reader_wakes_once_per_batch_and_early(async_pair):
+    """One stream, one batch every step: the wake pipe's callback runs about once per
+    batch (reading before draining the pipe; draining first woke it twice), and the
+    engine's early wake-up reaches the parked output task."""
+    loop, _, shm = async_pair
+    reader = shm.engine_core._reader
+    wakes, empty, early = reader.wakes, reader.empty_wakes, reader.prewake_hits + reader.prewake_misses
+    assert len(loop.run_until_complete(stream(shm, "wakes", [5, 6, 7, 8], 40))) == 40
+    assert reader.wakes - wakes >= 20
+    assert reader.empty_wakes - empty <= (reader.wakes - wakes) // 4
+    assert reader.prewake_hits + reader.prewake_misses > early
+
+
 def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):
     loop, stock, shm = async_pair
     emb = embeds(120, 4)

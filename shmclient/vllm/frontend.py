@@ -532,6 +532,7 @@ class _AsyncReader:
         self.prewake = Spin(self.spin.base if rings.parked is not None else 0.0)
         self.armed = False
         self.prewake_hits = self.prewake_misses = 0
+        self.wakes = self.empty_wakes = 0  # callbacks; those that found nothing to do
 
     def read_now(self) -> int:
         """Decode and dispatch every record the ring holds now; never blocks. On a dead
@@ -611,6 +612,7 @@ class _AsyncReader:
         # woke us is still unread, which writes a byte for it and wakes us once more for
         # nothing. Read, then drain: a record published in between is seen by the
         # re-arm (it writes the byte itself), so no wake-up is lost.
+        self.wakes += 1
         n = self.read_now()
         try:
             self.ring.drain_wake_fd()
@@ -630,6 +632,8 @@ class _AsyncReader:
             else:
                 self.prewake.after(False, 0.0)
                 self.prewake_misses += 1
+        elif not n:
+            self.empty_wakes += 1
         if n and waiter is not None:
             inbox.wake()
             parked_at = self.parked_at
