@@ -10,6 +10,7 @@ client.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,17 @@ def test_engine_dead_error_is_not_a_config_error_once_the_handshake_began(monkey
                                        **fault_engine.inject(monkeypatch, "exit_before_ready:3")))
     assert not isinstance(info.value, ConfigError)
     assert "exit code 3" in str(info.value) and "tests.fault_engine" in str(info.value)
+
+
+def test_python_started_beside_a_folder_named_shmclient_imports_the_package(tmp_path):
+    """Defect: run from the folder holding the clone (itself named shmclient), Python took
+    the clone for an empty namespace package: "cannot import name 'EngineConfig' from
+    'shmclient' (unknown location)". The README's install (editable_mode=compat, or a
+    plain install) puts the real package first."""
+    (tmp_path / "shmclient").mkdir()  # stands in for the clone's folder
+    r = subprocess.run(
+        [sys.executable, "-c", "from shmclient import EngineConfig; import shmclient; print(shmclient.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith(os.path.join("shmclient", "__init__.py"))
