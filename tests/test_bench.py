@@ -545,7 +545,7 @@ INTERRUPT_RUN = ["--quick", "--configs", "inproc,sync-shm", "--models", "mock", 
     [
         ("SIGINT", "starting sync-shm", "latency/idle"),
         ("SIGINT", "tensors: running", "tensors"),
-        ("SIGTERM", "tensors: running", "tensors"),
+        pytest.param("SIGTERM", "tensors: running", "tensors", marks=pytest.mark.slow),
         pytest.param("SIGINT", "ring: running", "ring", marks=pytest.mark.slow),
         pytest.param("SIGTERM", "idle CPU:", "latency/idle", marks=pytest.mark.slow),
     ],

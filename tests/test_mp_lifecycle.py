@@ -219,6 +219,7 @@ FRONTEND = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # tests/test_frontend_death.py checks the same, with the 0.5 s bound
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_frontend_sigkill_engine_exits(transport):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -301,7 +301,8 @@ def test_shutdown_timeout_defaults_to_a_finite_value_on_every_client():
     c.shutdown()
 
 
-@pytest.mark.parametrize("kind", MP_KINDS)
+@pytest.mark.parametrize(
+    "kind", [k if k == "sync-shm" else pytest.param(k, marks=pytest.mark.slow) for k in MP_KINDS])
 def test_shutdown_with_default_timeout_never_waits_forever_on_a_hung_engine(kind, monkeypatch):
     # A SIGSTOPped engine answers nothing and ignores SIGTERM: shutdown() with the
     # default timeout (shortened here) must still return, after SIGKILL, in bounded time.
