@@ -11,8 +11,6 @@ asserts nothing, it reports.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -88,17 +86,9 @@ def report(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer round trips (~20 s)")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
-    args = ap.parse_args(argv)
-    res = run(args.quick)
-    print(report(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+    from .report import section_main
 
+    return section_main(argv, __doc__, run, report, "fewer round trips (~20 s)")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -822,3 +822,21 @@ def plot_transfer(
     finally:
         plt.close(fig)
     return path
+
+
+def section_main(argv: Sequence[str] | None, doc: str, run: Any, render: Any, quick_help: str) -> int:
+    """The command line of a section module run on its own (``python -m
+    shmclient_bench.<section> [--quick] [--json PATH]``): runs ``run(quick)``, prints
+    ``render(result)``, writes the result as JSON when asked. Returns the exit status."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    res = run(args.quick)
+    print(render(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
