@@ -86,12 +86,10 @@ class RingProducer(Ring):
             if self._closed:
                 raise self._closed_error()
             c.held = True
-            if self._partial is not None:
-                ptype, ppayload, off = self._partial
-                self._partial = None
-                if ptype == rtype and (ppayload is payload or ppayload == payload):
-                    self._fragments_nowait(rtype, payload, off)
-                    return
+            off = self._resume_at(rtype, payload)
+            if off is not None:
+                self._fragments_nowait(rtype, payload, off)
+                return
             try:
                 r = c.try_send(rtype, payload, True)
             except OverflowError:  # longer than one record: fragments
@@ -104,6 +102,16 @@ class RingProducer(Ring):
         finally:
             c.held = self._partial is not None
             self._lock.release()
+
+    def _resume_at(self, rtype: int, payload) -> int | None:
+        """Where to resume ``payload`` if it is the fragmented message left half-way,
+        else None; either way the half-way message is forgotten here (anything else sent
+        first makes the consumer drop it). Caller holds the lock."""
+        partial, self._partial = self._partial, None
+        if partial is None:
+            return None
+        ptype, ppayload, off = partial
+        return off if ptype == rtype and (ppayload is payload or ppayload == payload) else None
 
     def _fragments_nowait(self, rtype: int, payload, off: int) -> None:
         n = _nbytes(payload)
@@ -174,13 +182,10 @@ class RingProducer(Ring):
             if self._closed:
                 raise self._closed_error()
             c.held = True
-            if self._partial is not None:
-                ptype, ppayload, off = self._partial
-                self._partial = None
-                if ptype == rtype and (ppayload is payload or ppayload == payload):
-                    self._send_fragments(rtype, payload, off, timeout, alive)
-                    return
-                # anything else first: the consumer drops the partial message
+            off = self._resume_at(rtype, payload)
+            if off is not None:
+                self._send_fragments(rtype, payload, off, timeout, alive)
+                return
             try:
                 r = c.try_send(rtype, payload, True)
             except OverflowError:  # longer than one record: fragments
