@@ -82,6 +82,9 @@ PyDoc_STRVAR(RING_DOC,
 "  is), so a wall-clock step never stretches a wait. EINTR returns to Python at once:\n"
 "  the wait calls PyErr_CheckSignals, and a handler's exception propagates. The GIL is\n"
 "  released only while the thread sleeps in the kernel; the spin holds it.\n"
+"* A wait does not make its end busy: its readiness checks run under the GIL and touch\n"
+"  only the position cache the other calls refresh too, so another thread of this side\n"
+"  may send or receive while one sleeps. The mapping stays until the last waiter left.\n"
 "* Statistics are relaxed atomics written by one side: hints, never decisions.\n");
 
 #define MAGIC 0x32474E4952434D53ULL /* "SMCRING2" */

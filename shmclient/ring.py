@@ -24,9 +24,12 @@ Nothing is named: the segment is a memfd and the async wake-up a pipe, each reac
 the peer through ``/proc/<pid>/fd`` (or an inherited fd), see ``shm``. A SIGKILL of
 either side at any moment leaves nothing behind in /dev/shm or /tmp.
 
-Threads: each ring end takes a local lock around every operation, so several threads of
-one process may share an end while the ring itself stays single-producer single-consumer.
-A receive handler that uses its own ring raises RuntimeError (the C end refuses
+Threads: each ring end takes a local lock around every send and receive (or goes
+without it on the lock-free fast path, which the GIL orders), so several threads of one
+process may share an end while the ring itself stays single-producer single-consumer.
+The single waits ``wait_readable`` / ``wait_writable`` take no lock: another thread may
+send or receive while one sleeps in them (``shmclient.waiting`` builds its waits on
+them). A receive handler that uses its own ring raises RuntimeError (the C end refuses
 re-entry) instead of corrupting it.
 """
 
