@@ -25,6 +25,7 @@ setup(
         Extension(
             "shmclient._ring",
             ["shmclient/_ring.c"],
+            depends=["shmclient/_spin_gate.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
         )

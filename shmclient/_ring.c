@@ -13,6 +13,8 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include "_spin_gate.h"
+
 PyDoc_STRVAR(RING_DOC,
 "Per-message path of shmclient's SPSC ring: write + publish, see + read + release, the\n"
 "bounded spin and the futex sleep/wake. Lowest layer; ``shmclient.ring`` is its only user\n"
@@ -124,8 +126,8 @@ PyDoc_STRVAR(RING_DOC,
 #define U64(base, off) ((_Atomic uint64_t *)((base) + (off)))
 #define U32(base, off) ((_Atomic uint32_t *)((base) + (off)))
 
-/* a spin calls sched_yield() between its checks after this long */
-#define YIELD_AFTER_S 5e-6
+/* a timeout longer than this waits without a deadline (no timespec can overflow) */
+#define FOREVER_S 1e9
 
 /* wait results */
 #define W_READY 0   /* data (or space) came while spinning */
@@ -176,11 +178,16 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* Sleep while *addr == val, at most `timeout` seconds (FOREVER_S or more: no limit). */
 static long futex_wait(_Atomic uint32_t *addr, uint32_t val, double timeout) {
     struct timespec ts;
+    if (!(timeout < FOREVER_S))
+        return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, NULL, NULL, 0);
     if (timeout < 0) timeout = 0;
     ts.tv_sec = (time_t)timeout;
     ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec < 0) ts.tv_nsec = 0;
+    if (ts.tv_nsec > 999999999L) ts.tv_nsec = 999999999L;
     return syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT, val, &ts, NULL, 0);
 }
 
@@ -222,6 +229,9 @@ typedef struct {
                            touches no read or write state outside the GIL, so another
                            thread may send or receive meanwhile); the mapping stays until
                            the last has left */
+    Py_ssize_t sleepers; /* threads of this end past their spin, with the sleep flag set:
+                            the last to leave clears it (one leaving must not take it from
+                            another still asleep: its poster would then not wake it) */
     int held;           /* a Python-level slow path of this end is running (see ring.py):
                            fast-path calls (mine=False) then decline and take the lock */
 } End;
@@ -292,52 +302,64 @@ static int end_enter(End *self) {
     return 0;
 }
 
-/* Spin up to `spin` seconds, then sleep on the futex, until ready(self) or the timeout.
-   Returns W_* or -1 with an exception set (a signal handler raised). */
+/* Spin up to `spin` seconds (if the spin gate allows it: see _spin_gate.h), then sleep
+   on the futex, until ready(self) or the timeout (FOREVER_S or more: none). Returns W_* or
+   -1 with an exception set (a signal handler raised). */
 typedef int (*ready_fn)(End *);
+
+static Gate the_gate; /* the process's spin gate (GIL-protected) */
+
+static inline int w_result(int r, int slept) { return r == 2 ? W_CLOSED : (slept ? W_WOKEN : W_READY); }
 
 static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_off,
                        double spin, double timeout) {
     double t0 = now_s();
     double deadline = t0 + (timeout < 0 ? 0 : timeout);
     int r = ready(self);
-    if (r) return r == 2 ? W_CLOSED : W_READY;
-    if (spin > 0) {
+    if (r) return w_result(r, 0);
+    if (spin > 0 && gate_spin_ok(&the_gate, t0)) {
         double end = t0 + spin;
         if (end > deadline) end = deadline;
-        double yield_from = t0 + YIELD_AFTER_S;
-        double now;
+        double prev = t0, now;
+        int preempted = 0;
         do {
             for (int k = 0; k < 32; k++) {
                 cpu_relax();
                 r = ready(self);
-                if (r) return r == 2 ? W_CLOSED : W_READY;
+                if (r) {
+                    gate_clean(&the_gate);
+                    return w_result(r, 0);
+                }
             }
             now = now_s();
-            /* Past the first microseconds, let a runnable thread on this CPU (often the
-               peer we wait for, woken onto our runqueue on a busy host) go first. */
-            if (now >= yield_from) sched_yield();
+            /* Our clock reads are ~1 us apart while we hold the CPU: a longer gap is
+               time another thread ran here instead, so the spin costs someone a CPU. */
+            if (now - prev > GATE_PREEMPT_S) {
+                gate_preempted(&the_gate, now);
+                preempted = 1;
+                break;
+            }
+            prev = now;
         } while (now < end);
+        if (!preempted) gate_clean(&the_gate);
     }
     _Atomic uint32_t *flag = U32(self->base, flag_off);
     _Atomic uint32_t *seq = U32(self->base, seq_off);
+    self->sleepers++;
     for (;;) {
         uint32_t s = atomic_load_explicit(seq, memory_order_acquire);
         atomic_fetch_or_explicit(flag, 1, memory_order_seq_cst);
         atomic_thread_fence(memory_order_seq_cst);
         r = ready(self);
-        if (r) {
-            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
-            return r == 2 ? W_CLOSED : W_WOKEN;
-        }
+        if (r) break;
         if (self->closed) { /* this side was closed by another thread: the caller sees it */
-            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
-            return W_TIMEOUT;
+            r = -2;
+            break;
         }
         double left = deadline - now_s();
         if (left <= 0) {
-            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
-            return W_TIMEOUT;
+            r = -2;
+            break;
         }
         long rc;
         int err;
@@ -345,12 +367,16 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
         rc = futex_wait(seq, s, left);
         err = errno;
         Py_END_ALLOW_THREADS
-        if (rc == -1 && err == EINTR) {
-            atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
-            if (PyErr_CheckSignals() < 0) return -1;
+        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) {
+            r = -1;
+            break;
         }
-        /* EAGAIN (the word moved), ETIMEDOUT or a wake: re-check at the top */
+        /* EAGAIN (the word moved), ETIMEDOUT, EINTR or a wake: re-check at the top */
     }
+    if (--self->sleepers == 0) atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
+    if (r == -1) return -1;
+    if (r == -2) return W_TIMEOUT;
+    return w_result(r, 1);
 }
 
 /* The body of both ends' wait methods: (spin_s, timeout_s[, first]) -> W_*; statistics
@@ -361,6 +387,12 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
     double spin, timeout;
     int first = 1;
     if (!PyArg_ParseTuple(args, "dd|p", &spin, &timeout, &first)) return NULL;
+    if (!(spin >= 0) || !(timeout >= 0) || isinf(spin)) {
+        PyErr_Format(PyExc_ValueError,
+                     "a wait needs a spin and a timeout >= 0 seconds (inf: no timeout), "
+                     "got spin %R, timeout %R", PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1));
+        return NULL;
+    }
     if (e->closed || !e->base) {
         PyErr_SetString(PyExc_ValueError, "this ring end is closed");
         return NULL;
@@ -1178,6 +1210,114 @@ static PyTypeObject ConsumerType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ------------------------------------------------------------------ spin gate object */
+
+/* SpinGate(mode="adaptive"): the spin gate's decisions over observations given by the
+   caller (for tests); ``_ring.gate`` is the process's own gate, the one every wait reads. */
+typedef struct {
+    PyObject_HEAD
+    Gate own;
+    Gate *g;
+} GateObj;
+
+static int gate_parse_mode(PyObject *o) {
+    const char *m = PyUnicode_Check(o) ? PyUnicode_AsUTF8(o) : NULL;
+    int r = m ? gate_mode_of(m) : -1;
+    if (r < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "spin mode must be 'adaptive', 'always' or 'never', got %R", o);
+    }
+    return r;
+}
+
+static int gateobj_init(GateObj *self, PyObject *args, PyObject *kw) {
+    PyObject *mode = NULL;
+    static char *kwlist[] = {"mode", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|U", kwlist, &mode)) return -1;
+    int m = mode ? gate_parse_mode(mode) : GATE_ADAPTIVE;
+    if (m < 0) return -1;
+    gate_init(&self->own, m);
+    self->g = &self->own;
+    return 0;
+}
+
+static PyObject *gateobj_host(GateObj *self, PyObject *args) {
+    double now, quota;
+    long nr, cpus;
+    if (!PyArg_ParseTuple(args, "dlld", &now, &nr, &cpus, &quota)) return NULL;
+    gate_host(self->g, now, nr, cpus, quota);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gateobj_preempted(GateObj *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    gate_preempted(self->g, now);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gateobj_clean(GateObj *self, PyObject *unused) {
+    gate_clean(self->g);
+    Py_RETURN_NONE;
+}
+
+static PyObject *gateobj_allows(GateObj *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(gate_allows(self->g, now));
+}
+
+static PyObject *gateobj_state(GateObj *self, PyObject *unused) {
+    Gate *g = self->g;
+    return Py_BuildValue("{sssOslslsdsdsdsKsKsKsK}", "mode", gate_modes[g->mode], "host_ok",
+                         g->host_ok ? Py_True : Py_False, "nr_running", g->nr_running, "cpus",
+                         g->cpus, "quota_cpus", g->quota_cpus, "hold_s", g->hold_s, "hold_until",
+                         g->hold_until, "spins_allowed", g->spins_allowed, "spins_denied",
+                         g->spins_denied, "preemptions", g->preemptions, "samples", g->samples);
+}
+
+static PyObject *gateobj_get_mode(GateObj *self, void *c) {
+    return PyUnicode_FromString(gate_modes[self->g->mode]);
+}
+
+static int gateobj_set_mode(GateObj *self, PyObject *v, void *c) {
+    if (!v) {
+        PyErr_SetString(PyExc_AttributeError, "the mode cannot be deleted");
+        return -1;
+    }
+    int m = gate_parse_mode(v);
+    if (m < 0) return -1;
+    self->g->mode = m;
+    return 0;
+}
+
+static PyMethodDef gate_methods[] = {
+    {"host", (PyCFunction)gateobj_host, METH_VARARGS,
+     "host(now, nr_running, cpus, quota_cpus): a reading of the host (cpus 0: do not compare "
+     "the run queue; quota_cpus 0: no quota)."},
+    {"preempted", (PyCFunction)gateobj_preempted, METH_O, "preempted(now): a spin lost its CPU."},
+    {"clean", (PyCFunction)gateobj_clean, METH_NOARGS, "A spin ended without losing its CPU."},
+    {"allows", (PyCFunction)gateobj_allows, METH_O, "allows(now) -> whether a waiter may spin."},
+    {"state", (PyCFunction)gateobj_state, METH_NOARGS, "The last readings and the counters."},
+    {NULL}};
+
+static PyGetSetDef gate_getset[] = {
+    {"mode", (getter)gateobj_get_mode, (setter)gateobj_set_mode,
+     "'adaptive', 'always' (never closed) or 'never' (always closed)", NULL},
+    {NULL}};
+
+static PyTypeObject GateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmclient._ring.SpinGate",
+    .tp_basicsize = sizeof(GateObj),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "SpinGate(mode='adaptive'): whether a waiter may spin, from observations of the "
+              "host (see _spin_gate.h). _ring.gate is the one every wait of this process reads.",
+    .tp_methods = gate_methods,
+    .tp_getset = gate_getset,
+    .tp_init = (initproc)gateobj_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyObject *mod_init_header(PyObject *m, PyObject *args) {
@@ -1245,8 +1385,16 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ring", RING_DOC, -1
 
 PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0 ||
-        PyType_Ready(&RecViewType) < 0)
+        PyType_Ready(&RecViewType) < 0 || PyType_Ready(&GateType) < 0)
         return NULL;
+    const char *env_mode = getenv("SHMCLIENT_SPIN");
+    int mode = gate_mode_of(env_mode);
+    if (mode < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "SHMCLIENT_SPIN must be 'adaptive', 'always' or 'never', got '%s'", env_mode);
+        return NULL;
+    }
+    gate_init(&the_gate, mode);
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     CorruptError = PyErr_NewException("shmclient._ring.RingCorruptError", PyExc_RuntimeError, NULL);
@@ -1256,6 +1404,13 @@ PyMODINIT_FUNC PyInit__ring(void) {
     Py_INCREF(&ConsumerType);
     if (PyModule_AddObject(m, "Producer", (PyObject *)&ProducerType) < 0 ||
         PyModule_AddObject(m, "Consumer", (PyObject *)&ConsumerType) < 0)
+        return NULL;
+    GateObj *gate = PyObject_New(GateObj, &GateType);
+    if (!gate) return NULL;
+    gate->g = &the_gate;
+    Py_INCREF(&GateType);
+    if (PyModule_AddObject(m, "SpinGate", (PyObject *)&GateType) < 0 ||
+        PyModule_AddObject(m, "gate", (PyObject *)gate) < 0)
         return NULL;
     PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES);
     PyModule_AddIntConstant(m, "REC_HDR", REC_HDR);

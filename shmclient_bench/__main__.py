@@ -3,8 +3,8 @@
 Sections (``--only`` picks some): ``latency`` (round trip of one max_tokens=1 request),
 ``streaming`` (N concurrent requests x M tokens), ``idle`` (idle CPU of client and
 engine), ``tensors`` (shmclient_bench.tensors' transfer sweep), ``ring`` (shmclient_bench.ring's raw ring
-against pyzmq ipc) and ``contention`` (shmclient_bench.contention: the sync client over shm and
-over zmq with an unrelated busy-loop process running), ``fairness`` (shmclient_bench.fairness:
+against pyzmq ipc) and ``contention`` (shmclient_bench.contention: sync and async clients over shm and
+over zmq with 0 to 3 unrelated busy-loop processes, and under a 1-CPU quota), ``fairness`` (shmclient_bench.fairness:
 how late a concurrent asyncio task's 1 ms sleep wakes while the async client waits, engine
 idle and busy, shm and zmq), ``dp`` (shmclient_bench.dp: requests/s
 with one and two data-parallel engines, and their balance under a skewed load) and ``vllm`` (shmclient_bench.vllm: stock vLLM

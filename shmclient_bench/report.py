@@ -578,7 +578,7 @@ def format_report(res: dict[str, Any]) -> str:
         tables.get("ring"),
     )
     lines += _external_section(
-        "Sync client on a busy host, shm vs zmq (shmclient_bench.contention):" + noisy_tag("contention"),
+        "Sync and async clients on a busy host, shm vs zmq (shmclient_bench.contention):" + noisy_tag("contention"),
         res.get("contention"),
         tables.get("contention"),
     )

@@ -600,12 +600,13 @@ class _AsyncReader:
         return self.armed
 
     def _spin_until(self, budget: float) -> bool:
-        has_data = self.ring.has_data
-        end = perf_counter() + budget
-        while not has_data():
-            if perf_counter() >= end:
-                return False
-        return True
+        # The ring's own spin: it stops at once where the spin gate says spinning does
+        # not pay on this host now (shmclient/_spin_gate.h), and never sleeps here.
+        if self.ring.has_data():
+            return True
+        if budget <= 0.0:
+            return False
+        return self.ring.wait_readable(0.0, spin=budget) and self.ring.has_data()
 
     def on_readable(self) -> None:
         # Read before draining: draining first re-arms the pipe while the record that
