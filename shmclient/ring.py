@@ -346,6 +346,8 @@ class Ring:
         refuses re-entry itself, and a wait changes nothing but statistics."""
         if self._closed:
             raise self._closed_error()
+        if not timeout >= 0:
+            raise ValueError(f"a wait's timeout must be >= 0 seconds (inf: none), got {timeout!r}")
         adaptive = spin is None
         budget = (self._spin.budget if first else 0.0) if adaptive else max(spin, 0.0)
         t0 = perf_counter()

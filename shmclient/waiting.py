@@ -33,13 +33,27 @@ from typing import Any, Callable, TypeVar
 
 from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
 
-__all__ = ["LIVENESS_S", "recv", "recv_spin", "send", "send_async", "wait_fd"]
+__all__ = ["LIVENESS_S", "check_timeout", "recv", "recv_spin", "send", "send_async", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
 
 T = TypeVar("T")
 Alive = Callable[[], bool]
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a wait takes it: None or inf (no limit: None), else seconds >= 0.
+    Raises ValueError for NaN, a negative number or something that is not one."""
+    if timeout is None:
+        return None
+    try:
+        ok = timeout >= 0
+    except TypeError:
+        ok = False
+    if not ok or isinstance(timeout, bool):
+        raise ValueError(f"timeout must be None or a number of seconds >= 0 (inf: no limit), got {timeout!r}")
+    return None if timeout == float("inf") else timeout
 
 
 def _block(
@@ -87,6 +101,8 @@ def send(
     seconds (None: no limit; a message bigger than the ring may then be sent in part and
     resumes when sent again), PeerDeadError, ClientClosedError, ValueError."""
 
+    timeout = check_timeout(timeout)
+
     def timed_out() -> Exception:
         return PeerNotConsumingError(
             f"the peer is not consuming: no room for the message within {timeout} s")
@@ -102,6 +118,8 @@ def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = No
     """At least one message, decoded (everything available), waiting in this thread.
     Raises PeerNotProducingError after ``timeout`` seconds (None: no limit), PeerDeadError,
     ProtocolError, ClientClosedError, or what a signal handler raised."""
+
+    timeout = check_timeout(timeout)
 
     def timed_out() -> Exception:
         return PeerNotProducingError(f"nothing arrived within {timeout} s: the peer is not producing")
@@ -145,6 +163,7 @@ async def wait_fd(fd: int, timeout: float | None) -> bool:
     passed (False; None: no limit). Never blocks the loop; any number of tasks may wait
     on one fd; a cancelled or timed-out wait leaves no reader behind once no task
     waits."""
+    timeout = check_timeout(timeout)
     loop = asyncio.get_running_loop()
     key = (id(loop), fd)
     fut = loop.create_future()
@@ -173,6 +192,7 @@ async def send_async(
     """``send`` for an event loop: while the channel has no room, the task parks on the
     channel's ``send_fd()`` (the loop keeps running other tasks; no polling). Raises as
     ``send``."""
+    timeout = check_timeout(timeout)
     try:
         return channel.send_nowait(rtype, payload)
     except WouldBlock:

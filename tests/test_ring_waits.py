@@ -1,0 +1,133 @@
+"""The ring's C wait with several threads on one end and with odd timeouts: a thread
+leaving its wait never takes the sleep flag from another still asleep (its wake-up would be
+lost); an infinite timeout sleeps without a deadline (no polling); NaN or negative ones
+are refused with ValueError."""
+
+from __future__ import annotations
+
+import math
+import struct
+import threading
+import time
+
+import pytest
+
+from shmclient import waiting
+from shmclient.ring import Ring
+
+OFF_C_WAIT = 448  # the consumer's sleep flag (see _ring.c's layout)
+
+
+@pytest.fixture
+def pair():
+    p = Ring.create("producer", 4096, spin_us=0)
+    c = Ring.attach(p.spec, "consumer", spin_us=0)
+    try:
+        yield p, c
+    finally:
+        c.close()
+        p.close()
+        c.unlink()
+        p.unlink()
+
+
+def _sleep_flag(p: Ring) -> int:
+    return struct.unpack_from("<I", p._res.seg.buf, OFF_C_WAIT)[0] & 1
+
+
+def _until(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+
+
+def _thread_cpu_ns(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+        return int(f.read().split()[0])
+
+
+def test_a_leaving_waiter_keeps_the_other_sleeper_wakeable(pair):
+    p, c = pair
+    result: dict = {}
+
+    def long_wait() -> None:
+        t0 = time.monotonic()
+        result["ready"] = c.wait_readable(20.0, spin=0.0)
+        result["took"] = time.monotonic() - t0
+
+    t = threading.Thread(target=long_wait)
+    t.start()
+    try:
+        _until(lambda: _sleep_flag(p))  # the long waiter is asleep
+        # a second waiter on the same end comes and goes (times out)
+        assert c.wait_readable(0.01, spin=0.0) is False
+        assert _sleep_flag(p) == 1, "the leaving waiter cleared the flag of the one still asleep"
+        assert p.try_send(1, b"x")
+        t.join(10)
+        assert not t.is_alive(), "the sleeper missed its wake-up"
+    finally:
+        if t.is_alive():
+            p.try_send(1, b"unblock")
+            t.join(25)
+    assert result["ready"] is True
+    assert result["took"] < 10.0
+    assert c.try_recv()
+
+
+def test_an_infinite_timeout_sleeps_without_polling(pair):
+    p, c = pair
+    done = threading.Event()
+    out: dict = {}
+
+    def forever() -> None:
+        out["tid"] = threading.get_native_id()
+        out["ready"] = c.wait_readable(math.inf, spin=0.0)
+        done.set()
+
+    t = threading.Thread(target=forever)
+    t.start()
+    try:
+        _until(lambda: "tid" in out and _sleep_flag(p))
+        cpu0 = _thread_cpu_ns(out["tid"])
+        w0 = time.monotonic()
+        done.wait(0.3)  # the window over which its CPU time is measured
+        cpu = _thread_cpu_ns(out["tid"]) - cpu0
+        wall = time.monotonic() - w0
+        assert not done.is_set()
+        assert cpu < 0.05 * wall * 1e9, f"an infinite wait used {cpu / 1e6:.1f} ms of CPU in {wall:.2f} s"
+        assert p.try_send(1, b"x")
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        if t.is_alive():
+            p.try_send(1, b"unblock")
+            t.join(10)
+    assert out["ready"] is True
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0])
+def test_nan_or_negative_timeouts_are_refused(pair, bad):
+    p, c = pair
+    with pytest.raises(ValueError, match="timeout"):
+        c._c.wait(0.0, bad)
+    with pytest.raises(ValueError, match="timeout"):
+        p._c.wait_space(0.0, bad)
+    with pytest.raises(ValueError, match="timeout"):
+        c.wait_readable(bad)
+    with pytest.raises(ValueError, match="spin"):
+        c._c.wait(bad, 1.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, -0.5])
+def test_waiting_refuses_nan_or_negative_timeouts(pair, bad):
+    p, c = pair
+
+    class Ch:  # the channel interface over the ring pair, enough for waiting
+        def recv_nowait(self, limit=0):
+            return c.try_recv()
+
+    with pytest.raises(ValueError, match="timeout"):
+        waiting.recv(Ch(), timeout=bad)
+    with pytest.raises(ValueError, match="timeout"):
+        waiting.send(Ch(), 1, b"x", timeout=bad)
