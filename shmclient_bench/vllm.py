@@ -31,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import signal
 import tempfile
 import time
 from typing import Any
@@ -64,8 +65,13 @@ CONFIGS = (
     ("async", "shm"),
     ("async", "shm-noprewake"),
 )
+#: Measured again with BUSY plain busy-loop processes running (the contention matrix's
+#: vLLM cell): stock against the plug-in, sync and async.
+BUSY_CONFIGS = (("sync", "stock"), ("sync", "shm"), ("async", "stock"), ("async", "shm"))
+BUSY = 2
+PARTS = ("quiet", "busy")
 STREAMS = (1, 16)
-CHILD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = 1200
 
 
 def _percentiles(values: list[float], scale: float) -> dict[str, float]:
@@ -247,7 +253,7 @@ def _bench_async(model: str, transport: str, rounds: int, tokens: int) -> dict[s
     return timing.summary()
 
 
-def _child(quick: bool) -> dict[str, Any]:
+def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     import vllm
     from vllm.plugins import load_general_plugins
 
@@ -269,6 +275,8 @@ def _child(quick: bool) -> dict[str, Any]:
         # Full runs measure every configuration twice, the second pass in reverse order,
         # so that a slow spell of a shared machine does not land on one side only.
         order = list(CONFIGS) if quick else list(CONFIGS) + list(reversed(CONFIGS))
+        if "quiet" not in parts:
+            order = []
         results["passes"] = 1 if quick else 2
         results["load_before"] = os.getloadavg()
         for kind, transport in order:
@@ -281,14 +289,37 @@ def _child(quick: bool) -> dict[str, Any]:
         results["load_after"] = os.getloadavg()
         for r in results["configs"].values():
             r.update(_summarise(r.pop("raw")))
+        busy: dict[str, Any] = {"processes": BUSY, "configs": {}}
+        order = list(BUSY_CONFIGS) if quick else list(BUSY_CONFIGS) + list(reversed(BUSY_CONFIGS))
+        if "busy" not in parts:
+            order = []
+        for kind, transport in order:
+            fn = _bench_sync if kind == "sync" else _bench_async
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY)]
+            try:
+                t0 = time.monotonic()
+                part = fn(model, transport, rounds, tokens)
+            finally:
+                for h in hogs:
+                    h.kill()
+                    h.wait()
+            name = f"{kind}-{transport}"
+            busy["configs"][name] = _merge(busy["configs"].get(name), part)
+            print(f"shmclient_bench.vllm: {name} with {BUSY} busy processes done in "
+                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        for r in busy["configs"].values():
+            r.update(_summarise(r.pop("raw")))
+        if busy["configs"]:
+            results["busy"] = busy
     finally:
         shutil.rmtree(model, ignore_errors=True)
     return results
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """The section's results, measured in a child process; ``{"skipped": why}`` when
-    vLLM is not installed or the child fails."""
+    vLLM is not installed or the child fails. ``parts``: "quiet" (every configuration
+    on the host as it is) and "busy" (stock and the plug-in with BUSY busy processes)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -296,13 +327,23 @@ def run(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="shmc-vllm-bench-") as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, "-m", "shmclient_bench.vllm", "--child", out] + (["--quick"] if quick else [])
+        cmd += ["--parts", ",".join(parts)]
+        # Its own process group: on a timeout the engines and busy processes it started
+        # go with it.
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  timeout=CHILD_TIMEOUT_S)
+            _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return {"skipped": f"the vLLM benchmark did not finish within {CHILD_TIMEOUT_S} s"}
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
         if proc.returncode != 0 or not os.path.exists(out):
-            return {"skipped": f"the vLLM benchmark failed (exit {proc.returncode}): {proc.stderr[-2000:]}"}
+            return {"skipped": f"the vLLM benchmark failed (exit {proc.returncode}): {err[-2000:]}"}
         with open(out) as f:
             return json.load(f)
 
@@ -310,6 +351,47 @@ def run(quick: bool) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     if "skipped" in results:
         return f"vllm: skipped: {results['skipped']}"
+    lines = _config_table(results) + _busy_table(results.get("busy"))
+    return "\n".join(lines)
+
+
+def _row(name: str, r: dict[str, Any]) -> str:
+    h = r["hop_us"]
+    t1, t16 = r["ttft_ms"]["1"], r["ttft_ms"]["16"]
+    p1, p16 = r["tpot_ms"]["1"], r["tpot_ms"]["16"]
+    return (
+        f"| {name} | {h.get('p50', 0):.0f} | {h.get('p90', 0):.0f} | {h.get('p99', 0):.0f} | "
+        f"{t1.get('p50', 0):.2f} / {t16.get('p50', 0):.2f} | {p1.get('p50', 0):.2f} / {p16.get('p50', 0):.2f} |"
+    )
+
+
+def _busy_table(busy: dict[str, Any] | None) -> list[str]:
+    """The busy-host cell: target shm hop p50 <= stock's, TPOT p50 no worse than stock's."""
+    if not busy:
+        return []
+    lines = [
+        "",
+        f"with {busy['processes']} busy processes (target: shm hop p50 <= stock's, TPOT p50 <= stock's)",
+        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
+        "|---|---|---|---|---|---|",
+    ]
+    cfg = busy["configs"]
+    lines += [_row(name, r) for name, r in cfg.items()]
+    for kind in ("sync", "async"):
+        st, sh = cfg.get(f"{kind}-stock"), cfg.get(f"{kind}-shm")
+        if not st or not sh:
+            continue
+        hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
+        tpot = [sh["tpot_ms"][k].get("p50", 0) / max(st["tpot_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+        ok = hop <= 1.0 and all(t <= 1.0 for t in tpot)
+        lines.append(
+            f"{kind}: shm / stock: hop p50 {hop:.2f}x, TPOT p50 {tpot[0]:.2f}x (1 stream) / {tpot[1]:.2f}x "
+            f"(16): target {'met' if ok else 'NOT met'}"
+        )
+    return lines
+
+
+def _config_table(results: dict[str, Any]) -> list[str]:
     lines = [
         f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
         f"{results['rounds']} rounds x {results.get('passes', 1)} passes; load average "
@@ -317,20 +399,13 @@ def format_table(results: dict[str, Any]) -> str:
         "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
         "|---|---|---|---|---|---|",
     ]
-    for name, r in results["configs"].items():
-        h = r["hop_us"]
-        t1, t16 = r["ttft_ms"]["1"], r["ttft_ms"]["16"]
-        p1, p16 = r["tpot_ms"]["1"], r["tpot_ms"]["16"]
-        lines.append(
-            f"| {name} | {h.get('p50', 0):.0f} | {h.get('p90', 0):.0f} | {h.get('p99', 0):.0f} | "
-            f"{t1.get('p50', 0):.2f} / {t16.get('p50', 0):.2f} | {p1.get('p50', 0):.2f} / {p16.get('p50', 0):.2f} |"
-        )
+    lines += [_row(name, r) for name, r in results["configs"].items()]
     for kind in ("sync", "async"):
         stock = results["configs"].get(f"{kind}-stock", {}).get("hop_us", {}).get("p50")
         shm = results["configs"].get(f"{kind}-shm", {}).get("hop_us", {}).get("p50")
         if stock and shm:
             lines.append(f"{kind}: shm output hop p50 = {shm / stock:.2f} x stock (target <= 0.25)")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(results: dict[str, Any], path: str) -> str | None:
@@ -424,9 +499,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 rounds of 32 tokens instead of 5 of 64")
     ap.add_argument("--out", help="folder for vllm.json and the plot (created; must not exist)")
     ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="quiet (every configuration as the host is), busy (stock and shm with "
+                         f"{BUSY} busy processes), or both (the default)")
     ap.add_argument("--tensors", action="store_true",
                     help="only measure the tensor path (ring frames vs arena) by size")
     args = ap.parse_args(argv)
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if not parts or any(p not in PARTS for p in parts):
+        ap.error(f"--parts takes {', '.join(PARTS)} (comma-separated), got {args.parts!r}")
     if args.tensors:
         r = tensor_threshold()
         print("| tensor bytes | ring frames us | arena us |\n|---|---|---|")
@@ -435,9 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         with open(args.child, "w") as f:
-            json.dump(_child(args.quick), f)
+            json.dump(_child(args.quick, parts), f)
         return 0
-    results = run(args.quick)
+    results = run(args.quick, parts)
     print(format_table(results))
     if args.out:
         os.makedirs(args.out)
