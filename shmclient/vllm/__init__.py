@@ -47,6 +47,7 @@ us, stock vLLM in brackets.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import warnings
@@ -60,6 +61,19 @@ ENV_SWITCH = "SHMCLIENT_VLLM"
 _lock = threading.Lock()
 _installed = False
 
+#: The plug-in's log: under vLLM's own logger, so its lines come out with vLLM's (one INFO
+#: line when the rings take over a client, one WARNING naming the reason when they do not).
+log = logging.getLogger("vllm.shmclient")
+
+
+def _fallback(reason: str) -> None:
+    log.warning("shmclient.vllm: %s; vLLM's own ZMQ transport is used", reason)
+
+
+def _took_over(kind: str) -> None:
+    log.info("shmclient.vllm: %s moves engine-core requests and outputs over shared-memory rings "
+             "(vLLM's handshake and ENGINE_CORE_DEAD stay on ZMQ)", kind)
+
 
 def enabled() -> bool:
     """True when this process's environment switches the plug-in on."""
@@ -70,6 +84,7 @@ def supported_version(version: str) -> bool:
     """True for a tested vLLM version; otherwise warns (RuntimeWarning) and returns False."""
     if version in TESTED_VLLM_VERSIONS:
         return True
+    _fallback(f"tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, this is vLLM {version}")
     warnings.warn(
         f"shmclient.vllm is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, this is vLLM {version}: "
         f"{ENV_SWITCH}=1 is ignored and vLLM's own ZMQ transport is used",
@@ -116,6 +131,9 @@ def _install_frontend() -> None:
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
         if vllm_config.parallel_config.data_parallel_size > 1 or client_addresses:
+            _fallback("data parallelism, several API servers and externally started engines are not on the "
+                      f"rings yet (data_parallel_size={vllm_config.parallel_config.data_parallel_size}, "
+                      f"engines {'given' if client_addresses else 'started here'})")
             warnings.warn(
                 "shmclient.vllm: data parallelism and externally started engines use vLLM's own transport",
                 RuntimeWarning,
@@ -123,12 +141,18 @@ def _install_frontend() -> None:
             )
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
+        _took_over("AsyncMPClient")
         return ShmAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
                                 client_count, client_index, renderer=renderer)
 
     def make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats, renderer=None):
         if enabled() and multiprocess_mode and not asyncio_mode and vllm_config.parallel_config.data_parallel_size == 1:
+            _took_over("SyncMPClient")
             return ShmSyncMPClient(vllm_config, executor_class, log_stats, renderer=renderer)
+        if enabled() and not multiprocess_mode:
+            _fallback("the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) has no transport to move")
+        elif enabled() and not asyncio_mode:
+            _fallback(f"data_parallel_size={vllm_config.parallel_config.data_parallel_size} is not on the rings yet")
         return stock_make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats,
                                  renderer=renderer)
 
