@@ -24,3 +24,39 @@ def test_set_with_an_unknown_field_names_the_closest_one(capsys):
     assert bench.main(["--set", "ring_capacity=65536", "--no-plots"]) == 2
     err = capsys.readouterr().err
     assert "--set: EngineConfig has no field 'ring_capacity': did you mean 'ring_capacity_bytes'?" in err
+
+
+def _summary(p50: float) -> dict:
+    return {"n": 10, "unit": "us", "p50": p50, "p99": p50, "p99.9": p50, "mean": p50}
+
+
+def _results(noisy: bool) -> dict:
+    lat = {c: {"summary": _summary(v), "noisy_blocks": 0, "blocks": 1}
+           for c, v in (("inproc", 10.0), ("sync-shm", 50.0), ("sync-zmq", 60.0))}
+    return {
+        "machine": {"date": "2026-12-01T22:00:00", "cpu_count_logical": 2},
+        "load": {"noisy": noisy, "noisy_blocks": int(noisy), "blocks_judged": 1,
+                 "max_other_cores": 1.5 if noisy else 0.0, "threshold_cores": 0.3},
+        "latency": lat,
+        "latency_ratios": report.latency_ratios(lat),  # 0.8: far from the 0.10 target
+        "idle_cpu": {"sync-shm": {"client_pct": 5.0, "engine_pct": 0.5, "noisy": False}},
+    }
+
+
+def test_a_noisy_run_does_not_judge_its_targets():
+    quiet = report.format_report(_results(noisy=False))
+    assert quiet.count("NOT met") == 2 and report.NOT_JUDGED not in quiet
+    noisy = report.format_report(_results(noisy=True))
+    assert "NOT met" not in noisy, noisy
+    assert "target <= 0.10: not judged (noisy)" in noisy
+    idle = [line for line in noisy.splitlines() if line.lstrip("| ").startswith("sync-shm")
+            and "5.00" in line]
+    assert idle and "not judged (noisy)" in idle[0], noisy
+
+
+def test_a_noisy_block_in_a_quiet_run_is_not_judged_either():
+    res = _results(noisy=False)
+    res["latency"]["sync-zmq"]["noisy_blocks"] = 1
+    res["idle_cpu"]["sync-shm"]["noisy"] = True
+    text = report.format_report(res)
+    assert "NOT met" not in text and text.count(report.NOT_JUDGED) == 2, text
