@@ -787,7 +787,8 @@ def _write_files(res: dict[str, Any], out: str, no_plots: bool) -> dict[str, Any
     samples = res.get("latency_samples_ns") or {}
     files: dict[str, Any] = {}
     if samples:
-        files["samples"] = report.write_json(os.path.join(out, "samples.json"), samples)
+        files["samples"] = report.write_json(os.path.join(out, "samples.json"),
+                                             report.samples_file(samples))
     if not no_plots:
         label = res.get("run_label")
         plots = []

@@ -642,6 +642,26 @@ def _jsonable(o: Any) -> Any:
     return repr(o)
 
 
+#: What samples.json holds, written into it next to its unit.
+SAMPLES_WHAT = ("round trip of each request, add_request -> its finished output "
+                "(max_tokens=1), one list per configuration, in the order measured")
+
+
+def samples_file(samples_ns: dict[str, Sequence[int]]) -> dict[str, Any]:
+    """samples.json's content: ``unit`` ("ns") and ``what`` beside one list of round
+    trips per configuration (the configurations stay top-level keys, as before)."""
+    return {"unit": "ns", "what": SAMPLES_WHAT, **samples_ns}
+
+
+def read_samples(path: str) -> dict[str, list[float]]:
+    """The round trips of a samples.json, in ns, per configuration. Reads the files of
+    older runs too (no ``unit``: they were ns already)."""
+    with open(path) as f:
+        data = json.load(f)
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[data.get("unit", "ns")]
+    return {k: [x * scale for x in v] for k, v in data.items() if isinstance(v, list)}
+
+
 def write_json(path: str, data: Any) -> str:
     """Write ``data`` as indented JSON (numpy scalars, sets, inf/nan made JSON-safe)."""
     with open(path, "w", encoding="utf-8") as f:

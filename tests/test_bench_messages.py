@@ -60,3 +60,18 @@ def test_a_noisy_block_in_a_quiet_run_is_not_judged_either():
     res["idle_cpu"]["sync-shm"]["noisy"] = True
     text = report.format_report(res)
     assert "NOT met" not in text and text.count(report.NOT_JUDGED) == 2, text
+
+
+def test_samples_json_says_its_unit_and_old_files_still_read(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    res = {"latency_samples_ns": {"inproc": [1000, 2500], "sync-shm": [3000]}, "skipped": []}
+    files = bench._write_files(res, str(out), no_plots=True)
+    with open(files["samples"]) as f:
+        data = json.load(f)
+    assert data["unit"] == "ns" and "round trip" in data["what"]
+    assert data["inproc"] == [1000, 2500]  # the configurations stay top-level keys
+    assert report.read_samples(files["samples"]) == {"inproc": [1000, 2500], "sync-shm": [3000]}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"inproc": [7, 8]}))  # a run before the unit was written
+    assert report.read_samples(str(old)) == {"inproc": [7, 8]}
