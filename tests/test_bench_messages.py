@@ -75,3 +75,50 @@ def test_samples_json_says_its_unit_and_old_files_still_read(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"inproc": [7, 8]}))  # a run before the unit was written
     assert report.read_samples(str(old)) == {"inproc": [7, 8]}
+
+
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+@pytest.fixture
+def footers(monkeypatch):
+    """The texts of every figure saved, at saving time."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved: list[list[str]] = []
+    real = Figure.savefig
+
+    def savefig(self, *args, **kwargs):
+        saved.append([t.get_text() for t in self.texts])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def _check_footer(texts: list[str], point: str) -> None:
+    footer = "\n".join(texts)
+    assert DATE.search(footer) and "CPUs" in footer and "load average" in footer, footer
+    assert point in footer, footer
+
+
+def test_every_plot_has_a_footer_with_date_machine_load_and_what_a_point_is(tmp_path, footers):
+    from shmclient_bench import vllm
+
+    path = report.plot_latency_cdf({"inproc": [1000, 2000, 3000]}, str(tmp_path / "cdf.png"))
+    assert path.endswith("cdf.png")
+    _check_footer(footers[-1], "each point: one request's round trip")
+    series = {"shm_view": [(4096.0, 3.0), (65536.0, 5.0)]}
+    report.plot_transfer(series, str(tmp_path / "t.png"))
+    _check_footer(footers[-1], "each point: the median transfer time")
+    results = {"configs": {"sync-stock": {"hops_sample_us": [40.0, 50.0, 60.0]},
+                           "sync-shm": {"hops_sample_us": [10.0, 12.0]}},
+               "load_before": [0.25, 0.2, 0.1]}
+    assert vllm.plot(results, str(tmp_path / "vllm_hop_cdf.png"))
+    _check_footer(footers[-1], "each point: one output batch")
+    assert "load average 0.25" in "\n".join(footers[-1])
+    # A run's own label (run_label) is used where there is one.
+    report.plot_latency_cdf({"inproc": [1000]}, str(tmp_path / "c2.png"),
+                            label="2026-12-01 22:00:00 · host · 2 CPUs · load average 0.10 -> 0.20")
+    assert "2026-12-01 22:00:00 · host · 2 CPUs" in "\n".join(footers[-1])
