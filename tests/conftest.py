@@ -107,10 +107,16 @@ def _ours(name: str, pids: set[int]) -> bool:
     return m is not None and int(m.group(1)) in pids
 
 
+#: Entries of the private folder that are no test's leftovers: pytest's own (``tmp_path``
+#: keeps its folders under ``pytest-of-<user>`` and cleans them up itself) and the caches
+#: tools keep in the temporary folder on purpose (torch's compile cache, matplotlib's
+#: config when the home folder is not writable). The session removes them all at its end.
+_TOOL_ENTRIES = ("pytest-of-", "torchinductor_", "matplotlib-")
+
+
 def _tmp_entries() -> set[str]:
-    """Entries of the session's private temporary folder, but pytest's own (``tmp_path``
-    keeps its folders under ``pytest-of-<user>`` and cleans them up itself)."""
-    return {n for n in os.listdir(session_tmp()) if not n.startswith("pytest-of-")}
+    """Entries of the session's private temporary folder, but the tools' (``_TOOL_ENTRIES``)."""
+    return {n for n in os.listdir(session_tmp()) if not n.startswith(_TOOL_ENTRIES)}
 
 
 def _shm_entries() -> set[str]:
