@@ -55,13 +55,16 @@ def unknown_field_message(cls_name: str, name: str, fields: tuple[str, ...]) -> 
     return f"{cls_name} has no field {name!r}: {hint}"
 
 
-class _ConfigMeta(type(msgspec.Struct)):  # type: ignore[misc]
-    """Construction with an unknown keyword raises ``UnknownFieldError`` naming the closest
-    field (msgspec's own TypeError names only the unknown keyword)."""
+def _config_meta() -> type:
+    """The metaclass of ``EngineConfig``: msgspec's, with construction by an unknown keyword
+    raising ``UnknownFieldError`` naming the closest field (msgspec's own TypeError names
+    only the unknown keyword). msgspec before 0.20 cannot subclass its metaclass: there
+    it is msgspec's own (``replace()`` still names the closest field)."""
+    base = type(msgspec.Struct)
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().__call__(*args, **kwargs)
+            return base.__call__(cls, *args, **kwargs)
         except TypeError as e:
             unknown = [k for k in kwargs if k not in cls.__struct_fields__]
             if not unknown or isinstance(e, ConfigError):
@@ -69,8 +72,15 @@ class _ConfigMeta(type(msgspec.Struct)):  # type: ignore[misc]
             raise UnknownFieldError(
                 unknown_field_message(cls.__name__, unknown[0], cls.__struct_fields__)) from None
 
+    try:
+        meta = type("_ConfigMeta", (base,), {"__call__": __call__, "__module__": __name__})
+        type.__call__(meta, "_Probe", (msgspec.Struct,), {"__module__": __name__})
+    except TypeError:  # pragma: no cover - msgspec < 0.20
+        return base
+    return meta
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_ConfigMeta):
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_meta()):
     """Settings of one engine core. Construction raises ``ConfigError`` naming the field
     (an unknown keyword: ``UnknownFieldError``, also a TypeError, naming the closest field).
 
