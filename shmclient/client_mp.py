@@ -72,6 +72,15 @@ def _check_timeout(what: str, timeout: Any) -> float | None:
     return float(timeout)
 
 
+#: How long an engine that reported its start-up failure is given to exit by itself.
+_STARTUP_EXIT_GRACE_S = 5.0
+
+
+def _engine_reported_failure(e: BaseException) -> bool:
+    """Did the engine report its start-up failure (and exit now by itself)?"""
+    return isinstance(e, RuntimeError) and str(e).startswith("Engine core initialization failed")
+
+
 def _startup_error(e: BaseException) -> Exception | None:
     """A start-up failure as the documented typed error, or None to re-raise it as is:
     the engine's ConfigError → ConfigError (as the in-process client raises it), other
@@ -119,13 +128,17 @@ class MPClient(EngineCoreClient):
                 config, wake_fd=self._asyncio and config.transport == "shm"
             )
         except BaseException as e:
-            # The engine never became ready: no graceful exit to wait for.
+            # The engine never became ready. One that reported its failure is exiting on
+            # its own: give it the time to (a SIGTERM in its exit prints a second
+            # traceback); any other is stopped at once.
             self._finalizer.detach()
-            self.resources.shutdown(timeout=0.0)
+            self.resources.shutdown(
+                timeout=_STARTUP_EXIT_GRACE_S if _engine_reported_failure(e) else 0.0)
             typed = _startup_error(e)
             if typed is None:
                 raise
-            raise typed from e
+            # The engine's own text, once: the launcher's wrapper adds nothing to it.
+            raise typed from None
         self.engine_pid = info.pid
         self.num_gpu_blocks = info.num_gpu_blocks
         self.block_size = info.block_size

@@ -14,6 +14,7 @@ is reported by ``EngineCore`` attributes, never written back into the config.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from typing import Any
@@ -32,10 +33,56 @@ VALID_TRANSPORTS = ("shm", "zmq")
 _CUDA_DEVICE = re.compile(r"cuda(:(0|[1-9][0-9]*))?")
 _HOST = re.compile(r"\*|[A-Za-z0-9][A-Za-z0-9.-]*")
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+#: The ring's bounds on ``ring_capacity_bytes`` (``shmclient.ring``'s MAX_CAPACITY and its
+#: multiple of 8; not imported: this module must stay below the ring in the layers).
+_RING_MAX_CAPACITY = 1 << 40
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Settings of one engine core. Construction raises ``ConfigError`` naming the field.
+class UnknownFieldError(ConfigError, TypeError):
+    """A keyword that is no field of ``EngineConfig``: a ``TypeError``, as Python raises for
+    an unknown keyword argument, and a ``ConfigError``. The message names the closest
+    field."""
+
+
+def unknown_field_message(cls_name: str, name: str, fields: tuple[str, ...]) -> str:
+    """``<cls_name> has no field 'name'`` and the closest valid names (difflib), or all of
+    them when none is close."""
+    close = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+    if close:
+        hint = "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    else:
+        hint = "the fields are " + ", ".join(fields)
+    return f"{cls_name} has no field {name!r}: {hint}"
+
+
+def _config_meta() -> type:
+    """The metaclass of ``EngineConfig``: msgspec's, with construction by an unknown keyword
+    raising ``UnknownFieldError`` naming the closest field (msgspec's own TypeError names
+    only the unknown keyword). msgspec before 0.20 cannot subclass its metaclass: there
+    it is msgspec's own (``replace()`` still names the closest field)."""
+    base = type(msgspec.Struct)
+
+    def __call__(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return base.__call__(cls, *args, **kwargs)
+        except TypeError as e:
+            unknown = [k for k in kwargs if k not in cls.__struct_fields__]
+            if not unknown or isinstance(e, ConfigError):
+                raise
+            raise UnknownFieldError(
+                unknown_field_message(cls.__name__, unknown[0], cls.__struct_fields__)) from None
+
+    try:
+        meta = type("_ConfigMeta", (base,), {"__call__": __call__, "__module__": __name__})
+        type.__call__(meta, "_Probe", (msgspec.Struct,), {"__module__": __name__})
+    except TypeError:  # pragma: no cover - msgspec < 0.20
+        return base
+    return meta
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_meta()):
+    """Settings of one engine core. Construction raises ``ConfigError`` naming the field
+    (an unknown keyword: ``UnknownFieldError``, also a TypeError, naming the closest field).
 
     Nothing here blocks. Field meanings:
 
@@ -162,7 +209,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("seed", self.seed, low=0, high=2**63 - 1)
         _check_int("cpu_threads", self.cpu_threads, low=1)
         _check_int("eos_token_id", self.eos_token_id, low=0, high=self.vocab_size - 1)
-        _check_int("ring_capacity_bytes", self.ring_capacity_bytes, low=4096)
+        _check_int("ring_capacity_bytes", self.ring_capacity_bytes, low=4096,
+                   high=_RING_MAX_CAPACITY)
+        if self.ring_capacity_bytes % 8:
+            _fail("ring_capacity_bytes", self.ring_capacity_bytes, "must be a multiple of 8")
         _check_int("tensor_arena_bytes", self.tensor_arena_bytes, low=0)
         if self.hidden_size % self.num_heads:
             _fail(
@@ -243,7 +293,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         return self.heartbeat_interval_s * self.heartbeat_misses
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A copy with ``changes`` applied, validated again (raises ``ConfigError``)."""
+        """A copy with ``changes`` applied, validated again (raises ``ConfigError``; an
+        unknown name: ``UnknownFieldError``, naming the closest field)."""
+        unknown = [k for k in changes if k not in self.__struct_fields__]
+        if unknown:
+            raise UnknownFieldError(unknown_field_message(
+                type(self).__name__, unknown[0], self.__struct_fields__))
         return msgspec.structs.replace(self, **changes)
 
     @property

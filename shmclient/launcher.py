@@ -469,7 +469,9 @@ class EngineResources:
             proc.wait(timeout=timeout)
             return
         except subprocess.TimeoutExpired:
-            logger.warning("engine process %d did not exit in %.1f s: SIGTERM", proc.pid, timeout)
+            if timeout > 0:  # at 0 the caller asked for the SIGTERM: nothing to warn of
+                logger.warning("engine process %d did not exit in %.1f s: SIGTERM",
+                               proc.pid, timeout)
         proc.terminate()
         try:
             proc.wait(timeout=2.0)

@@ -191,14 +191,17 @@ def _base_config(items: Sequence[str]) -> Any:
         return None
     import ast
 
-    from shmclient.config import EngineConfig
+    from shmclient.config import EngineConfig, unknown_field_message
 
     changes: dict[str, Any] = {}
     for item in items:
         field, sep, text = item.partition("=")
         field = field.strip()
-        if not sep or field not in EngineConfig.__struct_fields__:
+        if not sep:
             raise ValueError(f"expected FIELD=VALUE with an EngineConfig field, got {item!r}")
+        if field not in EngineConfig.__struct_fields__:
+            raise ValueError(unknown_field_message(
+                "EngineConfig", field, EngineConfig.__struct_fields__))
         if field in ("transport", "model", "device"):
             raise ValueError(f"{field} is set per configuration (use --configs / --models)")
         try:
@@ -784,7 +787,8 @@ def _write_files(res: dict[str, Any], out: str, no_plots: bool) -> dict[str, Any
     samples = res.get("latency_samples_ns") or {}
     files: dict[str, Any] = {}
     if samples:
-        files["samples"] = report.write_json(os.path.join(out, "samples.json"), samples)
+        files["samples"] = report.write_json(os.path.join(out, "samples.json"),
+                                             report.samples_file(samples))
     if not no_plots:
         label = res.get("run_label")
         plots = []

@@ -206,6 +206,11 @@ def _noisy_cell(e: dict[str, Any]) -> str:
     return f"{n}/{blocks}" if n else "0"
 
 
+#: A target's verdict on figures taken while other processes loaded the CPU: they say
+#: nothing about shmclient, neither "met" nor "NOT met".
+NOT_JUDGED = "not judged (noisy)"
+
+
 def noisy_line(load: dict[str, Any]) -> str:
     """One line saying that (and how much) other processes loaded the machine."""
     whole = (load.get("whole_run") or {}).get("other_cores")
@@ -224,13 +229,14 @@ def noisy_line(load: dict[str, Any]) -> str:
 
 
 def run_label(res: dict[str, Any]) -> str:
-    """A short label of the run for plots: date, host, CPUs, load average and the
-    other processes' load."""
+    """A short label of the run for plots: date, host, CPUs and their model, load average
+    and the other processes' load."""
     facts = res.get("machine") or {}
     parts = [str(facts.get("date", "?")).replace("T", " ")]
     if facts.get("host"):
         parts.append(str(facts["host"]))
-    parts.append(f"{facts.get('cpu_count_logical', '?')} CPUs")
+    cpus = f"{facts.get('cpu_count_logical', '?')} CPUs"
+    parts.append(f"{cpus} ({facts['cpu_model']})" if facts.get("cpu_model") else cpus)
     la0 = (facts.get("load_average") or [None])[0]
     la1 = (facts.get("load_average_end") or [None])[0]
     if la0 is not None and la1 is not None:
@@ -355,13 +361,20 @@ def _latency_section(res: dict[str, Any]) -> list[str]:
         )
     )
     ratios = res.get("latency_ratios") or {}
+    run_noisy = bool((res.get("load") or {}).get("noisy"))
     if ratios:
         lines.append("")
         lines.append("Share of zmq's added latency that shm adds, (shm - inproc) / (zmq - inproc), p50:")
         for key, r in ratios.items():
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f} ({r['ratio'] * 100:.1f} %)"
+            sfx = "" if r["model"] == "mock" else f"@{r['model']}"
+            noisy = run_noisy or any(
+                (lat.get(c) or {}).get("noisy_blocks")
+                for c in (f"inproc{sfx}", f"{r['mode']}-shm{sfx}", f"{r['mode']}-zmq{sfx}"))
             if r["target"] is None:
                 verdict = "no target (realism check)"
+            elif noisy and r["met"] is not None:
+                verdict = f"target <= {r['target']:.2f}: {NOT_JUDGED}"
             else:
                 verdict = f"target <= {r['target']:.2f}: " + (
                     "-" if r["met"] is None else "met" if r["met"] else "NOT met"
@@ -445,6 +458,7 @@ def _idle_section(res: dict[str, Any]) -> list[str]:
         f"over {meta.get('window_s', '?')} s with a caller parked in get_output; "
         "target < 2 % each)",
     ]
+    run_noisy = bool((res.get("load") or {}).get("noisy"))
     rows = []
     for cfg, e in idle.items():
         if "error" in e:
@@ -456,7 +470,7 @@ def _idle_section(res: dict[str, Any]) -> list[str]:
                 cfg,
                 f"{e['client_pct']:.2f}",
                 f"{e['engine_pct']:.2f}",
-                "met" if ok else "NOT met",
+                NOT_JUDGED if run_noisy or e.get("noisy") else "met" if ok else "NOT met",
                 e.get("source", ""),
                 "yes" if e.get("noisy") else "-" if e.get("noisy") is None else "no",
             ]
@@ -629,6 +643,26 @@ def _jsonable(o: Any) -> Any:
     return repr(o)
 
 
+#: What samples.json holds, written into it next to its unit.
+SAMPLES_WHAT = ("round trip of each request, add_request -> its finished output "
+                "(max_tokens=1), one list per configuration, in the order measured")
+
+
+def samples_file(samples_ns: dict[str, Sequence[int]]) -> dict[str, Any]:
+    """samples.json's content: ``unit`` ("ns") and ``what`` beside one list of round
+    trips per configuration (the configurations stay top-level keys, as before)."""
+    return {"unit": "ns", "what": SAMPLES_WHAT, **samples_ns}
+
+
+def read_samples(path: str) -> dict[str, list[float]]:
+    """The round trips of a samples.json, in ns, per configuration. Reads the files of
+    older runs too (no ``unit``: they were ns already)."""
+    with open(path) as f:
+        data = json.load(f)
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[data.get("unit", "ns")]
+    return {k: [x * scale for x in v] for k, v in data.items() if isinstance(v, list)}
+
+
 def write_json(path: str, data: Any) -> str:
     """Write ``data`` as indented JSON (numpy scalars, sets, inf/nan made JSON-safe)."""
     with open(path, "w", encoding="utf-8") as f:
@@ -652,12 +686,32 @@ def _pyplot() -> Any:
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'shmclient[bench]')"
 
 
-def _label_figure(fig: Any, label: str | None) -> None:
-    if label:
-        fig.text(0.01, 0.01, label, fontsize=7, color="0.35", ha="left", va="bottom")
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-    else:
-        fig.tight_layout()
+def footer_label(load_average: Sequence[float] | None = None) -> str:
+    """The footer of a plot drawn without a run's label (``run_label``): the date now,
+    the machine (host, CPUs, CPU model) and the load average (``load_average``, e.g. the
+    one taken before the measurement, else now)."""
+    parts = [datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %z"),
+             platform.node() or "?", f"{os.cpu_count() or '?'} CPUs ({_cpu_model()})"]
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()
+        except OSError:
+            load_average = None
+    if load_average:
+        parts.append(f"load average {load_average[0]:.2f}")
+    return " · ".join(parts)
+
+
+def _label_figure(fig: Any, label: str | None, what: str = "") -> None:
+    """The footer under the axes: what each point is, then the run's date, machine and
+    load (``label``; ``footer_label()`` when None)."""
+    import textwrap
+
+    width = int(fig.get_figwidth() * 17)  # characters of 7 pt text across the figure
+    lines = textwrap.wrap(what, width) + textwrap.wrap(label or footer_label(), width)
+    fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, color="0.35", ha="left", va="bottom")
+    line_h = 7 * 1.3 / 72 / fig.get_figheight()  # one line of 7 pt text, as a figure fraction
+    fig.tight_layout(rect=(0, line_h * len(lines) + 0.015, 1, 1))
 
 
 def fmt_bytes(n: float) -> str:
@@ -669,14 +723,20 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+#: What a point of each plot is (printed in its footer).
+CDF_POINTS = ("each point: one request's round trip, add_request -> its finished output; "
+              "y: the share of requests at most that long")
+TRANSFER_POINTS = "each point: the median transfer time of the repeats at that size"
+
+
 def plot_latency_cdf(
     samples_ns: dict[str, Sequence[int]],
     path: str,
     title: str = "Round-trip latency",
     label: str | None = None,
 ) -> str:
-    """One CDF line per configuration (x: µs, log scale); ``label`` (the run: date,
-    host, load) under the axes. Returns the path, or a note starting with 'plots
+    """One CDF line per configuration (x: µs, log scale), each point one request;
+    ``label`` (the run: date, host, load; the machine now when None) under the axes. Returns the path, or a note starting with 'plots
     skipped' when matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
@@ -696,7 +756,7 @@ def plot_latency_cdf(
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title(title)
         ax.legend(fontsize=8, loc="lower right")
-        _label_figure(fig, label)
+        _label_figure(fig, label, CDF_POINTS)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
@@ -791,8 +851,8 @@ def transfer_series(data: Any) -> dict[str, list[tuple[float, float]]]:
 def plot_transfer(
     series: dict[str, list[tuple[float, float]]], path: str, label: str | None = None
 ) -> str:
-    """Transfer time against size, log-log, one line per series, sizes labelled in
-    KiB / MiB; ``label`` (the run) under the axes. Returns the path or a note starting
+    """Median transfer time against size, log-log, one line per series, sizes labelled
+    in KiB / MiB; ``label`` (the run; the machine now when None) under the axes. Returns the path or a note starting
     with 'plots skipped'."""
     plt = _pyplot()
     if plt is None:
@@ -813,11 +873,11 @@ def plot_transfer(
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xticklabels([fmt_bytes(x) for x in sizes])
         ax.set_xlabel("tensor size (log)")
-        ax.set_ylabel("transfer time, µs (log)")
+        ax.set_ylabel("median transfer time, µs (log)")
         ax.grid(True, which="both", alpha=0.3)
         ax.set_title("Tensor transfer time against size")
         ax.legend(fontsize=7)
-        _label_figure(fig, label)
+        _label_figure(fig, label, TRANSFER_POINTS)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)

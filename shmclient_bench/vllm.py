@@ -408,8 +408,15 @@ def _config_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: What a point of the hop plot is (printed in its footer).
+HOP_POINTS = ("each point: one output batch (every k-th, up to about 2000 per configuration), "
+              "its engine timestamp -> get_output returning it in the frontend; y: the share "
+              "of batches at most that long")
+
+
 def plot(results: dict[str, Any], path: str) -> str | None:
-    """CDF of the output hop per configuration; None without matplotlib."""
+    """CDF of the output hop per configuration, with a footer saying what a point is and
+    the date, machine and load; None without matplotlib."""
     try:
         import matplotlib
 
@@ -428,7 +435,10 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax.set_title("vLLM output hop: stock ZMQ vs shmclient rings")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
+    from . import report
+
+    # Footer: what a point is, the date, the machine and the load before the run.
+    report._label_figure(fig, report.footer_label(results.get("load_before")), HOP_POINTS)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -1,11 +1,28 @@
-"""Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, /tmp,
-the process table and the thread list as it found them."""
+"""Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, its
+temporary folder, the process table and the thread list as it found them.
+
+Tests share a host with other developers' test runs, so everything here counts only what
+this session made:
+
+* the session's temporary files live in a private folder, made (mode 0700) when the
+  session starts and removed when it ends: ``TMPDIR`` and ``tempfile.tempdir`` point at it,
+  so every ``tempfile`` call of the tests, of the code under test and of the processes they
+  start (engines, benchmark runs, vLLM) lands there. ``no_leaks`` looks for new entries in
+  that folder only, never in the shared /tmp, where a parallel run adds and removes its own;
+* a /dev/shm entry is this session's only when the creator pid in its name (shmclient's
+  names carry it) is a process of this session: the pytest process, a process it started
+  (every ``subprocess.Popen`` and ``os.fork`` child is recorded), or a live descendant. A
+  stranger's entry, or one of a stranger that exited, is not looked at.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
 import re
+import shutil
+import subprocess
+import tempfile
 import threading
 
 import psutil
@@ -13,25 +30,93 @@ import pytest
 
 SHM_DIR = "/dev/shm"
 
+#: Prefix of the session's private temporary folder in the host's temporary folder (not
+#: ``shmc``: a run of older tests looks for that prefix in /tmp).
+SESSION_TMP_PREFIX = "pytest-shmclient-"
 
 _PID_IN_NAME = re.compile(r"^(?:sem\.)?shmc[\w]*-(\d+)-")
 
+#: Pids of every process this session started (see ``_record_children``).
+_STARTED: set[int] = set()
+_session: dict = {}
+
+
+# -- the session's private temporary folder --------------------------------------------
+
+def pytest_configure(config):
+    base = tempfile.gettempdir()
+    path = tempfile.mkdtemp(prefix=SESSION_TMP_PREFIX, dir=base)  # mode 0700
+    _session.update(tmp=path, env=os.environ.get("TMPDIR"), tempdir=tempfile.tempdir)
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+    _record_children()
+
+
+def pytest_unconfigure(config):
+    path = _session.pop("tmp", None)
+    if path is None:
+        return
+    old = _session.pop("env")
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = _session.pop("tempdir")
+    _stop_recording()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def session_tmp() -> str:
+    """The session's private temporary folder."""
+    return _session["tmp"]
+
+
+def _record_children() -> None:
+    """Remember the pid of every child this process starts, so that a /dev/shm entry named
+    after a child that has already exited is still known as this session's."""
+    popen_init, fork = subprocess.Popen.__init__, os.fork
+
+    def recording_init(self, *args, **kwargs):
+        popen_init(self, *args, **kwargs)
+        _STARTED.add(self.pid)
+
+    def recording_fork():
+        pid = fork()
+        if pid:
+            _STARTED.add(pid)
+        return pid
+
+    _session["restore"] = (popen_init, fork)
+    subprocess.Popen.__init__ = recording_init
+    os.fork = recording_fork
+
+
+def _stop_recording() -> None:
+    popen_init, fork = _session.pop("restore")
+    subprocess.Popen.__init__ = popen_init
+    os.fork = fork
+
+
+# -- what counts as this session's -----------------------------------------------------
 
 def _ours(name: str, pids: set[int]) -> bool:
-    """Is this /dev/shm entry this test's? shmclient names carry the creator's pid: ours
-    if that is this process or one of its children, or a process that is gone (a child
-    that already exited); a live stranger's entry (a parallel test run) is not ours."""
+    """Is this /dev/shm entry this session's? shmclient names carry the creator's pid:
+    ours only if that pid is one of ``pids`` (this process, a child it started, a live
+    descendant). A stranger's entry is not ours, whether the stranger is alive or gone."""
     m = _PID_IN_NAME.match(name)
-    if m is None:
-        return False
-    pid = int(m.group(1))
-    return pid in pids or not psutil.pid_exists(pid)
+    return m is not None and int(m.group(1)) in pids
+
+
+#: Entries of the private folder that are no test's leftovers: pytest's own (``tmp_path``
+#: keeps its folders under ``pytest-of-<user>`` and cleans them up itself) and the caches
+#: tools keep in the temporary folder on purpose (torch's compile cache, matplotlib's
+#: config when the home folder is not writable). The session removes them all at its end.
+_TOOL_ENTRIES = ("pytest-of-", "torchinductor_", "matplotlib-")
 
 
 def _tmp_entries() -> set[str]:
-    """shmclient's own entries in /tmp (the project's prefix; pytest's tmp_path lives
-    elsewhere in /tmp and cleans up after itself)."""
-    return {n for n in os.listdir("/tmp") if n.startswith("shmc")}
+    """Entries of the session's private temporary folder, but the tools' (``_TOOL_ENTRIES``)."""
+    return {n for n in os.listdir(session_tmp()) if not n.startswith(_TOOL_ENTRIES)}
 
 
 def _shm_entries() -> set[str]:
@@ -41,49 +126,80 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+class LeakCheck:
+    """What one test leaves behind: ``LeakCheck()`` takes the picture before, ``problems()``
+    compares with it, cleans up what it found and says what that was (empty: nothing)."""
+
+    def __init__(self) -> None:
+        self.shm_before = _shm_entries()
+        self.tmp_before = _tmp_entries()
+        self.me = psutil.Process()
+        self.kids_before = {p.pid for p in self.me.children(recursive=True)}
+        self.threads_before = set(threading.enumerate())
+
+    def problems(self) -> list[str]:
+        gc.collect()
+        problems = []
+        new_kids = [p for p in self.me.children(recursive=True) if p.pid not in self.kids_before]
+        pids = {os.getpid(), *self.kids_before, *(p.pid for p in new_kids), *_STARTED}
+        if new_kids:
+            _, alive = psutil.wait_procs(new_kids, timeout=10)
+            if alive:
+                problems.append(f"child processes left: {[(p.pid, _cmdline(p)) for p in alive]}")
+                for p in alive:
+                    try:
+                        p.kill()
+                    except psutil.NoSuchProcess:
+                        pass
+                psutil.wait_procs(alive, timeout=5)
+
+        new_threads = [t for t in threading.enumerate() if t not in self.threads_before]
+        for t in new_threads:
+            t.join(timeout=5)
+        stuck = [t.name for t in new_threads if t.is_alive()]
+        if stuck:
+            problems.append(f"threads left: {stuck}")
+
+        leaked = {n for n in _shm_entries() - self.shm_before if _ours(n, pids)}
+        if leaked:
+            problems.append(f"/dev/shm entries left: {sorted(leaked)}")
+            for name in leaked:
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                except OSError:
+                    pass
+        tmp_left = _tmp_entries() - self.tmp_before
+        if tmp_left:
+            problems.append(f"temporary entries left in {session_tmp()}: {sorted(tmp_left)}")
+            for name in tmp_left:
+                path = os.path.join(session_tmp(), name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        return problems
+
+
+def _cmdline(p: psutil.Process) -> list[str] | str:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return "?"
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
-    """Fail the test if it leaves a /dev/shm or /tmp entry, a child process or a thread behind.
+    """Fail the test if it leaves a /dev/shm or temporary entry, a child process or a thread
+    behind (what this session made only, see the module docstring).
 
     Children and threads get a bounded grace period to finish exiting (they are waited on,
     not slept for); whatever is still there afterwards is killed and reported.
     """
-    shm_before = _shm_entries()
-    tmp_before = _tmp_entries()
-    me = psutil.Process()
-    kids_before = {p.pid for p in me.children(recursive=True)}
-    threads_before = set(threading.enumerate())
+    check = LeakCheck()
     yield
-    gc.collect()
-    problems = []
-
-    new_kids = [p for p in me.children(recursive=True) if p.pid not in kids_before]
-    pids = {os.getpid(), *kids_before, *(p.pid for p in new_kids)}
-    if new_kids:
-        _, alive = psutil.wait_procs(new_kids, timeout=10)
-        if alive:
-            problems.append(f"child processes left: {[(p.pid, p.cmdline()) for p in alive]}")
-            for p in alive:
-                p.kill()
-            psutil.wait_procs(alive, timeout=5)
-
-    new_threads = [t for t in threading.enumerate() if t not in threads_before]
-    for t in new_threads:
-        t.join(timeout=5)
-    stuck = [t.name for t in new_threads if t.is_alive()]
-    if stuck:
-        problems.append(f"threads left: {stuck}")
-
-    leaked = {n for n in _shm_entries() - shm_before if _ours(n, pids)}
-    if leaked:
-        problems.append(f"/dev/shm entries left: {sorted(leaked)}")
-        for name in leaked:
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
-    tmp_left = _tmp_entries() - tmp_before
-    if tmp_left:
-        problems.append(f"/tmp entries left: {sorted(tmp_left)}")
+    problems = check.problems()
     if problems:
         pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(problems), pytrace=False)

@@ -1,0 +1,93 @@
+"""The leak fixture counts only what this session made: two test runs started together on
+one host each see their own leaks and not the other's (``conftest.LeakCheck``)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import psutil
+
+from . import conftest
+from .conftest import LeakCheck, session_tmp
+
+#: A stranger: a process that is not this session's and writes where a parallel run would,
+#: in the host's temporary folder (argv[2]) and in /dev/shm (argv[1]).
+STRANGER = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    d = tempfile.mkdtemp(prefix="shmc-vllm-model-", dir=sys.argv[2])
+    open(os.path.join(sys.argv[1], f"shmc-{os.getpid()}-stranger"), "w").close()
+    print(d, os.getpid(), flush=True)
+    """
+)
+
+
+def _free_pid() -> int:
+    """A pid that no process has now and that this session never started."""
+    for pid in range(int(open("/proc/sys/kernel/pid_max").read()) - 1, 300, -1):
+        if not psutil.pid_exists(pid) and pid not in conftest._STARTED:
+            return pid
+    raise AssertionError("no free pid")
+
+
+def test_the_session_has_a_private_temporary_folder_that_children_inherit():
+    path = session_tmp()
+    assert tempfile.gettempdir() == path and os.environ["TMPDIR"] == path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert os.path.basename(path).startswith(conftest.SESSION_TMP_PREFIX)
+    out = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == path
+
+
+def test_a_strangers_entries_do_not_count_and_this_sessions_do(tmp_path, monkeypatch):
+    # /dev/shm is shared with other developers' runs (whose older fixture removes names it
+    # takes for its own): the names are made in a folder of this test instead.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(conftest, "SHM_DIR", str(shm))
+    host_tmp = os.path.dirname(session_tmp())
+    check = LeakCheck()
+    # A stranger's: a folder straight in the host's temporary folder (as a parallel run's
+    # vLLM model folder), /dev/shm names carrying a live stranger's pid (pid 1 is nobody's
+    # child here) or the pid of a stranger that exited.
+    strangers = [f"shmc-1-{os.getpid()}-test", f"shmc-{_free_pid()}-{os.getpid()}-test"]
+    for name in strangers:
+        (shm / name).touch()
+    env = {k: v for k, v in os.environ.items() if k != "TMPDIR"}
+    r = subprocess.run([sys.executable, "-c", STRANGER, str(shm), host_tmp], env=env,
+                       capture_output=True, text=True, check=True)
+    stranger_dir, child_pid = r.stdout.split()
+    try:
+        assert os.path.dirname(stranger_dir) == host_tmp
+        # That process was started here, though: its /dev/shm name counts, its folder in
+        # the host's temporary folder does not.
+        assert check.problems() == [f"/dev/shm entries left: ['shmc-{child_pid}-stranger']"]
+    finally:
+        os.rmdir(stranger_dir)
+    assert not (shm / f"shmc-{child_pid}-stranger").exists()
+    assert sorted(os.listdir(shm)) == sorted(strangers)  # a stranger's are left alone
+
+    # This session's: an entry in its temporary folder, a /dev/shm name with our pid.
+    check = LeakCheck()
+    mine = f"shmc-{os.getpid()}-mine"
+    (shm / mine).touch()
+    left = tempfile.mkdtemp(prefix="shmc-vllm-model-")
+    assert check.problems() == [
+        f"/dev/shm entries left: ['{mine}']",
+        f"temporary entries left in {session_tmp()}: ['{os.path.basename(left)}']"]
+    assert not os.path.exists(left) and not (shm / mine).exists()
+
+
+def test_an_entry_is_ours_only_when_its_creator_pid_is_the_sessions():
+    """Before, a name whose creator was gone counted as ours: a parallel run's exited engine."""
+    name = f"shmc-{_free_pid()}-x"
+    assert not conftest._ours(name, {os.getpid()})
+    assert conftest._ours(f"shmc-{os.getpid()}-x", {os.getpid()})
+    assert conftest._ours(f"sem.shmc_t-{os.getpid()}-x", {os.getpid()})
+    assert not conftest._ours("torch_123_x", {123})
