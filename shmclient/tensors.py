@@ -320,6 +320,31 @@ class ShmTensorSender:
         self._seg.close()
 
 
+_U64 = 1 << 64
+
+
+def _check_handle(handle: Any, nbytes: Any) -> tuple[int, int, Any]:
+    """``(kind, block id, where)`` of an ``[ARENA, id, offset]`` or ``[ONE_OFF, id,
+    segment handle]`` handle from the wire, or ``SerializationError`` (nothing queued
+    for release: an id that is not a u64 would break the release record)."""
+    if type(handle) is not list or len(handle) != 3:
+        raise SerializationError("malformed tensor handle: expected [kind, id, where]")
+    kind, bid, where = handle
+    if type(bid) is not int or not 0 < bid < _U64:
+        raise SerializationError(f"malformed tensor handle: block id {bid!r} is not a u64 > 0")
+    if type(nbytes) is not int or nbytes < 0:
+        raise SerializationError(f"malformed tensor length {nbytes!r}")
+    if kind == ARENA:
+        if type(where) is not int:
+            raise SerializationError(f"malformed tensor handle: offset {where!r} is not an int")
+    elif kind == ONE_OFF:
+        if type(where) is not str or len(where) > 100:
+            raise SerializationError("malformed one-off tensor handle")
+    else:
+        raise SerializationError(f"unknown tensor handle kind {kind!r}")
+    return kind, bid, where
+
+
 def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -353,9 +378,9 @@ class ShmTensorReceiver:
         one-off segment that is gone. Does not block."""
         if self._closed:
             raise SerializationError("tensor receiver is closed")
-        kind, bid, where = handle[0], handle[1], handle[2]
+        kind, bid, where = _check_handle(handle, nbytes)
         if kind == ARENA:
-            if type(where) is not int or where < 0 or where + nbytes > self._size:
+            if type(where) is not int or where < 0 or where % ALIGN or where + nbytes > self._size:
                 raise SerializationError(f"tensor block {bid} [{where}, +{nbytes}) is outside the arena")
             mv = self._buf[where : where + nbytes]
             if nbytes < self.view_from:
