@@ -172,19 +172,21 @@ class ShmChannel:
                 "consumer", ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd
             )
             made.append(out)
-            arena_req = Segment.create(arena_bytes, prefix="shmc-t")
+            # Arenas are sized now and reserved by their sender on its first tensor, so a
+            # client that never sends one never holds their memory.
+            arena_req = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
             made.append(arena_req)
-            arena_out = Segment.create(arena_bytes, prefix="shmc-t")
+            arena_out = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
             made.append(arena_out)
         except ShmCapacityError as e:
             for m in reversed(made):
                 m.unlink()
                 m.close()
-            total = 2 * (ring_capacity + RING_HEADER_BYTES + arena_bytes)
+            total = 2 * (ring_capacity + RING_HEADER_BYTES)
             raise ShmCapacityError(
                 f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
-                f"of {ring_capacity} bytes and two tensor arenas of {arena_bytes} bytes) and they "
-                f"could not all be reserved: {e}"
+                f"of {ring_capacity} bytes; its two tensor arenas of {arena_bytes} bytes are "
+                f"reserved later, on their first tensor) and they could not be reserved: {e}"
             ) from e
         except BaseException:
             for m in reversed(made):

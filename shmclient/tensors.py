@@ -144,8 +144,10 @@ class ShmTensorSender:
         self._seg = segment
         self._lock = threading.Lock()
         self._arena = np.frombuffer(segment.buf, np.uint8)
-        usable = segment.size - segment.size % ALIGN
-        self._free: list[list[int]] = [[0, usable]] if usable else []  # sorted [offset, size]
+        self._usable = usable = segment.size - segment.size % ALIGN
+        #: A segment not yet reserved is reserved on the first tensor that needs it.
+        self._lazy = usable > 0 and not segment.reserved
+        self._free: list[list[int]] = [[0, usable]] if usable and not self._lazy else []  # sorted [offset, size]
         self._blocks: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
         self._oneoffs: dict[int, Segment] = {}  # id -> segment, its handle still open
         self._ids = itertools.count(1)
@@ -175,6 +177,8 @@ class ShmTensorSender:
         if nbytes <= 0:
             return None  # nothing to place: inline is free
         with self._lock:
+            if self._lazy:
+                self._reserve_arena()
             offset = self._alloc(nbytes)
             if offset is not None:
                 bid = next(self._ids)
@@ -188,6 +192,18 @@ class ShmTensorSender:
                 raise
             return [ARENA, bid, offset]
         return self._put_oneoff(src, nbytes)
+
+    def _reserve_arena(self) -> None:
+        """First tensor: reserve the arena's memory (checked against the memory limits;
+        on failure the arena stays unused and tensors go as one-offs or inline). Caller
+        holds the lock."""
+        self._lazy = False
+        try:
+            self._seg.reserve()
+        except ShmCapacityError as e:
+            log.warning("tensor arena of %d bytes not used: %s", self._seg.size, e)
+            return
+        self._free = [[0, self._usable]]
 
     def _put_oneoff(self, src: Any, nbytes: int) -> list | None:
         try:

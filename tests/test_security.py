@@ -149,3 +149,147 @@ async def test_engine_keeps_serving_after_requests_with_bad_tensor_handles(kind,
         assert not client.is_dead
     finally:
         client.shutdown()
+
+
+# ----------------------------------------------------------------- memory limits
+
+MiB = 1 << 20
+GiB = 1 << 30
+MEMCG_ROOT = "/sys/fs/cgroup/memory"
+
+
+def memfd_bytes(prefix: str = "/memfd:shmc") -> dict[str, int]:
+    """Shared memory this process's memfd mappings hold (allocated, whether or not
+    mapped in yet), per mapped range: the memfd's blocks, read through
+    /proc/self/map_files (the fds themselves may be closed)."""
+    import os
+
+    out: dict[str, int] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 5 and parts[5].startswith(prefix):
+                try:
+                    st = os.stat(f"/proc/self/map_files/{parts[0]}")
+                except OSError:
+                    continue
+                out[f"{parts[5]}@{parts[0]}"] = st.st_blocks * 512
+    return out
+
+
+def test_fresh_client_holds_only_its_rings_and_an_arena_is_reserved_on_first_use():
+    """A client that never sends a tensor never holds its tensor arenas' memory: they
+    are reserved by their sender on the first tensor that goes through one."""
+    config = CFG.replace(ring_capacity_bytes=4 * MiB, tensor_arena_bytes=64 * MiB)
+    client = build("sync-shm", config)
+    try:
+        rss = memfd_bytes()
+        arenas = sum(v for k, v in rss.items() if k.startswith("/memfd:shmc-t"))
+        rings = sum(v for k, v in rss.items() if not k.startswith("/memfd:shmc-t"))
+        assert arenas == 0, rss
+        assert 0 < rings <= 2 * (4 * MiB + 64 * 1024), rss
+        embeds = torch.randn(200, CFG.hidden_size)  # 25 KiB: through the request arena
+        client.add_request(EngineCoreRequest(request_id="e", prompt_embeds=embeds,
+                                             sampling_params=req("x").sampling_params))
+        arenas = sum(v for k, v in memfd_bytes().items() if k.startswith("/memfd:shmc-t"))
+        assert arenas >= 64 * MiB
+    finally:
+        client.shutdown()
+
+
+def test_memory_limits_read_cgroup_v1_v2_and_meminfo(tmp_path):
+    from shmclient.shm import memory_limits
+
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   1000 kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/a/b\n0::/x/y\n")
+    root = tmp_path / "cg"
+    v1 = root / "memory" / "a" / "b"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("5000\n")
+    (v1 / "memory.usage_in_bytes").write_text("3000\n")
+    (v1 / "memory.stat").write_text("cache 10\nhierarchical_memory_limit 4000\ntotal_inactive_file 500\n")
+    v2 = root / "x" / "y"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (root / "x" / "memory.max").write_text("9000\n")
+    (root / "x" / "memory.current").write_text("2000\n")
+    (root / "x" / "memory.stat").write_text("anon 1\ninactive_file 1000\n")
+    limits = memory_limits(str(proc), str(root))
+    free = sorted(b for b, _ in limits)
+    assert free == [1500, 8000, 1024000], limits
+    assert any("memory.limit_in_bytes=4000" in w for _, w in limits)
+
+
+@pytest.fixture
+def memcg():
+    """A memory cgroup of 1.5 GiB (v1) for a child process; removed afterwards."""
+    import os
+
+    if os.geteuid() != 0 or not os.access(MEMCG_ROOT, os.W_OK):
+        pytest.skip("needs root and a writable cgroup v1 memory hierarchy")
+    with open("/proc/meminfo") as f:
+        avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    if avail < 4 * GiB:
+        pytest.skip("not enough free memory on this host for a 1.5 GiB cgroup")
+    path = f"{MEMCG_ROOT}/shmc-test-{os.getpid()}"
+    os.mkdir(path)
+    try:
+        with open(f"{path}/memory.limit_in_bytes", "w") as f:
+            f.write(str(3 * GiB // 2))
+        yield path
+    finally:
+        os.rmdir(path)  # the child has exited: the cgroup is empty
+
+
+MEMCG_CHILD = r"""
+import json, sys, torch
+from shmclient import make_client
+from shmclient.config import EngineConfig
+from shmclient.errors import ShmCapacityError
+from shmclient.shm import Segment
+from shmclient.tensors import ShmTensorSender
+
+res = {}
+def attempt(key, fn):
+    try:
+        fn()
+        res[key] = "ok"
+    except ShmCapacityError as e:
+        res[key] = "ShmCapacityError: " + str(e)
+
+attempt("segment", lambda: Segment.create(2 << 30).close())
+attempt("ring", lambda: make_client(True, False, EngineConfig(ring_capacity_bytes=2 << 30)))
+attempt("ring64", lambda: make_client(True, False, EngineConfig(ring_capacity_bytes=64 << 30)))
+sender = ShmTensorSender(Segment.create(2 << 30, prefix="shmc-t", reserve=False))
+h = sender.put(torch.ones(1 << 18), 1 << 20)
+res["arena_growth"] = h[0] if h else None
+sender.close()
+attempt("small", lambda: Segment.create(64 << 20).close())
+print(json.dumps(res))
+"""
+
+
+def test_reservations_that_do_not_fit_a_cgroup_raise_instead_of_oom_kill(memcg):
+    """Under a 1.5 GiB memory cgroup, reserving 2 GiB (a segment, a channel's rings, a
+    64 GiB ring, an arena's lazy reservation) fails with ShmCapacityError naming the
+    bytes and the limit, where it used to get the process OOM-killed."""
+    import json
+
+    def enter():
+        with open(f"{memcg}/cgroup.procs", "w") as f:
+            f.write("0")  # this (forked) process
+
+    out = subprocess.run([sys.executable, "-c", MEMCG_CHILD], capture_output=True, text=True,
+                         timeout=120, preexec_fn=enter)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("segment", "ring", "ring64"):
+        assert res[key].startswith("ShmCapacityError"), res
+        assert "bytes are free under" in res[key], res
+    for key in ("segment", "ring"):  # (64 GiB is over the host's MemAvailable first)
+        assert "memory.limit_in_bytes=1610612736" in res[key], res
+    assert "2147483648" in res["segment"] or "2147549184" in res["segment"]
+    assert res["arena_growth"] == ONE_OFF  # the arena did not fit: a one-off took it
+    assert res["small"] == "ok"
