@@ -39,7 +39,7 @@ from .messages import (
 )
 from .ring import HEADER_BYTES as RING_HEADER_BYTES
 from .ring import Ring, RingSpec
-from .shm import Segment
+from .shm import Segment, close_inherited
 from .tensors import ShmTensorReceiver, ShmTensorSender
 
 REQ_ADD = EngineCoreRequestType.ADD.code
@@ -222,6 +222,11 @@ class ShmChannel:
         except BaseException:
             rx.close()
             raise
+        # Everything is mapped (and the pipes reopened): the fds inherited for the
+        # handles are not needed any more.
+        close_inherited([spec.rx.segment, spec.rx.wake_pipe, spec.rx.space_pipe,
+                         spec.tx.segment, spec.tx.wake_pipe, spec.tx.space_pipe,
+                         spec.tensor_rx, spec.tensor_tx])
         return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc)
 
     def peer_attached(self) -> None:

@@ -11,6 +11,8 @@ rules every segment in shmclient follows:
   cgroup, v1 or v2, and the host's MemAvailable, with ``SHMCLIENT_MEMORY_MARGIN_BYTES``
   to spare): a reservation that does not fit fails here with a ``ShmCapacityError``
   naming the bytes and the limit, never with SIGBUS or the OOM killer later;
+* once sized, a segment is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): no
+  holder of an fd of it can truncate it under a peer's mapping;
 * its *handle* is a string ``memfd:<pid>:<fd>:<inode>``: the creator's pid, the fd number
   in the creator and the inode. A peer opens it through ``/proc/<pid>/fd/<fd>`` (or uses
   the same fd if it inherited it, e.g. with ``subprocess.Popen(pass_fds=...)``) and checks
@@ -30,6 +32,7 @@ Nothing here blocks.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 
@@ -43,6 +46,9 @@ HANDLE_PREFIX = "memfd:"
 #: leave the process to be OOM-killed at its next allocation.
 MARGIN_ENV = "SHMCLIENT_MEMORY_MARGIN_BYTES"
 DEFAULT_MARGIN = 64 << 20
+#: The seals every segment carries once sized: nobody (creator, peer, or a process that
+#: opened it through /proc) can shrink it under a peer's mapping (SIGBUS) or grow it.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python's mmap module yet
 _UNLIMITED = 1 << 62
 
@@ -196,6 +202,62 @@ def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
     return new
 
 
+def close_inherited(handles) -> None:
+    """Close the fds this process inherited for ``handles`` (``Popen(pass_fds=...)``)
+    once it has attached what they name: a handle of another process whose fd number is
+    open here on the same kind of file and inode. Afterwards nothing of the segment is
+    reachable through this process's /proc/<pid>/fd. Never raises; does not block."""
+    me = os.getpid()
+    for handle in handles:
+        if not handle:
+            continue
+        try:
+            kind, pid, fd, ino = parse_handle(handle)
+            if pid == me:
+                continue
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("/memfd:" if kind == "memfd" else "pipe:") and os.fstat(fd).st_ino == ino:
+                os.close(fd)
+        except (OSError, ValueError):
+            pass
+
+
+def _same_file(fd: int) -> set[int]:
+    st = os.fstat(fd)
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            other = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if other.st_ino == st.st_ino and other.st_dev == st.st_dev:
+            out.add(int(name))
+    return out
+
+
+def _map(fd: int, size: int, flags: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> mmap.mmap:
+    """``mmap.mmap`` without the fd it keeps: Python's mmap object holds a dup of the fd
+    for its whole life (before 3.13's ``trackfd=False``), which would keep the segment
+    reachable through /proc/<pid>/fd. The dup is pointed at /dev/null instead (the
+    object only uses it for ``size()``/``resize()``, which shmclient never calls, and
+    closes it with the mapping)."""
+    try:
+        return mmap.mmap(fd, size, flags=flags, prot=prot, trackfd=False)  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    before = _same_file(fd)
+    mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+    extra = _same_file(fd) - before
+    if extra:
+        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for dup in extra:
+                os.dup2(null, dup, inheritable=False)
+        finally:
+            os.close(null)
+    return mm
+
+
 def _flags(populate: bool) -> int:
     return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
 
@@ -235,13 +297,14 @@ class Segment:
         every page now (MAP_POPULATE), so that the first touch of each page later costs
         no page fault (a few µs each: the tail of a ring's latency until it has wrapped
         once). ``reserve=False``: size it but reserve nothing yet (no memory is used
-        until ``reserve()`` or a write); ``populate`` is then ignored. Does not block.
+        until ``reserve()`` or a write); ``populate`` is then ignored. The segment is
+        sealed against shrinking and growing (``SEALS``). Does not block.
         """
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"segment size must be an int >= 1 byte, got {size!r}")
         if reserve:
             check_reservation(size, f"a {prefix!r} segment")
-        fd = os.memfd_create(prefix, os.MFD_CLOEXEC)
+        fd = os.memfd_create(prefix, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             try:
                 os.ftruncate(fd, size)
@@ -249,7 +312,8 @@ class Segment:
                     os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 raise _capacity_error(f"a {prefix!r} segment", size, e) from e
-            mm = mmap.mmap(fd, size, flags=_flags(populate and reserve))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            mm = _map(fd, size, _flags(populate and reserve))
             ino = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)
@@ -268,7 +332,7 @@ class Segment:
             size = os.fstat(fd).st_size
             if size < 1:
                 raise FileNotFoundError(f"shared memory {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=_flags(populate))
+            mm = _map(fd, size, _flags(populate))
         finally:
             os.close(fd)
         seg = cls(name, size, False, mm, -1)

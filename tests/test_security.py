@@ -293,3 +293,57 @@ def test_reservations_that_do_not_fit_a_cgroup_raise_instead_of_oom_kill(memcg):
     assert "2147483648" in res["segment"] or "2147549184" in res["segment"]
     assert res["arena_growth"] == ONE_OFF  # the arena did not fit: a one-off took it
     assert res["small"] == "ok"
+
+
+# ----------------------------------------------------------------- sealing, fds
+
+
+def fd_links(pid: int) -> list[str]:
+    import os
+
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return out
+
+
+def test_segments_are_sealed_against_truncation_by_any_holder():
+    """S4: an ftruncate by the creator or by a process that opened the segment through
+    /proc fails with EPERM (it used to SIGBUS the peer's mapping)."""
+    import errno
+    import os
+
+    from shmclient.shm import Segment, open_handle
+
+    for reserve in (True, False):
+        seg = Segment.create(1 << 20, reserve=reserve)
+        other = open_handle(seg.name)
+        try:
+            for fd in (seg.fd, other):
+                for size in (0, 4096, 2 << 20):
+                    with pytest.raises(OSError) as e:
+                        os.ftruncate(fd, size)
+                    assert e.value.errno == errno.EPERM
+            assert os.fstat(seg.fd).st_size == 1 << 20
+        finally:
+            os.close(other)
+            seg.release_handle()
+            seg.close()
+
+
+def test_after_start_up_neither_side_holds_a_segment_fd():
+    """S4: once the engine has attached, no segment is reachable through /proc/<pid>/fd
+    of the frontend or the engine (the engine closes the fds it inherited)."""
+    import os
+
+    client = build("sync-shm", CFG)
+    try:
+        engine_pid = client.resources.proc.pid
+        for pid in (os.getpid(), engine_pid):
+            memfds = [l for l in fd_links(pid) if l.startswith("/memfd:")]
+            assert memfds == [], (pid, memfds)
+    finally:
+        client.shutdown()
