@@ -246,6 +246,11 @@ class ShmChannel:
         """Whether a message of ``nbytes`` goes as one record (not in fragments)."""
         return nbytes <= self.tx.max_record
 
+    def set_peer_pid(self, pid: int) -> None:
+        """The peer's pid: from then on a one-off tensor handle must name one of its
+        segments (a handle naming another process's file is refused)."""
+        self._tensor_rx.peer_pid = pid
+
     def set_peer_gpus(self, uuids: list[str]) -> None:
         """The GPUs the peer sees (from the handshake): CUDA tensors on other GPUs, or
         to a peer without CUDA, travel as host copies."""

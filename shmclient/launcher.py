@@ -212,6 +212,8 @@ class EngineResources:
             self.channel.wait_registered(timeout=max(1.0, timeout))
         self.channel.peer_attached()
         self.channel.set_peer_gpus(info.gpu_uuids)
+        if isinstance(self.channel, ShmChannel) and self.proc is not None:
+            self.channel.set_peer_pid(self.proc.pid)
         self.monitor = threading.Thread(
             target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
         )

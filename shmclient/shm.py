@@ -35,6 +35,7 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 
 from .errors import ShmCapacityError
 
@@ -202,6 +203,43 @@ def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
     return new
 
 
+def open_peer_memfd(handle: str, peer_pid: int | None) -> int:
+    """A read-only fd of the sealed memfd a peer's one-off handle names, checked: the
+    handle is a ``memfd:`` one of ``peer_pid`` (any pid when None: an in-process pair),
+    the opened file is a memfd (its /proc link reads ``/memfd:``), its inode is the
+    handle's and it carries the ``SEALS`` against shrink and grow. Raises ValueError
+    naming what is wrong, FileNotFoundError when it is gone. The caller owns the fd."""
+    kind, pid, fd, ino = parse_handle(handle)
+    if kind != "memfd":
+        raise ValueError(f"{handle!r} is not a shared-memory segment handle")
+    if peer_pid is not None and pid != peer_pid:
+        raise ValueError(f"{handle!r} is not a segment of the peer (pid {peer_pid})")
+    if fd < 0 or pid <= 0:
+        raise ValueError(f"not a shared-memory handle: {handle!r}")
+    try:
+        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileNotFoundError(f"shared memory {handle!r} is gone: {e.strerror}") from e
+    try:
+        link = os.readlink(f"/proc/self/fd/{new}")
+        st = os.fstat(new)
+        if not link.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{handle!r} does not name a memfd segment")
+        if st.st_ino != ino:
+            raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
+        try:
+            seals = fcntl.fcntl(new, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if seals & need != need:
+            raise ValueError(f"{handle!r} is not sealed against shrinking and growing")
+    except BaseException:
+        os.close(new)
+        raise
+    return new
+
+
 def close_inherited(handles) -> None:
     """Close the fds this process inherited for ``handles`` (``Popen(pass_fds=...)``)
     once it has attached what they name: a handle of another process whose fd number is
@@ -359,6 +397,22 @@ class Segment:
             for off in range(0, self.size, PAGE):
                 buf[off] = buf[off]
         self.reserved = True
+
+    @classmethod
+    def attach_private(cls, name: str, peer_pid: int | None = None) -> "Segment":
+        """Map a peer's one-off segment for reading (``open_peer_memfd`` checks it):
+        copy-on-write, so a write through the mapping changes this process's copy only,
+        never the file. ValueError for a handle that is not a sealed memfd of the peer,
+        FileNotFoundError if it is gone. Does not block."""
+        fd = open_peer_memfd(name, peer_pid)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise FileNotFoundError(f"shared memory {name!r} is empty")
+            mm = _map(fd, size, mmap.MAP_PRIVATE)
+        finally:
+            os.close(fd)
+        return cls(name, size, False, mm, -1)
 
     @property
     def closed(self) -> bool:

@@ -387,6 +387,9 @@ class ShmTensorReceiver:
         self._live: dict[int, weakref.ref] = {}
         self._cuda: Any = None
         self._closed = False
+        #: The sender's pid: a one-off handle must name one of its segments (None: any
+        #: pid, for a pair in one process). Set from the handshake.
+        self.peer_pid: int | None = None
 
     def get(self, handle: list, nbytes: int) -> np.ndarray:
         """A 1-D uint8 array of the block's bytes, valid for as long as it (or anything
@@ -411,10 +414,14 @@ class ShmTensorReceiver:
 
     def _get_oneoff(self, bid: int, name: str, nbytes: int) -> np.ndarray:
         try:
-            seg = Segment.attach(name)
-        except (FileNotFoundError, ValueError) as e:
+            seg = Segment.attach_private(name, self.peer_pid)
+        except FileNotFoundError as e:
             self._released.append(bid)
             raise SerializationError(f"one-off tensor segment {name} is gone (sender closed?)") from e
+        except (ValueError, OSError) as e:
+            self._released.append(bid)
+            raise SerializationError(f"one-off tensor segment {name} refused: it is gone or "
+                                     f"not a sealed segment of the sender: {e}") from None
         self._released.append(bid)
         if seg.size < nbytes:
             seg.close()

@@ -438,6 +438,8 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
             torch.set_num_threads(max(1, config.cpu_threads))
         if transport == b"shm":
             channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
+            if parent_pid is not None:
+                channel.set_peer_pid(parent_pid)
         else:
             spec = msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec)
             spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),

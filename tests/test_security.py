@@ -347,3 +347,61 @@ def test_after_start_up_neither_side_holds_a_segment_fd():
             assert memfds == [], (pid, memfds)
     finally:
         client.shutdown()
+
+
+# ----------------------------------------------------------------- one-off handles
+
+
+def oneoff_request(name: str, handle: str, nbytes: int = 4096) -> bytes:
+    value = ext(EXT_TORCH, ["uint8", [nbytes], [ONE_OFF, 7, handle], None])
+    return msgspec.msgpack.encode(EngineCoreRequest(request_id=name, prompt_embeds=value))
+
+
+def test_one_off_handle_must_name_a_sealed_memfd_of_the_peer(shm_pair, tmp_path):
+    """S5: a one-off handle naming a regular file, an unsealed memfd, or a sealed memfd
+    of a process that is not the peer is refused for that message alone; the file is
+    never mapped (it used to be mapped read-write MAP_SHARED)."""
+    import os
+
+    from shmclient.shm import Segment
+
+    front, engine = shm_pair
+    path = tmp_path / "victim"
+    path.write_bytes(b"\0" * 4096)
+    victim = os.open(path, os.O_RDWR)
+    plain = os.memfd_create("shmc-plain", os.MFD_CLOEXEC)
+    os.ftruncate(plain, 4096)
+    sealed = Segment.create(4096)
+    try:
+        me = os.getpid()
+        cases = {
+            "regular-file": f"memfd:{me}:{victim}:{os.fstat(victim).st_ino}",
+            "unsealed-memfd": f"memfd:{me}:{plain}:{os.fstat(plain).st_ino}",
+            "wrong-inode": f"memfd:{me}:{sealed.fd}:{os.fstat(sealed.fd).st_ino + 1}",
+            "pipe-kind": f"pipe:{me}:{sealed.fd}:{os.fstat(sealed.fd).st_ino}",
+        }
+        for name, handle in cases.items():
+            waiting.send(front, REQ_ADD, oneoff_request(name, handle), timeout=5.0)
+            (_, bad), = waiting.recv(engine, timeout=5.0)
+            assert type(bad) is BadMessage, name
+            assert bad.field("request_id") == name
+        # a sealed memfd, but of a process that is not the peer
+        engine.set_peer_pid(me + 1_000_000)
+        waiting.send(front, REQ_ADD, oneoff_request("not-peer", sealed.name), timeout=5.0)
+        (_, bad), = waiting.recv(engine, timeout=5.0)
+        assert type(bad) is BadMessage and "not a segment of the peer" in bad.error
+        # the peer's sealed memfd opens; a write to what was received stays private
+        engine.set_peer_pid(me)
+        sealed.buf[:4] = b"abcd"
+        waiting.send(front, REQ_ADD, oneoff_request("good", sealed.name), timeout=5.0)
+        (_, got), = waiting.recv(engine, timeout=5.0)
+        t = got.prompt_embeds
+        assert bytes(t[:4].numpy()) == b"abcd"
+        t[:4] = 0
+        assert bytes(sealed.buf[:4]) == b"abcd"
+        assert path.read_bytes() == b"\0" * 4096
+    finally:
+        os.close(victim)
+        os.close(plain)
+        sealed.release_handle()
+        sealed.close()
