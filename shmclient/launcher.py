@@ -123,6 +123,8 @@ class EngineResources:
         self.ctl: zmq.Socket | None = None
         self.channel: ShmChannel | ZmqChannel | None = None
         self.proc: subprocess.Popen | None = None
+        #: The private directory of the ipc sockets until the engine has connected.
+        self.ipc_dir: control.IpcDir | None = None
         self.monitor: threading.Thread | None = None
         #: True when the engine is remote: not started here, reached over tcp.
         self.remote = False
@@ -161,8 +163,11 @@ class EngineResources:
             find_engine_module(config.engine_module)
         self.ctx = zmq.Context()
         tcp = remote or (host is not None and config.transport == "zmq")
+        if not tcp:
+            # Only this uid may reach the sockets; removed once the engine is connected.
+            self.ipc_dir = control.IpcDir()
         address = (control.tcp_address(host, remote_control_port(config) if remote else 0)
-                   if tcp else control.make_address("ctl"))
+                   if tcp else self.ipc_dir.address("ctl"))
         try:
             self.ctl = control.frontend_socket(self.ctx, address)
         except zmq.ZMQError as e:
@@ -184,7 +189,7 @@ class EngineResources:
         elif tcp:
             self.channel, spec = ZmqChannel.create(self.ctx, host=host)
         else:
-            self.channel, spec = ZmqChannel.create(self.ctx, address[:-4])
+            self.channel, spec = ZmqChannel.create(self.ctx, self.ipc_dir.address("data"))
         self._rank = rank = config.data_parallel_rank or 0
         if remote:
             port_given = getattr(config, "data_parallel_rpc_port", 0) != 0
@@ -211,6 +216,8 @@ class EngineResources:
         if isinstance(self.channel, ZmqChannel):
             self.channel.wait_registered(timeout=max(1.0, timeout))
         self.channel.peer_attached()
+        if self.ipc_dir is not None:
+            self.ipc_dir.remove()  # the engine is connected: nothing else may connect
         self.channel.set_peer_gpus(info.gpu_uuids)
         if isinstance(self.channel, ShmChannel) and self.proc is not None:
             self.channel.set_peer_pid(self.proc.pid)
@@ -452,6 +459,8 @@ class EngineResources:
                     self.ctl.close(linger=_REMOTE_LINGER_MS)
                 else:
                     self.ctl.close(linger=0)
+            if self.ipc_dir is not None:
+                self.ipc_dir.remove()
             if self.ctx is not None:
                 if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
                     self.ctx.destroy(linger=0)

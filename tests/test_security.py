@@ -405,3 +405,85 @@ def test_one_off_handle_must_name_a_sealed_memfd_of_the_peer(shm_pair, tmp_path)
         os.close(plain)
         sealed.release_handle()
         sealed.close()
+
+
+# ----------------------------------------------------------------- ipc sockets
+
+
+def _connect_as_nobody(path: str) -> int:
+    """Fork a child that drops to uid/gid 65534 and connects to the unix socket ``path``
+    (``@name``: abstract). Its exit status: 0 refused, 1 connected, 2 other error."""
+    import os
+    import socket
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 2
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5.0)
+            try:
+                s.connect("\0" + path[1:] if path.startswith("@") else path)
+                code = 1
+            except (PermissionError, FileNotFoundError, ConnectionRefusedError):
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_control_and_data_sockets_refuse_another_uid(transport, monkeypatch):
+    """S1: while an engine starts, the control socket (and the zmq transport's data
+    sockets) can only be reached by this uid: another uid's connect is refused (an
+    abstract socket let it complete the handshake in the client's place); once the
+    engine is connected, the sockets and their directory are gone."""
+    import os
+
+    from shmclient import control, launcher
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another uid")
+    seen: dict[str, int] = {}
+    real = launcher.EngineResources._handshake
+
+    def probe(self, config, spec, timeout):
+        addrs = [self.control_address]
+        if transport == "zmq":
+            addrs += [spec.input_address, spec.output_address]
+        for a in addrs:
+            seen[a] = _connect_as_nobody(a[len("ipc://"):])
+        return real(self, config, spec, timeout)
+
+    monkeypatch.setattr(launcher.EngineResources, "_handshake", probe)
+    client = build(f"sync-{transport}", CFG)
+    try:
+        assert len(seen) == (3 if transport == "zmq" else 1)
+        assert set(seen.values()) == {0}, seen
+        for a in seen:
+            assert not os.path.exists(os.path.dirname(a[len("ipc://"):])), a
+        assert client.call_utility("echo", "ok") == "ok"
+    finally:
+        client.shutdown()
+
+
+def test_stale_private_ipc_directory_of_a_dead_creator_is_removed(tmp_path, monkeypatch):
+    import os
+
+    from shmclient import control
+
+    monkeypatch.setenv(control.IPC_DIR_ENV, str(tmp_path))
+    stale = tmp_path / f"shmc-ipc-{2**22 + 12345}-abc"
+    stale.mkdir()
+    (stale / "ctl").write_text("")
+    d = control.IpcDir()
+    try:
+        assert not stale.exists()
+        assert os.stat(d.path).st_mode & 0o777 == 0o700
+    finally:
+        d.remove()
+    assert list(tmp_path.iterdir()) == []
