@@ -132,7 +132,7 @@ class ShmChannel:
         self._tx_segment = tensor_tx
         self._rx_segment = tensor_rx
         self._tensor_tx = ShmTensorSender(tensor_tx, enable_cuda_ipc=enable_cuda_ipc)
-        self._tensor_rx = ShmTensorReceiver(tensor_rx)
+        self._tensor_rx = ShmTensorReceiver(tensor_rx, enable_cuda_ipc=enable_cuda_ipc)
         self._encoder = Encoder(tensors=self._tensor_tx)
         self._decoders = _decoders(self._tensor_rx)
         self._owned = owned  # things to unlink once the peer attached (owner side only)
@@ -250,6 +250,8 @@ class ShmChannel:
         """The peer's pid: from then on a one-off tensor handle must name one of its
         segments (a handle naming another process's file is refused)."""
         self._tensor_rx.peer_pid = pid
+        if self._tensor_rx._cuda is not None:
+            self._tensor_rx._cuda.peer_pid = pid
 
     def set_peer_gpus(self, uuids: list[str]) -> None:
         """The GPUs the peer sees (from the handshake): CUDA tensors on other GPUs, or

@@ -375,8 +375,12 @@ class ShmTensorReceiver:
     ``take_releases`` may be called from any thread; views may die in any thread.
     """
 
-    def __init__(self, segment: Segment, *, view_from: int = VIEW_FROM) -> None:
+    def __init__(
+        self, segment: Segment, *, view_from: int = VIEW_FROM, enable_cuda_ipc: bool = True
+    ) -> None:
         self._seg = segment
+        #: Whether CUDA IPC handles are opened at all (else refused before anything).
+        self.enable_cuda_ipc = enable_cuda_ipc
         self._buf = segment.buf
         self._size = segment.size
         self.view_from = view_from
@@ -446,11 +450,17 @@ class ShmTensorReceiver:
         return arr
 
     def get_cuda(self, handle: list) -> torch.Tensor:
-        """Open a CUDA IPC handle (cached per allocation); see ``tensors_cuda``."""
+        """Open a CUDA IPC handle (cached per allocation; checked first by
+        ``tensors_cuda.check_handle``). Refused (``SerializationError``, nothing opened)
+        when this receiver was made with ``enable_cuda_ipc=False``."""
+        if not self.enable_cuda_ipc:
+            raise SerializationError(
+                "message carries a CUDA IPC handle but this side has enable_cuda_ipc=False: "
+                "refused, nothing was opened")
         if self._cuda is None:
             from .tensors_cuda import CudaIpcReceiver
 
-            self._cuda = CudaIpcReceiver()
+            self._cuda = CudaIpcReceiver(self.peer_pid)
         return self._cuda.open(handle, self._released)
 
     def cuda_index_for_uuid(self, uuid: str) -> int | None:

@@ -487,3 +487,68 @@ def test_stale_private_ipc_directory_of_a_dead_creator_is_removed(tmp_path, monk
     finally:
         d.remove()
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------- CUDA IPC handles
+
+
+def cuda_handle(**kw) -> list:
+    """A well-formed CUDA IPC handle (fields as ``CudaIpcSender.share`` makes them)."""
+    f = dict(kind=2, bid=5, uuid="GPU-0", h=b"\x01" * 66, st_size=4096, st_offset=0,
+             size=[4, 8], stride=[8, 1], offset=0, dtype="float32",
+             rc_handle=b"/torch_123_456_0", rc_offset=3, ev_handle=b"\x02" * 64, ev_sync=True)
+    f.update(kw)
+    return list(f.values())
+
+
+BAD_CUDA = [
+    ("short", None),
+    ("bid-str", dict(bid="x")),
+    ("bid-zero", dict(bid=0)),
+    ("dtype-inductor", dict(dtype="_inductor")),
+    ("dtype-nn", dict(dtype="nn")),
+    ("view-past-storage", dict(size=[1024, 8])),
+    ("offset-past-storage", dict(offset=1020)),
+    ("stride-mismatch", dict(stride=[1])),
+    ("negative-size", dict(size=[-1, 8])),
+    ("rc-offset-outside", dict(rc_offset=10000)),
+    ("rc-offset-negative", dict(rc_offset=-1)),
+    ("rc-name-arbitrary", dict(rc_handle=b"/etc/passwd")),
+    ("rc-name-other-shm", dict(rc_handle=b"/shmc-victim")),
+    ("rc-not-peer", dict(rc_handle=b"/torch_999_456_0")),
+    ("handle-not-bytes", dict(h="x")),
+    ("ev-sync-not-bool", dict(ev_sync=1)),
+]
+
+
+def test_cuda_ipc_handle_validator_refuses_what_the_peer_must_not_choose():
+    """S6 (runs without a GPU): every field of a CUDA IPC handle is checked before
+    torch sees it: dtype allowlist, view inside the storage, ref-counter file of the
+    peer and counter offset inside it."""
+    from shmclient.tensors_cuda import check_handle
+
+    good = check_handle(cuda_handle(), peer_pid=123)
+    assert good[0] == 5 and good[8] is torch.float32
+    for name, kw in BAD_CUDA:
+        h = cuda_handle()[:10] if kw is None else cuda_handle(**kw)
+        with pytest.raises(SerializationError):
+            check_handle(h, peer_pid=123)
+        assert name
+
+
+def test_cuda_ipc_handles_refused_when_enable_cuda_ipc_is_false():
+    """S6: a receiver whose side has enable_cuda_ipc=False opens no CUDA handle at all
+    (a typed error for that message; nothing queued for release)."""
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver
+
+    seg = Segment.create(1 << 16, reserve=False)
+    try:
+        rx = ShmTensorReceiver(Segment.attach(seg.name), enable_cuda_ipc=False)
+        with pytest.raises(SerializationError, match="enable_cuda_ipc=False"):
+            rx.get_cuda(cuda_handle())
+        assert rx.take_releases() is None
+        rx.close()
+    finally:
+        seg.release_handle()
+        seg.close()
