@@ -11,7 +11,9 @@ connected, so nothing is left in the file system once it has started), or on tcp
 (``python -m shmclient_engine --connect tcp://HOST:PORT``). Every message is one
 multipart message whose first frame is its kind:
 
-    engine → frontend   HELLO <pid>            the engine process is up
+    engine → frontend   HELLO <pid> [<nonce>]  the engine process is up
+    frontend → engine   AUTH <nonce> <proof>   remote only (shmclient.auth): the
+    engine → frontend   AUTH <proof>           challenge-response, before START
     frontend → engine   START <config> <transport> <channel spec> <frontend GPU UUIDs>
     engine → frontend   READY <ReadyInfo>      channel attached, core built
     engine → frontend   ENGINE_CORE_DEAD <error text>   (one frame kind, flushed before exit)
@@ -39,6 +41,8 @@ READY = b"READY"
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 SHUTDOWN = b"SHUTDOWN"
 HEARTBEAT = b"HEARTBEAT"
+#: Remote start-up only: the challenge-response of ``shmclient.auth``, before START.
+AUTH = b"AUTH"
 
 
 class ReadyInfo(msgspec.Struct, frozen=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import subprocess
+import time
 import sys
 
 import msgspec
@@ -552,3 +553,178 @@ def test_cuda_ipc_handles_refused_when_enable_cuda_ipc_is_false():
     finally:
         seg.release_handle()
         seg.close()
+
+
+# ----------------------------------------------------------------- remote authentication
+
+HOST = "127.0.0.1"
+
+
+def remote_engine(address: str, secret: str | None, *extra: str, insecure: bool = False):
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHMCLIENT_SECRET", "SHMCLIENT_SECRET_FILE", "SHMCLIENT_ALLOW_UNAUTHENTICATED")}
+    if secret is not None:
+        env["SHMCLIENT_SECRET"] = secret
+    if insecure:
+        env["SHMCLIENT_ALLOW_UNAUTHENTICATED"] = "1"
+    root = __file__.rsplit("/tests/", 1)[0]
+    return subprocess.Popen(
+        [sys.executable, "-m", "shmclient_engine", "--connect", address, "--ready-timeout", "30",
+         *extra], cwd=root, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def finish(proc, timeout: float = 30.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise
+    return proc.returncode, err
+
+
+def remote_config(port: int, **kw) -> EngineConfig:
+    return EngineConfig(model="mock", max_model_len=512, transport="zmq",
+                        data_parallel_size_local=0, data_parallel_address=HOST,
+                        data_parallel_rpc_port=port, engine_ready_timeout_s=30.0, **kw)
+
+
+@pytest.fixture
+def secret_env(monkeypatch):
+    for name in ("SHMCLIENT_SECRET", "SHMCLIENT_SECRET_FILE", "SHMCLIENT_ALLOW_UNAUTHENTICATED"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_remote_start_up_with_the_same_secret_works_and_allowed_modules_import(secret_env, tmp_path):
+    """S2: frontend and engine prove the secret to each other; a module the engine's
+    command line allows (--allow-module) is imported; the secret may come from a file."""
+    from shmclient import SyncMPClient
+    from tests.test_remote import free_port
+
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    secret_env.setenv("SHMCLIENT_SECRET_FILE", str(path))
+    port = free_port()
+    engine = remote_engine(f"tcp://{HOST}:{port}", "s3cret", "--allow-module", "tests.user_utilities")
+    try:
+        c = SyncMPClient(remote_config(port, utility_modules=("tests.user_utilities",)))
+    except BaseException:
+        engine.kill()
+        finish(engine)
+        raise
+    try:
+        assert c.echo("x") == "x"
+    finally:
+        c.shutdown()
+    assert finish(engine)[0] == 0
+
+
+def test_remote_engine_and_frontend_with_different_secrets_refuse_each_other(secret_env):
+    from shmclient import AuthenticationError, SyncMPClient
+    from tests.test_remote import free_port
+
+    secret_env.setenv("SHMCLIENT_SECRET", "frontend-secret")
+    port = free_port()
+    engine = remote_engine(f"tcp://{HOST}:{port}", "engine-secret")
+    try:
+        with pytest.raises(AuthenticationError, match="could not prove it knows the shared secret"):
+            SyncMPClient(remote_config(port))
+    finally:
+        code, err = finish(engine)
+    assert code == 1
+    assert "AuthenticationError" in err
+
+
+def test_remote_engine_refuses_a_module_its_command_line_does_not_allow(secret_env):
+    from shmclient import AuthenticationError, SyncMPClient
+    from tests.test_remote import free_port
+
+    secret_env.setenv("SHMCLIENT_SECRET", "s")
+    port = free_port()
+    engine = remote_engine(f"tcp://{HOST}:{port}", "s")
+    try:
+        with pytest.raises(AuthenticationError, match="--allow-module"):
+            SyncMPClient(remote_config(port, utility_modules=("tests.user_utilities",)))
+    finally:
+        code, _ = finish(engine)
+    assert code == 1
+
+
+def test_rogue_engine_without_the_secret_gets_nothing_of_the_client(secret_env):
+    """S2: an engine that connects without the secret is refused before START: it never
+    sees the config or the data addresses, so it cannot read prompts or forge outputs."""
+    import threading
+
+    import zmq
+
+    from shmclient import AuthenticationError, SyncMPClient
+    from shmclient import control
+    from tests.test_remote import free_port
+
+    secret_env.setenv("SHMCLIENT_SECRET", "s")
+    port = free_port()
+    got: list[list[bytes]] = []
+
+    def rogue(offer_nonce: bool):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{HOST}:{port}")
+        try:
+            hello = [control.HELLO, b"4242"] + ([b"n" * 32] if offer_nonce else [])
+            sock.send_multipart(hello)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                if not sock.poll(200):
+                    continue
+                msg = sock.recv_multipart()
+                got.append(msg)
+                if msg[0] == control.AUTH:
+                    sock.send_multipart([control.AUTH, b"x" * 32])  # a guess
+                if msg[0] == control.SHUTDOWN:
+                    break
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    for offer, words in ((True, "could not prove"), (False, "offered no authentication")):
+        got.clear()
+        t = threading.Thread(target=rogue, args=(offer,))
+        t.start()
+        try:
+            with pytest.raises(AuthenticationError, match=words):
+                SyncMPClient(remote_config(port))
+        finally:
+            t.join(30)
+        assert not t.is_alive()
+        assert all(m[0] != control.START for m in got), [m[0] for m in got]
+
+
+def test_remote_start_up_without_a_secret_is_refused_unless_opted_in(secret_env, caplog):
+    from shmclient import AuthenticationError, SyncMPClient
+    from tests.test_remote import free_port
+
+    port = free_port()
+    with pytest.raises(AuthenticationError, match="SHMCLIENT_SECRET"):
+        SyncMPClient(remote_config(port))
+    code, err = finish(remote_engine(f"tcp://{HOST}:{port}", None))
+    assert code == 1 and "no shared secret" in err
+    # the explicit opt-in on both sides: works, with a warning
+    secret_env.setenv("SHMCLIENT_ALLOW_UNAUTHENTICATED", "1")
+    engine = remote_engine(f"tcp://{HOST}:{port}", None, insecure=True)
+    try:
+        with caplog.at_level("WARNING", logger="shmclient"):
+            c = SyncMPClient(remote_config(port))
+    except BaseException:
+        engine.kill()
+        finish(engine)
+        raise
+    try:
+        assert c.echo("y") == "y"
+    finally:
+        c.shutdown()
+    assert finish(engine)[0] == 0
+    assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)
