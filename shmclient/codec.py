@@ -82,7 +82,6 @@ def _torch():
     return torch
 
 
-_TORCH_DTYPES: dict[str, Any] = {}
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
