@@ -39,7 +39,7 @@ from .messages import (
 )
 from .ring import HEADER_BYTES as RING_HEADER_BYTES
 from .ring import Ring, RingSpec
-from .shm import Segment
+from .shm import Segment, close_inherited
 from .tensors import ShmTensorReceiver, ShmTensorSender
 
 REQ_ADD = EngineCoreRequestType.ADD.code
@@ -132,7 +132,7 @@ class ShmChannel:
         self._tx_segment = tensor_tx
         self._rx_segment = tensor_rx
         self._tensor_tx = ShmTensorSender(tensor_tx, enable_cuda_ipc=enable_cuda_ipc)
-        self._tensor_rx = ShmTensorReceiver(tensor_rx)
+        self._tensor_rx = ShmTensorReceiver(tensor_rx, enable_cuda_ipc=enable_cuda_ipc)
         self._encoder = Encoder(tensors=self._tensor_tx)
         self._decoders = _decoders(self._tensor_rx)
         self._owned = owned  # things to unlink once the peer attached (owner side only)
@@ -172,19 +172,21 @@ class ShmChannel:
                 "consumer", ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd
             )
             made.append(out)
-            arena_req = Segment.create(arena_bytes, prefix="shmc-t")
+            # Arenas are sized now and reserved by their sender on its first tensor, so a
+            # client that never sends one never holds their memory.
+            arena_req = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
             made.append(arena_req)
-            arena_out = Segment.create(arena_bytes, prefix="shmc-t")
+            arena_out = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
             made.append(arena_out)
         except ShmCapacityError as e:
             for m in reversed(made):
                 m.unlink()
                 m.close()
-            total = 2 * (ring_capacity + RING_HEADER_BYTES + arena_bytes)
+            total = 2 * (ring_capacity + RING_HEADER_BYTES)
             raise ShmCapacityError(
                 f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
-                f"of {ring_capacity} bytes and two tensor arenas of {arena_bytes} bytes) and they "
-                f"could not all be reserved: {e}"
+                f"of {ring_capacity} bytes; its two tensor arenas of {arena_bytes} bytes are "
+                f"reserved later, on their first tensor) and they could not be reserved: {e}"
             ) from e
         except BaseException:
             for m in reversed(made):
@@ -220,6 +222,11 @@ class ShmChannel:
         except BaseException:
             rx.close()
             raise
+        # Everything is mapped (and the pipes reopened): the fds inherited for the
+        # handles are not needed any more.
+        close_inherited([spec.rx.segment, spec.rx.wake_pipe, spec.rx.space_pipe,
+                         spec.tx.segment, spec.tx.wake_pipe, spec.tx.space_pipe,
+                         spec.tensor_rx, spec.tensor_tx])
         return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc)
 
     def peer_attached(self) -> None:
@@ -238,6 +245,13 @@ class ShmChannel:
     def fits_whole(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` goes as one record (not in fragments)."""
         return nbytes <= self.tx.max_record
+
+    def set_peer_pid(self, pid: int) -> None:
+        """The peer's pid: from then on a one-off tensor handle must name one of its
+        segments (a handle naming another process's file is refused)."""
+        self._tensor_rx.peer_pid = pid
+        if self._tensor_rx._cuda is not None:
+            self._tensor_rx._cuda.peer_pid = pid
 
     def set_peer_gpus(self, uuids: list[str]) -> None:
         """The GPUs the peer sees (from the handshake): CUDA tensors on other GPUs, or

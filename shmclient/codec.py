@@ -26,6 +26,7 @@ from typing import Any, Protocol, Sequence
 
 import msgspec
 
+from .dtypes import numpy_dtype, torch_dtype
 from .errors import SerializationError
 
 __all__ = [
@@ -81,7 +82,6 @@ def _torch():
     return torch
 
 
-_TORCH_DTYPES: dict[str, Any] = {}
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
@@ -97,14 +97,49 @@ def _dtype_name(dtype) -> str:
 
 
 def _torch_dtype(name: str):
-    dt = _TORCH_DTYPES.get(name)
-    if dt is None:
-        torch = _torch()
-        dt = getattr(torch, name, None)
-        if not isinstance(dt, torch.dtype) or name in _QUANTIZED:
-            raise SerializationError(f"unknown or unsupported torch dtype {name!r} in message")
-        _TORCH_DTYPES[name] = dt
-    return dt
+    return torch_dtype(name)  # the allowlist: a wire name never reaches getattr unchecked
+
+
+#: Most dimensions a tensor header may give, and most bytes it may describe (a header is
+#: checked before anything is allocated or mapped for it).
+MAX_NDIM = 64
+MAX_TENSOR_BYTES = 1 << 48
+
+
+def _read_header(data: memoryview) -> tuple[Any, list, Any, Any, int]:
+    """``(dtype name, shape, where, extra, header end)`` of a tensor ``Ext``, checked for
+    form (not yet the dtype): raises ``SerializationError`` for a malformed header."""
+    try:
+        (n,) = _HLEN.unpack_from(data, 0)
+        header = _hdr_decode(data[2 : 2 + n])
+    except (struct.error, msgspec.DecodeError) as e:
+        raise SerializationError(f"malformed tensor header: {e}") from None
+    if type(header) is not list or len(header) != 4 or len(data) < 2 + n:
+        raise SerializationError("malformed tensor header: expected [dtype, shape, where, extra]")
+    dtype, shape, where, extra = header
+    if type(shape) is not list or len(shape) > MAX_NDIM or any(
+        type(d) is not int or d < 0 for d in shape
+    ):
+        raise SerializationError(
+            f"malformed tensor header: shape must be a list of at most {MAX_NDIM} ints >= 0"
+        )
+    if where is not None and type(where) is not int and type(where) is not list:
+        raise SerializationError("malformed tensor header: bad location of the tensor's bytes")
+    return dtype, shape, where, extra, 2 + n
+
+
+def _nbytes(itemsize: int, shape: list) -> int:
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+        if nbytes > MAX_TENSOR_BYTES:
+            break
+    if nbytes > MAX_TENSOR_BYTES:
+        raise SerializationError(
+            f"tensor of shape {shape[:8]}{'...' if len(shape) > 8 else ''} is over "
+            f"{MAX_TENSOR_BYTES} bytes"
+        )
+    return nbytes
 
 
 def _check_torch(t) -> None:
@@ -401,19 +436,16 @@ class Decoder:
         if code not in (EXT_TORCH, EXT_NUMPY, EXT_TORCH_CUDA) or self.tensors is None:
             return None
         try:
-            (n,) = _HLEN.unpack_from(data, 0)
-            dtype, shape, where, _extra = _hdr_decode(data[2 : 2 + n])
+            dtype, shape, where, _extra, _end = _read_header(data)
             if type(where) is not list or where in self._opened:
                 return None
             if code == EXT_TORCH_CUDA:
                 self.tensors.get_cuda(where)
             else:
                 itemsize = (
-                    _torch_dtype(dtype).itemsize if code == EXT_TORCH else _numpy().dtype(dtype).itemsize
+                    _torch_dtype(dtype).itemsize if code == EXT_TORCH else numpy_dtype(dtype).itemsize
                 )
-                nbytes = itemsize
-                for d in shape:
-                    nbytes *= d
+                nbytes = _nbytes(itemsize, shape)
                 self.tensors.get(where, nbytes)  # dropped at once: the block is released
         except Exception:  # best effort: a handle we cannot open is not ours to free
             log.debug("could not open a tensor of an undecodable message", exc_info=True)
@@ -422,27 +454,30 @@ class Decoder:
     def _ext_hook(self, code: int, data: memoryview) -> Any:
         if code not in (EXT_TORCH, EXT_NUMPY, EXT_TORCH_CUDA):
             raise SerializationError(f"unknown msgpack extension type {code}")
-        (n,) = _HLEN.unpack_from(data, 0)
-        dtype, shape, where, extra = _hdr_decode(data[2 : 2 + n])
+        dtype, shape, where, extra, end = _read_header(data)
         if code == EXT_TORCH_CUDA:
             if self.tensors is None:
                 raise SerializationError(
                     "message carries a CUDA tensor handle but this Decoder has no tensor receiver"
                 )
+            if type(where) is not list:
+                raise SerializationError("malformed CUDA tensor header: no handle")
             self._opened.append(where)
             return self.tensors.get_cuda(where)
         np = _numpy()
         if code == EXT_TORCH:
             torch_dtype = _torch_dtype(dtype)
             itemsize = torch_dtype.itemsize
+            if extra is not None and type(extra) is not str:
+                raise SerializationError("malformed tensor header: bad device")
         else:
-            np_dtype = np.dtype(dtype)
+            np_dtype = numpy_dtype(dtype)
             itemsize = np_dtype.itemsize
-        nbytes = itemsize
-        for d in shape:
-            nbytes *= d
+            if extra not in (None, "F", "s") or (extra == "s" and shape):
+                raise SerializationError("malformed array header: bad layout flag")
+        nbytes = _nbytes(itemsize, shape)
         if where is None:
-            raw = data[2 + n :]
+            raw = data[end:]
             if raw.nbytes != nbytes:
                 raise SerializationError(
                     f"tensor of shape {shape} and dtype {dtype} needs {nbytes} bytes, "

@@ -5,13 +5,15 @@ Control traffic is rare, so ZMQ's ~80 µs per message does not matter here; all 
 (requests, outputs, utility calls) goes over the channel so that its order with respect
 to adds and aborts is the ring's order.
 
-One PAIR socket per engine, bound by the frontend on an abstract unix socket
-(``ipc://@...``), so that nothing is left in the file system if either side is killed,
-or on tcp (``tcp_address``) for an engine on another host, which connects to it itself
+One PAIR socket per engine, bound by the frontend on a unix socket in a private (0700)
+directory (``IpcDir``: only this uid can connect; unlinked as soon as the engine has
+connected, so nothing is left in the file system once it has started), or on tcp (``tcp_address``) for an engine on another host, which connects to it itself
 (``python -m shmclient_engine --connect tcp://HOST:PORT``). Every message is one
 multipart message whose first frame is its kind:
 
-    engine → frontend   HELLO <pid>            the engine process is up
+    engine → frontend   HELLO <pid> [<nonce>]  the engine process is up
+    frontend → engine   AUTH <nonce> <proof>   remote only (shmclient.auth): the
+    engine → frontend   AUTH <proof>           challenge-response, before START
     frontend → engine   START <config> <transport> <channel spec> <frontend GPU UUIDs>
     engine → frontend   READY <ReadyInfo>      channel attached, core built
     engine → frontend   ENGINE_CORE_DEAD <error text>   (one frame kind, flushed before exit)
@@ -39,6 +41,8 @@ READY = b"READY"
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 SHUTDOWN = b"SHUTDOWN"
 HEARTBEAT = b"HEARTBEAT"
+#: Remote start-up only: the challenge-response of ``shmclient.auth``, before START.
+AUTH = b"AUTH"
 
 
 class ReadyInfo(msgspec.Struct, frozen=True):
@@ -54,8 +58,82 @@ class ReadyInfo(msgspec.Struct, frozen=True):
 
 
 def make_address(tag: str = "ctl") -> str:
-    """A fresh abstract-namespace ipc address (Linux): nothing to unlink afterwards."""
+    """A fresh abstract-namespace ipc address (Linux): nothing to unlink afterwards, but
+    any process of any uid may connect to it: the clients use ``IpcDir`` instead."""
     return f"ipc://@shmc-{os.getpid()}-{secrets.token_hex(8)}-{tag}"
+
+
+#: Env variable: the directory the private ipc directories are made in (default: the
+#: system's temporary directory).
+IPC_DIR_ENV = "SHMCLIENT_IPC_DIR"
+_IPC_PREFIX = "shmc-ipc-"
+
+
+class IpcDir:
+    """A private (0700) directory for the ipc sockets of one client's engine start-up:
+    only processes of this uid (and root) can connect to a socket in it, where any uid
+    could reach an abstract socket. ``remove()`` unlinks the sockets and the directory
+    (the frontend calls it as soon as the engine has connected: connections already made
+    stay up). The name carries the creator's pid, and a new ``IpcDir`` removes the
+    directories of creators that are gone (killed between start and connect), so
+    nothing is left behind for long. Never blocks."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        base = os.environ.get(IPC_DIR_ENV) or tempfile.gettempdir()
+        _sweep(base)
+        self.path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=base)
+        os.chmod(self.path, 0o700)
+        self._names: list[str] = []
+
+    def address(self, tag: str) -> str:
+        """``ipc://<dir>/<tag>`` (a zmq ipc address; the socket is made when bound)."""
+        self._names.append(tag)
+        return f"ipc://{self.path}/{tag}"
+
+    def remove(self) -> None:
+        """Unlink every socket in the directory and the directory (idempotent)."""
+        path, self.path = self.path, ""
+        if not path:
+            return
+        _remove_dir(path)
+
+
+def _remove_dir(path: str) -> None:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _sweep(base: str) -> None:
+    """Remove private ipc directories of this uid whose creator process is gone."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    me = os.getuid()
+    for name in names:
+        if not name.startswith(_IPC_PREFIX):
+            continue
+        pid = name[len(_IPC_PREFIX):].partition("-")[0]
+        path = os.path.join(base, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != me or os.path.exists(f"/proc/{pid}"):
+                continue
+        except OSError:
+            continue
+        _remove_dir(path)
 
 
 def tcp_address(host: str, port: int = 0) -> str:

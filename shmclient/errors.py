@@ -91,6 +91,12 @@ class ShmCapacityError(ShmClientError, OSError):
     creation (naming the bytes), never later."""
 
 
+class AuthenticationError(ShmClientError, PermissionError):
+    """The peer of a remote (tcp) engine start-up could not prove it knows the shared
+    secret, or a side has none (``shmclient.auth``); the message says which side and
+    why. Raised by the frontend's client constructor and by a ``--connect`` engine."""
+
+
 class UtilityCallError(ShmClientError, RuntimeError):
     """A utility method raised in the engine: ``Call to <method> method failed: <msg>``."""
 

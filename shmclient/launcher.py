@@ -42,8 +42,8 @@ from typing import Any, Callable, NoReturn
 import msgspec
 import zmq
 
-from . import control, forksafe
-from .errors import ConfigError
+from . import auth, control, forksafe
+from .errors import AuthenticationError, ConfigError
 from .channel import ShmChannel
 from .channel_zmq import ZmqChannel
 from .messages import PROTOCOL_VERSION
@@ -123,12 +123,16 @@ class EngineResources:
         self.ctl: zmq.Socket | None = None
         self.channel: ShmChannel | ZmqChannel | None = None
         self.proc: subprocess.Popen | None = None
+        #: The private directory of the ipc sockets until the engine has connected.
+        self.ipc_dir: control.IpcDir | None = None
         self.monitor: threading.Thread | None = None
         #: True when the engine is remote: not started here, reached over tcp.
         self.remote = False
         #: The control socket's address (tcp for a remote engine).
         self.control_address = ""
         self._heartbeat: control.Heartbeat | None = None
+        #: The shared secret of a remote start-up (None: unauthenticated, opted in).
+        self._secret: bytes | None = None
         self._rank = 0
         self.dead = threading.Event()
         self.dead_reason = ""
@@ -159,10 +163,15 @@ class EngineResources:
         host = getattr(config, "data_parallel_address", None)
         if not remote:
             find_engine_module(config.engine_module)
+        else:
+            self._secret = auth.require_secret("frontend")
         self.ctx = zmq.Context()
         tcp = remote or (host is not None and config.transport == "zmq")
+        if not tcp:
+            # Only this uid may reach the sockets; removed once the engine is connected.
+            self.ipc_dir = control.IpcDir()
         address = (control.tcp_address(host, remote_control_port(config) if remote else 0)
-                   if tcp else control.make_address("ctl"))
+                   if tcp else self.ipc_dir.address("ctl"))
         try:
             self.ctl = control.frontend_socket(self.ctx, address)
         except zmq.ZMQError as e:
@@ -184,7 +193,7 @@ class EngineResources:
         elif tcp:
             self.channel, spec = ZmqChannel.create(self.ctx, host=host)
         else:
-            self.channel, spec = ZmqChannel.create(self.ctx, address[:-4])
+            self.channel, spec = ZmqChannel.create(self.ctx, self.ipc_dir.address("data"))
         self._rank = rank = config.data_parallel_rank or 0
         if remote:
             port_given = getattr(config, "data_parallel_rpc_port", 0) != 0
@@ -211,17 +220,34 @@ class EngineResources:
         if isinstance(self.channel, ZmqChannel):
             self.channel.wait_registered(timeout=max(1.0, timeout))
         self.channel.peer_attached()
+        if self.ipc_dir is not None:
+            self.ipc_dir.remove()  # the engine is connected: nothing else may connect
         self.channel.set_peer_gpus(info.gpu_uuids)
+        if isinstance(self.channel, ShmChannel) and self.proc is not None:
+            self.channel.set_peer_pid(self.proc.pid)
         self.monitor = threading.Thread(
             target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
         )
         self.monitor.start()
         return info
 
+    def _send_start(self, config: Any, spec: Any) -> None:
+        self.ctl.send_multipart(
+            [
+                control.START,
+                msgspec.msgpack.encode(config),
+                config.transport.encode(),
+                msgspec.msgpack.encode(spec),
+                msgspec.msgpack.encode(local_gpu_uuids()),
+            ]
+        )
+
     def _handshake(self, config: Any, spec: Any, timeout: float) -> control.ReadyInfo:
         assert self.ctl is not None and (self.proc is not None or self.remote)
         deadline = time.monotonic() + timeout
         hello = False
+        challenge: tuple[bytes, bytes] | None = None
+        started = False
         # A remote engine watches the frontend by its heartbeats from START on (its
         # model may load for minutes); its own beats say it is still loading.
         hb = self._heartbeat = (control.Heartbeat(config.heartbeat_interval_s,
@@ -279,15 +305,37 @@ class EngineResources:
             kind = msg[0]
             if kind == control.HELLO and not hello:
                 hello = True
-                self.ctl.send_multipart(
-                    [
-                        control.START,
-                        msgspec.msgpack.encode(config),
-                        config.transport.encode(),
-                        msgspec.msgpack.encode(spec),
-                        msgspec.msgpack.encode(local_gpu_uuids()),
-                    ]
-                )
+                if self.remote and self._secret is not None:
+                    # Nothing about this client crosses before the engine has proved it
+                    # knows the secret (auth's challenge-response).
+                    nonce_e = msg[2] if len(msg) > 2 else b""
+                    if len(nonce_e) != auth.NONCE_BYTES:
+                        raise AuthenticationError(
+                            f"the remote engine at {self.control_address} offered no "
+                            "authentication (it has no shared secret): start it with the "
+                            f"same {auth.SECRET_FILE_ENV} or {auth.SECRET_ENV} as this "
+                            "frontend")
+                    nonce_f = auth.nonce()
+                    challenge = (nonce_e, nonce_f)
+                    self.ctl.send_multipart(
+                        [control.AUTH, nonce_f, auth.proof(self._secret, b"frontend", nonce_e, nonce_f)])
+                    continue
+                self._send_start(config, spec)
+                started = True
+            elif kind == control.AUTH and challenge is not None:
+                nonce_e, nonce_f = challenge
+                challenge = None
+                if len(msg) != 2 or not auth.verify(self._secret, b"engine", nonce_f, nonce_e, msg[1]):
+                    raise AuthenticationError(
+                        f"the remote engine at {self.control_address} could not prove it knows "
+                        "the shared secret: it is not this frontend's engine, or its "
+                        f"{auth.SECRET_FILE_ENV} / {auth.SECRET_ENV} differs")
+                self._send_start(config, spec)
+                started = True
+            elif kind == control.READY and not started:
+                raise AuthenticationError(
+                    f"the engine at {self.control_address} said READY before it was sent "
+                    "START: it does not follow the start-up protocol")
             elif kind == control.READY:
                 info = msgspec.msgpack.decode(msg[1], type=control.ReadyInfo)
                 if info.protocol_version != PROTOCOL_VERSION:
@@ -298,6 +346,10 @@ class EngineResources:
                 return info
             elif kind == control.ENGINE_CORE_DEAD:
                 text = msg[1].decode(errors="replace") if len(msg) > 1 else ""
+                if text.startswith("AuthenticationError: "):
+                    raise AuthenticationError(
+                        f"the remote engine at {self.control_address} refused this "
+                        f"frontend: {text[len('AuthenticationError: '):]}")
                 raise RuntimeError(f"Engine core initialization failed: {text}")
 
     # -- death ------------------------------------------------------------------------
@@ -450,6 +502,8 @@ class EngineResources:
                     self.ctl.close(linger=_REMOTE_LINGER_MS)
                 else:
                     self.ctl.close(linger=0)
+            if self.ipc_dir is not None:
+                self.ipc_dir.remove()
             if self.ctx is not None:
                 if mon is not None and mon.is_alive():  # pragma: no cover - monitor stuck
                     self.ctx.destroy(linger=0)

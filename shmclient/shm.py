@@ -5,9 +5,14 @@ rules every segment in shmclient follows:
 
 * a segment is a ``memfd_create`` file: it has no name in /dev/shm or anywhere else, so
   nothing can outlive the processes that map it, whatever kills them and whenever;
-* the backing memory is reserved at creation with ``posix_fallocate``, so a host that
-  cannot hold it fails here with a ``ShmCapacityError`` naming the bytes, never with
-  SIGBUS later;
+* the backing memory is reserved at creation with ``posix_fallocate`` (or, for a
+  segment created with ``reserve=False`` such as a tensor arena, by ``reserve()`` before
+  its first use), after a check against every memory limit of the process (its memory
+  cgroup, v1 or v2, and the host's MemAvailable, with ``SHMCLIENT_MEMORY_MARGIN_BYTES``
+  to spare): a reservation that does not fit fails here with a ``ShmCapacityError``
+  naming the bytes and the limit, never with SIGBUS or the OOM killer later;
+* once sized, a segment is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): no
+  holder of an fd of it can truncate it under a peer's mapping;
 * its *handle* is a string ``memfd:<pid>:<fd>:<inode>``: the creator's pid, the fd number
   in the creator and the inode. A peer opens it through ``/proc/<pid>/fd/<fd>`` (or uses
   the same fd if it inherited it, e.g. with ``subprocess.Popen(pass_fds=...)``) and checks
@@ -26,13 +31,27 @@ Nothing here blocks.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
+import stat
 
 from .errors import ShmCapacityError
 
 PAGE = mmap.PAGESIZE
 HANDLE_PREFIX = "memfd:"
+
+#: Env variable: bytes a reservation must leave free under the tightest memory limit of
+#: this process (cgroup or host), so that a reservation that only just fits does not
+#: leave the process to be OOM-killed at its next allocation.
+MARGIN_ENV = "SHMCLIENT_MEMORY_MARGIN_BYTES"
+DEFAULT_MARGIN = 64 << 20
+#: The seals every segment carries once sized: nobody (creator, peer, or a process that
+#: opened it through /proc) can shrink it under a peer's mapping (SIGBUS) or grow it.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python's mmap module yet
+_UNLIMITED = 1 << 62
 
 
 def _capacity_error(what: str, size: int, err: OSError) -> ShmCapacityError:
@@ -41,6 +60,109 @@ def _capacity_error(what: str, size: int, err: OSError) -> ShmCapacityError:
         f"The memory comes from the host's (or the container's) memory limit; free some "
         f"memory or ask for a smaller ring or arena."
     )
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat_field(path: str, *names: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] in names:
+                    return int(parts[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def memory_limits(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> list[tuple[int, str]]:
+    """What this process may still use: ``[(bytes, where the limit is), ...]``, one entry
+    per limit that applies: the host's ``MemAvailable``, and the memory cgroup of this
+    process (v2: ``memory.max - memory.current`` of its cgroup and of every parent with a
+    limit; v1: ``memory.limit_in_bytes`` (or the hierarchical limit) minus
+    ``memory.usage_in_bytes``), page cache that can be dropped (inactive files) counted
+    as free. Files that cannot be read are left out. Does not block."""
+    out: list[tuple[int, str]] = []
+    avail = _stat_field(f"{proc}/meminfo", "MemAvailable:")
+    if avail:
+        out.append((avail * 1024, f"MemAvailable of the host ({avail * 1024} bytes)"))
+    try:
+        with open(f"{proc}/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":  # cgroup v2
+            base = f"{cgroup_root}/unified" if os.path.isdir(f"{cgroup_root}/unified") and not \
+                os.path.exists(f"{cgroup_root}/cgroup.controllers") else cgroup_root
+            parts = [p for p in path.split("/") if p]
+            for i in range(len(parts), 0, -1):
+                d = "/".join([base, *parts[:i]])
+                limit = _read_int(f"{d}/memory.max")
+                if limit is None or limit >= _UNLIMITED:
+                    continue
+                used = (_read_int(f"{d}/memory.current") or 0) - _stat_field(
+                    f"{d}/memory.stat", "inactive_file")
+                out.append((limit - max(used, 0), f"memory.max={limit} of cgroup {d}"))
+        elif "memory" in controllers.split(","):  # cgroup v1
+            d = f"{cgroup_root}/memory{path}".rstrip("/")
+            if not os.path.isdir(d):
+                d = f"{cgroup_root}/{controllers}{path}".rstrip("/")
+            limit = _read_int(f"{d}/memory.limit_in_bytes")
+            if limit is None:
+                continue
+            hier = _stat_field(f"{d}/memory.stat", "hierarchical_memory_limit")
+            if hier:
+                limit = min(limit, hier)
+            if limit >= _UNLIMITED:
+                continue
+            used = (_read_int(f"{d}/memory.usage_in_bytes") or 0) - _stat_field(
+                f"{d}/memory.stat", "total_inactive_file")
+            out.append((limit - max(used, 0), f"memory.limit_in_bytes={limit} of cgroup {d}"))
+    return out
+
+
+def margin_bytes() -> int:
+    raw = os.environ.get(MARGIN_ENV)
+    if raw is None:
+        return DEFAULT_MARGIN
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{MARGIN_ENV} must be a number of bytes >= 0, got {raw!r}") from None
+    return value
+
+
+def check_reservation(size: int, what: str) -> None:
+    """Raise ``ShmCapacityError`` unless ``size`` more bytes fit under every memory limit
+    of this process with ``SHMCLIENT_MEMORY_MARGIN_BYTES`` to spare: a reservation that
+    does not fit would get the process (or, on the host, someone else) OOM-killed
+    instead of failing. Does not block."""
+    margin = margin_bytes()
+    for free, where in memory_limits():
+        if size + margin > free:
+            raise ShmCapacityError(
+                f"cannot reserve {size} bytes of shared memory for {what}: only "
+                f"{max(free, 0)} bytes are free under {where}, and {margin} must stay free "
+                f"({MARGIN_ENV}). Free some memory or ask for a smaller ring or arena."
+            )
 
 
 def parse_handle(handle: str) -> tuple[str, int, int, int]:
@@ -81,6 +203,99 @@ def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
     return new
 
 
+def open_peer_memfd(handle: str, peer_pid: int | None) -> int:
+    """A read-only fd of the sealed memfd a peer's one-off handle names, checked: the
+    handle is a ``memfd:`` one of ``peer_pid`` (any pid when None: an in-process pair),
+    the opened file is a memfd (its /proc link reads ``/memfd:``), its inode is the
+    handle's and it carries the ``SEALS`` against shrink and grow. Raises ValueError
+    naming what is wrong, FileNotFoundError when it is gone. The caller owns the fd."""
+    kind, pid, fd, ino = parse_handle(handle)
+    if kind != "memfd":
+        raise ValueError(f"{handle!r} is not a shared-memory segment handle")
+    if peer_pid is not None and pid != peer_pid:
+        raise ValueError(f"{handle!r} is not a segment of the peer (pid {peer_pid})")
+    if fd < 0 or pid <= 0:
+        raise ValueError(f"not a shared-memory handle: {handle!r}")
+    try:
+        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise FileNotFoundError(f"shared memory {handle!r} is gone: {e.strerror}") from e
+    try:
+        link = os.readlink(f"/proc/self/fd/{new}")
+        st = os.fstat(new)
+        if not link.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{handle!r} does not name a memfd segment")
+        if st.st_ino != ino:
+            raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
+        try:
+            seals = fcntl.fcntl(new, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if seals & need != need:
+            raise ValueError(f"{handle!r} is not sealed against shrinking and growing")
+    except BaseException:
+        os.close(new)
+        raise
+    return new
+
+
+def close_inherited(handles) -> None:
+    """Close the fds this process inherited for ``handles`` (``Popen(pass_fds=...)``)
+    once it has attached what they name: a handle of another process whose fd number is
+    open here on the same kind of file and inode. Afterwards nothing of the segment is
+    reachable through this process's /proc/<pid>/fd. Never raises; does not block."""
+    me = os.getpid()
+    for handle in handles:
+        if not handle:
+            continue
+        try:
+            kind, pid, fd, ino = parse_handle(handle)
+            if pid == me:
+                continue
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("/memfd:" if kind == "memfd" else "pipe:") and os.fstat(fd).st_ino == ino:
+                os.close(fd)
+        except (OSError, ValueError):
+            pass
+
+
+def _same_file(fd: int) -> set[int]:
+    st = os.fstat(fd)
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            other = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if other.st_ino == st.st_ino and other.st_dev == st.st_dev:
+            out.add(int(name))
+    return out
+
+
+def _map(fd: int, size: int, flags: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> mmap.mmap:
+    """``mmap.mmap`` without the fd it keeps: Python's mmap object holds a dup of the fd
+    for its whole life (before 3.13's ``trackfd=False``), which would keep the segment
+    reachable through /proc/<pid>/fd. The dup is pointed at /dev/null instead (the
+    object only uses it for ``size()``/``resize()``, which shmclient never calls, and
+    closes it with the mapping)."""
+    try:
+        return mmap.mmap(fd, size, flags=flags, prot=prot, trackfd=False)  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    before = _same_file(fd)
+    mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+    extra = _same_file(fd) - before
+    if extra:
+        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for dup in extra:
+                os.dup2(null, dup, inheritable=False)
+        finally:
+            os.close(null)
+    return mm
+
+
 def _flags(populate: bool) -> int:
     return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
 
@@ -89,7 +304,7 @@ class Segment:
     """A mapped shared-memory segment. ``buf`` is a writable memoryview of all of it;
     ``name`` is the handle a peer attaches with (``Segment.attach(name)``)."""
 
-    __slots__ = ("name", "size", "owner", "fd", "_mmap", "buf", "__weakref__")
+    __slots__ = ("name", "size", "owner", "fd", "_mmap", "buf", "reserved", "__weakref__")
 
     def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap, fd: int) -> None:
         self.name = name
@@ -98,35 +313,52 @@ class Segment:
         self.fd = fd  # the creator's fd behind the handle; -1 once released
         self._mmap: mmap.mmap | None = mm
         self.buf: memoryview = memoryview(mm)
+        #: Whether the memory behind it is known to be reserved (``reserve()``).
+        self.reserved = True
 
     @classmethod
     def create(
-        cls, size: int, prefix: str = "shmc", name: str | None = None, *, populate: bool = False
+        cls,
+        size: int,
+        prefix: str = "shmc",
+        name: str | None = None,
+        *,
+        populate: bool = False,
+        reserve: bool = True,
     ) -> "Segment":
         """Create, reserve and map a new segment of ``size`` bytes (owner side).
 
-        Raises ``ShmCapacityError`` when the memory cannot be reserved, ``ValueError`` for
-        a size < 1. ``prefix`` names the memfd for /proc/<pid>/maps readers; ``name`` is
-        accepted for compatibility and ignored. ``populate``: map every page now
-        (MAP_POPULATE), so that the first touch of each page later costs no page fault
-        (a few µs each: the tail of a ring's latency until it has wrapped once). Does
-        not block.
+        Raises ``ShmCapacityError`` when the memory cannot be reserved (checked first
+        against every memory limit of the process, see ``check_reservation``),
+        ``ValueError`` for a size < 1. ``prefix`` names the memfd for /proc/<pid>/maps
+        readers; ``name`` is accepted for compatibility and ignored. ``populate``: map
+        every page now (MAP_POPULATE), so that the first touch of each page later costs
+        no page fault (a few µs each: the tail of a ring's latency until it has wrapped
+        once). ``reserve=False``: size it but reserve nothing yet (no memory is used
+        until ``reserve()`` or a write); ``populate`` is then ignored. The segment is
+        sealed against shrinking and growing (``SEALS``). Does not block.
         """
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"segment size must be an int >= 1 byte, got {size!r}")
-        fd = os.memfd_create(prefix, os.MFD_CLOEXEC)
+        if reserve:
+            check_reservation(size, f"a {prefix!r} segment")
+        fd = os.memfd_create(prefix, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             try:
                 os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size)
+                if reserve:
+                    os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 raise _capacity_error(f"a {prefix!r} segment", size, e) from e
-            mm = mmap.mmap(fd, size, flags=_flags(populate))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            mm = _map(fd, size, _flags(populate and reserve))
             ino = os.fstat(fd).st_ino
         except BaseException:
             os.close(fd)
             raise
-        return cls(f"{HANDLE_PREFIX}{os.getpid()}:{fd}:{ino}", size, True, mm, fd)
+        seg = cls(f"{HANDLE_PREFIX}{os.getpid()}:{fd}:{ino}", size, True, mm, fd)
+        seg.reserved = reserve
+        return seg
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = False) -> "Segment":
@@ -138,7 +370,46 @@ class Segment:
             size = os.fstat(fd).st_size
             if size < 1:
                 raise FileNotFoundError(f"shared memory {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=_flags(populate))
+            mm = _map(fd, size, _flags(populate))
+        finally:
+            os.close(fd)
+        seg = cls(name, size, False, mm, -1)
+        seg.reserved = False  # unknown: ``reserve()`` makes sure before a first write
+        return seg
+
+    def reserve(self) -> None:
+        """Reserve the memory of a segment created with ``reserve=False`` (either side,
+        through its mapping; idempotent). Raises ``ShmCapacityError`` naming the bytes
+        and the limit when it does not fit (checked first: a reservation beyond a cgroup
+        limit would OOM-kill the process instead of failing). Does not block."""
+        if self.reserved:
+            return
+        if self._mmap is None:
+            raise ShmCapacityError("cannot reserve a closed segment")
+        check_reservation(self.size, "a tensor arena")
+        try:
+            self._mmap.madvise(_MADV_POPULATE_WRITE)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise _capacity_error("a tensor arena", self.size, e) from e
+            # An older kernel: touch one byte of every page (nothing reads it yet).
+            buf = self.buf
+            for off in range(0, self.size, PAGE):
+                buf[off] = buf[off]
+        self.reserved = True
+
+    @classmethod
+    def attach_private(cls, name: str, peer_pid: int | None = None) -> "Segment":
+        """Map a peer's one-off segment for reading (``open_peer_memfd`` checks it):
+        copy-on-write, so a write through the mapping changes this process's copy only,
+        never the file. ValueError for a handle that is not a sealed memfd of the peer,
+        FileNotFoundError if it is gone. Does not block."""
+        fd = open_peer_memfd(name, peer_pid)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 1:
+                raise FileNotFoundError(f"shared memory {name!r} is empty")
+            mm = _map(fd, size, mmap.MAP_PRIVATE)
         finally:
             os.close(fd)
         return cls(name, size, False, mm, -1)

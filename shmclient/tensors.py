@@ -144,8 +144,10 @@ class ShmTensorSender:
         self._seg = segment
         self._lock = threading.Lock()
         self._arena = np.frombuffer(segment.buf, np.uint8)
-        usable = segment.size - segment.size % ALIGN
-        self._free: list[list[int]] = [[0, usable]] if usable else []  # sorted [offset, size]
+        self._usable = usable = segment.size - segment.size % ALIGN
+        #: A segment not yet reserved is reserved on the first tensor that needs it.
+        self._lazy = usable > 0 and not segment.reserved
+        self._free: list[list[int]] = [[0, usable]] if usable and not self._lazy else []  # sorted [offset, size]
         self._blocks: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
         self._oneoffs: dict[int, Segment] = {}  # id -> segment, its handle still open
         self._ids = itertools.count(1)
@@ -175,6 +177,8 @@ class ShmTensorSender:
         if nbytes <= 0:
             return None  # nothing to place: inline is free
         with self._lock:
+            if self._lazy:
+                self._reserve_arena()
             offset = self._alloc(nbytes)
             if offset is not None:
                 bid = next(self._ids)
@@ -188,6 +192,18 @@ class ShmTensorSender:
                 raise
             return [ARENA, bid, offset]
         return self._put_oneoff(src, nbytes)
+
+    def _reserve_arena(self) -> None:
+        """First tensor: reserve the arena's memory (checked against the memory limits;
+        on failure the arena stays unused and tensors go as one-offs or inline). Caller
+        holds the lock."""
+        self._lazy = False
+        try:
+            self._seg.reserve()
+        except ShmCapacityError as e:
+            log.warning("tensor arena of %d bytes not used: %s", self._seg.size, e)
+            return
+        self._free = [[0, self._usable]]
 
     def _put_oneoff(self, src: Any, nbytes: int) -> list | None:
         try:
@@ -320,6 +336,31 @@ class ShmTensorSender:
         self._seg.close()
 
 
+_U64 = 1 << 64
+
+
+def _check_handle(handle: Any, nbytes: Any) -> tuple[int, int, Any]:
+    """``(kind, block id, where)`` of an ``[ARENA, id, offset]`` or ``[ONE_OFF, id,
+    segment handle]`` handle from the wire, or ``SerializationError`` (nothing queued
+    for release: an id that is not a u64 would break the release record)."""
+    if type(handle) is not list or len(handle) != 3:
+        raise SerializationError("malformed tensor handle: expected [kind, id, where]")
+    kind, bid, where = handle
+    if type(bid) is not int or not 0 < bid < _U64:
+        raise SerializationError(f"malformed tensor handle: block id {bid!r} is not a u64 > 0")
+    if type(nbytes) is not int or nbytes < 0:
+        raise SerializationError(f"malformed tensor length {nbytes!r}")
+    if kind == ARENA:
+        if type(where) is not int:
+            raise SerializationError(f"malformed tensor handle: offset {where!r} is not an int")
+    elif kind == ONE_OFF:
+        if type(where) is not str or len(where) > 100:
+            raise SerializationError("malformed one-off tensor handle")
+    else:
+        raise SerializationError(f"unknown tensor handle kind {kind!r}")
+    return kind, bid, where
+
+
 def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -334,8 +375,12 @@ class ShmTensorReceiver:
     ``take_releases`` may be called from any thread; views may die in any thread.
     """
 
-    def __init__(self, segment: Segment, *, view_from: int = VIEW_FROM) -> None:
+    def __init__(
+        self, segment: Segment, *, view_from: int = VIEW_FROM, enable_cuda_ipc: bool = True
+    ) -> None:
         self._seg = segment
+        #: Whether CUDA IPC handles are opened at all (else refused before anything).
+        self.enable_cuda_ipc = enable_cuda_ipc
         self._buf = segment.buf
         self._size = segment.size
         self.view_from = view_from
@@ -346,6 +391,9 @@ class ShmTensorReceiver:
         self._live: dict[int, weakref.ref] = {}
         self._cuda: Any = None
         self._closed = False
+        #: The sender's pid: a one-off handle must name one of its segments (None: any
+        #: pid, for a pair in one process). Set from the handshake.
+        self.peer_pid: int | None = None
 
     def get(self, handle: list, nbytes: int) -> np.ndarray:
         """A 1-D uint8 array of the block's bytes, valid for as long as it (or anything
@@ -353,9 +401,9 @@ class ShmTensorReceiver:
         one-off segment that is gone. Does not block."""
         if self._closed:
             raise SerializationError("tensor receiver is closed")
-        kind, bid, where = handle[0], handle[1], handle[2]
+        kind, bid, where = _check_handle(handle, nbytes)
         if kind == ARENA:
-            if type(where) is not int or where < 0 or where + nbytes > self._size:
+            if type(where) is not int or where < 0 or where % ALIGN or where + nbytes > self._size:
                 raise SerializationError(f"tensor block {bid} [{where}, +{nbytes}) is outside the arena")
             mv = self._buf[where : where + nbytes]
             if nbytes < self.view_from:
@@ -370,10 +418,14 @@ class ShmTensorReceiver:
 
     def _get_oneoff(self, bid: int, name: str, nbytes: int) -> np.ndarray:
         try:
-            seg = Segment.attach(name)
-        except (FileNotFoundError, ValueError) as e:
+            seg = Segment.attach_private(name, self.peer_pid)
+        except FileNotFoundError as e:
             self._released.append(bid)
             raise SerializationError(f"one-off tensor segment {name} is gone (sender closed?)") from e
+        except (ValueError, OSError) as e:
+            self._released.append(bid)
+            raise SerializationError(f"one-off tensor segment {name} refused: it is gone or "
+                                     f"not a sealed segment of the sender: {e}") from None
         self._released.append(bid)
         if seg.size < nbytes:
             seg.close()
@@ -398,11 +450,17 @@ class ShmTensorReceiver:
         return arr
 
     def get_cuda(self, handle: list) -> torch.Tensor:
-        """Open a CUDA IPC handle (cached per allocation); see ``tensors_cuda``."""
+        """Open a CUDA IPC handle (cached per allocation; checked first by
+        ``tensors_cuda.check_handle``). Refused (``SerializationError``, nothing opened)
+        when this receiver was made with ``enable_cuda_ipc=False``."""
+        if not self.enable_cuda_ipc:
+            raise SerializationError(
+                "message carries a CUDA IPC handle but this side has enable_cuda_ipc=False: "
+                "refused, nothing was opened")
         if self._cuda is None:
             from .tensors_cuda import CudaIpcReceiver
 
-            self._cuda = CudaIpcReceiver()
+            self._cuda = CudaIpcReceiver(self.peer_pid)
         return self._cuda.open(handle, self._released)
 
     def cuda_index_for_uuid(self, uuid: str) -> int | None:

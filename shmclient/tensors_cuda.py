@@ -33,6 +33,7 @@ stream synchronization in a storage's destructor.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import weakref
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.multiprocessing.reductions as _reductions
 
+from .dtypes import torch_dtype
 from .errors import SerializationError
 
 log = logging.getLogger("shmclient")
@@ -152,19 +154,85 @@ class CudaIpcSender:
             torch.cuda.ipc_collect()
 
 
+#: torch's ref-counter files hold this many int64 counters (``CUDA_IPC_REF_COUNTER_FILE_SIZE``
+#: in torch/csrc/CudaIPCTypes.h); a counter offset outside them is refused.
+REF_COUNTER_FILE_SIZE = 10000
+#: torch's name of a ref-counter file (``at::NewProcessWideShmHandle``): /torch_<pid>_<n>_...
+_REF_COUNTER_NAME = re.compile(rb"/torch_([0-9]+)_[0-9]+(?:_[0-9]+)*")
+_MAX_NDIM = 64
+_U64 = 1 << 64
+
+
+def check_handle(handle: Any, peer_pid: int | None = None) -> tuple:
+    """The fields of a ``[CUDA_IPC, ...]`` handle from the wire, checked, or
+    ``SerializationError`` naming what is wrong (nothing opened, nothing queued for
+    release). Checks: 14 fields; the block id a u64 > 0; the dtype on the allowlist
+    (``dtypes``); sizes and strides ints >= 0 of the same length, the view (offset,
+    sizes, strides) inside the storage's bytes; the storage offset and size ints >= 0;
+    the ref-counter file one of torch's names (of ``peer_pid`` when given) and its
+    counter offset inside that file; the handles bytes. Pure Python: needs no GPU."""
+    if type(handle) is not list or len(handle) != 14:
+        raise SerializationError("malformed CUDA IPC handle: expected 14 fields")
+    (kind, bid, uuid, h, st_size, st_offset, size, stride, offset, dtype_name,
+     rc_handle, rc_offset, ev_handle, ev_sync) = handle
+    if kind != CUDA_IPC:
+        raise SerializationError(f"malformed CUDA IPC handle: kind {kind!r}")
+    if type(bid) is not int or not 0 < bid < _U64:
+        raise SerializationError(f"malformed CUDA IPC handle: block id {bid!r} is not a u64 > 0")
+    if type(uuid) is not str or len(uuid) > 64:
+        raise SerializationError("malformed CUDA IPC handle: GPU UUID")
+    dtype = torch_dtype(dtype_name)
+    if h is not None and (type(h) is not bytes or len(h) > 1024):
+        raise SerializationError("malformed CUDA IPC handle: storage handle")
+    for name, v in (("storage size", st_size), ("storage offset", st_offset), ("offset", offset)):
+        if type(v) is not int or not 0 <= v < 1 << 62:
+            raise SerializationError(f"malformed CUDA IPC handle: {name} {v!r}")
+    if (type(size) is not list or type(stride) is not list or len(size) != len(stride)
+            or len(size) > _MAX_NDIM
+            or any(type(d) is not int or not 0 <= d < 1 << 62 for d in size + stride)):
+        raise SerializationError("malformed CUDA IPC handle: sizes and strides")
+    if all(size):
+        last = offset
+        for d, st in zip(size, stride):
+            last += (d - 1) * st
+        if (last + 1) * dtype.itemsize > st_size:
+            raise SerializationError(
+                f"malformed CUDA IPC handle: a view of {size} / strides {stride} at offset "
+                f"{offset} needs {(last + 1) * dtype.itemsize} bytes, the storage has {st_size}")
+    if rc_handle is not None or rc_offset is not None:
+        name = rc_handle.encode() if type(rc_handle) is str else rc_handle
+        m = _REF_COUNTER_NAME.fullmatch(name) if type(name) is bytes else None
+        if m is None:
+            raise SerializationError("malformed CUDA IPC handle: not a torch ref-counter file name")
+        if peer_pid is not None and int(m.group(1)) != peer_pid:
+            raise SerializationError("CUDA IPC handle refused: its ref-counter file is not the peer's")
+        if type(rc_offset) is not int or not 0 <= rc_offset < REF_COUNTER_FILE_SIZE:
+            raise SerializationError(
+                f"malformed CUDA IPC handle: ref-counter offset {rc_offset!r} is outside "
+                f"[0, {REF_COUNTER_FILE_SIZE})")
+    if ev_handle is not None and (type(ev_handle) is not bytes or len(ev_handle) > 1024):
+        raise SerializationError("malformed CUDA IPC handle: event handle")
+    if type(ev_sync) is not bool:
+        raise SerializationError("malformed CUDA IPC handle: event flag")
+    return (bid, uuid, h, st_size, st_offset, size, stride, offset, dtype, rc_handle,
+            rc_offset, ev_handle, ev_sync)
+
+
 class CudaIpcReceiver:
     """Opens CUDA handles on the local device with the same UUID."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer_pid: int | None = None) -> None:
         self.opened = 0  # handles actually opened (cache misses)
         self._live: dict[int, Any] = {}
+        #: The sender's pid: its ref-counter files carry it (None: not checked).
+        self.peer_pid = peer_pid
 
     def open(self, handle: list, released) -> torch.Tensor:
         """The tensor for ``handle``; its id is appended to ``released`` when the returned
         tensor object is garbage (torch's own ref-count keeps the producer's block out of
         reuse for as long as any view of the storage lives)."""
-        (_, bid, uuid, h, st_size, st_offset, size, stride, offset, dtype_name,
-         rc_handle, rc_offset, ev_handle, ev_sync) = handle
+        (bid, uuid, h, st_size, st_offset, size, stride, offset, dtype, rc_handle,
+         rc_offset, ev_handle, ev_sync) = check_handle(handle, self.peer_pid)
         index = local_index_for_uuid(uuid)
         if index is None:
             released.append(bid)
@@ -172,7 +240,6 @@ class CudaIpcReceiver:
                 f"received a CUDA IPC handle for GPU {uuid}, which this process does not see; "
                 "the sender must be given peer_gpu_uuids=local_gpu_uuids() from this side"
             )
-        dtype = getattr(torch, dtype_name)
         if h is not None and _reductions.storage_from_cache(None, (h, st_offset)) is None:
             self.opened += 1
         # TypedStorage, as reduce_tensor sends: the class whose methods torch expects here.

@@ -61,7 +61,7 @@ from typing import Any, Callable, NoReturn
 import msgspec
 import zmq
 
-from shmclient import control, waiting
+from shmclient import auth, control, waiting
 from shmclient.channel_zmq import ZmqChannel, ZmqChannelSpec
 from shmclient.channel import (
     REC_OUTPUTS,
@@ -73,6 +73,7 @@ from shmclient.channel import (
     ShmChannelSpec,
 )
 from shmclient.errors import (
+    AuthenticationError,
     PeerDeadError,
     PeerNotConsumingError,
     PeerNotProducingError,
@@ -328,7 +329,7 @@ def _parse_argv(argv: list[str]) -> tuple[str, int | None, float]:
         if len(argv) != 2:
             raise SystemExit("usage: python -m shmclient_engine <control address> <frontend pid>"
                              " | --connect tcp://HOST:PORT [--ready-timeout S]")
-        return argv[0], int(argv[1]), 0.0
+        return argv[0], int(argv[1]), 0.0, ()
     import argparse
 
     p = argparse.ArgumentParser(
@@ -338,6 +339,10 @@ def _parse_argv(argv: list[str]) -> tuple[str, int | None, float]:
                     "SHUTDOWN or goes silent.")
     p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
                    help="the frontend's control address (logged by the frontend)")
+    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
+                   help="a module the frontend may make this engine import (an entry of "
+                        "EngineConfig.utility_modules); repeat for more. A frontend naming "
+                        "any other is refused")
     p.add_argument("--ready-timeout", type=float, default=None, metavar="S",
                    help="seconds to wait for the frontend's START (default: "
                         "$SHMCLIENT_ENGINE_READY_TIMEOUT_S, else 600)")
@@ -349,14 +354,19 @@ def _parse_argv(argv: list[str]) -> tuple[str, int | None, float]:
         wait = float(os.environ.get("SHMCLIENT_ENGINE_READY_TIMEOUT_S", "600"))
     if not wait > 0:
         p.error(f"--ready-timeout {wait!r}: must be > 0")
-    return args.connect, None, wait
+    return args.connect, None, wait, tuple(args.allow_module)
 
 
-def _connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float) -> list[bytes] | None:
+def _connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float,
+                       secret: bytes | None = None) -> list[bytes] | None:
     """Remote engine: say HELLO once the frontend listens, then wait for START; None if
-    either takes longer than ``wait_s`` in all."""
+    either takes longer than ``wait_s`` in all. With a ``secret``, the frontend's AUTH
+    challenge is answered first; ``AuthenticationError`` for a frontend that cannot prove
+    it knows the secret (or sends START without trying): nothing it sent is decoded, no
+    module it names is imported."""
     deadline = time.monotonic() + wait_s
-    hello = [control.HELLO, str(os.getpid()).encode()]
+    nonce_e = auth.nonce() if secret is not None else b""
+    hello = [control.HELLO, str(os.getpid()).encode(), nonce_e]
     while True:
         try:
             ctl.send_multipart(hello, zmq.NOBLOCK)
@@ -366,9 +376,25 @@ def _connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float) -> list[byt
             if left <= 0:
                 return None
             ctl.poll(int(min(_SLICE_S, left) * 1000) + 1, zmq.POLLOUT)
+    authenticated = secret is None
     while True:
         msg = control.recv(ctl, min(_SLICE_S, max(0.0, deadline - time.monotonic())))
+        if msg is not None and msg[0] == control.AUTH and not authenticated:
+            if len(msg) != 3 or len(msg[1]) != auth.NONCE_BYTES or not auth.verify(
+                    secret, b"frontend", nonce_e, msg[1], msg[2]):
+                raise AuthenticationError(
+                    f"the frontend at {address} could not prove it knows the shared secret: "
+                    "it is not the frontend this engine was started for, or its "
+                    f"{auth.SECRET_FILE_ENV} / {auth.SECRET_ENV} differs")
+            authenticated = True
+            ctl.send_multipart([control.AUTH, auth.proof(secret, b"engine", msg[1], nonce_e)])
+            continue
         if msg is not None and msg[0] == control.START:
+            if not authenticated:
+                raise AuthenticationError(
+                    f"the frontend at {address} sent START without authenticating (it has "
+                    f"no shared secret): give it the same {auth.SECRET_FILE_ENV} or "
+                    f"{auth.SECRET_ENV} as this engine")
             return msg
         if msg is None and time.monotonic() >= deadline:
             return None
@@ -401,7 +427,17 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
     builds the core (``shmclient_engine.make_core`` by default). ``on_config(config)``, if
     given, runs once the config has arrived, before the core is built (an exception there
     is reported as a start-up failure; ``SystemExit`` exits with its code)."""
-    address, parent_pid, wait_s = _parse_argv(argv)
+    address, parent_pid, wait_s, allowed_modules = _parse_argv(argv)
+    if parent_pid is None:
+        # A remote engine without a secret (and without the explicit opt-in) refuses to
+        # start, before it connects anywhere.
+        try:
+            secret = auth.require_secret("engine")
+        except AuthenticationError as e:
+            log.error("%s", e)
+            return 1
+    else:
+        secret = None
     # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -413,7 +449,7 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
     code = 0
     try:
         if parent_pid is None:
-            msg = _connect_and_hello(ctl, address, wait_s)
+            msg = _connect_and_hello(ctl, address, wait_s, secret)
             if msg is None:
                 log.error("no frontend sent START at %s within %g s: exiting", address, wait_s)
                 return 1
@@ -427,6 +463,13 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
         _, raw_config, transport, raw_spec, raw_gpus = msg
         config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
         if parent_pid is None:
+            refused = [m for m in config.utility_modules if m not in allowed_modules]
+            if refused:
+                raise AuthenticationError(
+                    f"the frontend asks this remote engine to import {refused} "
+                    "(EngineConfig.utility_modules), which its command line does not allow: "
+                    "start it with --allow-module NAME for each module it may import")
+        if parent_pid is None:
             link = FrontendLink(ctl, config.heartbeat_interval_s, config.heartbeat_timeout_s)
         if on_config is not None:
             on_config(config)
@@ -438,6 +481,8 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
             torch.set_num_threads(max(1, config.cpu_threads))
         if transport == b"shm":
             channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
+            if parent_pid is not None:
+                channel.set_peer_pid(parent_pid)
         else:
             spec = msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec)
             spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),

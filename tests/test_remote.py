@@ -57,6 +57,13 @@ def zmq_gc_thread():
     yield
 
 
+@pytest.fixture(autouse=True)
+def shared_secret(monkeypatch):
+    """Remote start-ups are authenticated (shmclient.auth): the frontend here and every
+    engine started by ``start_remote`` (which copies the environment) share a secret."""
+    monkeypatch.setenv("SHMCLIENT_SECRET", "test-remote-secret")
+
+
 def free_port() -> int:
     """A tcp port free on loopback now (the OS picks it)."""
     with socket.socket() as s:

@@ -91,7 +91,7 @@ def test_shm_sender_passes_the_switch_through(monkeypatch):
 def test_receiver_refuses_a_gpu_it_does_not_see(monkeypatch):
     monkeypatch.setattr(tensors_cuda, "local_index_for_uuid", lambda u: None)
     released: list[int] = []
-    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"r", 0, b"e", True]
+    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, b"e", True]
     with pytest.raises(SerializationError, match="does not see"):
         CudaIpcReceiver().open(handle, released)
     assert released == [17]  # the sender may drop its reference

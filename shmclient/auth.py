@@ -1,0 +1,84 @@
+"""Mutual authentication of a remote (tcp) engine start-up: an HMAC challenge-response
+on a shared secret, in both directions, before anything else crosses.
+
+Lowest layer: imports ``errors`` and the standard library. The secret comes from the file
+named by ``SHMCLIENT_SECRET_FILE`` (its bytes, a trailing newline dropped), else from
+``SHMCLIENT_SECRET``; never from a command line (which other users can read in
+/proc/<pid>/cmdline). Without one, a remote start-up is refused with
+``AuthenticationError``, unless ``SHMCLIENT_ALLOW_UNAUTHENTICATED=1`` (a warning is
+logged; only for a network where every host that can reach the port is trusted).
+
+The exchange (``control`` message kinds): the engine says ``HELLO <pid> <nonce_e>``; the
+frontend answers ``AUTH <nonce_f> <proof of the frontend>``; the engine checks it and
+answers ``AUTH <proof of the engine>``; only then does the frontend send START (config,
+channel addresses). A proof is HMAC-SHA256 of the secret over the role and both nonces,
+so neither side's answer can be replayed to the other or in another session. Nothing
+here blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+
+from .errors import AuthenticationError
+
+log = logging.getLogger("shmclient")
+
+SECRET_ENV = "SHMCLIENT_SECRET"
+SECRET_FILE_ENV = "SHMCLIENT_SECRET_FILE"
+INSECURE_ENV = "SHMCLIENT_ALLOW_UNAUTHENTICATED"
+NONCE_BYTES = 32
+_TAG = b"shmclient-auth-v1\0"
+
+
+def load_secret() -> bytes | None:
+    """The shared secret (see the module docstring), or None when none is set. Raises
+    ``AuthenticationError`` for a secret file that cannot be read or is empty."""
+    path = os.environ.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read()
+        except OSError as e:
+            raise AuthenticationError(f"{SECRET_FILE_ENV}={path!r} cannot be read: {e.strerror}") from None
+        secret = secret.rstrip(b"\r\n")
+        if not secret:
+            raise AuthenticationError(f"{SECRET_FILE_ENV}={path!r} is empty")
+        return secret
+    value = os.environ.get(SECRET_ENV)
+    return value.encode() if value else None
+
+
+def require_secret(side: str) -> bytes | None:
+    """The secret for a remote start-up on ``side`` ("frontend" / "engine"); None only
+    with the explicit opt-in (logged at WARNING); else ``AuthenticationError``."""
+    secret = load_secret()
+    if secret is not None:
+        return secret
+    if os.environ.get(INSECURE_ENV) == "1":
+        log.warning(
+            "remote engine start-up on the %s WITHOUT authentication (%s=1): anyone who "
+            "can reach the port can read prompts, forge outputs or drive the engine", side,
+            INSECURE_ENV)
+        return None
+    raise AuthenticationError(
+        f"no shared secret for the remote engine connection ({side}): set {SECRET_FILE_ENV} "
+        f"(a file only you can read) or {SECRET_ENV} on both the frontend and the engine, "
+        f"or {INSECURE_ENV}=1 to run without authentication on a trusted network")
+
+
+def nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 of ``role`` ("frontend" / "engine") and both nonces."""
+    return hmac.new(secret, _TAG + role + b"\0" + first + second, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, role: bytes, first: bytes, second: bytes, mac: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, role, first, second), mac)
