@@ -12,6 +12,7 @@ from typing import Any
 from .client import EngineCoreClient, SyncEngineCoreClient, make_async_mp_client, make_client
 from .errors import (
     ClientClosedError,
+    ForkedError,
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
@@ -56,6 +57,7 @@ _LAZY = {
 __all__ = [
     "AsyncMPClient",
     "ClientClosedError",
+    "ForkedError",
     "ConfigError",
     "DPAsyncMPClient",
     "DPLBAsyncMPClient",

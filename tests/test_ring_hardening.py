@@ -1,0 +1,367 @@
+"""A hostile or broken peer, and misuse from threads and forked children.
+
+The peer shares the ring's mapping, so every value it writes there (positions, record
+headers, fragment totals, the capacity) is checked before use: a bad one closes this end
+and raises ``RingCorruptError`` (a ``ProtocolError``) naming the field, its value and the
+bound, never a hang, a crash or a read or write outside the mapping. A forked child can
+use none of its parent's rings or clients (``ForkedError``); a second thread of this side
+waits for a call in progress instead of being refused. Each test here failed before its
+fix. The hostile-peer fuzz test is ``slow``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from shmclient import _ring
+from shmclient.errors import ForkedError, PeerDeadError, ProtocolError
+from shmclient.ring import Ring, RingCorruptError
+
+OFF_CAPACITY, OFF_HEAD, OFF_TAIL, DATA = 16, 64, 256, 4096
+F_PAD, F_MORE, F_CONT = 0x02, 0x04, 0x08
+
+
+def _put(ring: Ring, off: int, value: int, fmt: str = "<Q") -> None:
+    struct.pack_into(fmt, ring._res.seg.buf, off, value)
+
+
+def _get(ring: Ring, off: int) -> int:
+    return struct.unpack_from("<Q", ring._res.seg.buf, off)[0]
+
+
+def _record(ring: Ring, pos: int, length: int, rtype: int, flags: int, body: bytes = b"") -> None:
+    """A record header (and body) written at data offset ``pos`` as a peer could."""
+    struct.pack_into("<IBBH", ring._res.seg.buf, DATA + pos, length, rtype, flags, 0)
+    ring._res.seg.buf[DATA + pos + 8:DATA + pos + 8 + len(body)] = body
+
+
+@pytest.fixture
+def rings():
+    """A consumer that owns a 4096-byte ring and a producer attached to it."""
+    c = Ring.create("consumer", 4096)
+    p = Ring.attach(c.spec, "producer")
+    c.unlink()
+    yield p, c
+    p.close()
+    c.close()
+
+
+def _run(script: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh interpreter of this tree; a hang fails, never freezes."""
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script hung for {timeout} s: {(e.stderr or b'')[-2000:]!r}")
+
+
+def _assert_broken(p: Ring, c: Ring, match: str) -> None:
+    """The consumer raised once for ``match``; it stays broken and the producer is told."""
+    with pytest.raises(RingCorruptError, match=match):
+        c.try_recv()
+    with pytest.raises(ProtocolError, match=match):  # every later call says it again
+        c.recv_into(lambda t, v: None)
+    with pytest.raises(PeerDeadError):  # the close reached the producer
+        p.send(1, b"x", timeout=1)
+
+
+# ---------------------------------------------------------------- R1: a PAD past head
+
+
+def test_r1_a_pad_beyond_the_published_head_is_an_error_not_a_hang():
+    r = _run(
+        f"""
+        import struct
+        from shmclient.ring import Ring, RingCorruptError
+        for call in ("take", "views"):
+            c = Ring.create("consumer", 4096)
+            buf = c._res.seg.buf
+            struct.pack_into("<IBBH", buf, {DATA}, 0, 0, {F_PAD}, 0)  # PAD at offset 0
+            struct.pack_into("<Q", buf, {OFF_HEAD}, 8)  # head: not a multiple of the capacity
+            try:
+                c.try_recv() if call == "take" else c.recv_into(lambda t, v: None)
+            except RingCorruptError as e:
+                print(call, "refused:", e)
+            else:
+                print(call, "accepted")
+            c.close()
+        """,
+        timeout=30,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["take refused", "views refused"], r.stdout
+    assert all("PAD" in ln and "head" in ln for ln in lines), r.stdout
+
+
+# ---------------------------------------------------------------- R2: head laps the ring
+
+
+def test_r2_a_head_more_than_a_ring_ahead_is_refused(rings):
+    p, c = rings
+    p.send(1, b"a" * 10)
+    assert c.try_recv() == [(1, b"a" * 10)]
+    _put(c, OFF_HEAD, _get(c, OFF_HEAD) + 4096 + 8)  # laps the unread ring: stale bytes
+    _assert_broken(p, c, r"head .* bound")
+
+
+def test_r2_a_head_that_moves_back_is_refused(rings):
+    p, c = rings
+    p.send_batch([(1, b"a" * 10), (2, b"b" * 10)])
+    assert len(c.try_recv()) == 2
+    p.send(3, b"c")
+    _put(c, OFF_HEAD, 8)  # behind what was read
+    _assert_broken(p, c, r"head")
+
+
+def test_r2_a_misaligned_head_is_refused(rings):
+    p, c = rings
+    p.send(1, b"a" * 10)
+    _put(c, OFF_HEAD, _get(c, OFF_HEAD) + 3)
+    _assert_broken(p, c, r"head")
+
+
+def test_r2_a_tail_beyond_what_was_written_is_refused(rings):
+    p, c = rings
+    p.send(1, b"a" * 10)
+    _put(p, OFF_TAIL, 4096 * 3)  # the consumer "released" bytes never written
+    for _ in range(600):  # the producer loads tail once it runs short of space
+        try:
+            p.try_send(2, b"b" * 100)
+        except RingCorruptError as e:
+            assert "tail" in str(e)
+            break
+    else:
+        pytest.fail("the producer accepted a tail beyond its write position")
+    with pytest.raises(ProtocolError, match="tail"):
+        p.try_send(2, b"b")
+    with pytest.raises(PeerDeadError):  # the producer closed: what it published is read first
+        for _ in range(100):
+            c.try_recv()
+
+
+# ---------------------------------------------------------------- R3: misaligned positions
+
+
+@pytest.mark.parametrize("field", ["head", "tail"])
+@pytest.mark.parametrize("attaching", ["producer", "consumer"])
+def test_r3_misaligned_positions_are_refused_at_attach(field, attaching):
+    owner = Ring.create("consumer" if attaching == "producer" else "producer", 4096)
+    try:
+        _put(owner, OFF_HEAD, 4093 if field == "head" else 4096)
+        _put(owner, OFF_TAIL, 4093 if field == "tail" else 0)
+        with pytest.raises(RingCorruptError, match=field):
+            Ring.attach(owner.spec, attaching)
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize("head,tail", [(8192, 0), (0, 64)])
+def test_r3_positions_more_than_a_ring_apart_are_refused_at_attach(head, tail):
+    owner = Ring.create("producer", 4096)
+    try:
+        _put(owner, OFF_HEAD, head)
+        _put(owner, OFF_TAIL, tail)
+        with pytest.raises(RingCorruptError, match="head"):
+            Ring.attach(owner.spec, "consumer")
+    finally:
+        owner.close()
+
+
+# ---------------------------------------------------------------- R5: fragment totals
+
+
+def test_r5_a_fragment_total_over_the_message_limit_is_refused(rings):
+    p, c = rings
+    _record(c, 0, 16, 1, F_MORE, struct.pack("<Q", 1 << 62) + b"12345678")
+    _put(c, OFF_HEAD, 24)
+    _assert_broken(p, c, rf"total .*{1 << 62}.* {0xFFFF_FFFF}")
+
+
+def test_r5_the_consumer_takes_exactly_what_the_producer_may_send(rings):
+    p, c = rings
+    assert _ring.MAX_MESSAGE == 0xFFFF_FFFF
+    _record(c, 0, 16, 1, F_MORE, struct.pack("<Q", 0xFFFF_FFFF + 1) + b"12345678")
+    _put(c, OFF_HEAD, 24)
+    _assert_broken(p, c, "total")
+
+
+def test_r5_send_part_refuses_what_the_consumer_would_refuse(rings):
+    p, c = rings
+    try:
+        big = mmap.mmap(-1, 0xFFFF_FFFF + 1)  # untouched: no memory is used
+    except OSError:  # pragma: no cover - a host without overcommit
+        pytest.skip("cannot map 4 GiB of address space")
+    try:
+        with pytest.raises(OverflowError, match="4294967295"):
+            p._c.send_part(1, big, 0, 512)
+        assert c.try_recv() == []  # nothing was written
+    finally:
+        big.close()
+
+
+# ---------------------------------------------------------------- R6: the capacity
+
+
+@pytest.mark.parametrize("cap", [(1 << 64) - 8, (1 << 64) - 4096 + 8, 1 << 63])
+def test_r6_a_capacity_that_overflows_the_size_check_is_refused(cap):
+    owner = Ring.create("producer", 4096)
+    try:
+        _put(owner, OFF_CAPACITY, cap)
+        for kind in (_ring.Consumer, _ring.Producer):
+            with pytest.raises(ValueError, match="capacity"):
+                kind(owner._res.seg.buf)
+    finally:
+        _put(owner, OFF_CAPACITY, 4096)
+        owner.close()
+
+
+def test_r6_attach_checks_the_capacity_the_c_end_uses(monkeypatch):
+    """The capacity is read once, by the C end; the spec is checked against that value
+    (a peer could change the header between a read in Python and one in C)."""
+    owner = Ring.create("producer", 8192)
+    try:
+        spec = owner.spec
+        _put(owner, OFF_CAPACITY, 4096)  # the header now says something else
+        real = _ring.stats
+
+        def stale(buf):  # as if the header changed right after Python looked
+            counters, flags = real(buf)
+            return {**counters, "capacity": spec.capacity}, flags
+
+        monkeypatch.setattr(_ring, "stats", stale)
+        with pytest.raises(ValueError, match="capacity"):
+            Ring.attach(spec, "consumer")
+    finally:
+        _put(owner, OFF_CAPACITY, 8192)
+        owner.close()
+
+
+# ---------------------------------------------------------------- F1: forked children
+
+
+def _in_child(fn) -> str:
+    """Run ``fn()`` in a forked child; its returned text (or the error) comes back."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            try:
+                out = fn()
+            except BaseException as e:
+                out = f"raised {type(e).__name__}: {e}"
+            os.write(w, out.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        chunks = []
+        while True:
+            b = os.read(r, 65536)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
+def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
+    p, c = rings
+    p.send(1, b"before")
+
+    def child() -> str:
+        calls = {
+            "C try_send": lambda: p._c.try_send(2, b"child"),
+            "C append": lambda: p._c.append(2, b"child"),
+            "C take": lambda: c._c.take(),
+            "C recv_views": lambda: c._c.recv_views(lambda t, v: None),
+            "C poll": lambda: c._c.poll(),
+            "C close": lambda: c._c.close(),
+            "try_send": lambda: p.try_send(2, b"child"),
+            "send": lambda: p.send(2, b"child", timeout=0),
+            "send_nowait": lambda: p.send_nowait(2, b"child"),
+            "try_recv": lambda: c.try_recv(),
+            "recv": lambda: c.recv(timeout=0),
+            "recv_into": lambda: c.recv_into(lambda t, v: None),
+        }
+        out = []
+        for name, call in calls.items():
+            try:
+                call()
+                out.append(f"{name}: went ahead")
+            except ForkedError as e:
+                out.append(f"{name}: ForkedError {e}")
+            except Exception as e:
+                out.append(f"{name}: {type(e).__name__} {e}")
+        return "\n".join(out)
+
+    lines = _in_child(child).splitlines()
+    assert len(lines) == 12 and all(": ForkedError" in ln for ln in lines), lines
+    assert "fork" in lines[0]
+    # the parent's ring, its positions and its peer are untouched
+    assert not p.peer_closed and not c.peer_closed
+    assert c.try_recv() == [(1, b"before")]
+    p.send(3, b"after")
+    assert c.recv(timeout=1) == [(3, b"after")]
+
+
+# ---------------------------------------------------------------- F2: threads
+
+
+def test_f2_another_thread_waits_for_a_handler_instead_of_being_refused(rings):
+    p, c = rings
+    p.send(1, b"first")
+    inside, go = threading.Event(), threading.Event()
+    handled, other, errors = [], [], []
+
+    def handler(t, view):
+        handled.append((t, bytes(view)))
+        inside.set()
+        go.wait(10)
+
+    def reader() -> None:
+        try:
+            c.recv_into(handler)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    a = threading.Thread(target=reader)
+    a.start()
+    try:
+        assert inside.wait(10)
+        p.send(2, b"second")
+        # another thread's lock-free call declines to the slow path (None), no error
+        assert c._c.take() is None
+        assert c._c.recv_views(lambda t, v: None) is None
+        b = threading.Thread(target=lambda: other.extend(c.recv(timeout=10)))
+        b.start()
+    finally:
+        go.set()
+        a.join(10)
+    b.join(10)
+    assert not errors and not a.is_alive() and not b.is_alive()
+    assert handled == [(1, b"first")] and other == [(2, b"second")]
+
+
+def test_f2_the_same_threads_handler_is_still_refused(rings):
+    p, c = rings
+    p.send_batch([(1, b"a"), (2, b"b")])
+
+    def handler(t, view):
+        if t == 1:
+            c.try_recv()
+
+    with pytest.raises(RuntimeError, match="re-entrant"):
+        c.recv_into(handler)
+    assert c.try_recv() == [(2, b"b")]
