@@ -316,6 +316,90 @@ def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
     assert c.recv(timeout=1) == [(3, b"after")]
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_f1_a_forked_child_cannot_use_its_parents_client(kind):
+    """A child's add_request used to reach the parent's engine through the C fast path;
+    the parent then read the child's output and its own next request, written from a
+    stale position, never reached the engine."""
+    r = _run(
+        f"""
+        import asyncio, os
+        from shmclient.config import EngineConfig
+        from shmclient.errors import ForkedError
+        from shmclient import EngineCoreRequest, SamplingParams, make_client
+
+        ASYNC = {kind == "async"!r}
+
+        def req(rid):
+            return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                     sampling_params=SamplingParams(max_tokens=2, temperature=0.0))
+
+        client = make_client(True, ASYNC, EngineConfig(model="mock"))
+        if ASYNC:
+            calls = [("add_request", lambda: client.add_request_async(req("child"))),
+                     ("get_output", lambda: client.get_output_async(timeout=0.5)),
+                     ("abort_requests", lambda: client.abort_requests_async(["x"])),
+                     ("call_utility", lambda: client.call_utility_async("is_sleeping"))]
+        else:
+            calls = [("add_request", lambda: client.add_request(req("child"))),
+                     ("get_output", lambda: client.get_output(timeout=0.5)),
+                     ("abort_requests", lambda: client.abort_requests(["x"])),
+                     ("call_utility", lambda: client.call_utility("is_sleeping"))]
+
+        async def call_all():
+            out = []
+            for name, call in calls:
+                try:
+                    r = call()
+                    if ASYNC:
+                        await r
+                    out.append(name + " went ahead")
+                except ForkedError:
+                    out.append(name + " ForkedError")
+                except BaseException as e:
+                    out.append(name + " " + type(e).__name__)
+            return out
+
+        rd, wr = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                out = asyncio.run(call_all())
+                client.shutdown()  # does nothing here: the engine is the parent's
+                os.write(wr, ",".join(out).encode())
+            finally:
+                os._exit(0)
+        os.close(wr)
+        print(os.read(rd, 4096).decode(), flush=True)
+        os.waitpid(pid, 0)
+
+        async def serve():
+            seen = set()
+            if ASYNC:
+                await client.add_request_async(req("parent"))
+            else:
+                client.add_request(req("parent"))
+            done = False
+            while not done:
+                outs = await client.get_output_async(timeout=10) if ASYNC else client.get_output(timeout=10)
+                for o in outs.outputs:
+                    seen.add(o.request_id)
+                    done = o.request_id == "parent" and o.finished
+            return seen
+
+        seen = asyncio.run(serve())
+        print("served", sorted(seen), flush=True)
+        client.shutdown()
+        """,
+        timeout=90,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split(",") == [f"{n} ForkedError" for n in
+                                   ("add_request", "get_output", "abort_requests", "call_utility")], r.stdout
+    assert lines[1] == "served ['parent']", r.stdout
+
+
 # ---------------------------------------------------------------- F2: threads
 
 
