@@ -449,3 +449,148 @@ def test_f2_the_same_threads_handler_is_still_refused(rings):
     with pytest.raises(RuntimeError, match="re-entrant"):
         c.recv_into(handler)
     assert c.try_recv() == [(2, b"b")]
+
+
+# ---------------------------------------------------------------- hostile-peer fuzz (slow)
+
+_FUZZ = r"""
+import random, struct, sys
+from shmclient import _ring
+from shmclient.errors import WouldBlock
+from shmclient.ring import Ring
+
+DATA, HEAD, TAIL, CAP = 4096, 64, 256, 16
+FLAGS = [0, 0x02, 0x04, 0x08, 0x0C, 0x06, 0x0A, 0xFF]
+
+
+def pos_value(rng, head, tail, cap):
+    return rng.choice([head, head + 8, head + 3, head - 8, head + cap, head + cap + 8,
+                       tail, tail + cap, tail + cap + 8, tail - 8, tail + 5, 0, 8,
+                       (1 << 64) - 8, rng.getrandbits(64), rng.getrandbits(12) * 8]) % (1 << 64)
+
+
+def corrupt(rng, buf, cap):
+    head, tail = struct.unpack_from("<Q", buf, HEAD)[0], struct.unpack_from("<Q", buf, TAIL)[0]
+    what = rng.randrange(7)
+    if what == 0:  # a record header, aligned or not
+        off = rng.randrange(cap // 8) * 8 if rng.random() < 0.8 else rng.randrange(cap - 8)
+        n = rng.choice([0, 1, 7, 8, 9, 16, cap - 8, cap, cap + 8, 0xFFFFFFFF, rng.getrandbits(32)])
+        struct.pack_into("<IBBH", buf, DATA + off, n, rng.getrandbits(8), rng.choice(FLAGS), 0)
+    elif what == 1:  # a first fragment with a total
+        off = rng.randrange(cap // 8 - 1) * 8
+        n = rng.choice([8, 9, 16, 24, cap - 16])
+        total = rng.choice([0, n - 9, n - 8, n, 0xFFFFFFFF, 1 << 32, 1 << 62, rng.getrandbits(64),
+                            rng.getrandbits(20)]) % (1 << 64)
+        struct.pack_into("<IBBHQ", buf, DATA + off, n, 1, rng.choice([0x04, 0x0C, 0x08]), 0, total)
+    elif what == 2:  # a PAD anywhere
+        off = rng.randrange(cap // 8) * 8
+        struct.pack_into("<IBBH", buf, DATA + off, 0, 0, 0x02, 0)
+    elif what == 3:
+        struct.pack_into("<Q", buf, HEAD, pos_value(rng, head, tail, cap))
+    elif what == 4:
+        struct.pack_into("<Q", buf, TAIL, pos_value(rng, head, tail, cap))
+    elif what == 5:  # random bytes
+        off = rng.randrange(cap)
+        k = rng.randrange(1, 64)
+        buf[DATA + off:DATA + min(off + k, cap)] = rng.randbytes(min(k, cap - off))
+    else:  # the capacity (only a new attach reads it)
+        struct.pack_into("<Q", buf, CAP, rng.choice([0, 8, cap + 8, cap * 2, (1 << 64) - 8,
+                                                     rng.getrandbits(64)]))
+
+
+def ops(rng, p, c, cap):
+    big = rng.randbytes(rng.randrange(cap * 3))
+    for _ in range(rng.randrange(1, 8)):
+        op = rng.randrange(8)
+        try:
+            if op == 0:
+                c.try_recv()
+            elif op == 1:
+                c.recv_into(lambda t, v: bytes(v), timeout=0)
+            elif op == 2:
+                p.try_send(rng.getrandbits(8), rng.randbytes(rng.randrange(cap)))
+            elif op == 3:
+                p.send_nowait(1, big)
+            elif op == 4:
+                p._c.send_part(1, big, 0, max(8, (cap // 4 - 16) & -8))
+            elif op == 5:
+                c.has_data()
+                c.wait_readable(0.0005)
+            elif op == 6:
+                p.wait_writable(0.0005)
+            else:
+                c._c.take(True)
+        except Exception:
+            pass
+
+
+def case(seed):
+    rng = random.Random(seed)
+    cap = rng.choice([64, 128, 1024, 4096, 8192])
+    c = Ring.create("consumer", cap)
+    p = Ring.attach(c.spec, "producer")
+    c.unlink()
+    buf = c._res.seg.buf
+    try:
+        for _ in range(rng.randrange(6)):  # some honest traffic first
+            try:
+                p.send_nowait(rng.getrandbits(8), rng.randbytes(rng.randrange(cap * 2)))
+            except WouldBlock:
+                pass
+            if rng.random() < 0.6:
+                c.try_recv()
+        for _ in range(rng.randrange(1, 5)):
+            corrupt(rng, buf, cap)
+            ops(rng, p, c, cap)
+        for kind in (_ring.Consumer, _ring.Producer):  # attach to what is there now
+            try:
+                end = kind(buf)
+            except Exception:
+                continue
+            try:
+                if kind is _ring.Consumer:
+                    end.take(True)
+                    end.recv_views(lambda t, v: None, True)
+                else:
+                    end.try_send(1, b"x" * rng.randrange(cap), True)
+                    end.send_part(1, big_payload(rng, cap), 0, 8)
+            except Exception:
+                pass
+            end.close()
+            end.detach()
+    finally:
+        p.close()
+        c.close()
+
+
+def big_payload(rng, cap):
+    return rng.randbytes(rng.randrange(16, cap * 3 + 16))
+
+
+first, count = int(sys.argv[1]), int(sys.argv[2])
+for seed in range(first, first + count):
+    print(seed, flush=True)
+    case(seed)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [0, 1000, 2000, 3000])
+def test_fuzz_a_hostile_peer_never_hangs_or_crashes_either_end(first):
+    """Random header bytes, positions, PADs, totals and capacities written into a live
+    ring's mapping between take/recv_views/try_send/send_part/send_nowait calls of both
+    ends (and of ends attached to the result): each case ends in a Python exception or
+    normal operation. Cases run in a subprocess: a hang is its timeout, a crash its
+    signal, and either names the seed."""
+    count = 1500
+    try:
+        r = subprocess.run([sys.executable, "-c", _FUZZ, str(first), str(count)],
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"case {out.split()[-1] if out.split() else first} hung")
+    seeds = r.stdout.split()
+    assert r.returncode == 0 and seeds[-1:] == ["done"], (
+        f"case {seeds[-1] if seeds else first} ended with {r.returncode}: {r.stderr[-2000:]}")
+    assert len(seeds) == count + 1
