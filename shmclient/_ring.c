@@ -400,21 +400,24 @@ static int mine_mode(PyObject *o) {
    from the thread whose call made the end busy (a receive handler) is refused. */
 static int end_enter(End *self, int mode) {
     if (self->gen != fork_gen) return end_forked(self);
+    PyThreadState *me = PyThreadState_Get();
+    /* re-entry first: a handler sent to the slow path would wait for the lock of a
+       thread that itself waits for the handler's call to end */
+    if (self->busy && self->busy_ts == me) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "re-entrant use of a ring end (a receive handler must not use its own ring)");
+        return -1;
+    }
     if (mode == E_FAST && (self->held || self->closed)) return 1;
     for (;;) {
         if (self->closed) return end_closed_error(self);
         if (!self->busy) break;
-        if (self->busy_ts == PyThreadState_Get()) {
-            PyErr_SetString(PyExc_RuntimeError,
-                            "re-entrant use of a ring end (a receive handler must not use its own ring)");
-            return -1;
-        }
         if (mode != E_MINE) return 1;
         if (end_wait_idle(self) < 0) return -1;
         if (self->gen != fork_gen) return end_forked(self);
     }
     self->busy = 1;
-    self->busy_ts = PyThreadState_Get();
+    self->busy_ts = me;
     return 0;
 }
 

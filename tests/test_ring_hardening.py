@@ -451,6 +451,26 @@ def test_f2_the_same_threads_handler_is_still_refused(rings):
     assert c.try_recv() == [(2, b"b")]
 
 
+def test_f2_a_handler_is_refused_even_while_another_threads_slow_path_holds_the_end(rings):
+    """Declining would send the handler to the slow path, whose lock that other thread
+    holds while it waits for the handler's call: a deadlock. Re-entry is refused first."""
+    p, c = rings
+    p.send(1, b"a")
+    seen = []
+
+    def handler(t, view):
+        c._c.held = True  # as while another thread's recv() holds the lock and waits
+        try:
+            c._c.take()
+        except RuntimeError as e:
+            seen.append(str(e))
+        finally:
+            c._c.held = False
+
+    assert c.recv_into(handler) == 1
+    assert len(seen) == 1 and "re-entrant" in seen[0]
+
+
 # ---------------------------------------------------------------- hostile-peer fuzz (slow)
 
 _FUZZ = r"""
