@@ -339,7 +339,7 @@ static void end_dealloc(End *self) {
 }
 
 /* Use in a forked child: -1 with ForkedError (the end is the parent's), else 0. */
-static int end_forked(End *self) {
+__attribute__((cold, noinline)) static int end_forked(End *self) {
     if (self->gen == fork_gen) return 0;
     PyErr_Format(ForkedError, "this %s end of the ring belongs to process %d; the forked "
                  "child %d cannot use it (nothing was written or read): make a new client in "
@@ -348,7 +348,7 @@ static int end_forked(End *self) {
 }
 
 /* The error of a closed end: the protocol violation that closed it, if one did. */
-static int end_closed_error(End *self) {
+__attribute__((cold, noinline)) static int end_closed_error(End *self) {
     if (self->broken) PyErr_SetObject(CorruptError, self->broken);
     else PyErr_SetString(PyExc_ValueError, "this ring end is closed");
     return -1;
@@ -397,9 +397,22 @@ static int mine_mode(PyObject *o) {
     return b > 0 ? E_MINE : b == 0 ? E_FAST : -1;
 }
 
+static int end_enter_slow(End *self, int mode);
+
 /* Enter a call: 0 entered (busy), 1 declined (see the modes above), -1 error. A call
-   from the thread whose call made the end busy (a receive handler) is refused. */
-static int end_enter(End *self, int mode) {
+   from the thread whose call made the end busy (a receive handler) is refused. The
+   common case (not busy, not closed, not held, not forked) is one test here. */
+static inline int end_enter(End *self, int mode) {
+    if (__builtin_expect(!(self->busy | self->closed | (mode == E_FAST && self->held)) &&
+                         self->gen == fork_gen, 1)) {
+        self->busy = 1;
+        self->busy_ts = PyThreadState_Get();
+        return 0;
+    }
+    return end_enter_slow(self, mode);
+}
+
+__attribute__((noinline)) static int end_enter_slow(End *self, int mode) {
     if (self->gen != fork_gen) return end_forked(self);
     PyThreadState *me = PyThreadState_Get();
     /* re-entry first: a handler sent to the slow path would wait for the lock of a
@@ -427,7 +440,7 @@ static int end_enter(End *self, int mode) {
 static PyObject *end_close_common(End *e, size_t my_flag);
 static PyObject *consumer_close_impl(End *e);
 
-static int violation(End *e, const char *fmt, ...) {
+__attribute__((cold, noinline)) static int violation(End *e, const char *fmt, ...) {
     va_list va;
     va_start(va, fmt);
     PyObject *what = PyUnicode_FromFormatV(fmt, va);
@@ -553,7 +566,7 @@ static inline int p_tail_bad(Producer *p, uint64_t t) {
     return (t - p->tail > p->wpos - p->tail) | (int)(t & 7);
 }
 
-static int p_bad_tail(Producer *p, uint64_t t) {
+__attribute__((cold, noinline)) static int p_bad_tail(Producer *p, uint64_t t) {
     return violation(&p->e, "tail = %llu is not a multiple of 8 or outside [%llu, %llu] (the "
                      "last tail seen, the write position)", (unsigned long long)t,
                      (unsigned long long)p->tail, (unsigned long long)p->wpos);
@@ -1047,7 +1060,7 @@ static inline int c_ready_checked(Consumer *c) {
                      (unsigned long long)c->e.cap);
 }
 
-static int corrupt(Consumer *c, uint64_t pos, uint64_t n, const char *why) {
+__attribute__((cold, noinline)) static int corrupt(Consumer *c, uint64_t pos, uint64_t n, const char *why) {
     return violation(&c->e, "record of %llu bytes at offset %llu of %llu (read position %llu, "
                      "head = %llu): %s", (unsigned long long)n, (unsigned long long)pos,
                      (unsigned long long)c->e.cap, (unsigned long long)c->rpos,
