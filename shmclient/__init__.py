@@ -12,6 +12,7 @@ from typing import Any
 from .client import EngineCoreClient, SyncEngineCoreClient, make_async_mp_client, make_client
 from .errors import (
     ClientClosedError,
+    ForkedError,
     ConfigError,
     EngineDeadError,
     InvalidRequestError,
@@ -57,6 +58,7 @@ _LAZY = {
 __all__ = [
     "AsyncMPClient",
     "ClientClosedError",
+    "ForkedError",
     "ConfigError",
     "DPAsyncMPClient",
     "DPLBAsyncMPClient",

@@ -4,7 +4,9 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <linux/futex.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -87,12 +89,39 @@ PyDoc_STRVAR(RING_DOC,
 "* A wait does not make its end busy: its readiness checks run under the GIL and touch\n"
 "  only the position cache the other calls refresh too, so another thread of this side\n"
 "  may send or receive while one sleeps. The mapping stays until the last waiter left.\n"
-"* Statistics are relaxed atomics written by one side: hints, never decisions.\n");
+"* Statistics are relaxed atomics written by one side: hints, never decisions.\n"
+"\n"
+"The peer is not trusted (it may be broken, or not shmclient):\n"
+"* Every value it writes into the mapping (head or tail, a record header, a fragmented\n"
+"  message's total, and at attach the capacity) is loaded once into a local by an atomic\n"
+"  load (so the compiler cannot load it again), checked, and only the copy is used:\n"
+"  positions are multiples of 8 and tail <= head <= tail + capacity; head never moves back\n"
+"  nor more than the capacity past the tail this side released; tail never moves back nor\n"
+"  past what was written; a record or PAD fits below head and before the ring's end; a\n"
+"  total is at most MAX_MESSAGE, what send_part accepts. A violation closes this end (the\n"
+"  peer sees it closed) and raises RingCorruptError (a ProtocolError) naming the field,\n"
+"  its value and the bound; every later call raises it again. A record costs the two\n"
+"  compares it always did (a PAD one more) and a batch a few more, and no ordering above\n"
+"  changes: every load of record bytes still follows the acquire load of the head that\n"
+"  covers them.\n"
+"* Calls of one end: a call makes its end busy, remembering its thread. A call from that\n"
+"  thread (a receive handler using its own ring) is refused with RuntimeError. Another\n"
+"  thread's lock-free fast-path call declines (the caller takes its slow path); a slow\n"
+"  path, which holds the Python lock, waits without the GIL on a process-private futex\n"
+"  word that the busy call bumps as it leaves (and close() bumps too).\n"
+"* Fork: an end made before fork() is the parent's. A pthread_atfork hook bumps a\n"
+"  generation in the child; every entry point compares it (one compare) and raises\n"
+"  ForkedError, so a child never writes, reads, releases or closes its parent's ring.\n");
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the record header is read as one little-endian u64"
+#endif
 
 #define MAGIC 0x32474E4952434D53ULL /* "SMCRING2" */
 #define VERSION 2
 #define HEADER_BYTES 4096
 #define REC_HDR 8
+#define MAX_MESSAGE 0xFFFFFFFFULL /* the longest message (fragmented), both ends */
 
 #define F_PAD 0x02
 #define F_MORE 0x04
@@ -135,7 +164,12 @@ PyDoc_STRVAR(RING_DOC,
 #define W_TIMEOUT 2 /* nothing within the timeout */
 #define W_CLOSED 3  /* the peer closed and nothing more is there */
 
-static PyObject *CorruptError;
+static PyObject *CorruptError; /* shmclient.errors.RingCorruptError (a ProtocolError) */
+static PyObject *ForkedError;  /* shmclient.errors.ForkedError */
+
+/* Bumped in every child made by fork(): an end made before the fork is the parent's. */
+static unsigned long fork_gen;
+static void in_forked_child(void) { fork_gen++; }
 
 #if PY_VERSION_HEX < 0x030C0000
 static PyObject *get_raised(void) {
@@ -157,6 +191,11 @@ static void set_raised(PyObject *v) {
 #endif
 
 static inline uint64_t ld_acq(char *b, size_t off) { return atomic_load_explicit(U64(b, off), memory_order_acquire); }
+/* One load of a peer-writable word: the value is bounds-checked once and only that
+   copy is used (a plain read could be repeated by the compiler). */
+static inline uint64_t ld_once(const char *p) {
+    return atomic_load_explicit((_Atomic uint64_t *)p, memory_order_relaxed);
+}
 static inline void st_rel(char *b, size_t off, uint64_t v) { atomic_store_explicit(U64(b, off), v, memory_order_release); }
 static inline void stat_add(char *b, size_t off, uint64_t v) {
     /* single writer: load + store, no read-modify-write needed */
@@ -234,6 +273,13 @@ typedef struct {
                             another still asleep: its poster would then not wake it) */
     int held;           /* a Python-level slow path of this end is running (see ring.py):
                            fast-path calls (mine=False) then decline and take the lock */
+    PyThreadState *busy_ts; /* the thread whose call made the end busy */
+    int idle_waiters;   /* threads waiting for that call to end (end_wait_idle) */
+    _Atomic uint32_t idle_seq; /* process-private futex word: bumped when busy clears */
+    unsigned long gen;  /* fork_gen when made: another value means a forked child */
+    pid_t pid;          /* the process that made this end (for the error message) */
+    const char *role;
+    PyObject *broken;   /* the message of the protocol violation that closed the end */
 } End;
 
 static PyObject *end_get_held(End *self, void *c) { return PyBool_FromLong(self->held); }
@@ -256,15 +302,24 @@ static int end_init_buffer(End *self, PyObject *mapping) {
         PyErr_SetString(PyExc_ValueError, "mapping is not 64-byte aligned");
         return -1;
     }
-    uint64_t magic = *(uint64_t *)(self->base + OFF_MAGIC);
-    uint64_t ver = *(uint64_t *)(self->base + OFF_VERSION);
-    uint64_t cap = *(uint64_t *)(self->base + OFF_CAPACITY);
-    if (magic != MAGIC || ver != VERSION || cap < 64 || cap % 8 ||
-        (uint64_t)self->buf.len < HEADER_BYTES + cap) {
+    /* each header word is read once; only the copies are checked and used */
+    uint64_t magic = atomic_load_explicit(U64(self->base, OFF_MAGIC), memory_order_acquire);
+    uint64_t ver = ld_once(self->base + OFF_VERSION);
+    uint64_t cap = ld_once(self->base + OFF_CAPACITY);
+    if (magic != MAGIC || ver != VERSION) {
         PyErr_SetString(PyExc_ValueError, "mapping does not hold a ring of this version");
         return -1;
     }
+    uint64_t room = (uint64_t)self->buf.len - HEADER_BYTES; /* > 64: checked above */
+    if (cap < 64 || cap % 8 || cap > room) {
+        PyErr_Format(PyExc_ValueError, "capacity = %llu in the ring header is not a multiple of 8 "
+                     "from 64 to %llu (the mapping's data bytes)", (unsigned long long)cap,
+                     (unsigned long long)room);
+        return -1;
+    }
     self->cap = cap;
+    self->gen = fork_gen;
+    self->pid = getpid();
     self->data = self->base + HEADER_BYTES;
     return 0;
 }
@@ -277,6 +332,10 @@ static void end_drop_buffer(End *self) {
 /* Every call that entered with end_enter leaves through here. */
 static inline void end_leave(End *self) {
     self->busy = 0;
+    if (self->idle_waiters) { /* another thread waits for this call to end */
+        atomic_fetch_add_explicit(&self->idle_seq, 1, memory_order_relaxed);
+        syscall(SYS_futex, (uint32_t *)&self->idle_seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
     if (self->detach_pending && self->views == 0 && self->waiters == 0) {
         self->detach_pending = 0;
         end_drop_buffer(self);
@@ -284,22 +343,131 @@ static inline void end_leave(End *self) {
 }
 
 static void end_dealloc(End *self) {
+    Py_CLEAR(self->broken);
     if (self->buf.obj) PyBuffer_Release(&self->buf);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int end_enter(End *self) {
-    if (self->closed) {
-        PyErr_SetString(PyExc_ValueError, "this ring end is closed");
-        return -1;
-    }
-    if (self->busy) {
+/* Use in a forked child: -1 with ForkedError (the end is the parent's), else 0. */
+__attribute__((cold, noinline)) static int end_forked(End *self) {
+    if (self->gen == fork_gen) return 0;
+    PyErr_Format(ForkedError, "this %s end of the ring belongs to process %d; the forked "
+                 "child %d cannot use it (nothing was written or read): make a new client in "
+                 "the child", self->role, (int)self->pid, (int)getpid());
+    return -1;
+}
+
+/* The error of a closed end: the protocol violation that closed it, if one did. */
+__attribute__((cold, noinline)) static int end_closed_error(End *self) {
+    if (self->broken) PyErr_SetObject(CorruptError, self->broken);
+    else PyErr_SetString(PyExc_ValueError, "this ring end is closed");
+    return -1;
+}
+
+/* Checks of a call that reads this end's state without entering it: forked, closed,
+   re-entry from this thread's handler. */
+static int end_check(End *self) {
+    if (end_forked(self) < 0) return -1;
+    if (self->closed) return end_closed_error(self);
+    if (self->busy && self->busy_ts == PyThreadState_Get()) {
         PyErr_SetString(PyExc_RuntimeError,
                         "re-entrant use of a ring end (a receive handler must not use its own ring)");
         return -1;
     }
-    self->busy = 1;
     return 0;
+}
+
+/* Wait, without the GIL, until the call that makes this end busy ends (or the end is
+   closed: close() wakes us). -1 if a signal handler raised. */
+static int end_wait_idle(End *self) {
+    uint32_t s = atomic_load_explicit(&self->idle_seq, memory_order_relaxed);
+    long rc;
+    int err;
+    self->idle_waiters++;
+    Py_BEGIN_ALLOW_THREADS
+    /* the busy thread bumps the word under the GIL, so either it did before we read it
+       (then busy is 0 already) or after we let go of the GIL (then the wait returns) */
+    rc = syscall(SYS_futex, (uint32_t *)&self->idle_seq, FUTEX_WAIT_PRIVATE, s, NULL, NULL, 0);
+    err = errno;
+    Py_END_ALLOW_THREADS
+    self->idle_waiters--;
+    if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) return -1;
+    return 0;
+}
+
+#define E_FAST 0 /* a lock-free fast path: declines while held, closed or busy */
+#define E_MINE 1 /* the caller holds the Python lock: waits for another thread's call */
+#define E_SKIP 2 /* declines only while another thread's call runs */
+
+/* A receive's `mine` argument: false E_FAST, true E_MINE, 2 E_SKIP (the caller holds the
+   lock but must not wait: recv_into with timeout 0). */
+static int mine_mode(PyObject *o) {
+    if (PyLong_CheckExact(o) && PyLong_AsLong(o) == 2) return E_SKIP;
+    int b = PyObject_IsTrue(o);
+    return b > 0 ? E_MINE : b == 0 ? E_FAST : -1;
+}
+
+static int end_enter_slow(End *self, int mode);
+
+/* Enter a call: 0 entered (busy), 1 declined (see the modes above), -1 error. A call
+   from the thread whose call made the end busy (a receive handler) is refused. The
+   common case (not busy, not closed, not held, not forked) is one test here. */
+static inline int end_enter(End *self, int mode) {
+    if (__builtin_expect(!(self->busy | self->closed | (mode == E_FAST && self->held)) &&
+                         self->gen == fork_gen, 1)) {
+        self->busy = 1;
+        self->busy_ts = PyThreadState_Get();
+        return 0;
+    }
+    return end_enter_slow(self, mode);
+}
+
+__attribute__((noinline)) static int end_enter_slow(End *self, int mode) {
+    if (self->gen != fork_gen) return end_forked(self);
+    PyThreadState *me = PyThreadState_Get();
+    /* re-entry first: a handler sent to the slow path would wait for the lock of a
+       thread that itself waits for the handler's call to end */
+    if (self->busy && self->busy_ts == me) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "re-entrant use of a ring end (a receive handler must not use its own ring)");
+        return -1;
+    }
+    if (mode == E_FAST && (self->held || self->closed)) return 1;
+    for (;;) {
+        if (self->closed) return end_closed_error(self);
+        if (!self->busy) break;
+        if (mode != E_MINE) return 1;
+        if (end_wait_idle(self) < 0) return -1;
+        if (self->gen != fork_gen) return end_forked(self);
+    }
+    self->busy = 1;
+    self->busy_ts = me;
+    return 0;
+}
+
+/* A protocol violation by the peer: close this end (the peer sees it closed), remember
+   why, and raise RingCorruptError naming the field, its value and the bound. */
+static PyObject *end_close_common(End *e, size_t my_flag);
+static PyObject *consumer_close_impl(End *e);
+
+__attribute__((cold, noinline)) static int violation(End *e, const char *fmt, ...) {
+    va_list va;
+    va_start(va, fmt);
+    PyObject *what = PyUnicode_FromFormatV(fmt, va);
+    va_end(va);
+    if (!what) return -1;
+    PyObject *msg = PyUnicode_FromFormat("ring protocol violation seen by the %s: %U; this %s "
+                                         "end is closed", e->role, what, e->role);
+    Py_DECREF(what);
+    if (!msg) return -1;
+    if (!e->closed) {
+        PyObject *r = e->role[0] == 'c' ? consumer_close_impl(e) : end_close_common(e, OFF_P_CLOSED);
+        Py_XDECREF(r);
+        PyErr_Clear();
+    }
+    Py_XSETREF(e->broken, msg);
+    PyErr_SetObject(CorruptError, msg);
+    return -1;
 }
 
 /* Spin up to `spin` seconds (if the spin gate allows it: see _spin_gate.h), then sleep
@@ -424,8 +592,29 @@ static inline uint64_t p_free(Producer *p) {
     return p->tail + p->e.cap - p->wpos;
 }
 
+/* Whether a tail the consumer stored breaks the protocol: it only grows, never past
+   what was written, and stays a multiple of 8 (records and PADs are). */
+static inline int p_tail_bad(Producer *p, uint64_t t) {
+    return (t - p->tail > p->wpos - p->tail) | (int)(t & 7);
+}
+
+__attribute__((cold, noinline)) static int p_bad_tail(Producer *p, uint64_t t) {
+    return violation(&p->e, "tail = %llu is not a multiple of 8 or outside [%llu, %llu] (the "
+                     "last tail seen, the write position)", (unsigned long long)t,
+                     (unsigned long long)p->tail, (unsigned long long)p->wpos);
+}
+
+/* Load tail once; -1 (the end closed, RingCorruptError raised) if it breaks the protocol. */
+static int p_load_tail(Producer *p) {
+    uint64_t t = ld_acq(p->e.base, OFF_TAIL);
+    if (p_tail_bad(p, t)) return p_bad_tail(p, t);
+    p->tail = t;
+    return 0;
+}
+
 /* Reserve `size` contiguous bytes, writing a PAD to the end of the ring if needed.
-   Returns the offset, or -1 if there is no room now. */
+   Returns the offset, -1 if there is no room now, -2 with RingCorruptError raised (the
+   consumer stored a tail that breaks the protocol; the end is closed). */
 static int64_t p_reserve(Producer *p, uint64_t size) {
     uint64_t cap = p->e.cap;
     for (;;) {
@@ -433,7 +622,7 @@ static int64_t p_reserve(Producer *p, uint64_t size) {
         uint64_t room = cap - pos;
         uint64_t need = size <= room ? size : room; /* the record, or first the pad */
         if (need > p_free(p)) {
-            p->tail = ld_acq(p->e.base, OFF_TAIL);
+            if (p_load_tail(p) < 0) return -2;
             if (need > p_free(p)) return -1;
         }
         if (size <= room) return (int64_t)pos;
@@ -489,6 +678,20 @@ bad:
     return -1;
 }
 
+/* At attach: head and tail multiples of 8, tail <= head <= tail + capacity. A
+   misaligned position would make a record header (or a PAD) cross the ring's end. */
+static int check_positions(End *e, uint64_t head, uint64_t tail) {
+    const char *why = NULL;
+    if (tail & 7) why = "tail is not a multiple of 8";
+    else if (head & 7) why = "head is not a multiple of 8";
+    else if (head - tail > e->cap) why = "head is not within [tail, tail + capacity]";
+    if (!why) return 0;
+    PyErr_Format(CorruptError, "ring protocol violation seen by the attaching %s: head = %llu, "
+                 "tail = %llu, capacity = %llu: %s", e->role, (unsigned long long)head,
+                 (unsigned long long)tail, (unsigned long long)e->cap, why);
+    return -1;
+}
+
 static uint64_t max_record(Producer *p) {
     /* the largest payload written as one record: the whole ring less its header (a
        record that must wrap pads to the end first, then waits for the whole ring) */
@@ -501,12 +704,15 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kw) {
     int fd = -1;
     static char *kwlist[] = {"mapping", "pipe_fd", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &mapping, &fd)) return -1;
+    self->e.role = "producer";
     if (end_init_buffer(&self->e, mapping) < 0) return -1;
     self->e.pipe_fd = fd;
     /* a producer attaches to a ring that may already carry data (never in shmclient,
        but stay consistent): start from the published head */
-    self->wpos = self->published = ld_acq(self->e.base, OFF_HEAD);
-    self->tail = ld_acq(self->e.base, OFF_TAIL);
+    uint64_t head = ld_acq(self->e.base, OFF_HEAD), tail = ld_acq(self->e.base, OFF_TAIL);
+    if (check_positions(&self->e, head, tail) < 0) return -1;
+    self->wpos = self->published = head;
+    self->tail = tail;
     return 0;
 }
 
@@ -517,37 +723,42 @@ static PyObject *producer_append_impl(Producer *self, PyObject *const *args, Py_
         PyErr_SetString(PyExc_TypeError, "expected (type, payload[, mine])");
         return NULL;
     }
-    if (nargs == 2 && (self->e.held || self->e.closed)) Py_RETURN_FALSE; /* take the slow path */
+    int entered = end_enter(&self->e, nargs == 3 ? E_MINE : E_FAST);
+    if (entered) { /* declined: take the slow path */
+        if (entered < 0) return NULL;
+        Py_RETURN_FALSE;
+    }
     uint8_t t;
-    if (parse_type(args[0], &t) < 0) return NULL;
     Py_buffer pl;
-    if (PyObject_GetBuffer(args[1], &pl, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *res = NULL;
-    if (end_enter(&self->e) < 0) goto done;
+    if (parse_type(args[0], &t) < 0) goto out;
+    if (PyObject_GetBuffer(args[1], &pl, PyBUF_SIMPLE) < 0) goto out;
     if (atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire)) {
         res = Py_NewRef(Py_None); /* None: the consumer has closed */
-        goto out;
+        goto release;
     }
     if ((uint64_t)pl.len > max_record(self)) {
         PyErr_Format(PyExc_OverflowError, "payload of %zd bytes needs fragments", pl.len);
-        goto out;
+        goto release;
     }
     uint64_t size = ((uint64_t)pl.len + 15) & ~7ULL;
     int64_t pos = p_reserve(self, size);
     if (pos < 0) {
-        if (publish) p_publish(self);
-        res = Py_NewRef(Py_False);
-        goto out;
+        if (pos == -1) {
+            if (publish) p_publish(self);
+            res = Py_NewRef(Py_False);
+        }
+        goto release;
     }
     p_write(self, (uint64_t)pos, (uint32_t)pl.len, t, 0, NULL, 0, pl.buf, (size_t)pl.len);
     self->pend_records++;
     self->pend_bytes += (uint64_t)pl.len;
     if (publish) p_publish(self);
     res = Py_NewRef(Py_True);
+release:
+    PyBuffer_Release(&pl);
 out:
     end_leave(&self->e);
-done:
-    PyBuffer_Release(&pl);
     return res;
 }
 
@@ -560,7 +771,7 @@ static PyObject *producer_try_send(Producer *self, PyObject *const *args, Py_ssi
 }
 
 static PyObject *producer_publish(Producer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
+    if (end_enter(&self->e, E_MINE) < 0) return NULL;
     p_publish(self);
     end_leave(&self->e);
     Py_RETURN_NONE;
@@ -583,13 +794,14 @@ static PyObject *producer_send_part(Producer *self, PyObject *const *args, Py_ss
     Py_buffer pl;
     if (PyObject_GetBuffer(args[1], &pl, PyBUF_SIMPLE) < 0) return NULL;
     PyObject *res = NULL;
-    if (end_enter(&self->e) < 0) goto done;
+    if (end_enter(&self->e, E_MINE) < 0) goto done;
     if (off < 0 || off > pl.len || chunk < 8 || (uint64_t)chunk + 8 > max_record(self)) {
         PyErr_SetString(PyExc_ValueError, "bad offset or chunk");
         goto out;
     }
-    if ((uint64_t)pl.len > 0xFFFFFFFFFFFFULL) {
-        PyErr_SetString(PyExc_OverflowError, "payload too large");
+    if ((uint64_t)pl.len > MAX_MESSAGE) { /* the consumer refuses a longer total */
+        PyErr_Format(PyExc_OverflowError, "payload of %zd bytes is longer than a message can "
+                     "be (%llu bytes)", pl.len, MAX_MESSAGE);
         goto out;
     }
     if (atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire)) {
@@ -602,6 +814,7 @@ static PyObject *producer_send_part(Producer *self, PyObject *const *args, Py_ss
         int first = off == 0;
         uint64_t plen = (uint64_t)take + (first ? 8 : 0);
         int64_t pos = p_reserve(self, (plen + 15) & ~7ULL);
+        if (pos == -2) goto out;
         if (pos < 0) break;
         uint8_t flags = (first ? 0 : F_CONT) | (off + take < pl.len ? F_MORE : 0);
         uint64_t total = (uint64_t)pl.len;
@@ -629,13 +842,15 @@ static int p_space_ready(End *e) {
     if (atomic_load_explicit(U32(e->base, OFF_C_CLOSED), memory_order_acquire)) return 2;
     uint64_t t = ld_acq(e->base, OFF_TAIL);
     if (t == p->tail) return 0;
-    p->tail = t;
+    if (!p_tail_bad(p, t)) p->tail = t; /* else the retried write loads it and says so */
     return 1;
 }
 
 /* wait_space(spin_s, timeout_s) -> W_*: until the consumer releases space (tail moves
    past what the last failed write saw), the consumer closed, or the timeout. */
 static PyObject *producer_wait_space(Producer *self, PyObject *args) {
+    if (end_forked(&self->e) < 0) return NULL;
+    if (self->e.broken) return (end_closed_error(&self->e), NULL);
     return end_wait_method(&self->e, args, p_space_ready, OFF_P_WAIT, OFF_SPACE_SEQ, OFF_P_SPINS,
                            OFF_P_BLOCKS, OFF_WAITS_FULL);
 }
@@ -644,6 +859,7 @@ static PyObject *producer_wait_space(Producer *self, PyObject *args) {
    on p_wait, then a full fence). The caller then retries its write: either the retry sees
    the released space or the consumer sees the flag (see RING_DOC). */
 static PyObject *producer_arm_space(Producer *self, PyObject *unused) {
+    if (end_forked(&self->e) < 0) return NULL;
     if (!self->e.base) Py_RETURN_NONE;
     atomic_fetch_or_explicit(U32(self->e.base, OFF_P_WAIT), 2, memory_order_seq_cst);
     atomic_thread_fence(memory_order_seq_cst);
@@ -651,16 +867,21 @@ static PyObject *producer_arm_space(Producer *self, PyObject *unused) {
 }
 
 static PyObject *producer_pending(Producer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
-    end_leave(&self->e);
+    if (end_enter(&self->e, E_MINE) < 0) return NULL;
     /* bytes written but not yet released by the consumer */
-    self->tail = ld_acq(self->e.base, OFF_TAIL);
+    int bad = p_load_tail(self);
+    end_leave(&self->e);
+    if (bad) return NULL;
     return PyLong_FromUnsignedLongLong(self->wpos - self->tail);
 }
 
 static PyObject *end_close_common(End *e, size_t my_flag) {
     if (e->closed) Py_RETURN_NONE;
     e->closed = 1;
+    if (e->idle_waiters) { /* a thread waiting for a call of this side to end sees it */
+        atomic_fetch_add_explicit(&e->idle_seq, 1, memory_order_relaxed);
+        syscall(SYS_futex, (uint32_t *)&e->idle_seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
     char *b = e->base;
     atomic_store_explicit(U32(b, my_flag), 1, memory_order_seq_cst);
     atomic_fetch_add_explicit(U32(b, OFF_DATA_SEQ), 1, memory_order_seq_cst);
@@ -677,6 +898,7 @@ static PyObject *end_close_common(End *e, size_t my_flag) {
 
 /* detach(): drop the mapping (after close(), when no thread can be inside). */
 static PyObject *end_detach(End *self, PyObject *unused) {
+    if (end_forked(self) < 0) return NULL;
     if (!self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "detach() before close()");
         return NULL;
@@ -691,12 +913,17 @@ static PyObject *end_detach(End *self, PyObject *unused) {
 }
 
 static PyObject *producer_close(Producer *self, PyObject *unused) {
+    if (end_forked(&self->e) < 0) return NULL;
     if (!self->e.closed) p_publish(self);
     return end_close_common(&self->e, OFF_P_CLOSED);
 }
 
 static PyObject *producer_get_max_record(Producer *self, void *c) {
     return PyLong_FromUnsignedLongLong(max_record(self));
+}
+
+static PyObject *end_get_capacity(End *self, void *c) {
+    return PyLong_FromUnsignedLongLong(self->cap);
 }
 
 static PyMethodDef producer_methods[] = {
@@ -722,6 +949,7 @@ static PyMethodDef producer_methods[] = {
     {NULL}};
 
 static PyObject *producer_get_peer_closed(Producer *self, void *c) {
+    if (end_forked(&self->e) < 0) return NULL;
     if (!self->e.base) Py_RETURN_FALSE;
     return PyBool_FromLong(atomic_load_explicit(U32(self->e.base, OFF_C_CLOSED), memory_order_acquire));
 }
@@ -729,6 +957,7 @@ static PyObject *producer_get_peer_closed(Producer *self, void *c) {
 static PyGetSetDef producer_getset[] = {
     {"peer_closed", (getter)producer_get_peer_closed, NULL, "the consumer has closed", NULL},
     {"max_record", (getter)producer_get_max_record, NULL, "largest payload of one record", NULL},
+    {"capacity", (getter)end_get_capacity, NULL, "the capacity this end read (once) and uses", NULL},
     {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {NULL}};
 
@@ -800,6 +1029,8 @@ typedef struct {
     uint8_t frag_type;
     PyObject *pinned;  /* list of [end_position, memoryview] a handler kept an export of */
     int space_fd;      /* write end of the producer's space pipe, or -1 */
+    int head_bad;      /* a head that breaks the protocol was loaded (bad_head): not used */
+    uint64_t bad_head;
 } Consumer;
 
 static void c_rearm(Consumer *c);
@@ -810,10 +1041,13 @@ static int consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"mapping", "wake_fd", "space_fd", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ii", kwlist, &mapping, &fd, &space_fd))
         return -1;
+    self->e.role = "consumer";
     if (end_init_buffer(&self->e, mapping) < 0) return -1;
     self->e.pipe_fd = fd; /* our own write end of the wake pipe: see c_rearm */
     self->space_fd = space_fd;
-    self->rpos = self->released = ld_acq(self->e.base, OFF_TAIL);
+    uint64_t tail = ld_acq(self->e.base, OFF_TAIL), head = ld_acq(self->e.base, OFF_HEAD);
+    if (check_positions(&self->e, head, tail) < 0) return -1;
+    self->rpos = self->released = tail;
     self->head = self->rpos;
     self->pinned = PyList_New(0);
     if (!self->pinned) return -1;
@@ -827,21 +1061,42 @@ static void consumer_dealloc(Consumer *self) {
     end_dealloc(&self->e);
 }
 
-/* 1: data, 2: the producer closed and nothing is left, 0: nothing yet */
+/* 1: data, 2: the producer closed and nothing is left, 0: nothing yet. A new head is
+   loaded once and kept only if the protocol allows it: a multiple of 8, not behind the
+   read position, at most the capacity past the tail released (the producer cannot
+   write further). Otherwise it is remembered in bad_head (1: the caller's take says so). */
 static int c_data_ready(End *e) {
     Consumer *c = (Consumer *)e;
     if (c->head != c->rpos) return 1;
     uint32_t closed = atomic_load_explicit(U32(e->base, OFF_P_CLOSED), memory_order_acquire);
-    c->head = ld_acq(e->base, OFF_HEAD);
-    if (c->head != c->rpos) return 1;
-    return closed ? 2 : 0;
+    uint64_t h = ld_acq(e->base, OFF_HEAD);
+    if (h == c->rpos) return closed ? 2 : 0;
+    if ((h - c->rpos > c->released + e->cap - c->rpos) | (int)(h & 7)) {
+        c->bad_head = h;
+        c->head_bad = 1;
+        return 1;
+    }
+    c->head = h;
+    return 1;
 }
 
-static PyObject *corrupt(Consumer *c, uint64_t pos, uint64_t n) {
-    PyErr_Format(CorruptError, "ring is corrupt: record of %llu bytes at offset %llu of %llu "
-                 "(read position %llu)", (unsigned long long)n, (unsigned long long)pos,
-                 (unsigned long long)c->e.cap, (unsigned long long)c->rpos);
-    return NULL;
+/* c_data_ready for a call that reads: -1 (the end closed, RingCorruptError) for a bad head */
+static inline int c_ready_checked(Consumer *c) {
+    int r = c_data_ready(&c->e);
+    if (!c->head_bad) return r;
+    uint64_t h = c->bad_head;
+    return violation(&c->e, "head = %llu is not a multiple of 8 or outside [%llu, %llu] (the "
+                     "read position, the bound: the released tail %llu + the capacity %llu)",
+                     (unsigned long long)h, (unsigned long long)c->rpos,
+                     (unsigned long long)(c->released + c->e.cap), (unsigned long long)c->released,
+                     (unsigned long long)c->e.cap);
+}
+
+__attribute__((cold, noinline)) static int corrupt(Consumer *c, uint64_t pos, uint64_t n, const char *why) {
+    return violation(&c->e, "record of %llu bytes at offset %llu of %llu (read position %llu, "
+                     "head = %llu): %s", (unsigned long long)n, (unsigned long long)pos,
+                     (unsigned long long)c->e.cap, (unsigned long long)c->rpos,
+                     (unsigned long long)c->head, why);
 }
 
 /* Release everything read, up to the first record a handler still holds a view of. */
@@ -885,52 +1140,78 @@ static int c_release(Consumer *c, uint64_t nrec, uint64_t nbytes) {
    0, or -1 with an exception (corrupt ring, no memory). */
 static int c_one(Consumer *c, int views, uint8_t *type, PyObject **msg, char **vptr, uint64_t *vlen) {
     uint64_t cap = c->e.cap;
-    uint64_t pos = c->rpos % cap;
+    uint64_t pos = c->rpos % cap; /* a multiple of 8: the header lies inside the ring */
     char *h = c->e.data + pos;
-    uint32_t n;
-    memcpy(&n, h, 4);
-    uint8_t t = (uint8_t)h[4], f = (uint8_t)h[5];
+    /* the header (u32 length, u8 type, u8 flags) is loaded once; only the copy is used */
+    uint64_t hdr = ld_once(h);
+    uint32_t n = (uint32_t)hdr;
+    uint8_t t = (uint8_t)(hdr >> 32), f = (uint8_t)(hdr >> 40);
     uint64_t size = ((uint64_t)n + 15) & ~7ULL;
+    uint64_t avail = c->head - c->rpos; /* published and unread: <= cap (c_data_ready) */
     *msg = NULL;
     *vptr = NULL;
     *type = t;
     if (f & F_PAD) {
+        if (cap - pos > avail) {
+            violation(&c->e, "PAD at offset %llu covers %llu bytes to the end of the ring, past "
+                      "head = %llu (read position %llu)", (unsigned long long)pos,
+                      (unsigned long long)(cap - pos), (unsigned long long)c->head,
+                      (unsigned long long)c->rpos);
+            return -1;
+        }
         c->rpos += cap - pos;
         return 0;
     }
-    if (pos + size > cap || c->rpos + size > c->head) {
-        corrupt(c, pos, n);
-        return -1;
-    }
+    if (size > cap - pos) return corrupt(c, pos, n, "it crosses the end of the ring");
+    if (size > avail) return corrupt(c, pos, n, "it ends past head");
     char *body = h + REC_HDR;
     if (f & (F_MORE | F_CONT)) {
         if (!(f & F_CONT)) {
-            uint64_t total;
-            if (n < 8) { corrupt(c, pos, n); return -1; }
-            memcpy(&total, body, 8);
-            if (total < (uint64_t)n - 8 || total > (uint64_t)PY_SSIZE_T_MAX) { corrupt(c, pos, n); return -1; }
+            if (n < 8) return corrupt(c, pos, n, "a first fragment shorter than its total");
+            uint64_t total = ld_once(body); /* 8-aligned, below head: loaded once */
+            if (total > MAX_MESSAGE) {
+                violation(&c->e, "a fragmented message announces total = %llu bytes, over the "
+                          "bound %llu (the longest message)", (unsigned long long)total,
+                          MAX_MESSAGE);
+                return -1;
+            }
+            if (total < (uint64_t)n - 8) {
+                violation(&c->e, "a fragmented message announces total = %llu bytes, less than "
+                          "its first fragment (%llu bytes)", (unsigned long long)total,
+                          (unsigned long long)(n - 8));
+                return -1;
+            }
             PyObject *fb = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
-            if (!fb) return -1; /* rpos not advanced: the next call retries */
+            if (!fb) {
+                /* retrying could only fail the same way, forever: the stream stops here */
+                PyObject *cause = get_raised();
+                violation(&c->e, "the %llu bytes of a fragmented message cannot be allocated "
+                          "(MemoryError)", (unsigned long long)total);
+                if (cause) {
+                    PyObject *err = get_raised();
+                    PyException_SetCause(err, cause);
+                    set_raised(err);
+                }
+                return -1;
+            }
             Py_XSETREF(c->frag, fb);
             c->frag_type = t;
             memcpy(PyBytes_AS_STRING(fb), body + 8, n - 8);
             c->frag_off = n - 8;
         } else {
-            if (!c->frag || c->frag_off + n > (uint64_t)PyBytes_GET_SIZE(c->frag)) {
+            if (!c->frag)
                 /* a continuation without its start: the producer gave up on a message
                    we never saw the start of (it cannot happen in order) */
-                corrupt(c, pos, n);
-                return -1;
-            }
+                return corrupt(c, pos, n, "a continuation without a first fragment");
+            if (n > (uint64_t)PyBytes_GET_SIZE(c->frag) - c->frag_off)
+                return corrupt(c, pos, n, "a continuation past its message's total");
             memcpy(PyBytes_AS_STRING(c->frag) + c->frag_off, body, n);
             c->frag_off += n;
         }
         c->rpos += size;
         if (!(f & F_MORE)) {
-            if (c->frag_off != (uint64_t)PyBytes_GET_SIZE(c->frag)) {
-                corrupt(c, pos, n);
-                return -1;
-            }
+            if (c->frag_off != (uint64_t)PyBytes_GET_SIZE(c->frag))
+                return corrupt(c, pos, n, "the last fragment ends before its message's total");
             *type = c->frag_type;
             *msg = c->frag;
             c->frag = NULL;
@@ -971,17 +1252,23 @@ static void c_rearm(Consumer *c) {
 /* take(): (type, bytes) for every record published now, their space released, in one
    call. */
 static PyObject *consumer_take(Consumer *self, PyObject *const *args, Py_ssize_t nargs) {
-    int mine = nargs > 0 && PyObject_IsTrue(args[0]);
-    if (!mine && (self->e.held || self->e.closed)) Py_RETURN_NONE; /* take the slow path */
+    int mode = nargs > 0 ? mine_mode(args[0]) : E_FAST;
+    if (mode < 0) return NULL;
+    int entered = end_enter(&self->e, mode);
+    if (entered) { /* declined: take the slow path */
+        if (entered < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     PyObject *inbox = PyList_New(0);
-    if (!inbox) return NULL;
-    if (end_enter(&self->e) < 0) {
-        Py_DECREF(inbox);
+    if (!inbox) {
+        end_leave(&self->e);
         return NULL;
     }
     uint64_t nrec = 0, nbytes = 0;
     int failed = 0;
-    if (c_data_ready(&self->e) == 1) {
+    int ready = c_ready_checked(self);
+    if (ready < 0) failed = 1;
+    else if (ready == 1) {
         while (self->rpos != self->head) {
             uint8_t t;
             PyObject *msg;
@@ -1002,8 +1289,11 @@ static PyObject *consumer_take(Consumer *self, PyObject *const *args, Py_ssize_t
     }
     PyObject *exc = NULL;
     if (failed) exc = get_raised();
-    int rr = c_release(self, nrec, nbytes);
-    c_rearm(self);
+    int rr = 0;
+    if (!self->e.closed) { /* (a protocol violation closed it) */
+        rr = c_release(self, nrec, nbytes);
+        c_rearm(self);
+    }
     end_leave(&self->e);
     if (exc) {
         /* what was taken before the failure is kept for the next call */
@@ -1035,17 +1325,23 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
         return NULL;
     }
     PyObject *handler = args[0];
-    int mine = nargs > 1 && PyObject_IsTrue(args[1]);
+    int mode = nargs > 1 ? mine_mode(args[1]) : E_FAST;
+    if (mode < 0) return NULL;
     unsigned long long limit = 0;
     if (nargs > 2) {
         limit = PyLong_AsUnsignedLongLong(args[2]);
         if (limit == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
-    if (!mine && (self->e.held || self->e.closed)) Py_RETURN_NONE; /* take the slow path */
-    if (end_enter(&self->e) < 0) return NULL;
+    int entered = end_enter(&self->e, mode);
+    if (entered) { /* declined: take the slow path */
+        if (entered < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     uint64_t nrec = 0, nbytes = 0;
     int failed = 0;
-    if (c_data_ready(&self->e) == 1) {
+    int ready = c_ready_checked(self);
+    if (ready < 0) failed = 1;
+    else if (ready == 1) {
         while (self->rpos != self->head) {
             uint8_t t;
             PyObject *msg;
@@ -1115,17 +1411,21 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
 }
 
 static PyObject *consumer_wait(Consumer *self, PyObject *args) {
+    if (end_forked(&self->e) < 0) return NULL;
+    if (self->e.broken) return (end_closed_error(&self->e), NULL);
     return end_wait_method(&self->e, args, c_data_ready, OFF_C_WAIT, OFF_DATA_SEQ, OFF_C_SPINS,
                            OFF_C_BLOCKS, 0);
 }
 
 static PyObject *consumer_poll(Consumer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
-    end_leave(&self->e);
+    /* reads what a wait reads, so it may run while another thread's call is inside (a
+       head that breaks the protocol reads as data: the next take says what is wrong) */
+    if (end_check(&self->e) < 0) return NULL;
     return PyLong_FromLong(c_data_ready(&self->e));
 }
 
-static PyObject *consumer_close(Consumer *self, PyObject *unused) {
+static PyObject *consumer_close_impl(End *e) {
+    Consumer *self = (Consumer *)e;
     if (!self->e.closed) {
         Py_CLEAR(self->frag);
         if (self->pinned) PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL);
@@ -1139,15 +1439,28 @@ static PyObject *consumer_close(Consumer *self, PyObject *unused) {
     return end_close_common(&self->e, OFF_C_CLOSED);
 }
 
+static PyObject *consumer_close(Consumer *self, PyObject *unused) {
+    if (end_forked(&self->e) < 0) return NULL;
+    return consumer_close_impl(&self->e);
+}
+
 static PyObject *consumer_rearm(Consumer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
+    int entered = end_enter(&self->e, E_SKIP);
+    if (entered) { /* another thread's call rearms when it ends */
+        if (entered < 0) return NULL;
+        Py_RETURN_NONE;
+    }
     c_rearm(self);
     end_leave(&self->e);
     Py_RETURN_NONE;
 }
 
 static PyObject *consumer_unpin(Consumer *self, PyObject *unused) {
-    if (end_enter(&self->e) < 0) return NULL;
+    int entered = end_enter(&self->e, E_SKIP);
+    if (entered) { /* another thread's call releases when it ends */
+        if (entered < 0) return NULL;
+        return PyLong_FromSsize_t(PyList_GET_SIZE(self->pinned));
+    }
     int rr = c_release(self, 0, 0);
     end_leave(&self->e);
     if (rr < 0) return NULL;
@@ -1165,11 +1478,14 @@ static PyObject *consumer_get_reassembling(Consumer *self, void *c) {
 static PyMethodDef consumer_methods[] = {
     {"take", (PyCFunction)(void (*)(void))consumer_take, METH_FASTCALL,
      "take(mine=False) -> list of (type, bytes) of every record published now, their space "
-     "released, in one call; None when another thread's slow path holds the end (or it is "
-     "closed) and mine is false. Never blocks."},
+     "released, in one call. mine false (the lock-free fast path): None when another thread's "
+     "slow path holds the end, another thread's call is running, or the end is closed. mine "
+     "true (the caller holds the lock): waits, without the GIL, for another thread's call to "
+     "end; mine=2: None instead of waiting. Never waits for data."},
     {"recv_views", (PyCFunction)(void (*)(void))consumer_recv_views, METH_FASTCALL,
      "recv_views(handler, mine=False, limit=0) -> n: handler(type, memoryview) per record, "
-     "in place, at most limit messages (0: all); None as for take(). Never blocks."},
+     "in place, at most limit messages (0: all); mine and None as for take(). A handler that "
+     "uses this end raises RuntimeError. Never waits for data."},
     {"wait", (PyCFunction)consumer_wait, METH_VARARGS,
      "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
      "producer closed and everything was read. Releases the GIL only while asleep; a signal "
@@ -1185,12 +1501,14 @@ static PyMethodDef consumer_methods[] = {
     {NULL}};
 
 static PyObject *consumer_get_peer_closed(Consumer *self, void *c) {
+    if (end_forked(&self->e) < 0) return NULL;
     if (!self->e.base) Py_RETURN_FALSE;
     return PyBool_FromLong(atomic_load_explicit(U32(self->e.base, OFF_P_CLOSED), memory_order_acquire));
 }
 
 static PyGetSetDef consumer_getset[] = {
     {"peer_closed", (getter)consumer_get_peer_closed, NULL, "the producer has closed", NULL},
+    {"capacity", (getter)end_get_capacity, NULL, "the capacity this end read (once) and uses", NULL},
     {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
     {"pinned", (getter)consumer_get_pinned, NULL, "records held by views still exported", NULL},
     {"reassembling", (getter)consumer_get_reassembling, NULL, "a fragmented message is half read", NULL},
@@ -1326,7 +1644,7 @@ static PyObject *mod_init_header(PyObject *m, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OK", &mapping, &cap)) return NULL;
     Py_buffer b;
     if (PyObject_GetBuffer(mapping, &b, PyBUF_WRITABLE) < 0) return NULL;
-    if (cap < 64 || cap % 8 || (uint64_t)b.len < HEADER_BYTES + cap) {
+    if (cap < 64 || cap % 8 || b.len < HEADER_BYTES || cap > (uint64_t)b.len - HEADER_BYTES) {
         PyBuffer_Release(&b);
         PyErr_SetString(PyExc_ValueError, "capacity does not fit the mapping");
         return NULL;
@@ -1397,9 +1715,22 @@ PyMODINIT_FUNC PyInit__ring(void) {
     gate_init(&the_gate, mode);
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
-    CorruptError = PyErr_NewException("shmclient._ring.RingCorruptError", PyExc_RuntimeError, NULL);
-    if (!CorruptError || PyModule_AddObject(m, "RingCorruptError", CorruptError) < 0) return NULL;
+    PyObject *errors = PyImport_ImportModule("shmclient.errors");
+    if (!errors) return NULL;
+    CorruptError = PyObject_GetAttrString(errors, "RingCorruptError");
+    ForkedError = PyObject_GetAttrString(errors, "ForkedError");
+    Py_DECREF(errors);
+    if (!CorruptError || !ForkedError) return NULL;
     Py_INCREF(CorruptError);
+    if (PyModule_AddObject(m, "RingCorruptError", CorruptError) < 0) return NULL;
+    static int hooked;
+    if (!hooked) {
+        if (pthread_atfork(NULL, NULL, in_forked_child) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return NULL;
+        }
+        hooked = 1;
+    }
     Py_INCREF(&ProducerType);
     Py_INCREF(&ConsumerType);
     if (PyModule_AddObject(m, "Producer", (PyObject *)&ProducerType) < 0 ||
@@ -1415,6 +1746,7 @@ PyMODINIT_FUNC PyInit__ring(void) {
     PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES);
     PyModule_AddIntConstant(m, "REC_HDR", REC_HDR);
     PyModule_AddIntConstant(m, "VERSION", VERSION);
+    if (PyModule_AddObject(m, "MAX_MESSAGE", PyLong_FromUnsignedLongLong(MAX_MESSAGE)) < 0) return NULL;
     PyModule_AddIntConstant(m, "READY", W_READY);
     PyModule_AddIntConstant(m, "WOKEN", W_WOKEN);
     PyModule_AddIntConstant(m, "TIMEOUT", W_TIMEOUT);

@@ -29,15 +29,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Any
 
+from . import forksafe
 from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
 from .errors import (
     ClientClosedError,
     ConfigError,
     EngineDeadError,
+    ForkedError,
     InvalidRequestError,
     PeerNotProducingError,
     UsageError,
@@ -169,6 +172,20 @@ class DPAsyncMPClient(EngineCoreClient):
         self._dead_reason: str | None = None
         self._closed = False
         self._stopper: threading.Thread | None = None
+        self._pid = os.getpid()
+        forksafe.register(self)
+
+    #: True in a process forked from the one that built the client (see forksafe).
+    _forked = False
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the engines are the parent's (each engine client forgets
+        its own too). Every call raises ForkedError from here on; ``shutdown()`` does
+        nothing. What the parent had queued is dropped from the child's copy."""
+        self._forked = True
+        self._closed = True
+        self._outputs.clear()
+        self._out_head = 0
 
     @classmethod
     async def create(cls, config: Any = None) -> "DPAsyncMPClient":
@@ -211,6 +228,11 @@ class DPAsyncMPClient(EngineCoreClient):
         return self._closed or self._dead_reason is not None or any(e.is_dead for e in self.engines)
 
     def _dead_error(self) -> EngineDeadError:
+        if self._forked:
+            return ForkedError(
+                f"this {type(self).__name__} belongs to process {self._pid}, whose engines it "
+                f"drives; the forked child {os.getpid()} cannot use it (nothing was sent): "
+                "make a new client in the child")
         if self._closed:
             return ClientClosedError("the client was shut down")
         if self._dead_reason is None:
@@ -379,6 +401,8 @@ class DPAsyncMPClient(EngineCoreClient):
             raise
 
     def _aborts_by_engine(self, request_ids: Any) -> dict[int, list[str]]:
+        if self._forked:
+            raise self._dead_error()
         ids = check_abort_ids(request_ids)
         by_engine: dict[int, list[str]] = {}
         if not ids or self.is_dead:

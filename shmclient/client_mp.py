@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import os
 import re
 import threading
 import time
@@ -27,7 +28,7 @@ import weakref
 from collections import deque
 from typing import Any
 
-from . import waiting
+from . import forksafe, waiting
 from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
 from .channel_zmq import ZmqChannel
 from .client import (
@@ -42,6 +43,7 @@ from .errors import (
     ClientClosedError,
     ConfigError,
     EngineDeadError,
+    ForkedError,
     InvalidRequestError,
     PeerDeadError,
     PeerNotConsumingError,
@@ -115,6 +117,8 @@ class MPClient(EngineCoreClient):
     #: overtake the last outputs). The shm rings need none: the outputs are in the ring
     #: before the engine reports its death.
     _ZMQ_REMAINS_GRACE_S = 0.05
+    #: True in a process forked from the one that built the client (see forksafe).
+    _forked = False
 
     def __init__(self, config: Any) -> None:
         self.config = config  # never mutated: capacity comes back in attributes
@@ -152,9 +156,28 @@ class MPClient(EngineCoreClient):
         #: Set once what the engine wrote before dying has been read (or cannot be).
         self._remains_read = False
         self.resources.on_dead(weak_callback(self._on_engine_dead))
+        self._pid = os.getpid()
+        forksafe.register(self)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the engine and its channel are the parent's. Every call
+        raises ForkedError from here on, so nothing the child does reaches the parent's
+        engine or moves the parent's ring positions; ``shutdown()`` does nothing and the
+        child's exit does not stop the engine (the finalizer is detached). What the
+        parent had queued is dropped from the child's copy."""
+        self._forked = True
+        self._closed = True
+        self._finalizer.detach()
+        self._outputs.clear()
+        self._futures.clear()
 
     # -- state ------------------------------------------------------------------------
     def _dead_error(self) -> EngineDeadError:
+        if self._forked:
+            return ForkedError(
+                f"this {type(self).__name__} belongs to process {self._pid}, whose engine it "
+                f"drives; the forked child {os.getpid()} cannot use it (nothing was sent): "
+                "make a new client in the child")
         if self._closed:
             # An EngineDeadError, as vLLM raises after shutdown (ClientClosedError is one).
             return ClientClosedError("the client was shut down")
@@ -215,6 +238,8 @@ class MPClient(EngineCoreClient):
     def _abort_ids(self, request_ids: Any) -> list[str]:
         """The checked ids to send, [] when there is nothing to send (none given, or
         the engine is dead or the client shut down: aborts are then quiet no-ops)."""
+        if self._forked:
+            raise self._dead_error()
         ids = check_abort_ids(request_ids)
         if not ids or self._closed or self.resources.dead.is_set():
             return []

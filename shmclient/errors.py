@@ -51,6 +51,17 @@ class ClientClosedError(EngineDeadError):
     """
 
 
+class ForkedError(ClientClosedError):
+    """A ring end or client was used in a process forked from the one that made it.
+
+    A child made with ``os.fork()`` shares its parent's rings and engine but not their
+    positions: anything it wrote would reach the parent's engine out of turn and leave
+    the parent writing from a stale position. So every use in the child raises this
+    and leaves the parent's rings and engine untouched; build a new client in the
+    child instead.
+    """
+
+
 class WaitNotSupportedError(InvalidRequestError):
     """``mode="wait"`` of ``sleep`` / ``pause_scheduler`` asked of an engine that nothing
     steps while the caller waits (in-process). Raised by the engine core; ``InprocClient``
@@ -61,6 +72,15 @@ class ProtocolError(ShmClientError, RuntimeError):
     """The channel itself is broken: a record of unknown type, corrupt framing, a message
     that violates the protocol. Fatal for the channel (unlike a single message that does
     not decode, which fails alone)."""
+
+
+class RingCorruptError(ProtocolError):
+    """The peer wrote something into the shared ring that it could not have written by
+    the protocol: a position out of its bounds or misaligned, a record or PAD that does
+    not fit below the published head, a fragmented message longer than any message.
+    Raised by the ring's C end, which then closes its end (the peer sees it closed);
+    the message names the field, its value and the bound. Every later call on that end
+    raises it again."""
 
 
 class UsageError(ShmClientError, TypeError, RuntimeError):

@@ -30,7 +30,13 @@ process may share an end while the ring itself stays single-producer single-cons
 The single waits ``wait_readable`` / ``wait_writable`` take no lock: another thread may
 send or receive while one sleeps in them (``shmclient.waiting`` builds its waits on
 them). A receive handler that uses its own ring raises RuntimeError (the C end refuses
-re-entry) instead of corrupting it.
+re-entry) instead of corrupting it; another thread's call meanwhile waits for the
+handler's call to end (without the GIL) instead of being refused.
+
+The peer is not trusted: the C end checks every value it reads from the mapping and a
+violation closes this end with ``RingCorruptError`` (a ``ProtocolError``) naming what was
+wrong. A process made by ``os.fork()`` cannot use its parent's ends: every call raises
+``ForkedError`` and the parent's ring is left as it was.
 """
 
 from __future__ import annotations
@@ -45,7 +51,14 @@ import msgspec
 
 from . import _ring, forksafe
 from .doorbell import Spin
-from .errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
+from .errors import (
+    ClientClosedError,
+    ForkedError,
+    PeerDeadError,
+    PeerNotConsumingError,
+    PeerNotProducingError,
+    RingCorruptError,
+)
 from .shm import Segment, make_pipe, open_handle
 
 __all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec", "RingCorruptError"]
@@ -54,10 +67,10 @@ DEFAULT_CAPACITY = 4 << 20
 HEADER_BYTES = _ring.HEADER_BYTES
 REC_HDR = _ring.REC_HDR
 VERSION = _ring.VERSION
-MAX_PAYLOAD = 0xFFFF_FFFF  # the largest message (fragmented); one record carries max_record
+MAX_PAYLOAD = _ring.MAX_MESSAGE  # the largest message (fragmented; the consumer refuses a
+# longer total); one record carries max_record
 MIN_CAPACITY = 64
 MAX_CAPACITY = 1 << 40
-RingCorruptError = _ring.RingCorruptError
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Role = Literal["producer", "consumer"]
@@ -240,6 +253,7 @@ class Ring:
         self._interval = interval
         self._lock = threading.RLock()
         self._closed = False
+        self._forked = False
         self._peer_gone = False
         self._final_stats: dict[str, int] | None = None
         self._finalizer = weakref.finalize(self, res.release)
@@ -248,13 +262,19 @@ class Ring:
         except ValueError as e:
             raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring: {e}") from None
         res.ends.append(self._c)
+        if self._c.capacity != spec.capacity:  # the value the C end read once and uses
+            raise ValueError(
+                f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes: its "
+                f"header says capacity = {self._c.capacity}")
         self.max_record = self._max_record()
         forksafe.register(self)
         return self
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: this end belongs to the parent; never close it from here."""
+        """In a forked child: this end belongs to the parent; never close it from here,
+        and every use raises ForkedError (the C end refuses it too)."""
         self._finalizer.detach()
+        self._forked = True
         self._closed = True
         self._final_stats = {}
 
@@ -327,6 +347,10 @@ class Ring:
         return counters
 
     def _closed_error(self) -> ClientClosedError:
+        if self._forked:
+            return ForkedError(
+                f"this {self.role} end of the ring belongs to the parent of this forked process "
+                f"({os.getpid()}); a forked child cannot use it: make a new client in the child")
         return ClientClosedError(f"this {self.role} end of the ring was closed")
 
     def _peer_dead(self) -> PeerDeadError:

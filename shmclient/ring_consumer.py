@@ -36,8 +36,10 @@ class RingConsumer(Ring):
 
     def try_recv(self) -> list[tuple[int, bytes]]:
         """Every complete record available now, in order, copied out; [] if none.
-        Never blocks. Raises PeerDeadError once the producer has closed and everything
-        it sent has been read; ClientClosedError."""
+        Never waits for data (it may wait for another thread of this side to finish its
+        call). Raises PeerDeadError once the producer has closed and everything it sent
+        has been read; RingCorruptError (a ProtocolError) when the producer broke the
+        protocol; ClientClosedError (ForkedError in a forked child)."""
         c = self._c
         out = c.take()  # fast path: no lock, one C call
         if out or (out is not None and c.poll() == 0):
@@ -89,8 +91,10 @@ class RingConsumer(Ring):
         waits like ``recv`` for at least one record. Returns the number of records
         handled. If the handler raises, that record counts as consumed and the exception
         propagates; the rest come with the next call. The handler must not use this
-        ring (RuntimeError). ``limit`` > 0: at most that many messages per call (the
-        rest stay; the wake pipe stays readable)."""
+        ring (RuntimeError); another thread's call waits for it to return (with
+        ``timeout=0`` it raises PeerNotProducingError instead, as for a held lock).
+        ``limit`` > 0: at most that many messages per call (the rest stay; the wake pipe
+        stays readable)."""
         c = self._c
         n = c.recv_views(handler, False, limit)  # fast path: no lock, one C call
         if n:
@@ -104,10 +108,15 @@ class RingConsumer(Ring):
             if self._closed:
                 raise self._closed_error()
             c.held = True
+            nowait = timeout is not None and timeout <= 0
             while True:
-                n = c.recv_views(handler, True, limit)
+                # with timeout 0, another thread's call in progress is not waited for
+                n = c.recv_views(handler, 2 if nowait else True, limit)
                 if self._closed:  # the handler closed this end
                     raise self._closed_error()
+                if n is None:
+                    raise PeerNotProducingError(
+                        f"another thread is in a call on this {self.role} end (timeout {timeout} s)")
                 if n:
                     return n
                 if timeout is not None and timeout <= 0:

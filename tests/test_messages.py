@@ -24,7 +24,7 @@ PUBLIC = {
     "AsyncMPClient", "ClientClosedError", "ConfigError", "DPAsyncMPClient", "DPLBAsyncMPClient",
     "EngineConfig", "EngineCoreClient",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
-    "EngineDeadError", "FinishReason", "InprocClient", "InvalidRequestError", "LoRARequest",
+    "EngineDeadError", "FinishReason", "ForkedError", "InprocClient", "InvalidRequestError", "LoRARequest",
     "MPClient", "PROTOCOL_VERSION", "PeerDeadError", "PeerNotConsumingError",
     "PeerNotProducingError", "PeerTimeoutError", "PoolingParams", "ProtocolError",
     "SamplingParams", "SchedulerStats", "SerializationError", "ShmCapacityError", "ShmClientError",
