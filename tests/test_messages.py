@@ -21,7 +21,7 @@ from shmclient import (
 )
 
 PUBLIC = {
-    "AsyncMPClient", "ClientClosedError", "ConfigError", "DPAsyncMPClient", "DPLBAsyncMPClient",
+    "AsyncMPClient", "AuthenticationError", "ClientClosedError", "ConfigError", "DPAsyncMPClient", "DPLBAsyncMPClient",
     "EngineConfig", "EngineCoreClient",
     "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
     "EngineDeadError", "FinishReason", "ForkedError", "InprocClient", "InvalidRequestError", "LoRARequest",
