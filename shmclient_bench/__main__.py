@@ -68,6 +68,8 @@ DEFAULTS = {
         # The tiny model's realism check, shortened: no async clients.
         "tiny_configs": "inproc,sync-shm,sync-zmq",
         "section_timeout": 180.0,
+        # vLLM's section starts ten engines (~40 s each), four of them beside busy processes
+        "vllm_timeout": 900.0,
     },
     "full": {
         "samples": 3000,
@@ -81,6 +83,7 @@ DEFAULTS = {
         "configs": "all",
         "tiny_configs": "all",
         "section_timeout": 900.0,
+        "vllm_timeout": 2400.0,
     },
 }
 
@@ -158,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--section-timeout",
         type=float,
-        help="seconds the tensors and ring sections may take each (quick 180, full 900)",
+        help="seconds each section run in a child process may take (quick 180, full 900; "
+        "the vllm section 900 / 2400)",
     )
     p.add_argument(
         "--noisy-above",
@@ -713,7 +717,7 @@ def _run(
                     args.quick,
                     progress,
                     res,
-                    args.section_timeout or d["section_timeout"],
+                    args.section_timeout or d["vllm_timeout" if name == "vllm" else "section_timeout"],
                     monitor,
                     run_tmp,
                     section_pids,

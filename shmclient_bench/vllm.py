@@ -71,7 +71,7 @@ BUSY_CONFIGS = (("sync", "stock"), ("sync", "shm"), ("async", "stock"), ("async"
 BUSY = 2
 PARTS = ("quiet", "busy")
 STREAMS = (1, 16)
-CHILD_TIMEOUT_S = 1200
+CHILD_TIMEOUT_S = 2400
 
 
 def _percentiles(values: list[float], scale: float) -> dict[str, float]:
