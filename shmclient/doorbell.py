@@ -29,7 +29,10 @@ class Spin:
       and a probe that pays resumes spinning.
     * A wait that slept long (the peer was idle) resets the budget to base.
 
-    ``budget`` is what the next wait may spin. A base of 0 never spins.
+    ``budget`` is what the next wait may spin. A base of 0 never spins. Whether the host
+    lets a waiter spin at all right now (a free CPU for the peer, no tight CPU quota, no
+    preemption in the last spin) is the spin gate's call, in C (``_spin_gate.h``): it
+    vetoes any budget given here.
     """
 
     __slots__ = ("base", "budget", "misses", "skipped")
