@@ -490,6 +490,7 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
         if (end > deadline) end = deadline;
         double prev = t0, now;
         int preempted = 0;
+        long switched = involuntary_switches();
         do {
             for (int k = 0; k < 32; k++) {
                 cpu_relax();
@@ -501,9 +502,12 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
             }
             now = now_s();
             /* Our clock reads are ~1 us apart while we hold the CPU: a longer gap is
-               time another thread ran here instead, so the spin costs someone a CPU. */
-            if (now - prev > GATE_PREEMPT_S) {
-                gate_preempted(&the_gate, now);
+               time we did not run. If the kernel switched us out for another thread
+               meanwhile (an involuntary switch), the spin costs someone a CPU; else the
+               time went to the hypervisor (steal) or an interrupt, which the spin did not
+               cause and a sleep would not avoid. */
+            if (now - prev > GATE_PREEMPT_S &&
+                gate_gap(&the_gate, now, now - prev, involuntary_switches() != switched)) {
                 preempted = 1;
                 break;
             }
@@ -1574,6 +1578,13 @@ static PyObject *gateobj_preempted(GateObj *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *gateobj_gap(GateObj *self, PyObject *args) {
+    double now, gap;
+    int switched;
+    if (!PyArg_ParseTuple(args, "ddp", &now, &gap, &switched)) return NULL;
+    return PyBool_FromLong(gate_gap(self->g, now, gap, switched));
+}
+
 static PyObject *gateobj_clean(GateObj *self, PyObject *unused) {
     gate_clean(self->g);
     Py_RETURN_NONE;
@@ -1614,6 +1625,10 @@ static PyMethodDef gate_methods[] = {
      "host(now, nr_running, cpus, quota_cpus): a reading of the host (cpus 0: do not compare "
      "the run queue; quota_cpus 0: no quota)."},
     {"preempted", (PyCFunction)gateobj_preempted, METH_O, "preempted(now): a spin lost its CPU."},
+    {"gap", (PyCFunction)gateobj_gap, METH_VARARGS,
+     "gap(now, gap_s, switched) -> whether a spin must stop: a gap between its clock reads "
+     "with an involuntary switch in it (preempted: the gate closes); a gap without one is "
+     "the hypervisor's or an interrupt's time."},
     {"clean", (PyCFunction)gateobj_clean, METH_NOARGS, "A spin ended without losing its CPU."},
     {"allows", (PyCFunction)gateobj_allows, METH_O, "allows(now) -> whether a waiter may spin."},
     {"state", (PyCFunction)gateobj_state, METH_NOARGS, "The last readings and the counters."},

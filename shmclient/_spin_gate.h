@@ -15,8 +15,11 @@ It closes on any of these observations, and the waiter then sleeps at once:
   root) below GATE_MIN_QUOTA CPUs: the spin burns the quota the peer needs. Read at most
   every GATE_QUOTA_S;
 * preemption: a gap of more than GATE_PREEMPT_S between two of the spin's own clock
-  reads (normally ~1 us apart) means the spinner lost its CPU. The spin ends at once and
-  the gate stays closed for a hold-off that doubles while preemptions keep coming
+  reads (normally ~1 us apart) with an involuntary context switch of the spinning thread
+  in it (getrusage, RUSAGE_THREAD: ~0.3 us, once at the start of a spin and once per
+  gap) means another thread took the spinner's CPU. A gap without one is time taken by
+  the hypervisor (steal) or an interrupt: a sleep would not have avoided it, and the spin
+  goes on. On a preemption the spin ends at once and the gate stays closed for a hold-off that doubles while preemptions keep coming
   (GATE_HOLD_MIN_S .. GATE_HOLD_MAX_S) and is forgotten after a spin that was not
   preempted.
 It opens again when the next reading shows a free CPU (and the hold-off is over).
@@ -24,8 +27,8 @@ It opens again when the next reading shows a free CPU (and the hold-off is over)
 SHMCLIENT_SPIN (environment, read at import): "adaptive" (default: the gate above),
 "always" (no gate: spin as configured; for dedicated, pinned cores) or "never".
 
-The decisions are plain functions of the observations (gate_host, gate_preempted,
-gate_clean, gate_allows) so that tests can feed them sequences; gate_spin_ok() is the
+The decisions are plain functions of the observations (gate_host, gate_gap,
+gate_preempted, gate_clean, gate_allows) so that tests can feed them sequences; gate_spin_ok() is the
 one that reads the host. */
 
 #ifndef SHMCLIENT_SPIN_GATE_H
@@ -34,6 +37,7 @@ one that reads the host. */
 #include <fcntl.h>
 #include <math.h>
 #include <sched.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,6 +88,15 @@ static void gate_preempted(Gate *g, double now) {
     if (g->hold_s > GATE_HOLD_MAX_S) g->hold_s = GATE_HOLD_MAX_S;
     g->hold_until = now + g->hold_s;
     g->preemptions++;
+}
+
+/* A gap of `gap_s` between two clock reads of a spin, `switched`: whether the thread
+   was switched out involuntarily meanwhile. 1 (the spin must stop: preempted, the gate
+   closes) or 0 (go on: no gap, or time the hypervisor or an interrupt took). */
+static int gate_gap(Gate *g, double now, double gap_s, int switched) {
+    if (gap_s <= GATE_PREEMPT_S || !switched) return 0;
+    gate_preempted(g, now);
+    return 1;
 }
 
 /* A spin ran to its end (or to the data) without losing its CPU. */
@@ -215,6 +228,13 @@ static double read_quota_cpus(void) {
         }
     }
     return best;
+}
+
+/* Involuntary context switches of the calling thread so far (-1: unknown). */
+static long involuntary_switches(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) != 0) return -1;
+    return ru.ru_nivcsw;
 }
 
 static long online_cpus = 0;

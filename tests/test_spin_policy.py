@@ -101,6 +101,19 @@ def test_repeated_preemptions_lengthen_the_hold_off_and_a_clean_spin_resets_it()
     assert g.state()["hold_s"] == pytest.approx(HOLD_MIN)
 
 
+def test_a_gap_is_a_preemption_only_with_an_involuntary_switch_in_it():
+    g = _ring.SpinGate()
+    quiet(g, 0.0)
+    assert g.gap(0.0, 5e-6, True) is False  # no gap: the spin's own pace
+    # time the hypervisor took (steal) or an interrupt: the spin cost no one a CPU, and
+    # a sleep would not have avoided it
+    assert g.gap(0.1, 2e-3, False) is False
+    assert g.allows(0.1) and g.state()["preemptions"] == 0
+    # another thread of this host ran on our CPU meanwhile
+    assert g.gap(0.2, 2e-3, True) is True
+    assert not g.allows(0.2) and g.state()["preemptions"] == 1
+
+
 def test_unknown_run_queue_does_not_close_the_gate():
     g = _ring.SpinGate()
     g.host(0.0, -1, 2, 0.0)  # /proc/loadavg unreadable
