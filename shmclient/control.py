@@ -100,6 +100,19 @@ class IpcDir:
         _remove_dir(path)
 
 
+def remove_orphaned_dir(address: str, creator_pid: int) -> bool:
+    """For an engine whose frontend (``creator_pid``) is gone: remove the private ipc
+    directory of ``address`` if it is that frontend's (its name carries the pid), so that
+    a frontend killed before it could remove it leaves nothing. True if removed."""
+    path = os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else ""
+    if not os.path.basename(path).startswith(f"{_IPC_PREFIX}{creator_pid}-"):
+        return False
+    if os.path.exists(f"/proc/{creator_pid}"):
+        return False
+    _remove_dir(path)
+    return True
+
+
 def _remove_dir(path: str) -> None:
     try:
         names = os.listdir(path)

@@ -50,8 +50,9 @@ EXTERNAL = ("tensors", "ring", "contention", "fairness", "dp", "vllm")
 
 #: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
 #: 24 s quiet, full 54 s with other load; see the README).
-QUICK_DURATION = "about a minute on 2 quiet CPUs"
-FULL_DURATION = "about 2.5 minutes on 2 quiet CPUs, 7 with the vllm section"
+QUICK_DURATION = "fewer samples, half the vLLM engines"
+FULL_DURATION = ("27 minutes on a 2-vCPU VM with vLLM installed, 21 of them the vllm section, "
+                 "which starts 20 engines (2026-12-01)")
 
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {

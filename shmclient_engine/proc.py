@@ -526,6 +526,9 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
             channel.close()
         ctl.close(linger=2000 if code else 0)
         ctx.term()
+        if parent_pid is not None and os.getppid() != parent_pid:
+            # the frontend died, maybe before it removed its private socket directory
+            control.remove_orphaned_dir(address, parent_pid)
     return code
 
 

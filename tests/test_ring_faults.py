@@ -474,7 +474,7 @@ def test_a_channel_that_cannot_be_reserved_names_what_the_whole_channel_needs(mo
         return n
 
     monkeypatch.setattr(shm.Segment, "create", classmethod(fail_on_arena))
-    need = 2 * (4096 + 4096 + (1 << 20))
+    need = 2 * (4096 + 4096)  # the rings: the arenas are reserved on their first tensor
     before = memfds()
     with pytest.raises(ShmCapacityError, match=f"needs {need} bytes"):
         ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=True)
