@@ -25,7 +25,7 @@ returned first and the error is raised by the next call.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable, Mapping, Protocol
 
 import msgspec
 
@@ -73,6 +73,32 @@ def _decoders(tensors: ShmTensorReceiver | None) -> dict[int, Decoder]:
     return {t: Decoder(typ, tensors=tensors) for t, typ in _PAYLOAD_TYPES.items()}
 
 
+class Framing(Protocol):
+    """How a channel's messages become ring records and back: a parameter of
+    ``ShmChannel``, built from the channel's tensor sender and receiver (so that
+    tensors can travel out of band). ``encode(obj)`` gives one record's payload;
+    ``decoders`` maps each record type a peer may send to an object whose
+    ``decode(view)`` returns the message (the view is valid only during the call) and
+    whose ``salvage(view)`` returns what an untyped read still sees (for ``BadMessage``);
+    ``fields`` gives, per record type, the wire position of each field a reader may
+    want from a message that did not decode."""
+
+    decoders: Mapping[int, Any]
+    fields: Mapping[int, Mapping[str, int]]
+
+    def encode(self, obj: Any) -> Any: ...
+
+
+class NativeFraming:
+    """shmclient's own protocol: one record per message, the record type naming its
+    struct (``REQ_*``, ``REC_OUTPUTS``), encoded by ``codec`` with tensors out of band."""
+
+    def __init__(self, tensor_tx: ShmTensorSender | None, tensor_rx: ShmTensorReceiver | None) -> None:
+        self.encode = Encoder(tensors=tensor_tx).encode
+        self.decoders = _decoders(tensor_rx)
+        self.fields = _FIELD_POS
+
+
 #: Wire position of each field, per record type whose payload is a struct.
 _FIELD_POS: dict[int, dict[str, int]] = {
     t: {name: i for i, name in enumerate(typ.__struct_fields__)}
@@ -91,15 +117,17 @@ class BadMessage:
     whose message it was (``request_id``, ``call_id``, ``client_index``).
     """
 
-    __slots__ = ("rtype", "error", "raw")
+    __slots__ = ("rtype", "error", "raw", "fields")
 
-    def __init__(self, rtype: int, error: str, raw: Any) -> None:
+    def __init__(self, rtype: int, error: str, raw: Any,
+                 fields: Mapping[int, Mapping[str, int]] | None = None) -> None:
         self.rtype = rtype
         self.error = error
         self.raw = raw
+        self.fields = _FIELD_POS if fields is None else fields
 
     def field(self, name: str) -> Any:
-        pos = _FIELD_POS.get(self.rtype, {}).get(name)
+        pos = self.fields.get(self.rtype, {}).get(name)
         raw = self.raw
         if pos is None or type(raw) is not list or pos >= len(raw):
             return None
@@ -115,8 +143,13 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+#: Builds a channel's framing from its tensor sender and receiver.
+FramingFactory = Callable[[ShmTensorSender, ShmTensorReceiver], Framing]
+
+
 class ShmChannel:
-    """One side of a shared-memory duplex channel."""
+    """One side of a shared-memory duplex channel. ``framing``: how messages become
+    records (``NativeFraming``: shmclient's protocol; the vLLM plug-in passes vLLM's)."""
 
     def __init__(
         self,
@@ -126,6 +159,7 @@ class ShmChannel:
         tensor_rx: Segment,
         owned: list[Any],
         enable_cuda_ipc: bool = True,
+        framing: FramingFactory = NativeFraming,
     ) -> None:
         self.tx = tx
         self.rx = rx
@@ -133,8 +167,9 @@ class ShmChannel:
         self._rx_segment = tensor_rx
         self._tensor_tx = ShmTensorSender(tensor_tx, enable_cuda_ipc=enable_cuda_ipc)
         self._tensor_rx = ShmTensorReceiver(tensor_rx, enable_cuda_ipc=enable_cuda_ipc)
-        self._encoder = Encoder(tensors=self._tensor_tx)
-        self._decoders = _decoders(self._tensor_rx)
+        self.framing = framing(self._tensor_tx, self._tensor_rx)
+        self._decoders = self.framing.decoders
+        self._fields = self.framing.fields
         self._owned = owned  # things to unlink once the peer attached (owner side only)
         #: Held only around a non-blocking send (never while waiting).
         self._send_lock = threading.Lock()
@@ -158,6 +193,7 @@ class ShmChannel:
         spin_us: float,
         wake_fd: bool,
         enable_cuda_ipc: bool = True,
+        framing: FramingFactory = NativeFraming,
     ) -> tuple["ShmChannel", ShmChannelSpec]:
         """Create both rings and both arenas (frontend side). Returns the channel and the
         spec the engine attaches with. ``wake_fd``: also make the pipes an event loop
@@ -173,10 +209,12 @@ class ShmChannel:
             )
             made.append(out)
             # Arenas are sized now and reserved by their sender on its first tensor, so a
-            # client that never sends one never holds their memory.
-            arena_req = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
+            # client that never sends one never holds their memory. No arena (0 bytes):
+            # a 1-byte segment holds no block, so every tensor goes as a one-off segment.
+            size = max(arena_bytes, 1)
+            arena_req = Segment.create(size, prefix="shmc-t", reserve=False)
             made.append(arena_req)
-            arena_out = Segment.create(arena_bytes, prefix="shmc-t", reserve=False)
+            arena_out = Segment.create(size, prefix="shmc-t", reserve=False)
             made.append(arena_out)
         except ShmCapacityError as e:
             for m in reversed(made):
@@ -201,10 +239,16 @@ class ShmChannel:
             spin_us=spin_us,
             enable_cuda_ipc=enable_cuda_ipc,
         )
-        return cls(req, out, arena_req, arena_out, made, enable_cuda_ipc), spec
+        try:
+            return cls(req, out, arena_req, arena_out, made, enable_cuda_ipc, framing), spec
+        except BaseException:
+            for m in reversed(made):
+                m.unlink()
+                m.close()
+            raise
 
     @classmethod
-    def attach(cls, spec: ShmChannelSpec) -> "ShmChannel":
+    def attach(cls, spec: ShmChannelSpec, framing: FramingFactory = NativeFraming) -> "ShmChannel":
         """Attach to a channel created by the peer (engine side)."""
         rx = Ring.attach(spec.rx, "consumer", spin_us=spec.spin_us)
         try:
@@ -227,7 +271,12 @@ class ShmChannel:
         close_inherited([spec.rx.segment, spec.rx.wake_pipe, spec.rx.space_pipe,
                          spec.tx.segment, spec.tx.wake_pipe, spec.tx.space_pipe,
                          spec.tensor_rx, spec.tensor_tx])
-        return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc)
+        try:
+            return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc, framing)
+        except BaseException:
+            for m in (tx, rx, seg_tx, seg_rx):
+                m.close()
+            raise
 
     def peer_attached(self) -> None:
         """Owner: the peer has attached; release the handles, so nothing else can attach."""
@@ -262,7 +311,7 @@ class ShmChannel:
     def encode(self, obj: Any) -> bytes:
         """The message's bytes (tensors placed out of band). Encode once, then
         ``send_encoded`` may be retried without placing the tensors again."""
-        return self._encoder.encode(obj)
+        return self.framing.encode(obj)
 
     def send_nowait(self, rtype: int, payload: bytes) -> None:
         """Send bytes from ``encode`` now, or raise WouldBlock: nothing of this message
@@ -315,6 +364,15 @@ class ShmChannel:
         """Ask for a byte on ``send_fd()`` at the engine's next release; then try again."""
         self.tx.arm_space()
 
+    def readable(self) -> bool:
+        """Whether a record is waiting to be read (a plain look; never blocks)."""
+        return self.rx.has_data()
+
+    def wake_peer(self) -> None:
+        """Make the peer's ``recv_fd()`` readable now (an early wake-up ahead of a
+        publish); a no-op when the peer has no wake pipe. Never blocks."""
+        self.tx.poke()
+
     def recv_fd(self) -> int:
         """Readable whenever a published record has not been read (``wake_fd=True``)."""
         return self.rx.fileno()
@@ -359,7 +417,7 @@ class ShmChannel:
             try:
                 obj = dec.decode(view)
             except Exception as e:  # this message alone is bad; the ring is intact
-                obj = BadMessage(rtype, _describe(e), dec.salvage(view))
+                obj = BadMessage(rtype, _describe(e), dec.salvage(view), self._fields)
             self._got.append((rtype, obj))
         elif rtype == REC_RELEASE:
             try:

@@ -11,6 +11,7 @@ resumes at the fragment where it stopped (see ``send``).
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from . import _ring
@@ -133,6 +134,19 @@ class RingProducer(Ring):
         next send says which), False on the timeout. No liveness check, no retry (see
         ``shmclient.waiting``). Raises ClientClosedError or what a signal handler raised."""
         return self._wait_once(self._c.wait_space, timeout, spin, first)
+
+    def poke(self) -> None:
+        """Write a wake byte to the consumer's wake pipe now, whether or not anything was
+        published (an early wake-up: the consumer then looks and finds nothing, or what
+        was published meanwhile). A no-op without a wake pipe; never blocks (a full pipe
+        is readable already)."""
+        fd = self._res.wake_w
+        if fd < 0 or self._closed:
+            return
+        try:
+            os.write(fd, b"\1")
+        except OSError:  # full (already readable), or the consumer is gone
+            pass
 
     @property
     def partial_pending(self) -> bool:

@@ -499,3 +499,23 @@ def test_large_copies_split_over_threads_are_exact():
         assert torch.equal(p.send(nc), nc)
     finally:
         p.close()
+
+
+def test_no_arena_sends_tensors_as_one_off_segments():
+    """``tensor_arena_bytes=0`` ("no arena") makes a channel whose tensors all travel as
+    one-off segments (creating it used to fail: a segment of 0 bytes)."""
+    from shmclient.channel import REQ_UTILITY, ShmChannel
+    from shmclient.messages import UtilityRequest
+
+    front, spec = ShmChannel.create(ring_capacity=1 * MiB, arena_bytes=0, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    try:
+        t = torch.arange(100_000, dtype=torch.float32)
+        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", [t])))
+        [(rtype, got)] = engine.recv_nowait()
+        assert rtype == REQ_UTILITY and torch.equal(got.args[0], t)
+        s = front.stats()["tensors"]
+        assert s["sent_one_off"] == 1 and s["sent_arena"] == 0
+    finally:
+        engine.close()
+        front.close()
