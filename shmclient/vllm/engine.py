@@ -43,48 +43,44 @@ from typing import Any
 import msgspec
 import zmq
 
-from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError, PeerTimeoutError
-from ..ring import Ring
-from ..shm import Segment, open_handle
-from ..tensors import ShmTensorReceiver, ShmTensorSender
+from .. import waiting
+from ..channel import BadMessage, ShmChannel
+from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
+from ..shm import Segment
 from . import wire
 
 _state_lock = threading.Lock()
-_state: "_EngineRings | None" = None
+_state: "_EngineLink | None" = None
 _originals: dict[str, Any] = {}
 #: How often (s) an idle request reader sends the frontend pending tensor releases.
 RELEASE_FLUSH_S = 0.1
 
 
-class _EngineRings:
-    """This engine core process's ends of the two rings."""
+class _EngineLink:
+    """This engine core process's end of the channel to its frontend."""
 
     def __init__(self, text: str) -> None:
-        spec, req_spec, out_spec = wire.decode_spec(text)
+        spec = wire.decode_spec(text)
         self.spec = spec
-        self.requests = Ring.attach(req_spec, "consumer", spin_us=spec.spin_us)
-        try:
-            self.outputs = Ring.attach(out_spec, "producer", spin_us=spec.spin_us)
-        except BaseException:
-            self.requests.close()
-            raise
+        self.framing: wire.VllmFraming | None = None
+
+        def framing(tx, rx):
+            self.framing = wire.VllmFraming(tx, rx, side="engine", tensor_min_bytes=spec.tensor_min_bytes,
+                                            cuda_ipc=spec.channel.enable_cuda_ipc,
+                                            arenas=spec.arenas)
+            return self.framing
+
+        self.channel = ShmChannel.attach(spec.channel, framing)
+        self.channel.set_peer_pid(spec.frontend_pid)
+        self.channel.set_peer_gpus(list(spec.frontend_gpus))
         self.frontend_pid = spec.frontend_pid
         self.frontend_gone = False
-        self._parked = self._parked_flag = None
-        self._wake_fd = -1
-        self.tensors_in: ShmTensorReceiver | None = None  # requests' tensors
-        self.tensors_out: ShmTensorSender | None = None  # outputs' tensors
+        self._parked: Segment | None = None
+        self._parked_flag: Any = None
         try:
-            if spec.parked and out_spec.wake_pipe:
+            if spec.parked:
                 self._parked = Segment.attach(spec.parked)
                 self._parked_flag = self._parked.buf
-                self._wake_fd = open_handle(out_spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
-            if spec.request_arena and spec.output_arena:
-                self.tensors_in = ShmTensorReceiver(Segment.attach(spec.request_arena))
-                self.tensors_out = ShmTensorSender(
-                    Segment.attach(spec.output_arena), enable_cuda_ipc=spec.cuda_ipc,
-                    peer_gpu_uuids=list(spec.frontend_gpus),
-                )
         except BaseException:
             self.close()
             raise
@@ -104,80 +100,32 @@ class _EngineRings:
         return not self.frontend_gone
 
     def prewake(self) -> None:
-        """Early wake-up: if the frontend's output task is parked, write its wake byte now,
-        before this step's outputs are built and encoded, so that its wake-up overlaps
-        that work (it then spins for the outputs; see shmclient.vllm.frontend). One load
-        when it is not parked; never blocks."""
+        """Early wake-up: if the frontend's output task is parked, wake it now, before
+        this step's outputs are built and encoded, so that its wake-up overlaps that work
+        (it then spins for the outputs; see shmclient.vllm.frontend). One load when it is
+        not parked; never blocks."""
         flag = self._parked_flag
         if flag is not None and flag[0]:
             flag[0] = 0
-            try:
-                os.write(self._wake_fd, b"\1")
-            except OSError:  # full (already readable) or the frontend is gone
-                pass
+            self.channel.wake_peer()
 
     def close(self) -> None:
         self.frontend_gone = True
-        self.requests.close()
-        self.outputs.close()
         self._parked_flag = None
-        for end in (self.tensors_in, self.tensors_out):
-            if end is not None:
-                end.close()
-        if self._wake_fd >= 0:
-            os.close(self._wake_fd)
-            self._wake_fd = -1
+        self.channel.close()
         if self._parked is not None:
             self._parked.close()
 
     def send(self, kind: int, frames) -> None:
-        """Write one message; drop it once the frontend is gone. Blocks while the ring is
+        """Write one message; drop it once the frontend is gone. Waits while the ring is
         full (the frontend is slow), checking the frontend's liveness."""
         if self.frontend_gone:
             return
-        self.flush_releases()
+        rtype, payload = wire.message(kind, frames)
         try:
-            if len(frames) == 1:
-                self.outputs.send(kind, frames[0], timeout=None, alive=self.frontend_alive)
-            else:
-                self.outputs.send_batch(wire.frames_to_records(kind, frames), timeout=None, alive=self.frontend_alive)
+            waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
         except (PeerDeadError, ClientClosedError):
             self.frontend_gone = True
-
-
-    def flush_releases(self) -> None:
-        """Tell the frontend which request tensors this side is done with (they die with
-        vLLM's Request objects, in any thread). Never blocks: a full ring keeps them for
-        the next flush."""
-        receiver = self.tensors_in
-        if receiver is None or not receiver.pending or self.frontend_gone:
-            return
-        payload = receiver.take_releases()
-        if payload is not None:
-            try:
-                self.outputs.send(wire.RELEASES, payload, timeout=0.0)
-            except (PeerNotConsumingError, PeerDeadError, ClientClosedError):
-                pass
-
-    def on_release(self, payload) -> None:
-        if self.tensors_out is not None:
-            self.tensors_out.on_release(bytes(payload))
-
-    def provider(self, fallback):
-        """vLLM's oob_tensor_provider for requests: the arena, else ``fallback``."""
-        if self.tensors_in is None:
-            return fallback
-        from .oob import ArenaProvider
-
-        return ArenaProvider(self.tensors_in, fallback)
-
-    def consumer(self):
-        """vLLM's oob_tensor_consumer for outputs (None: vLLM's own frames)."""
-        if self.tensors_out is None:
-            return None
-        from .oob import ArenaTensors
-
-        return ArenaTensors(self.tensors_out, self.spec.tensor_min_bytes, self.spec.cuda_ipc)
 
     def send_gpus(self) -> None:
         """The GPUS record: the GPUs this process has a CUDA context on (CUDA tensors
@@ -195,7 +143,7 @@ class _EngineRings:
         self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
 
 
-def _rings() -> "_EngineRings | None":
+def _link() -> "_EngineLink | None":
     """Attach once, from the environment, and remove the variable (processes started
     later do not see it; workers started before carry it and ignore it: only an
     EngineCoreProc's IO threads read it)."""
@@ -204,7 +152,7 @@ def _rings() -> "_EngineRings | None":
         if _state is None:
             text = os.environ.pop(wire.ENV_SPEC, None)
             if text:
-                _state = _EngineRings(text)
+                _state = _EngineLink(text)
         return _state
 
 
@@ -223,14 +171,14 @@ def install() -> None:
 
 
 def _shutdown(self) -> None:
-    """vLLM's shutdown, then close this process's ring ends: that wakes an IO thread
-    blocked on a ring and waits for it to let go, so nothing is unmapped under it."""
+    """vLLM's shutdown, then close this process's end of the channel: that wakes an IO
+    thread waiting on a ring and waits for it to let go, so nothing is unmapped under it."""
     try:
         _originals["shutdown"](self)
     finally:
-        rings = getattr(self, "_shmclient_rings", None)
-        if rings is not None:
-            rings.close()
+        link = getattr(self, "_shmclient_link", None)
+        if link is not None:
+            link.close()
 
 
 def _keep_signals_for_main_thread() -> None:
@@ -242,12 +190,12 @@ def _keep_signals_for_main_thread() -> None:
 
 
 def _process_input_sockets(self, input_addresses, coord_input_address, identity, ready_event):
-    rings = _rings() if coord_input_address is None and len(input_addresses) == 1 else None
-    if rings is None:
+    link = _link() if coord_input_address is None and len(input_addresses) == 1 else None
+    if link is None:
         return _originals["in"](self, input_addresses, coord_input_address, identity, ready_event)
     _keep_signals_for_main_thread()
-    self._shmclient_rings = rings
-    _fatal_if_raises(self, "request", _serve_requests, self, rings, input_addresses[0], identity, ready_event)
+    self._shmclient_link = link
+    _fatal_if_raises(self, "request", _serve_requests, self, link, input_addresses[0], identity, ready_event)
 
 
 def _fatal_if_raises(self, what: str, fn, *args) -> None:
@@ -265,38 +213,30 @@ def _fatal_if_raises(self, what: str, fn, *args) -> None:
         raise
 
 
-def _serve_requests(self, rings: _EngineRings, input_address: str, identity: bytes, ready_event) -> None:
-    from vllm.multimodal.cache import MultiModalCacheMissError
+def _serve_requests(self, link: _EngineLink, input_address: str, identity: bytes, ready_event) -> None:
     from vllm.utils.network_utils import make_zmq_socket
-    from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType
-    from vllm.v1.engine.core import EngineShutdownState
-    from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
-    from vllm.v1.serial_utils import MsgpackDecoder
+    from vllm.v1.engine import EngineCoreRequestType
 
-    provider = rings.provider(self.tensor_ipc_receiver)
-    add_decoder = MsgpackDecoder(EngineCoreRequest, oob_tensor_provider=provider)
-    generic_decoder = MsgpackDecoder(oob_tensor_provider=provider)
+    link.framing.set_fallback(self.tensor_ipc_receiver)
     types = {t.value[0]: t for t in EngineCoreRequestType}
-    ring = rings.requests
-    partial: list = []
-    req = request = None
+    channel = link.channel
     with zmq.Context() as ctx, make_zmq_socket(
         ctx, input_address, zmq.DEALER, identity=identity, bind=False
     ) as handshake:
-        if rings.spec.output_mode == "inline":
+        if link.spec.output_mode == "inline":
             # Swap before the busy loop starts (it waits for ready_event): no output can
             # then go to the old queue after it was emptied.
-            inline = rings.inline_outputs(self)
+            inline = link.inline_outputs(self)
             old, self.output_queue = self.output_queue, inline
             while True:
                 try:
                     inline.put_nowait(old.get_nowait())
                 except queue.Empty:
                     break
-        if rings._parked_flag is not None:
-            _prewake_before_outputs(self, rings)
-        if rings.tensors_out is not None:
-            rings.send_gpus()
+        if link._parked_flag is not None:
+            _prewake_before_outputs(self, link)
+        if link.spec.arenas:
+            link.send_gpus()
         # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
         handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
         ready_event.set()
@@ -305,57 +245,96 @@ def _serve_requests(self, rings: _EngineRings, input_address: str, identity: byt
             try:
                 # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
                 # of request tensors the busy loop has dropped since.
-                records = ring.recv(timeout=RELEASE_FLUSH_S, alive=rings.frontend_alive)
+                messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive)
             except PeerNotProducingError:
-                rings.flush_releases()
+                channel.flush_releases()
                 continue
-            except (PeerDeadError, ClientClosedError, PeerTimeoutError):
-                rings.frontend_gone = True
+            except (PeerDeadError, ClientClosedError):
+                link.frontend_gone = True
                 # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
+                from vllm.v1.engine.core import EngineShutdownState
+
                 self.shutdown_state = EngineShutdownState.REQUESTED
                 self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
                 return
-            for code, frames in wire.split_messages(records, partial):
-                if code == wire.RELEASES:
-                    rings.on_release(frames[0])
+            for rtype, request in messages:
+                request_type = types[rtype & ~wire.MULTI]
+                if isinstance(request, BadMessage):
+                    _refuse(self, request_type, request)
                     continue
-                if len(frames) > 1:
-                    frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-                request_type = types[code]
-                request: Any
-                if request_type == EngineCoreRequestType.ADD:
-                    req = add_decoder.decode(frames)
-                    try:
-                        request = self.preprocess_add_request(req)
-                    except MultiModalCacheMissError as e:
-                        self._handle_mm_cache_miss(req, e)
-                        continue
-                    except Exception:
-                        self._handle_request_preproc_error(req)
-                        continue
-                elif request_type == EngineCoreRequestType.UTILITY:
-                    request = generic_decoder.decode(frames)
-                    client_idx, call_id, method, args = request
-                    if method == FT_UTILITY_METHOD:
-                        self.ft_sentinel.handle_command(client_idx, call_id, args[0])
-                        continue
-                else:
-                    request = generic_decoder.decode(frames)
-                    if request_type == EngineCoreRequestType.ABORT:
-                        self.aborts_queue.put_nowait(request)
-                self.input_queue.put_nowait((request_type, request))
+                _handle_request(self, request_type, request)
             # Hold no request here: its tensors' arena blocks are released when the
             # busy loop drops it.
-            req = request = frames = records = None
+            messages = request = None
 
 
-def _prewake_before_outputs(self, rings: _EngineRings) -> None:
-    """Ring the parked frontend when the scheduler starts turning a step's model output
+def _refuse(self, request_type, bad: BadMessage) -> None:
+    """A request that did not decode fails alone (stock vLLM's input thread would die):
+    an ADD whose request id can still be read gets vLLM's request-scoped error output,
+    a utility call its failure reply; the rest is logged and dropped."""
+    from vllm.logger import init_logger
+    from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
+
+    log = init_logger(__name__)
+    log.error("shmclient.vllm: a %s request did not decode and is dropped: %s", request_type.name, bad.error)
+    raw = bad.raw if isinstance(bad.raw, list) else None
+    if request_type == EngineCoreRequestType.ADD:
+        rid, client = bad.field("request_id"), bad.field("client_index")
+        if isinstance(rid, str):
+            self._send_error_outputs_to_client([rid], client if isinstance(client, int) else 0)
+    elif request_type == EngineCoreRequestType.UTILITY and raw is not None and len(raw) == 4:
+        client, call_id = raw[0], raw[1]
+        if isinstance(client, int) and isinstance(call_id, int):
+            failure = f"Call to {raw[2]!r} method failed: the request did not decode: {bad.error}"
+            self.output_queue.put_nowait(
+                (client, EngineCoreOutputs(utility_output=UtilityOutput(call_id, failure_message=failure))))
+
+
+def _handle_request(self, request_type, request) -> None:
+    """One decoded request, handled as vLLM's input thread handles it (this mirrors the
+    body of ``EngineCoreProc.process_input_sockets``' loop after its decode; the
+    fingerprint check in ``versions`` makes sure vLLM's still reads the same)."""
+    from vllm.multimodal.cache import MultiModalCacheMissError
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
+
+    if request_type == EngineCoreRequestType.ADD:
+        req = request
+        try:
+            request = self.preprocess_add_request(req)
+        except MultiModalCacheMissError as e:
+            self._handle_mm_cache_miss(req, e)
+            return
+        except Exception as e:
+            if _VALIDATION_ERROR is not None and isinstance(e, _VALIDATION_ERROR[0]):
+                _VALIDATION_ERROR[1](self, req, e)
+                return
+            self._handle_request_preproc_error(req)
+            return
+    elif request_type == EngineCoreRequestType.UTILITY:
+        client_idx, call_id, method, args = request
+        if method == FT_UTILITY_METHOD:
+            self.ft_sentinel.handle_command(client_idx, call_id, args[0])
+            return
+    elif request_type == EngineCoreRequestType.ABORT:
+        # Aborts go to both queues, as vLLM's (eager, and in order with the adds).
+        self.aborts_queue.put_nowait(request)
+    self.input_queue.put_nowait((request_type, request))
+
+
+#: (exception type, handler(engine, request, error)) of vLLM versions whose input thread
+#: answers a request that failed validation with a request-scoped error (set by
+#: ``versions`` at install when the running vLLM has one), else None.
+_VALIDATION_ERROR: "tuple[type, Any] | None" = None
+
+
+def _prewake_before_outputs(self, link: _EngineLink) -> None:
+    """Wake the parked frontend when the scheduler starts turning a step's model output
     into EngineCoreOutputs (measured ~15 us before they are stamped, ~35 us before they
     are published on this machine)."""
     scheduler = self.scheduler
     update = scheduler.update_from_output
-    prewake = rings.prewake
+    prewake = link.prewake
 
     def update_from_output(*args, **kwargs):
         prewake()
@@ -368,15 +347,12 @@ class _InlineOutputs:
     """Stands in for ``EngineCoreProc.output_queue``: ``put_nowait`` encodes and writes
     the outputs to the ring in the calling thread; ENGINE_CORE_DEAD goes to ``dead``."""
 
-    def __init__(self, rings: _EngineRings, engine_index: int, dead_marker: bytes) -> None:
-        from vllm.v1.serial_utils import MsgpackEncoder
-
-        self._rings = rings
+    def __init__(self, link: _EngineLink, engine_index: int, dead_marker: bytes) -> None:
+        self._link = link
         self._engine_index = engine_index
         self._dead_marker = dead_marker
-        self._encoder = MsgpackEncoder(oob_tensor_consumer=rings.consumer())
-        self._buffer = bytearray()
-        self._lock = threading.Lock()  # MsgpackEncoder is not thread-safe
+        self._buffer = bytearray()  # the ring copies it: reusable at once
+        self._lock = threading.Lock()  # vLLM's encoder is not thread-safe
         self.dead: queue.SimpleQueue = queue.SimpleQueue()
 
     def put_nowait(self, item) -> None:
@@ -385,9 +361,9 @@ class _InlineOutputs:
             return
         _, outputs = item
         outputs.engine_index = self._engine_index
+        link = self._link
         with self._lock:
-            frames = self._encoder.encode_into(outputs, self._buffer)
-            self._rings.send(wire.OUTPUTS, frames)
+            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffer))
 
     put = put_nowait
 
@@ -396,31 +372,27 @@ class _InlineOutputs:
 
 
 def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
-    rings = _rings() if coord_output_path is None and len(output_paths) == 1 else None
-    if rings is None:
+    link = _link() if coord_output_path is None and len(output_paths) == 1 else None
+    if link is None:
         return _originals["out"](self, output_paths, coord_output_path, engine_index)
     _keep_signals_for_main_thread()
-    _fatal_if_raises(self, "output", _serve_outputs, self, rings, output_paths[0], engine_index)
+    _fatal_if_raises(self, "output", _serve_outputs, self, link, output_paths[0], engine_index)
 
 
-def _serve_outputs(self, rings: _EngineRings, output_path: str, engine_index: int) -> None:
+def _serve_outputs(self, link: _EngineLink, output_path: str, engine_index: int) -> None:
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.serial_utils import MsgpackEncoder
 
     dead = EngineCoreProc.ENGINE_CORE_DEAD
     with zmq.Context() as ctx, make_zmq_socket(ctx, output_path, zmq.PUSH, linger=4000) as dead_socket:
-        if rings.spec.output_mode == "inline":
+        inline = link.inline_outputs(self)
+        if link.spec.output_mode == "inline":
             # The input thread put the inline object in place of output_queue.
-            dead_socket.send(rings.inline_outputs(self).dead.get())
+            dead_socket.send(inline.dead.get())
             return
-        encoder = MsgpackEncoder(oob_tensor_consumer=rings.consumer())
-        buffer = bytearray()  # the ring copies it: reusable at once
         while True:
             output = self.output_queue.get()
             if output == dead:
                 dead_socket.send(output)
                 return
-            _, outputs = output
-            outputs.engine_index = engine_index
-            rings.send(wire.OUTPUTS, encoder.encode_into(outputs, buffer))
+            inline.put_nowait(output)

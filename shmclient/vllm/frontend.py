@@ -67,18 +67,15 @@ from concurrent.futures import Future
 from time import monotonic, perf_counter
 from typing import Any
 
-import msgspec
-
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .. import _ring
+from .. import _ring, waiting
+from ..channel import BadMessage, ShmChannel
 from ..doorbell import Spin
-from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, PeerNotProducingError
-from ..ring import Ring
+from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, WouldBlock
 from ..shm import Segment
-from ..tensors import ShmTensorReceiver, ShmTensorSender
 from . import oob
 from . import wire
 
@@ -110,13 +107,13 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
 
 
-class _Rings:
-    """The frontend's ends: producer of requests, consumer of outputs (with a wake FIFO
-    for the async client). Owned by a finalizer, not by the client."""
+class _Link:
+    """The frontend's end of the channel to its engine (plus the "parked" flag of the
+    async client). Owned by a finalizer, not by the client."""
 
     def __init__(self, wake_fd: bool) -> None:
         capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
-        self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
+        spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
         self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
         if self.output_mode not in ("thread", "inline"):
             raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
@@ -131,31 +128,30 @@ class _Rings:
                 f"{CUDA_IPC_ENV} must be '0' or '1', {ARENA_ENV} and {TENSOR_MIN_ENV} >= 0; "
                 f"got {cuda_ipc!r}, {arena}, {self.tensor_min_bytes}"
             )
-        self.cuda_ipc = cuda_ipc == "1"
-        self.requests = Ring.create("producer", capacity, spin_us=self.spin_us)
-        self.outputs = self.parked = None
-        self.tensors_out: ShmTensorSender | None = None  # requests' tensors
-        self.tensors_in: ShmTensorReceiver | None = None  # outputs' tensors
-        self._arenas: list[Segment] = []
+        self.arenas = arena > 0
+        self.framing: wire.VllmFraming | None = None
+
+        def framing(tx, rx):
+            self.framing = wire.VllmFraming(tx, rx, side="frontend", tensor_min_bytes=self.tensor_min_bytes,
+                                            cuda_ipc=cuda_ipc == "1", arenas=self.arenas)
+            return self.framing
+
+        self.channel, self.spec = ShmChannel.create(
+            ring_capacity=capacity, arena_bytes=arena, spin_us=spin_us, wake_fd=wake_fd,
+            enable_cuda_ipc=cuda_ipc == "1", framing=framing)
+        # No peer GPUs until the engine's GPUS record says which it sees: host copies.
+        self.channel.set_peer_gpus([])
+        self.parked: Segment | None = None
         try:
-            self.outputs = Ring.create("consumer", capacity, spin_us=self.spin_us, consumer_wake_fd=wake_fd)
             if wake_fd and prewake == "1":
                 # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
                 self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
-            if arena:
-                for _ in range(2):
-                    self._arenas.append(Segment.create(arena, prefix="shmc-vllm-arena"))
-                # No peer GPUs until the engine's GPUS record says which it sees: host copies.
-                self.tensors_out = ShmTensorSender(self._arenas[0], enable_cuda_ipc=self.cuda_ipc,
-                                                   peer_gpu_uuids=[])
-                self.tensors_in = ShmTensorReceiver(self._arenas[1])
         except BaseException:
             self.close()
             raise
         self.parked_flag = self.parked.buf if self.parked is not None else bytearray(1)
 
     def spec_text(self) -> str:
-        arenas = [a.name for a in self._arenas] or ["", ""]
         gpus: list[str] = []
         try:
             import torch
@@ -166,143 +162,102 @@ class _Rings:
                 gpus = local_gpu_uuids()
         except ImportError:
             pass
-        return wire.encode_spec(self.requests, self.outputs, self.spin_us, self.output_mode,
-                                self.parked.name if self.parked is not None else "",
-                                request_arena=arenas[0], output_arena=arenas[1],
-                                tensor_min_bytes=self.tensor_min_bytes, cuda_ipc=self.cuda_ipc,
-                                frontend_gpus=gpus)
+        return wire.encode_spec(wire.EngineSpec(
+            channel=self.spec, frontend_pid=os.getpid(), output_mode=self.output_mode,
+            parked=self.parked.name if self.parked is not None else "", arenas=self.arenas,
+            tensor_min_bytes=self.tensor_min_bytes, frontend_gpus=gpus))
 
-    def unlink(self) -> None:
-        self.requests.unlink()
-        self.outputs.unlink()
+    def attached(self, engine_pid: int | None) -> None:
+        """The engine has attached: release the handles; its one-off tensor handles must
+        name its own segments from now on."""
+        self.channel.peer_attached()
+        if engine_pid is not None:
+            self.channel.set_peer_pid(engine_pid)
         if self.parked is not None:
             self.parked.release_handle()
-        for seg in self._arenas:
-            seg.release_handle()
+
+    def on_control(self, rtype: int, obj: Any) -> bool:
+        """Handle a message that is not vLLM's outputs; False if it is one."""
+        if rtype == wire.GPUS:
+            if not isinstance(obj, BadMessage):
+                self.channel.set_peer_gpus(list(obj))
+            return True
+        return False
 
     def close(self) -> None:
-        self.requests.close()
-        if self.outputs is not None:
-            self.outputs.close()
+        self.channel.close()
         if self.parked is not None:
             self.parked_flag = bytearray(1)
             self.parked.release_handle()
             self.parked.close()
-        for end in (self.tensors_out, self.tensors_in):
-            if end is not None:
-                end.close()
-        for seg in self._arenas:
-            seg.release_handle()
-            seg.close()
-
-    def on_control(self, kind: int, frames: list) -> bool:
-        """Handle a record that is not one of vLLM's messages; False if it is one."""
-        if kind == wire.RELEASES:
-            if self.tensors_out is not None:
-                self.tensors_out.on_release(bytes(frames[0]))
-            return True
-        if kind == wire.GPUS:
-            if self.tensors_out is not None:
-                self.tensors_out.set_peer_gpus(list(msgspec.msgpack.decode(frames[0])))
-            return True
-        return False
-
-    def flush_releases(self) -> None:
-        """Send the engine the ids of output tensors this side is done with. Never blocks
-        for long (a full ring keeps them for the next flush)."""
-        receiver = self.tensors_in
-        if receiver is None or not receiver.pending:
-            return
-        payload = receiver.take_releases()
-        if payload is not None:
-            try:
-                self.requests.send(wire.RELEASES, payload, timeout=0.0)
-            except (PeerNotConsumingError, PeerDeadError, ClientClosedError):
-                pass  # an engine that is gone or stuck: its blocks die with the arena
 
 
-def _start_with_rings(rings: _Rings, construct) -> None:
+def _start_with_link(link: _Link, construct) -> None:
     """Run vLLM's client construction with the spec in the environment while it starts
-    the engine core process, then unlink the names (the engine attached before READY)."""
+    the engine core process, then release the handles (the engine attached before
+    READY)."""
     with _spawn_lock:
-        os.environ[wire.ENV_SPEC] = rings.spec_text()
+        os.environ[wire.ENV_SPEC] = link.spec_text()
         try:
             construct()
         finally:
             os.environ.pop(wire.ENV_SPEC, None)
-    rings.unlink()
 
 
-class _RingIO:
-    """Send and receive vLLM messages on the rings (shared by both clients)."""
+def _engine_pid(client) -> int | None:
+    try:
+        return client.resources.engine_manager.processes[0].pid
+    except (AttributeError, IndexError, TypeError):
+        return None
 
-    def _init_rings(self, wake_fd: bool, construct) -> None:
-        self._rings = rings = _Rings(wake_fd)
-        self._rings_finalizer = weakref.finalize(self, rings.close)
+
+class _LinkIO:
+    """Send and receive vLLM messages over the channel (shared by both clients)."""
+
+    def _init_link(self, wake_fd: bool, construct) -> None:
+        self._link = link = _Link(wake_fd)
+        self._link_finalizer = weakref.finalize(self, link.close)
         try:
-            _start_with_rings(rings, construct)
+            _start_with_link(link, construct)
+            link.attached(_engine_pid(self))
         except BaseException:
-            self._rings_finalizer()
+            self._link_finalizer()
             raise
-        self._partial: list = []
         self._alive = self._make_alive()
-        self._use_arenas()
-
-    def _use_arenas(self) -> None:
-        """vLLM's encoder and decoder, with the tensor arenas as their out-of-band path
-        (unless vLLM already gave the encoder one: its multimodal tensor queue)."""
-        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-        rings = self._rings
-        if rings.tensors_out is None:
-            return
-        if self.encoder.oob_tensor_consumer is None:
-            self.encoder = MsgpackEncoder(
-                oob_tensor_consumer=oob.ArenaTensors(rings.tensors_out, rings.tensor_min_bytes, rings.cuda_ipc)
-            )
-        self.decoder = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=oob.ArenaProvider(rings.tensors_in))
+        if link.arenas and self.encoder.oob_tensor_consumer is None:
+            # vLLM's encoder with the arena as its out-of-band path (unless vLLM gave it
+            # one already: its multimodal tensor queue)
+            self.encoder = link.framing.encoder
 
     def _make_alive(self):
         resources = self.resources
         return lambda: not resources.engine_dead
 
+    def _dead(self) -> EngineDeadError:
+        self.resources.engine_dead = True
+        return EngineDeadError()
+
     def _ring_send(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        """Send from this thread, waiting while the request ring is full (at most
+        SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
         self.ensure_alive()
-        self._rings.flush_releases()
-        frames = self.encoder.encode(request)
+        rtype, payload = wire.message(request_type.value[0], self.encoder.encode(request))
         try:
-            if len(frames) == 1:
-                self._rings.requests.send(request_type.value[0], frames[0], timeout=SEND_TIMEOUT_S, alive=self._alive)
-            else:
-                self._rings.requests.send_batch(
-                    wire.frames_to_records(request_type.value[0], frames), timeout=SEND_TIMEOUT_S, alive=self._alive
-                )
+            waiting.send(self._link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
         except (PeerDeadError, ClientClosedError):
-            self.resources.engine_dead = True
-            raise EngineDeadError() from None
+            raise self._dead() from None
 
-    def _decode(self, records) -> list[EngineCoreOutputs]:
-        out = []
-        rings = self._rings
-        for kind, frames in wire.split_messages(records, self._partial):
-            if kind != wire.OUTPUTS and rings.on_control(kind, frames):
-                continue
-            if len(frames) > 1:
-                frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-            out.append(self.decoder.decode(frames))
-        return out
-
-    def _close_rings(self) -> None:
-        self._rings_finalizer()
+    def _close_link(self) -> None:
+        self._link_finalizer()
 
 
-class ShmSyncMPClient(_RingIO, SyncMPClient):
+class ShmSyncMPClient(_LinkIO, SyncMPClient):
     """vLLM's SyncMPClient with requests and outputs on shared-memory rings."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, renderer=None) -> None:
         self._pending: collections.deque = collections.deque()
         self._read_lock = threading.Lock()
-        self._init_rings(
+        self._init_link(
             False, lambda: SyncMPClient.__init__(self, vllm_config, executor_class, log_stats, renderer=renderer)
         )
 
@@ -311,19 +266,23 @@ class ShmSyncMPClient(_RingIO, SyncMPClient):
         """Read what the ring holds (waiting up to ``timeout``); utility replies resolve
         their futures, outputs queue for get_output. Caller holds _read_lock."""
         try:
-            records = self._rings.outputs.recv(timeout=timeout, alive=self._alive)
+            messages = waiting.recv(self._link.channel, timeout=timeout, alive=self._alive)
         except PeerNotProducingError:
             return
         except (PeerDeadError, ClientClosedError):
             self.resources.engine_dead = True
             self._fail_utilities()
             raise EngineDeadError(suppress_context=True) from None
-        for outputs in self._decode(records):
-            if outputs.utility_output:
+        link = self._link
+        for rtype, outputs in messages:
+            if link.on_control(rtype, outputs):
+                continue
+            if isinstance(outputs, BadMessage):  # as vLLM's reader thread: the error goes to get_output
+                self._pending.append(RuntimeError(f"an engine output did not decode: {outputs.error}"))
+            elif outputs.utility_output:
                 _process_utility_output(outputs.utility_output, self.utility_results)
             else:
                 self._pending.append(outputs)
-        self._rings.flush_releases()
 
     def _fail_utilities(self) -> None:
         for call_id in list(self.utility_results):
@@ -339,6 +298,8 @@ class ShmSyncMPClient(_RingIO, SyncMPClient):
                 if not self._pending:
                     self._pump(1.0)
         outputs = self._pending.popleft()
+        if isinstance(outputs, Exception):
+            raise self._format_exception(outputs) from None
         if outputs.wave_complete is not None:
             self.engines_running = False
         return outputs
@@ -372,17 +333,21 @@ class ShmSyncMPClient(_RingIO, SyncMPClient):
         try:
             super().shutdown(timeout)
         finally:
-            self._close_rings()
+            self._close_link()
 
 
-class ShmAsyncMPClient(_RingIO, AsyncMPClient):
+class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
     """vLLM's AsyncMPClient with requests and outputs on shared-memory rings."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
                  client_count: int = 1, client_index: int = 0, renderer=None) -> None:
         self._ring_task: asyncio.Task | None = None
         self._reader: _AsyncReader | None = None
-        self._init_rings(
+        #: Messages waiting for room in the request ring, oldest first, and the task
+        #: that sends them (sends keep their order, as on vLLM's socket).
+        self._backlog: collections.deque = collections.deque()
+        self._backlog_task: asyncio.Task | None = None
+        self._init_link(
             True,
             lambda: AsyncMPClient.__init__(
                 self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
@@ -402,8 +367,8 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
             self.outputs_queue = _Inbox()
         super()._ensure_output_queue_task()
         if self._ring_task is not None or not hasattr(self, "_alive"):
-            return  # (not before _init_rings has set up the decoder)
-        self._reader = reader = _AsyncReader(weakref.ref(self), self._rings, self.decoder, self.outputs_queue,
+            return  # (not before _init_link has set up the channel)
+        self._reader = reader = _AsyncReader(weakref.ref(self), self._link, self.outputs_queue,
                                              self.utility_results)
         self._ring_task = asyncio.create_task(_own_reader(reader), name="ShmEngineCoreOutputTask")
 
@@ -423,63 +388,106 @@ class ShmAsyncMPClient(_RingIO, AsyncMPClient):
         while not items:
             waiter = asyncio.get_running_loop().create_future()
             inbox.waiter = waiter
-            rings = self._rings
+            link = self._link
             if reader is not None and reader.arm_prewake():
-                rings.parked_flag[0] = 1  # the engine may now wake us before it publishes
+                link.parked_flag[0] = 1  # the engine may now wake us before it publishes
             try:
                 await waiter
             finally:
                 inbox.waiter = None
-                rings.parked_flag[0] = 0
+                link.parked_flag[0] = 0
         outputs = items.popleft()
         if isinstance(outputs, Exception):
             raise self._format_exception(outputs) from None
         return outputs
 
     def _send_input(self, request_type, request, engine=None):
-        self._ring_send(request_type, request)
-        return _done()
+        self.ensure_alive()
+        return self._send_frames(request_type.value[0], self.encoder.encode(request))
 
     def _send_input_message(self, message, engine):
         # vLLM builds (type, *frames) itself for utility calls.
         self.ensure_alive()
         request_type, *frames = message
-        kind = bytes(request_type)[0]
-        self._rings.flush_releases()
-        try:
-            self._rings.requests.send_batch(
-                wire.frames_to_records(kind, frames), timeout=SEND_TIMEOUT_S, alive=self._alive
-            )
-        except (PeerDeadError, ClientClosedError):
-            self.resources.engine_dead = True
-            raise EngineDeadError() from None
-        return _done()
+        return self._send_frames(bytes(request_type)[0], frames)
+
+    def _send_frames(self, kind: int, frames) -> asyncio.Future:
+        """Send one message without holding the loop: at once when the request ring has
+        room and nothing waits before it; else it queues behind the others and the
+        returned future completes when it is sent (the backlog task parks on the ring's
+        space pipe, at most SEND_TIMEOUT_S a message, then PeerNotConsumingError).
+        Raises EngineDeadError at once when the engine is gone."""
+        rtype, payload = wire.message(kind, frames)
+        loop = asyncio.get_running_loop()
+        if not self._backlog:
+            try:
+                self._link.channel.send_nowait(rtype, payload)
+            except WouldBlock:
+                pass
+            except (PeerDeadError, ClientClosedError):
+                raise self._dead() from None
+            else:
+                return _done(loop)
+        sent = loop.create_future()
+        self._backlog.append((rtype, payload, sent))
+        if self._backlog_task is None or self._backlog_task.done():
+            self._backlog_task = loop.create_task(self._send_backlog(), name="ShmEngineCoreSendTask")
+        return sent
+
+    async def _send_backlog(self) -> None:
+        backlog = self._backlog
+        channel = self._link.channel
+        while backlog:
+            rtype, payload, sent = backlog[0]
+            error: BaseException | None = None
+            try:
+                await waiting.send_async(channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
+            except (PeerDeadError, ClientClosedError):
+                error = self._dead()
+            except asyncio.CancelledError:
+                error = EngineDeadError()
+                raise
+            except Exception as e:  # noqa: BLE001 - handed to whoever awaits the send
+                error = e
+            finally:
+                backlog.popleft()
+                if not sent.done():
+                    if error is None:
+                        sent.set_result(None)
+                    else:
+                        sent.set_exception(error)
+                if isinstance(error, EngineDeadError):
+                    while backlog:
+                        f = backlog.popleft()[2]
+                        if not f.done():
+                            f.set_exception(EngineDeadError())
 
     def shutdown(self, timeout: float | None = None) -> None:
         try:
             super().shutdown(timeout)
         finally:
-            task = self._ring_task
-            if task is not None and not task.done():
+            for task in (self._backlog_task, self._ring_task):
+                if task is None or task.done():
+                    continue
                 loop = task.get_loop()
                 if loop.is_closed():
-                    self._close_rings()
+                    continue
+                try:
+                    running = asyncio.get_running_loop()
+                except RuntimeError:
+                    running = None
+                if running is loop:
+                    task.cancel()
                 else:
-                    # The task closes the rings itself once cancelled (on its loop).
-                    try:
-                        running = asyncio.get_running_loop()
-                    except RuntimeError:
-                        running = None
-                    if running is loop:
-                        task.cancel()
-                    else:
-                        loop.call_soon_threadsafe(task.cancel)
-            else:
-                self._close_rings()
+                    loop.call_soon_threadsafe(task.cancel)
+            task = self._ring_task
+            if task is None or task.done() or task.get_loop().is_closed():
+                self._close_link()
+            # else the reader task closes the channel itself once cancelled (on its loop)
 
 
-def _done() -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
+def _done(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    fut = loop.create_future()
     fut.set_result(None)
     return fut
 
@@ -516,52 +524,45 @@ class _AsyncReader:
     fast path) and from the wake pipe's reader callback (a parked waiter, utility replies
     nobody awaits as outputs). Dispatches as vLLM's output task does."""
 
-    def __init__(self, client_ref, rings: _Rings, decoder, inbox: _Inbox, utility_results) -> None:
+    def __init__(self, client_ref, link: _Link, inbox: _Inbox, utility_results) -> None:
         self.client_ref = client_ref
-        self.rings = rings
-        self.ring = rings.outputs
-        self.decoder = decoder
+        self.link = link
+        self.channel = link.channel
         self.inbox = inbox
         self.utility_results = utility_results
-        self.partial: list = []
         self.stopped = False
         self.failed: asyncio.Future | None = None  # set by the owning task
         self.parked_at: float | None = None
         self.spin = Spin(_env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6)
         # Whether the engine's early wake-up pays: spins after it that end in the
         # outputs. Backs off (and probes now and then) like the rings' own spins.
-        self.prewake = Spin(self.spin.base if rings.parked is not None else 0.0)
+        self.prewake = Spin(self.spin.base if link.parked is not None else 0.0)
         self.armed = False
         self.prewake_hits = self.prewake_misses = 0
         self.wakes = self.empty_wakes = 0  # callbacks; those that found nothing to do
 
     def read_now(self) -> int:
-        """Decode and dispatch every record the ring holds now; never blocks. On a dead
-        or closed ring the error goes to the inbox (once) and the callback stops."""
+        """Decode and dispatch every message the ring holds now; never blocks. On a dead
+        or closed channel the error goes to the inbox (once) and the callback stops."""
         if self.stopped:
             return 0
         try:
-            records = self.ring.try_recv()
+            messages = self.channel.try_recv()
         except (PeerDeadError, ClientClosedError):
             self._fail(EngineDeadError())
             return 0
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             self._fail(e)
             return 0
-        if not records:
-            return 0
-        rings = self.rings
-        try:
-            for kind, frames in wire.split_messages(records, self.partial):
-                if kind != wire.OUTPUTS and rings.on_control(kind, frames):
-                    continue
-                if len(frames) > 1:
-                    frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-                self._dispatch(self.decoder.decode(frames))
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e)
-        rings.flush_releases()
-        return len(records)
+        link = self.link
+        for rtype, outputs in messages:
+            if link.on_control(rtype, outputs):
+                continue
+            if isinstance(outputs, BadMessage):  # as vLLM's output task: the error ends it
+                self._fail(RuntimeError(f"an engine output did not decode: {outputs.error}"))
+                break
+            self._dispatch(outputs)
+        return len(messages)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         from vllm.v1.engine import FT_STATUS_CALL_ID
@@ -607,26 +608,27 @@ class _AsyncReader:
     def _spin_until(self, budget: float) -> bool:
         # The ring's own spin: it stops at once where the spin gate says spinning does
         # not pay on this host now (shmclient/_spin_gate.h), and never sleeps here.
-        if self.ring.has_data():
+        channel = self.channel
+        if channel.readable():
             return True
         if budget <= 0.0:
             return False
-        return self.ring.wait_readable(0.0, spin=budget) and self.ring.has_data()
+        return channel.wait_recv(0.0, spin=budget) and channel.readable()
 
     def on_readable(self) -> None:
-        # Read before draining: draining first re-arms the pipe while the record that
-        # woke us is still unread, which writes a byte for it and wakes us once more for
-        # nothing. Read, then drain: a record published in between is seen by the
-        # re-arm (it writes the byte itself), so no wake-up is lost.
+        # Read before re-arming: re-arming first would write a byte for the record that
+        # woke us while it is still unread, and wake us once more for nothing. Read,
+        # then re-arm: a record published in between is seen by the re-arm (it writes
+        # the byte itself), so no wake-up is lost.
         self.wakes += 1
         n = self.read_now()
         try:
-            self.ring.drain_wake_fd()
+            self.channel.arm_recv()
         except (ClientClosedError, OSError):
             pass
         inbox = self.inbox
         waiter = inbox.waiter
-        if not n and waiter is not None and not inbox.items and self.armed and not self.rings.parked_flag[0]:
+        if not n and waiter is not None and not inbox.items and self.armed and not self.link.parked_flag[0]:
             # The engine cleared our parked flag: its early wake-up, it is about to
             # publish. Spin for it for at most the configured spin; else the publish
             # wakes us again.
@@ -660,9 +662,9 @@ class _AsyncReader:
 async def _own_reader(reader: _AsyncReader) -> None:
     """Own the wake pipe's reader callback: in place until the reader fails or the task
     is cancelled (shutdown); then fail pending utility calls, remove the callback and
-    close the rings, on the loop."""
+    close the channel, on the loop."""
     loop = asyncio.get_running_loop()
-    fd = reader.ring.fileno()
+    fd = reader.channel.recv_fd()
     reader.failed = failed = loop.create_future()
     inbox = reader.inbox
     loop.add_reader(fd, reader.on_readable)
@@ -681,4 +683,4 @@ async def _own_reader(reader: _AsyncReader) -> None:
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError())
         loop.remove_reader(fd)
-        reader.rings.close()
+        reader.link.close()

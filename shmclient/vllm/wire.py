@@ -1,127 +1,215 @@
-"""How vLLM's messages sit in the rings, and how the engine learns the rings' names.
+"""How vLLM's messages sit in a ``ShmChannel``, and how the engine learns the channel.
 
-Lowest layer of the plug-in: imports only ``shmclient.ring`` and msgspec, never vLLM. A
-message is what vLLM's ``MsgpackEncoder.encode`` returns: one msgpack frame, then one
-frame per large tensor (its raw bytes, referenced by index from the first frame). Each
-frame is one ring record, all frames of a message written with one ``send_batch`` (so they
-are contiguous: one producer per ring end, the end's lock held for the batch). The record
-type is the message's kind (vLLM's request-type byte towards the engine, ``OUTPUTS``
-towards the frontend) on the first frame and ``AUX`` on the others; ``MORE`` is or-ed in
-on every frame but the last.
+Lowest layer of the plug-in: imports ``shmclient.channel`` (its spec), ``oob`` and msgspec;
+vLLM's serializers only when a framing is built. A message is what vLLM's
+``MsgpackEncoder.encode`` returns: one msgpack frame, then one frame per tensor it keeps
+out of line (its raw bytes, referenced by index from the first frame). A message travels
+as one ring record (fragmented by the ring when it is larger than one record): its type
+is the message's kind (vLLM's request-type byte towards the engine, ``OUTPUTS`` towards
+the frontend); a message of one frame is that frame; a message of several has ``MULTI``
+or-ed into its type and its frames packed behind a header (``pack`` / ``unpack``: a
+count, then each frame's length, every value checked when read).
 
-The frontend creates both rings and hands their specs to the engine core process it is
+``VllmFraming`` is the channel's framing parameter for the plug-in: vLLM's own encoder and
+decoders, with the channel's tensor arenas as their out-of-band path (``oob``). Besides
+vLLM's messages, one ``GPUS`` record (engine → frontend, before READY) says which GPUs
+the engine sees; tensor releases are the channel's own records.
+
+The frontend creates the channel and hands its spec to the engine core process it is
 about to start in the environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack
 ``EngineSpec``); vLLM starts its engine with ``multiprocessing`` (spawn or fork), and both
-pass the environment as it is at ``Process.start()``. ``RingSpec`` is kept opaque: each
-one travels as its own msgspec encoding.
-
-Besides vLLM's messages: ``RELEASES`` records (either way) carry tensor-block releases
-back to the side that wrote the blocks, and one ``GPUS`` record (engine → frontend,
-before READY) says which GPUs the engine sees; see ``shmclient.vllm.oob``.
+pass the environment as it is at ``Process.start()``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence
+import struct
+from typing import Any, Sequence
 
 import msgspec
 
-from ..ring import Ring, RingSpec
+from ..channel import ShmChannelSpec
 
 __all__ = [
-    "AUX",
-    "GPUS",
-    "RELEASES",
     "ENV_SPEC",
-    "MORE",
+    "GPUS",
+    "MULTI",
     "OUTPUTS",
     "EngineSpec",
+    "VllmFraming",
     "decode_spec",
     "encode_spec",
-    "frames_to_records",
-    "split_messages",
+    "message",
+    "pack",
+    "unpack",
 ]
 
 ENV_SPEC = "SHMCLIENT_VLLM_SPEC"
 
 #: engine → frontend: one EngineCoreOutputs.
 OUTPUTS = 0x20
-#: either way: ids of tensor blocks the sender of this record is done with (packed u64s,
-#: ``ShmTensorReceiver.take_releases``), for the peer's ``ShmTensorSender.on_release``.
-RELEASES = 0x21
 #: engine → frontend, before READY: msgpack list of the GPU UUIDs the engine sees
 #: (empty when it has no CUDA context); CUDA tensors towards it go by IPC only to those.
 GPUS = 0x22
-#: a further frame (tensor bytes) of the message before it.
-AUX = 0x3F
-#: or-ed into the type of every frame of a message but its last.
-MORE = 0x80
+#: or-ed into a message's record type when its payload holds several frames (``pack``).
+MULTI = 0x80
+#: The most frames one message may say it has (vLLM sends one per out-of-line tensor).
+MAX_FRAMES = 1 << 16
+
+_COUNT = struct.Struct("<I")
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
-    """What the engine core process needs to attach: both rings, as encoded RingSpecs."""
+    """What the engine core process needs: the channel (its point of view) and the
+    plug-in's settings."""
 
-    requests: bytes  # frontend → engine; the engine is its consumer
-    outputs: bytes  # engine → frontend; the engine is its producer
+    channel: ShmChannelSpec
     frontend_pid: int
-    spin_us: float
     output_mode: str  # "thread" or "inline", see shmclient.vllm.engine
     #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend), "" for none
     parked: str = ""
-    #: tensor arenas (segment handles; "" for none): requests' (frontend writes) and outputs'
-    request_arena: str = ""
-    output_arena: str = ""
+    #: whether tensors go through the channel's arenas (else as vLLM's own frames)
+    arenas: bool = True
     tensor_min_bytes: int = 64 * 1024
-    cuda_ipc: bool = True
     #: GPU UUIDs the frontend has a CUDA context on (CUDA IPC towards it only for those)
-    frontend_gpus: list = []
+    frontend_gpus: list[str] = []
 
 
-def encode_spec(requests: Ring, outputs: Ring, spin_us: float, output_mode: str, parked: str = "", **tensors) -> str:
-    """``tensors``: the EngineSpec fields of the tensor arenas (request_arena, ...)."""
-    spec = EngineSpec(
-        msgspec.msgpack.encode(requests.spec),
-        msgspec.msgpack.encode(outputs.spec),
-        os.getpid(),
-        float(spin_us),
-        output_mode,
-        parked,
-        **tensors,
-    )
+def encode_spec(spec: EngineSpec) -> str:
     return msgspec.msgpack.encode(spec).hex()
 
 
-def decode_spec(text: str) -> tuple[EngineSpec, RingSpec, RingSpec]:
+def decode_spec(text: str) -> EngineSpec:
     """Parse the environment variable's value. Raises ValueError naming the variable."""
     try:
-        spec = msgspec.msgpack.decode(bytes.fromhex(text), type=EngineSpec)
-        return (
-            spec,
-            msgspec.msgpack.decode(spec.requests, type=RingSpec),
-            msgspec.msgpack.decode(spec.outputs, type=RingSpec),
-        )
+        return msgspec.msgpack.decode(bytes.fromhex(text), type=EngineSpec)
     except (ValueError, msgspec.DecodeError) as e:
-        raise ValueError(f"{ENV_SPEC} does not hold a ring spec written by shmclient.vllm: {e}") from None
+        raise ValueError(f"{ENV_SPEC} does not hold a channel spec written by shmclient.vllm: {e}") from None
 
 
-def frames_to_records(kind: int, frames: Sequence) -> list[tuple[int, object]]:
-    """The ring records of one message (``kind`` 0..0x7F)."""
-    last = len(frames) - 1
-    return [(((kind if i == 0 else AUX) | (MORE if i < last else 0)), f) for i, f in enumerate(frames)]
+def pack(frames: Sequence[Any]) -> bytes:
+    """Several frames as one payload: count (u32), each frame's length (u64), frames."""
+    views = [f if isinstance(f, (bytes, bytearray)) else memoryview(f).cast("B") for f in frames]
+    head = struct.pack(f"<I{len(views)}Q", len(views), *(len(v) for v in views))
+    return b"".join([head, *views])
 
 
-def split_messages(records: list[tuple[int, bytes]], partial: list) -> Iterator[tuple[int, list]]:
-    """Regroup received records into ``(kind, frames)`` messages. ``partial`` carries the
-    frames of a message whose last frame has not arrived yet between calls (a message
-    larger than the ring may be split across receive calls)."""
-    for rtype, payload in records:
-        if not partial:
-            if rtype & ~MORE == AUX:
-                raise RuntimeError("shmclient.vllm: a tensor frame arrived without its message")
-            partial.append(rtype & ~MORE)
-        partial.append(payload)
-        if not rtype & MORE:
-            kind, *frames = partial
-            partial.clear()
-            yield kind, frames
+def unpack(view: memoryview) -> list[Any]:
+    """``pack``'s frames again, copied out of ``view``: the first as bytes, the others
+    as bytearrays (vLLM's decoder makes tensors on them in place). Raises ValueError
+    naming what is wrong when the header does not fit the payload."""
+    total = view.nbytes
+    if total < _COUNT.size:
+        raise ValueError(f"a multi-frame vLLM message of {total} bytes has no header")
+    (n,) = _COUNT.unpack_from(view, 0)
+    if not 2 <= n <= MAX_FRAMES:
+        raise ValueError(f"a multi-frame vLLM message says it has {n} frames (2 to {MAX_FRAMES})")
+    pos = _COUNT.size + 8 * n
+    if pos > total:
+        raise ValueError(f"a vLLM message header of {n} frames needs {pos} bytes, the record has {total}")
+    sizes = struct.unpack_from(f"<{n}Q", view, _COUNT.size)
+    if sum(sizes) != total - pos:
+        raise ValueError(f"a vLLM message's frames add up to {sum(sizes)} bytes, the record holds {total - pos}")
+    frames: list[Any] = []
+    for i, size in enumerate(sizes):
+        chunk = view[pos:pos + size]
+        frames.append(bytes(chunk) if i == 0 else bytearray(chunk))
+        pos += size
+    return frames
+
+
+def message(kind: int, frames: Sequence[Any]) -> tuple[int, Any]:
+    """The record type and payload of one vLLM message (``kind`` 0..0x7F)."""
+    if len(frames) == 1:
+        return kind, frames[0]
+    return kind | MULTI, pack(frames)
+
+
+class _Frames:
+    """One record type's decoder: vLLM's ``MsgpackDecoder`` over the record's frames
+    (copied out of the ring: vLLM keeps views of what it decodes)."""
+
+    __slots__ = ("dec", "multi")
+
+    def __init__(self, dec: Any, multi: bool) -> None:
+        self.dec = dec
+        self.multi = multi
+
+    def decode(self, view: memoryview) -> Any:
+        return self.dec.decode(unpack(view) if self.multi else bytes(view))
+
+    def salvage(self, view: memoryview) -> Any:
+        try:
+            first = unpack(view)[0] if self.multi else view
+            return msgspec.msgpack.decode(first)
+        except Exception:
+            return None
+
+
+class _Msgpack:
+    """A plain msgpack record (the GPUS list)."""
+
+    def decode(self, view: memoryview) -> Any:
+        return msgspec.msgpack.decode(view, type=list[str])
+
+    def salvage(self, view: memoryview) -> Any:
+        return None
+
+
+class VllmFraming:
+    """The channel's framing for vLLM's messages (see module doc).
+
+    ``side`` is ``"frontend"`` (encodes requests, decodes ``OUTPUTS`` and ``GPUS``) or
+    ``"engine"`` (decodes vLLM's request kinds, encodes outputs). CPU tensors of at least
+    ``tensor_min_bytes`` and CUDA tensors go out of band through the channel's arenas
+    (``oob``); ``provider`` is whoever opens placeholders that are not the arena's
+    (vLLM's own tensor IPC receiver on the engine side; settable later). Called by one
+    encoder at a time (vLLM's encoder is not thread-safe either)."""
+
+    def __init__(self, tensor_tx: Any, tensor_rx: Any, *, side: str, tensor_min_bytes: int = 64 * 1024,
+                 cuda_ipc: bool = True, arenas: bool = True) -> None:
+        from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        from .oob import ArenaProvider, ArenaTensors
+
+        self.provider = ArenaProvider(tensor_rx) if arenas else None
+        self.consumer = ArenaTensors(tensor_tx, tensor_min_bytes, cuda_ipc) if arenas else None
+        self.encoder = MsgpackEncoder(oob_tensor_consumer=self.consumer)
+        provider = self.provider or self._fallback
+        if side == "frontend":
+            typed = {OUTPUTS: MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=provider)}
+        elif side == "engine":
+            generic = MsgpackDecoder(oob_tensor_provider=provider)
+            typed = {t.value[0]: generic for t in EngineCoreRequestType}
+            typed[EngineCoreRequestType.ADD.value[0]] = MsgpackDecoder(EngineCoreRequest,
+                                                                       oob_tensor_provider=provider)
+        else:
+            raise ValueError(f"side must be 'frontend' or 'engine', got {side!r}")
+        self.decoders: dict[int, Any] = {}
+        for kind, dec in typed.items():
+            self.decoders[kind] = _Frames(dec, False)
+            self.decoders[kind | MULTI] = _Frames(dec, True)
+        if side == "frontend":
+            self.decoders[GPUS] = _Msgpack()
+        add = EngineCoreRequest.__struct_fields__
+        self.fields = {k: {name: i for i, name in enumerate(add)}
+                       for k in (EngineCoreRequestType.ADD.value[0], EngineCoreRequestType.ADD.value[0] | MULTI)}
+        self._fallback_provider: Any = None
+
+    def set_fallback(self, provider: Any) -> None:
+        """Who opens out-of-band placeholders that are not the arena's (vLLM's own)."""
+        if self.provider is not None:
+            self.provider.fallback = provider
+        self._fallback_provider = provider
+
+    def _fallback(self, dtype: str, shape: Any, meta: Any) -> Any:
+        if self._fallback_provider is None:
+            raise ValueError(f"shmclient.vllm: an out-of-band tensor placeholder nobody opens: {meta!r}")
+        return self._fallback_provider(dtype, shape, meta)
+
+    def encode(self, obj: Any) -> list:
+        """vLLM's frames of ``obj`` (large tensors placed in the arena); ``message``
+        makes them a record."""
+        return self.encoder.encode(obj)
