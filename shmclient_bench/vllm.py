@@ -449,58 +449,51 @@ TENSOR_SIZES = (4 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 1 <
 
 def tensor_threshold(repeats: int = 200) -> dict[str, Any]:
     """Where the arena starts to pay: one CPU tensor of each size in an EngineCoreOutputs
-    (pooling_output), through vLLM's encoder, a ring and vLLM's decoder, as vLLM's extra
-    ring frame vs through the arena (with the release carried back), median µs per
-    message, one process (CPU cost of the two paths, no wake-ups)."""
+    (pooling_output), through vLLM's encoder, the plug-in's channel and vLLM's decoder,
+    as vLLM's extra frame vs through the arena (with the release carried back), median µs
+    per message, one process (CPU cost of the two paths, no wake-ups)."""
     import gc
     import statistics
 
     import torch
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from shmclient.ring import Ring
-    from shmclient.shm import Segment
-    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.channel import ShmChannel
     from shmclient.vllm import wire
-    from shmclient.vllm.oob import ArenaProvider, ArenaTensors
 
-    cons = Ring.create("consumer", 16 << 20)
-    prod = Ring.attach(cons.spec, "producer")
-    seg = Segment.create(64 << 20)
-    sender, receiver = ShmTensorSender(seg), ShmTensorReceiver(Segment.attach(seg.name))
     out: dict[str, Any] = {"sizes": list(TENSOR_SIZES), "frames_us": [], "arena_us": []}
-    try:
-        paths = {
-            "frames_us": (MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)),
-            "arena_us": (MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, 0)),
-                         MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))),
-        }
-        for size in TENSOR_SIZES:
-            t = torch.randn(size // 4)
-            msg = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1], pooling_output=t)])
-            for key, (enc, dec) in paths.items():
+    for key, arenas in (("frames_us", False), ("arena_us", True)):
+        framings: dict[str, wire.VllmFraming] = {}
+
+        def framing(side: str):
+            def make(tx, rx):
+                framings[side] = wire.VllmFraming(tx, rx, side=side, tensor_min_bytes=0, arenas=arenas)
+                return framings[side]
+            return make
+
+        frontend, spec = ShmChannel.create(ring_capacity=16 << 20, arena_bytes=64 << 20, spin_us=0,
+                                           wake_fd=False, framing=framing("frontend"))
+        engine = ShmChannel.attach(spec, framing("engine"))
+        encoder = framings["engine"].encoder
+        try:
+            for size in TENSOR_SIZES:
+                msg = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1], pooling_output=torch.randn(size // 4))])
                 times = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    prod.send_batch(wire.frames_to_records(wire.OUTPUTS, enc.encode(msg)), timeout=1.0)
-                    for _, frames in wire.split_messages(cons.recv(timeout=1.0), []):
-                        frames = [frames[0], *(bytearray(f) for f in frames[1:])]
-                        got = dec.decode(frames).outputs[0].pooling_output
+                    engine.send_nowait(*wire.message(wire.OUTPUTS, encoder.encode(msg)))
+                    for _, outputs in frontend.recv_nowait():
+                        got = outputs.outputs[0].pooling_output
                         float(got[-1])  # touch it
-                        del got
+                        del got, outputs
                     gc.collect(0)
-                    payload = receiver.take_releases()
-                    if payload is not None:
-                        sender.on_release(payload)
+                    frontend.flush_releases()
+                    engine.try_recv()  # the release comes back
                     times.append(time.perf_counter() - t0)
                 out[key].append(statistics.median(times) * 1e6)
-    finally:
-        receiver.close()
-        sender.close()
-        seg.release_handle()
-        prod.close()
-        cons.close()
+        finally:
+            engine.close()
+            frontend.close()
     return out
 
 

@@ -52,10 +52,8 @@ import os
 import threading
 import warnings
 
-__all__ = ["ENV_SWITCH", "TESTED_VLLM_VERSIONS", "enabled", "register", "supported_version"]
+__all__ = ["ENV_SWITCH", "enabled", "register", "supported_version"]
 
-#: vLLM versions this plug-in was tested with; on any other it warns and leaves vLLM alone.
-TESTED_VLLM_VERSIONS = ("0.32.0",)
 ENV_SWITCH = "SHMCLIENT_VLLM"
 
 _lock = threading.Lock()
@@ -80,14 +78,36 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "") == "1"
 
 
-def supported_version(version: str) -> bool:
-    """True for a tested vLLM version; otherwise warns (RuntimeWarning) and returns False."""
-    if version in TESTED_VLLM_VERSIONS:
+_verdict: "bool | None" = None
+
+
+def _runs_here() -> bool:
+    """``supported_version`` of the installed vLLM, computed (and warned about) once per
+    process, when the first client is made: vLLM's logging is set up by then."""
+    global _verdict
+    if _verdict is None:
+        import vllm
+
+        _verdict = supported_version(vllm.__version__)
+    return _verdict
+
+
+def supported_version(version: str, fingerprints: "tuple[str, ...] | None" = None) -> bool:
+    """Whether the plug-in may run on the installed vLLM (its number ``version``): every
+    function of vLLM it depends on must be as in a release it knows (``versions``).
+    Otherwise warns (the log's WARNING, and a RuntimeWarning naming what differs) and
+    returns False. A release it does not know by number but whose fingerprints match
+    runs, with an INFO line saying so."""
+    from .versions import check
+
+    verdict = check(version, fingerprints)
+    if verdict.ok:
+        if "not a tested release" in verdict.message:
+            log.info("shmclient.vllm: %s", verdict.message)
         return True
-    _fallback(f"tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, this is vLLM {version}")
+    _fallback(verdict.message)
     warnings.warn(
-        f"shmclient.vllm is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, this is vLLM {version}: "
-        f"{ENV_SWITCH}=1 is ignored and vLLM's own ZMQ transport is used",
+        f"shmclient.vllm: {verdict.message}: {ENV_SWITCH}=1 is ignored and vLLM's own ZMQ transport is used",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -104,11 +124,6 @@ def register() -> None:
     with _lock:
         if _installed:
             return
-        import vllm
-
-        if not supported_version(vllm.__version__):
-            os.environ.pop(ENV_SPEC, None)
-            return
         from . import engine
 
         engine.install()
@@ -120,14 +135,12 @@ def register() -> None:
 def _install_frontend() -> None:
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    from .frontend import ShmAsyncMPClient, ShmSyncMPClient
-
     stock_make_client = EngineCoreClient.make_client
     stock_make_async = EngineCoreClient.make_async_mp_client
 
     def make_async_mp_client(vllm_config, executor_class, log_stats, client_addresses=None,
                              client_count=1, client_index=0, renderer=None):
-        if not enabled():
+        if not (enabled() and _runs_here()):
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
         if vllm_config.parallel_config.data_parallel_size > 1 or client_addresses:
@@ -141,17 +154,24 @@ def _install_frontend() -> None:
             )
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
+        from .frontend import ShmAsyncMPClient
+
         _took_over("AsyncMPClient")
         return ShmAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
                                 client_count, client_index, renderer=renderer)
 
     def make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats, renderer=None):
-        if enabled() and multiprocess_mode and not asyncio_mode and vllm_config.parallel_config.data_parallel_size == 1:
+        if not (enabled() and (asyncio_mode or _runs_here())):
+            return stock_make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats,
+                                     renderer=renderer)
+        if multiprocess_mode and not asyncio_mode and vllm_config.parallel_config.data_parallel_size == 1:
+            from .frontend import ShmSyncMPClient
+
             _took_over("SyncMPClient")
             return ShmSyncMPClient(vllm_config, executor_class, log_stats, renderer=renderer)
-        if enabled() and not multiprocess_mode:
+        if not multiprocess_mode:
             _fallback("the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) has no transport to move")
-        elif enabled() and not asyncio_mode:
+        elif not asyncio_mode:
             _fallback(f"data_parallel_size={vllm_config.parallel_config.data_parallel_size} is not on the rings yet")
         return stock_make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats,
                                  renderer=renderer)

@@ -291,9 +291,12 @@ def _refuse(self, request_type, bad: BadMessage) -> None:
 
 
 def _handle_request(self, request_type, request) -> None:
-    """One decoded request, handled as vLLM's input thread handles it (this mirrors the
-    body of ``EngineCoreProc.process_input_sockets``' loop after its decode; the
-    fingerprint check in ``versions`` makes sure vLLM's still reads the same)."""
+    """One decoded request, handled as vLLM's input thread handles it: this mirrors the
+    loop body of ``EngineCoreProc.process_input_sockets`` after its decode (``versions``
+    checks at registration that the running vLLM's loop is one this was written against).
+    vLLM 0.33 answers a request that fails validation with a request-scoped error
+    (``_handle_request_validation_error``); with a vLLM that has that handler, so does
+    this."""
     from vllm.multimodal.cache import MultiModalCacheMissError
     from vllm.v1.engine import EngineCoreRequestType
     from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
@@ -306,10 +309,11 @@ def _handle_request(self, request_type, request) -> None:
             self._handle_mm_cache_miss(req, e)
             return
         except Exception as e:
-            if _VALIDATION_ERROR is not None and isinstance(e, _VALIDATION_ERROR[0]):
-                _VALIDATION_ERROR[1](self, req, e)
-                return
-            self._handle_request_preproc_error(req)
+            validation = _validation_error()
+            if validation is not None and isinstance(e, validation):
+                self._handle_request_validation_error(req, e)
+            else:
+                self._handle_request_preproc_error(req)
             return
     elif request_type == EngineCoreRequestType.UTILITY:
         client_idx, call_id, method, args = request
@@ -322,10 +326,18 @@ def _handle_request(self, request_type, request) -> None:
     self.input_queue.put_nowait((request_type, request))
 
 
-#: (exception type, handler(engine, request, error)) of vLLM versions whose input thread
-#: answers a request that failed validation with a request-scoped error (set by
-#: ``versions`` at install when the running vLLM has one), else None.
-_VALIDATION_ERROR: "tuple[type, Any] | None" = None
+def _validation_error() -> type | None:
+    """vLLM's ``VLLMValidationError`` when its engine answers it per request (0.33 on),
+    else None (an older engine treats it as any other pre-processing error)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if not hasattr(EngineCoreProc, "_handle_request_validation_error"):
+        return None
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return None
+    return VLLMValidationError
 
 
 def _prewake_before_outputs(self, link: _EngineLink) -> None:

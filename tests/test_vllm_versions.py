@@ -1,0 +1,121 @@
+"""The vLLM plug-in judges a vLLM by what it contains: fingerprints of the functions it
+depends on, compared with the releases it was written against. These run without vLLM
+(the fingerprints are read from source text); the installed vLLM's own check is
+``vllm``-marked, and a downloaded wheel's is checked when one is at hand."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import textwrap
+
+import pytest
+
+from shmclient.vllm import versions
+from shmclient.vllm.versions import KNOWN, TOUCHED, check, fingerprints
+
+
+SOURCE = textwrap.dedent('''
+    class Base:
+        def inherited(self, a, b=1):
+            return a + b
+
+
+    class Client(Base):
+        def send(self, request):
+            """Docstrings do not count."""
+            # nor do comments
+            return self.socket.send(request)
+
+        def call(self, method, *args):
+            return method(*args)
+''')
+
+MODULE = "pkg.client"
+ENTRIES = ((MODULE, "Client.send", "body"), (MODULE, "Client.call", "params"), (MODULE, "Client.inherited", "params"))
+
+
+def prints(source: str) -> tuple[str, ...]:
+    return versions._fingerprints(lambda m: source if m == MODULE else None, ENTRIES)
+
+
+def test_comments_docstrings_and_layout_do_not_change_a_fingerprint():
+    same = SOURCE.replace('"""Docstrings do not count."""', '"""Other words."""').replace(
+        "# nor do comments", "# another comment").replace("return self.socket.send(request)",
+                                                          "return self.socket.send(\n                request)")
+    assert prints(same) == prints(SOURCE)
+
+
+def test_a_changed_body_changes_its_fingerprint_and_only_its():
+    changed = SOURCE.replace("return self.socket.send(request)", "return self.socket.send(request, copy=False)")
+    before, after = prints(SOURCE), prints(changed)
+    assert before[0] != after[0] and before[1:] == after[1:]
+
+
+def test_params_entries_see_parameters_only():
+    body = SOURCE.replace("return method(*args)", "return method(*reversed(args))")
+    params = SOURCE.replace("def call(self, method, *args)", "def call(self, method, *args, timeout=None)")
+    assert prints(body)[1] == prints(SOURCE)[1]
+    assert prints(params)[1] != prints(SOURCE)[1]
+
+
+def test_an_inherited_method_is_found_in_its_base_and_a_missing_one_says_so():
+    assert prints(SOURCE)[2] != "missing"
+    assert prints(SOURCE.replace("def inherited", "def renamed"))[2] == "missing"
+    assert versions._fingerprints(lambda m: None, ENTRIES) == ("missing",) * 3
+
+
+@pytest.fixture
+def known(monkeypatch):
+    table = {"1.4": (("1.4.0", "1.4.1"), ("a", "b", "c")), "1.5": (("1.5.0",), ("a", "B", "c"))}
+    monkeypatch.setattr(versions, "KNOWN", table)
+    monkeypatch.setattr(versions, "TOUCHED", ENTRIES)
+    return table
+
+
+def test_check_takes_a_tested_release_and_an_unknown_number_with_known_contents(known):
+    v = check("1.4.1", ("a", "b", "c"))
+    assert v.ok and v.line == "1.4" and "is a tested release" in v.message
+    v = check("1.5.0+nv25.12", ("a", "B", "c"))  # a vendor build of a known release
+    assert v.ok and v.line == "1.5" and "not a tested release" in v.message
+
+
+def test_check_refuses_what_differs_and_names_it(known):
+    v = check("1.5.2", ("a", "X", "c"))
+    assert not v.ok and v.line == "1.5" and v.differs == ["pkg.client.Client.call"]
+    assert "differs from the tested vLLM 1.5.0 in pkg.client.Client.call" in v.message
+    v = check("2.0.0", ("a", "b", "Z"))  # no line of that number: the closest one
+    assert not v.ok and v.line == "1.4" and v.differs == ["pkg.client.Client.inherited"]
+
+
+def test_known_table_is_whole():
+    for line, (tested, prints_) in KNOWN.items():
+        assert len(prints_) == len(TOUCHED), line
+        assert "missing" not in prints_, line
+        assert any(v.startswith(line + ".") for v in tested), (line, tested)
+
+
+#: Folder of downloaded vLLM wheels to check the table against (e.g. ``pip download
+#: --no-deps vllm==0.33.0 -d DIR``); the test is skipped when none is at hand.
+WHEELS_ENV = "SHMCLIENT_TEST_VLLM_WHEELS"
+
+
+@pytest.mark.parametrize("wheel", sorted(glob.glob(os.path.join(os.environ.get(WHEELS_ENV, "/nonexistent"),
+                                                               "vllm*.whl"))) or [None])
+def test_a_downloaded_release_matches_its_line(wheel):
+    if wheel is None:
+        pytest.skip(f"no vLLM wheel in ${WHEELS_ENV}")
+    version = re.match(r"vllm(?:_cpu)?-([^-]+)-", os.path.basename(wheel)).group(1)
+    line = next((k for k, (tested, _) in KNOWN.items() if version in tested), None)
+    assert line is not None, f"{version} is in no line of KNOWN"
+    assert versions.fingerprints_from_wheel(wheel) == KNOWN[line][1]
+
+
+@pytest.mark.vllm
+def test_the_installed_vllm_is_a_known_release():
+    vllm = pytest.importorskip("vllm")
+    v = check(vllm.__version__)
+    assert v.ok, v.message
+    assert vllm.__version__ in KNOWN[v.line][0]
+    assert fingerprints() == KNOWN[v.line][1]

@@ -1,0 +1,47 @@
+"""How the vLLM plug-in packs vLLM's frames into one ring record, and reads them back
+from bytes it does not trust (no vLLM needed)."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from shmclient.vllm.wire import MAX_FRAMES, MULTI, message, pack, unpack
+
+
+def test_one_frame_is_the_record_itself():
+    frame = b"\x93\x01\x02\x03"
+    assert message(0x03, [frame]) == (0x03, frame)
+
+
+def test_several_frames_round_trip_with_multi_set():
+    frames = [b"main", bytearray(b"tensor bytes"), memoryview(b"\x00" * 300), b""]
+    rtype, payload = message(0x00, frames)
+    assert rtype == 0x00 | MULTI
+    got = unpack(memoryview(payload))
+    assert [bytes(f) for f in got] == [bytes(f) for f in frames]
+    assert type(got[0]) is bytes and all(type(f) is bytearray for f in got[1:])  # aux frames writable
+
+
+def test_a_multidimensional_buffer_travels_as_its_bytes():
+    import numpy as np
+
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got = unpack(memoryview(pack([b"m", memoryview(arr)])))
+    assert bytes(got[1]) == arr.tobytes()
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"", "has no header"),
+    (b"\x01\x00", "has no header"),
+    (struct.pack("<I", 1) + struct.pack("<Q", 0), "says it has 1 frames"),
+    (struct.pack("<I", MAX_FRAMES + 1), "frames (2 to"),
+    (struct.pack("<I", 3) + struct.pack("<Q", 1), "needs 28 bytes"),
+    (struct.pack("<I2Q", 2, 4, 4) + b"1234567", "add up to 8 bytes, the record holds 7"),
+    (struct.pack("<I2Q", 2, 1 << 63, 0) + b"x", "add up to"),
+])
+def test_a_bad_header_raises_naming_what_is_wrong(payload, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        unpack(memoryview(payload))
