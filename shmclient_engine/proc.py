@@ -74,6 +74,7 @@ from shmclient.channel import (
 )
 from shmclient.errors import (
     AuthenticationError,
+    ConfigError,
     PeerDeadError,
     PeerNotConsumingError,
     PeerNotProducingError,
@@ -509,7 +510,10 @@ def run_process(argv: list[str], *, make_core: MakeCore | None = None,
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException as e:  # noqa: BLE001 - everything else is fatal and reported
-        traceback.print_exc()
+        if not isinstance(e, ConfigError):
+            # a ConfigError (a setting this engine cannot run with) is the frontend's to
+            # raise, typed, with this text; anything else is a bug whose stack is here only
+            traceback.print_exc()
         if link is not None:
             link.close()
         _send_dead(ctl, f"{type(e).__name__}: {e}", block=link is None)

@@ -1,8 +1,8 @@
 """An engine that fails to start is reported once, typed, with the engine's own text: the
-engine prints its traceback, the client raises one ConfigError carrying that text (not
-chained to the launcher's RuntimeError saying it again), and nothing warns of a shutdown
-that did not happen ("did not exit in 0.0 s: SIGTERM") or prints a traceback of the
-engine interrupted in its exit."""
+client raises one ConfigError carrying that text (not chained to the launcher's
+RuntimeError saying it again), the engine prints no traceback of its own for it, and
+nothing warns of a shutdown that did not happen ("did not exit in 0.0 s: SIGTERM") or
+prints a traceback of the engine interrupted in its exit."""
 
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def test_a_start_up_failure_is_reported_once_with_the_engines_text(failure, tran
     lines = err.splitlines()
     error_line = f"shmclient.errors.ConfigError: {text}"
     assert lines[-1] == error_line, err  # the client's error: typed, the engine's text
-    # Twice in all: the end of the engine's own traceback, and the client's error.
-    assert lines.count(error_line) == 2, err
+    # Once: the client's error; the engine does not print it again with its own stack.
+    assert lines.count(error_line) == 1, err
+    assert err.count("Traceback (most recent call last)") == 1, err
     assert "RuntimeError" not in err and "initialization failed" not in err, err
     assert "did not exit" not in err and "SIGTERM" not in err, err
     assert "Exception ignored" not in err and "SystemExit" not in err, err
