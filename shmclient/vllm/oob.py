@@ -2,8 +2,8 @@
 
 Middle layer of the plug-in: imports ``shmclient.tensors`` (arena sender and receiver,
 CUDA IPC through ``tensors_cuda``), torch and vLLM's ``serial_utils`` interfaces
-(``OOBTensorConsumer``); never the frontend or engine modules, which build these objects
-and carry the release records (``wire.RELEASES``) between them.
+(``OOBTensorConsumer``); never the frontend or engine modules. ``wire.VllmFraming`` builds
+these objects on a channel's arenas; the channel carries the releases back.
 
 vLLM's ``MsgpackEncoder`` offers every CUDA tensor, and every CPU tensor of at least its
 inline limit (256 B), to an ``oob_tensor_consumer``; the decoder hands the placeholder
@@ -21,8 +21,11 @@ ring (``ShmTensorSender.on_release``), so it is never rewritten while the peer m
 read it. Releases not yet carried back keep their blocks; a full arena costs a one-off
 segment, never a wait. Nothing here blocks.
 
-Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB), measured with
-``python -m shmclient_bench.vllm --tensors``: ``TENSOR_POLICY`` below.
+Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB): where the arena's one copy
+and fixed cost (~5 µs: allocation, handle, release) meet the frame path's three copies,
+between 64 and 128 KiB (``python -m shmclient_bench.vllm --tensors``; figures in
+docs/measurements.md). From 64 KiB the arena also keeps large payloads out of the ring,
+where they would queue the outputs behind them.
 """
 
 from __future__ import annotations
@@ -35,25 +38,6 @@ import torch
 from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
 
 __all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
-
-TENSOR_POLICY = """
-One float32 tensor as EngineCoreOutputs.pooling_output through vLLM's encoder, a ring and
-vLLM's decoder (then touched, dropped, its release carried back), median us per message,
-one process, 2 runs, 2-vCPU VM at a load average of ~3 from other work (2026-12-01):
-  bytes    vLLM's extra ring frame    arena
-  4 KiB    9.4                        14.1-14.3
-  16 KiB   10.1-10.3                  14.2-14.7
-  32 KiB   11.0-11.1                  14.8-15.1
-  64 KiB   13.2-13.8                  14.8-14.9
-  128 KiB  18.0-18.5                  15.5-15.6
-  256 KiB  25.4-26.3                  18.0-18.1
-  1 MiB    87-89                      37-39
-  4 MiB    352-474                    87-90
-The frame path copies three times (into the ring, out of it, into the decoder's buffer),
-the arena once (views from 64 KiB up); the arena's fixed cost (allocation, handle,
-release) is ~5 us. They meet between 64 and 128 KiB; from 64 KiB the arena also keeps
-large payloads out of the ring, where they would queue the outputs behind them.
-"""
 
 #: The placeholder's key: ``{"shmc": handle}``.
 KEY = "shmc"
