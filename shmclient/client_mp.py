@@ -57,7 +57,7 @@ from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
 logger = logging.getLogger("shmclient")
 
-#: How the engine process reports a ConfigError during start-up (shmclient_engine/proc.py sends
+#: How the engine process reports a ConfigError during start-up (shmclient/serve.py sends
 #: "<type name>: <message>"; the launcher puts its prefix in front).
 _STARTUP_CONFIG_ERROR = re.compile(r"initialization failed: ConfigError: (.*)", re.S)
 

@@ -430,7 +430,7 @@ class Session:
         self.error: str | None = None
         cfg = spec.engine_config(base_config)
         #: torch threads of the engine's compute: an engine process on cpu sets
-        #: cfg.cpu_threads (shmclient_engine.proc), so the in-process engine runs under the same.
+        #: cfg.cpu_threads (shmclient.serve), so the in-process engine runs under the same.
         self.cpu_threads: int | None = None if cfg.is_cuda else cfg.cpu_threads
         #: What torch reported inside this client's blocks (inproc), else the setting.
         self.torch_threads: int | None = self.cpu_threads

@@ -1,9 +1,8 @@
 """shmclient's own engine, and the contract every engine module a client launches keeps.
 
-Engine layer, the whole of it: the config it reads (``shmclient.config``), the scheduler,
-the models, the core and the process main; it imports shmclient's config, messages,
-errors and transport (channel, control) but never a client module, and shmclient never
-imports it. Importing this package is cheap (no torch): ``make_core`` imports the core
+Engine layer: the scheduler, the models and the core; it imports shmclient's config,
+messages, errors and its protocol end (``shmclient.serve``) but never a client module,
+and shmclient never imports it. Importing this package is cheap (no torch): ``make_core`` imports the core
 when called.
 
 ``EngineConfig.engine_module`` names the engine a client uses (this package by default).
@@ -17,9 +16,10 @@ An engine module provides:
   for a config it cannot run, and ``shmclient.errors.WaitNotSupportedError`` for a
   ``mode="wait"`` that nobody steps through (the client passes it on unwrapped).
 * ``python -m <engine_module> <control address> <frontend pid>``: the engine process of
-  the multiprocess clients (here ``__main__`` runs ``shmclient_engine.proc.main``). A
-  module that wraps this engine passes its own ``make_core`` (and, if it must, an
-  ``on_config`` hook) to ``shmclient_engine.proc.main``.
+  the multiprocess clients. shmclient serves the protocol (``shmclient.serve.main``); an
+  engine module's ``__main__`` calls it with its own ``make_core`` (and, if it must, an
+  ``on_config`` hook), as this package's does. ``shmclient.serve.EngineCore`` is the
+  Protocol the core keeps.
 """
 
 from __future__ import annotations

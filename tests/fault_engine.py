@@ -24,7 +24,7 @@ from typing import Any
 
 import shmclient_engine
 from shmclient.config import EngineConfig
-from shmclient_engine import proc
+from shmclient import serve
 from shmclient_engine.core import EngineCore
 
 MODULE = "tests.fault_engine"
@@ -93,4 +93,4 @@ def _before_ready(config: EngineConfig) -> None:
 
 
 if __name__ == "__main__":
-    proc.main(sys.argv[1:], make_core=make_core, on_config=_before_ready)
+    serve.main(sys.argv[1:], make_core=make_core, on_config=_before_ready)

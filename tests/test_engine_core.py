@@ -550,11 +550,12 @@ class _NoControl:
 
 
 def test_refused_and_undecodable_requests_are_queued_not_sent_from_handle():
-    from shmclient_engine.proc import EngineProc
+    from shmclient.serve_loop import EngineProc
+    from shmclient_engine import make_core
     from shmclient.channel import REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
 
     channel = _RecordingChannel()
-    proc = EngineProc(_NoControl(), os.getppid(), CFG, channel)
+    proc = EngineProc(_NoControl(), os.getppid(), CFG, channel, make_core)
     try:
         proc.handle(REQ_ADD, req("refused", sampling_params=SamplingParams(top_p=0.0)))
         proc.handle(REQ_ADD, BadMessage(REQ_ADD, "Expected `int`, got `float` - at `$[1][0]`",

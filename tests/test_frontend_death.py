@@ -2,7 +2,7 @@
 
 A frontend (a child process running a SyncMPClient) is SIGKILLed; the engine, its child,
 notices the new parent pid within one wait slice (0.1 s), closes its channel and leaves
-with ``os._exit`` (``shmclient_engine.proc.exit_now``). The time is taken from the kill to
+with ``os._exit`` (``shmclient.serve.exit_now``). The time is taken from the kill to
 the engine's exit, seen on a pidfd (readable once the process has exited, whoever reaps
 it).
 """
@@ -96,7 +96,7 @@ def test_exit_now_runs_atexit_handlers_flushes_and_keeps_the_status():
     code = textwrap.dedent(
         """
         import atexit, sys
-        from shmclient_engine.proc import exit_now
+        from shmclient.serve import exit_now
         atexit.register(lambda: sys.stdout.write("handler ran\\n"))
         sys.stdout.write("buffered, no newline flush")
         sys.stderr.write("to stderr")

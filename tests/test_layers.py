@@ -65,7 +65,7 @@ def test_no_shmclient_module_imports_an_engine():
 USER_ENGINE = '''
 """A user's engine: the project's engine, with a KV cache of exactly 123 blocks."""
 import shmclient_engine
-from shmclient_engine import proc
+from shmclient import serve
 
 BLOCKS = 123
 
@@ -76,7 +76,61 @@ def make_core(config, *, supports_wait=False):
 
 
 if __name__ == "__main__":
-    proc.main(make_core=make_core)
+    serve.main(make_core=make_core)
+'''
+
+
+#: A third-party engine: its own core (the EngineCore Protocol), served by shmclient alone.
+THIRD_PARTY_ENGINE = '''
+"""Answers each request with its prompt reversed, one token a step."""
+import sys
+
+from shmclient import serve
+from shmclient.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+
+class Core:
+    num_gpu_blocks, block_size, max_model_len = 7, 16, 112
+
+    def __init__(self):
+        self.left = {}
+
+    def add_request(self, request):
+        self.left[request.request_id] = (request.client_index, list(reversed(request.prompt_token_ids)))
+
+    def abort_requests(self, request_ids):
+        for rid in request_ids:
+            self.left.pop(rid, None)
+
+    def has_work(self):
+        return bool(self.left)
+
+    def step(self):
+        out = {}
+        for rid, (client, toks) in list(self.left.items()):
+            tok = toks.pop(0)
+            done = not toks
+            if done:
+                del self.left[rid]
+            out.setdefault(client, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[tok], finish_reason=FinishReason.LENGTH if done else None))
+        return out
+
+    def call_utility(self, method, args):
+        if method == "imported":
+            return sorted(m for m in sys.modules if m.split(".")[0] == args[0])
+        raise ValueError(f"no utility {method!r}")
+
+    def shutdown(self):
+        pass
+
+
+def make_core(config, *, supports_wait=False):
+    return Core()
+
+
+if __name__ == "__main__":
+    serve.main(make_core=make_core)
 '''
 
 
@@ -84,13 +138,14 @@ if __name__ == "__main__":
 def user_path(tmp_path, monkeypatch):
     """A directory with a user's modules, on this process's path and the engine's."""
     (tmp_path / "user_engine.py").write_text(USER_ENGINE)
+    (tmp_path / "third_party_engine.py").write_text(THIRD_PARTY_ENGINE)
     (tmp_path / "plain_module.py").write_text("print('not an engine')\n")
     (tmp_path / "bare_package").mkdir()
     (tmp_path / "bare_package" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     yield tmp_path
-    for name in ("user_engine", "plain_module", "bare_package"):
+    for name in ("user_engine", "third_party_engine", "plain_module", "bare_package"):
         sys.modules.pop(name, None)
 
 
@@ -115,6 +170,25 @@ async def test_a_user_engine_module_is_launched(kind, user_path):
             if len(tokens) == 3:
                 break
         assert len(tokens) == 3
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["sync-shm", "async-zmq"])
+async def test_a_third_party_engine_is_served_without_the_projects_engine(kind, user_path):
+    client = build(kind, CFG.replace(engine_module="third_party_engine"))
+    drv = Driver(kind, client)
+    try:
+        assert client.num_gpu_blocks == 7
+        await drv.add(req("r", prompt=[5, 6, 7], max_tokens=8))
+        tokens = []
+        for _ in range(50):
+            out = await drv.get_output(timeout=30)
+            tokens += [t for o in out.outputs for t in o.new_token_ids]
+            if len(tokens) == 3:
+                break
+        assert tokens == [7, 6, 5]
+        assert await drv.call_utility("imported", "shmclient_engine") == []
     finally:
         client.shutdown()
 

@@ -1,0 +1,218 @@
+"""The engine process's side of the protocol: ``main`` / ``run_process`` attach the channel
+the frontend created, build the core (an ``EngineCore``, the Protocol an engine implements
+to be served, from ``serve_loop``), answer READY and run the loop.
+
+Protocol layer, engine side: imports shmclient's config, channel, control, messages,
+errors and ``waiting`` (it blocks only through it); never a client module and never an
+engine: the core comes from the ``make_core`` it is given. An engine module's
+``python -m <engine_module>`` calls ``main(make_core=...)`` (``shmclient_engine`` does).
+The loop:
+
+    drain every request available → one step → write the outputs → repeat;
+    with nothing to do, wait on the request ring (after its spin budget).
+
+It exits when the frontend says SHUTDOWN, closes its end of the channel, or dies (the
+parent pid changes: checked at every waiting slice and every 0.1 s while busy). An
+exception in the loop is sent as ENGINE_CORE_DEAD with its text and the process exits
+with status 1; a ``ConfigError`` at start-up is the frontend's to raise (no traceback
+here). Exit is prompt: the core, the channel and the control socket are closed, then
+``os._exit`` skips the interpreter's teardown. A remote engine's handshake and
+heartbeats are ``serve_remote``'s.
+
+The loop and what it does with a bad message: ``serve_loop``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Callable, NoReturn
+
+import msgspec
+import zmq
+
+from . import auth, control
+from .channel import ShmChannel, ShmChannelSpec
+from .channel_zmq import ZmqChannel, ZmqChannelSpec
+from .config import EngineConfig
+from .errors import AuthenticationError, ConfigError, PeerDeadError
+from .messages import PROTOCOL_VERSION
+from .serve_loop import Channel, EngineCore, EngineProc, MakeCore
+from .serve_remote import FrontendLink, connect_and_hello as _connect_and_hello, parse_argv as _parse_argv
+from .tensors_cuda import local_gpu_uuids
+
+__all__ = ["EngineCore", "EngineProc", "MakeCore", "exit_now", "main", "run_process"]
+
+_SLICE_S = 0.1
+
+log = logging.getLogger("shmclient_engine")
+
+def _send_dead(ctl: zmq.Socket, text: str, block: bool = True) -> None:
+    try:
+        ctl.send_multipart([control.ENGINE_CORE_DEAD, text.encode(errors="replace")],
+                           0 if block else zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def run_process(argv: list[str], *, make_core: MakeCore,
+                on_config: Callable[[EngineConfig], None] | None = None) -> int:
+    """The engine process's life from HELLO to cleanup; returns the exit status (0: the
+    frontend said SHUTDOWN, closed its end or died; 1: a fatal error, reported as
+    ENGINE_CORE_DEAD; 143: SIGTERM). Blocks for the engine's whole life; raises nothing.
+
+    ``argv``: ``[control address, frontend pid]``, or ``["--connect", address,
+    ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
+    sent START in time). ``make_core(config, supports_wait=True)``
+    builds the core (an ``EngineCore``). ``on_config(config)``, if
+    given, runs once the config has arrived, before the core is built (an exception there
+    is reported as a start-up failure; ``SystemExit`` exits with its code)."""
+    address, parent_pid, wait_s, allowed_modules = _parse_argv(argv)
+    if parent_pid is None:
+        # A remote engine without a secret (and without the explicit opt-in) refuses to
+        # start, before it connects anywhere.
+        try:
+            secret = auth.require_secret("engine")
+        except AuthenticationError as e:
+            log.error("%s", e)
+            return 1
+    else:
+        secret = None
+    # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ctx = zmq.Context()
+    ctl = control.engine_socket(ctx, address)
+    proc: EngineProc | None = None
+    link: FrontendLink | None = None
+    channel: Channel | None = None
+    code = 0
+    try:
+        if parent_pid is None:
+            msg = _connect_and_hello(ctl, address, wait_s, secret)
+            if msg is None:
+                log.error("no frontend sent START at %s within %g s: exiting", address, wait_s)
+                return 1
+        else:
+            ctl.send_multipart([control.HELLO, str(os.getpid()).encode()])
+            msg = None
+            while msg is None:
+                if os.getppid() != parent_pid:
+                    return 0
+                msg = control.recv(ctl, _SLICE_S)
+        _, raw_config, transport, raw_spec, raw_gpus = msg
+        config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
+        if parent_pid is None:
+            refused = [m for m in config.utility_modules if m not in allowed_modules]
+            if refused:
+                raise AuthenticationError(
+                    f"the frontend asks this remote engine to import {refused} "
+                    "(EngineConfig.utility_modules), which its command line does not allow: "
+                    "start it with --allow-module NAME for each module it may import")
+        if parent_pid is None:
+            link = FrontendLink(ctl, config.heartbeat_interval_s, config.heartbeat_timeout_s)
+        if on_config is not None:
+            on_config(config)
+        if not config.is_cuda:
+            # The engine process is the only compute here, and on a small host torch's
+            # thread pool spinning against the frontend costs more than it gains.
+            import torch
+
+            torch.set_num_threads(max(1, config.cpu_threads))
+        if transport == b"shm":
+            channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
+            if parent_pid is not None:
+                channel.set_peer_pid(parent_pid)
+        else:
+            spec = msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec)
+            spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),
+                                  output_address=control.reachable(spec.output_address, address))
+            channel = ZmqChannel.attach(ctx, spec)
+        channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
+        proc = EngineProc(ctl, parent_pid, config, channel, make_core, link=link)
+        info = control.ReadyInfo(
+            pid=os.getpid(),
+            num_gpu_blocks=proc.core.num_gpu_blocks,
+            block_size=proc.core.block_size,
+            max_model_len=proc.core.max_model_len,
+            protocol_version=PROTOCOL_VERSION,
+            gpu_uuids=local_gpu_uuids(),
+        )
+        ready = [control.READY, msgspec.msgpack.encode(info)]
+        if link is not None:
+            link.send(ready)
+        else:
+            ctl.send_multipart(ready)
+        proc.run()
+    except PeerDeadError:
+        code = 0  # the frontend closed its end or went away: a normal exit
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:  # noqa: BLE001 - everything else is fatal and reported
+        if not isinstance(e, ConfigError):
+            # a ConfigError (a setting this engine cannot run with) is the frontend's to
+            # raise, typed, with this text; anything else is a bug whose stack is here only
+            traceback.print_exc()
+        if link is not None:
+            link.close()
+        _send_dead(ctl, f"{type(e).__name__}: {e}", block=link is None)
+        code = 1
+    finally:
+        if link is not None:
+            link.close()
+        if proc is not None:
+            try:
+                proc.core.shutdown()
+            except Exception:  # pragma: no cover
+                traceback.print_exc()
+        if channel is not None:
+            channel.close()
+        ctl.close(linger=2000 if code else 0)
+        ctx.term()
+        if parent_pid is not None and os.getppid() != parent_pid:
+            # the frontend died, maybe before it removed its private socket directory
+            control.remove_orphaned_dir(address, parent_pid)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process at once: ``atexit`` handlers, logging and stdio flushed, then
+    ``os._exit(code)``, skipping the interpreter's teardown (module and object
+    finalisation, ~0.35 s with torch loaded), so that the engine is gone within a few ms
+    of its cleanup."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken stream cannot stop the exit
+                pass
+        os._exit(code)
+
+
+def main(argv: list[str] | None = None, *, make_core: MakeCore,
+         on_config: Callable[[EngineConfig], None] | None = None) -> NoReturn:
+    """Entry point of ``python -m <engine module>``: ``run_process`` (arguments as there;
+    ``argv`` defaults to ``sys.argv[1:]``), then ``exit_now`` with its status. Never
+    returns."""
+    try:
+        code = run_process(sys.argv[1:] if argv is None else argv,
+                           make_core=make_core, on_config=on_config)
+    except SystemExit as e:  # SIGTERM before the loop started, or a usage error
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - bad arguments: say why, then exit
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
+if __name__ == "__main__":
+    main()

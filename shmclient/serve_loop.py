@@ -1,0 +1,242 @@
+"""The engine loop around one core: take requests, step, write outputs; answer what it
+cannot take.
+
+Protocol layer, engine side: imports shmclient's channel, messages, errors and ``waiting``
+(it blocks only through it); never a client and never an engine (the core is an
+``EngineCore``, built by whoever calls). One bad message never stops the loop: a request
+the core refuses, or one that does not decode (the channel hands it up as
+``BadMessage``), finishes at once with ``FinishReason.ERROR`` and the reason in
+``stop_reason``; a utility call that does not decode fails with the decoder's message; an
+abort that does not decode is dropped with a log line. Those outputs are queued and sent
+by the loop, never from inside ``handle`` (which runs while ``send`` waits for room).
+Only a broken channel (``ProtocolError``) is fatal.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from collections import deque
+from typing import Any, Callable, Protocol
+
+import zmq
+
+from . import control, waiting
+from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage, ShmChannel
+from .channel_zmq import ZmqChannel
+from .config import EngineConfig
+from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, ProtocolError
+from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, UtilityOutput, UtilityRequest
+from .serve_remote import FrontendLink
+
+__all__ = ["Channel", "EngineCore", "EngineProc", "MakeCore"]
+
+_SLICE_S = 0.1
+
+log = logging.getLogger("shmclient_engine")
+
+Channel = ShmChannel | ZmqChannel
+
+
+class EngineCore(Protocol):
+    """What the engine process serves: ``shmclient_engine.core.EngineCore`` is one.
+    ``step()`` runs one scheduler step and returns each client's outputs; ``has_work()``
+    says whether a step would do anything (a paused or sleeping engine says no);
+    ``call_utility`` returns the result, a ``concurrent.futures.Future`` of it, or raises
+    (the caller reads "Call to <method> method failed: <error>"). None of them may block
+    for long but ``step``."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def step(self) -> dict[int, EngineCoreOutputs]: ...
+
+    def has_work(self) -> bool: ...
+
+    def call_utility(self, method: str, args: tuple) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+
+#: ``make_core(config, *, supports_wait)``: builds the core (raising ``ConfigError`` for a
+#: config it cannot run); ``supports_wait``: a loop keeps stepping while a pause or sleep
+#: in mode "wait" drains (this one does).
+MakeCore = Callable[..., EngineCore]
+
+
+class EngineProc:
+    """The loop around one EngineCore. Single-threaded; utility futures may complete on
+    other threads and hand their replies over through a deque."""
+
+    def __init__(self, ctl: zmq.Socket, parent_pid: int | None, config: EngineConfig,
+                 channel: Channel, make_core: MakeCore, *,
+                 link: FrontendLink | None = None):
+        """Builds the core with ``make_core(config, supports_wait=True)``; blocks while the
+        model loads and raises what that raises (``ConfigError`` for a config it cannot
+        run). ``link``: a remote engine's control thread (then ``parent_pid`` is None and
+        ``ctl`` is the link's)."""
+        self.ctl = ctl
+        self.parent_pid = parent_pid
+        self.link = link
+        self.config = config
+        self.channel = channel
+        # This loop keeps stepping while a pause or sleep in mode "wait" drains.
+        self.core = make_core(config, supports_wait=True)
+        self.replies: deque[EngineCoreOutputs] = deque()
+        #: Outputs of refused requests, per client, sent by the loop (never by handle).
+        self.rejected: dict[int, list[EngineCoreOutput]] = {}
+        self.steps = 0
+        self._last_check = 0.0
+        self._stop = False
+
+    # -- liveness ---------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Checked by every blocking wait: frontend alive and no SHUTDOWN received."""
+        if self.link is not None:
+            if self.link.stopped:
+                self._stop = True
+        elif os.getppid() != self.parent_pid:
+            self._stop = True
+        elif self.ctl.poll(0, zmq.POLLIN):
+            msg = self.ctl.recv_multipart()
+            if msg and msg[0] == control.SHUTDOWN:
+                self._stop = True
+        return not self._stop
+
+    # -- requests ---------------------------------------------------------------------
+    def handle(self, rtype: int, obj: Any) -> None:
+        """Act on one message. Never sends (replies and rejections are queued for the
+        loop); raises only ``ProtocolError`` (a message type the engine never takes)."""
+        if type(obj) is BadMessage:
+            self.bad_message(rtype, obj)
+        elif rtype == REQ_ADD:
+            try:
+                self.core.add_request(obj)
+            except Exception as e:  # noqa: BLE001 - a refused request changes nothing
+                self.reject(obj.client_index, obj.request_id, str(e))
+        elif rtype == REQ_ABORT:
+            self.core.abort_requests(obj)
+        elif rtype == REQ_UTILITY:
+            self.utility(obj)
+        else:
+            raise ProtocolError(f"unexpected message type 0x{rtype:02x} on the request channel")
+
+    def reject(self, client_index: Any, request_id: str, reason: str) -> None:
+        """Finish a request the engine did not take with ERROR (queued for the loop)."""
+        if type(client_index) is not int or client_index < 0:
+            client_index = 0
+        out = EngineCoreOutput(
+            request_id=request_id, finish_reason=FinishReason.ERROR, stop_reason=reason
+        )
+        self.rejected.setdefault(client_index, []).append(out)
+
+    def bad_message(self, rtype: int, bad: BadMessage) -> None:
+        """Answer a message that did not decode, if it can be matched to its sender."""
+        if rtype == REQ_ADD:
+            rid = bad.field("request_id")
+            if type(rid) is str and rid:
+                self.reject(bad.field("client_index"), rid,
+                            f"the engine could not decode this request: {bad.error}")
+            else:
+                log.warning("dropped a request that does not decode and whose request_id "
+                            "cannot be read, so it cannot be answered: %s", bad.error)
+        elif rtype == REQ_UTILITY:
+            call_id = bad.field("call_id")
+            if type(call_id) is int:
+                out = UtilityOutput(call_id=call_id,
+                                    failure_message=f"the engine could not decode the call: "
+                                                    f"{bad.error}")
+                self.replies.append(EngineCoreOutputs(utility_output=out))
+            else:
+                log.warning("dropped a utility call that does not decode and whose call_id "
+                            "cannot be read, so it cannot be answered: %s", bad.error)
+        elif rtype == REQ_ABORT:
+            log.warning("dropped an abort whose request ids do not decode: %s", bad.error)
+        else:
+            raise ProtocolError(f"unexpected message type 0x{rtype:02x} on the request channel")
+
+    def flush_rejected(self) -> None:
+        """Send the queued ERROR outputs, one batch per client."""
+        while self.rejected:
+            client_index, outs = self.rejected.popitem()
+            self.send(client_index, EngineCoreOutputs(
+                outputs=outs, finished_requests={o.request_id for o in outs}))
+
+    def utility(self, req: UtilityRequest) -> None:
+        def reply(result: Any = None, failure: str | None = None) -> None:
+            out = UtilityOutput(call_id=req.call_id, failure_message=failure, result=result)
+            self.replies.append(EngineCoreOutputs(utility_output=out))
+
+        try:
+            # A pause or sleep in mode "wait" returns a Future that core.step() completes
+            # once the requests that came before it have finished: answered then.
+            result = self.core.call_utility(req.method, tuple(req.args))
+        except Exception as e:
+            reply(failure=str(e))  # read as "Call to <method> method failed: <e>", as vLLM
+            return
+        if isinstance(result, concurrent.futures.Future):
+            result.add_done_callback(lambda f: _reply_future(f, reply))
+        else:
+            reply(result)
+
+    def send(self, client_index: int, outputs: EngineCoreOutputs) -> None:
+        """Send one batch. While the output ring is full (the frontend is not reading),
+        keep taking requests, so that a frontend blocked on a full request ring always
+        gets room and the two processes can never wait on each other. ``handle`` only
+        queues, so this never recurses."""
+        channel = self.channel
+        payload = channel.encode(outputs)
+        while True:
+            try:
+                waiting.send(channel, REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
+                return
+            except PeerNotConsumingError:
+                for rtype, obj in channel.try_recv():
+                    self.handle(rtype, obj)
+                if self._stop:
+                    raise PeerDeadError("the frontend is gone") from None
+
+    # -- loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        core = self.core
+        while not self._stop:
+            # A sleeping or paused engine schedules nothing (has_work says so): it waits
+            # like an idle one.
+            if core.has_work():
+                got = self.channel.try_recv()
+                now = time.monotonic()
+                if now - self._last_check > _SLICE_S:
+                    self._last_check = now
+                    self.alive()
+            else:
+                try:
+                    got = waiting.recv(self.channel, timeout=_SLICE_S, alive=self.alive)
+                except PeerNotProducingError:
+                    got = []
+            for rtype, obj in got:
+                self.handle(rtype, obj)
+            if self.rejected:
+                self.flush_rejected()
+            if core.has_work():
+                self.steps += 1
+                for client_index, outputs in core.step().items():
+                    self.send(client_index, outputs)
+            while self.replies or self.rejected:
+                if self.rejected:
+                    self.flush_rejected()
+                if self.replies:
+                    self.send(0, self.replies.popleft())
+
+
+def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:
+    try:
+        reply(fut.result())
+    except Exception as e:
+        reply(failure=str(e))

@@ -1,0 +1,164 @@
+"""The engine side of a remote engine's control link: its command line, the HELLO / AUTH /
+START handshake with a frontend over tcp, and the heartbeat thread that owns the socket
+from START on.
+
+Protocol layer, engine side: imports ``shmclient.auth``, ``control`` and ``errors``;
+never a client, ``waiting`` or an engine. A remote engine (``--connect``) has no parent to
+watch: it connects to the frontend's control socket (retrying until the frontend listens,
+up to ``--ready-timeout`` seconds, for START), proves it knows the shared secret, and from
+START on a ``FrontendLink`` thread sends a heartbeat every
+``EngineConfig.heartbeat_interval_s`` and stops the engine on SHUTDOWN or after
+``heartbeat_timeout_s`` without a word from the frontend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import zmq
+
+from . import auth, control
+from .errors import AuthenticationError
+
+__all__ = ["FrontendLink", "connect_and_hello", "parse_argv"]
+
+_SLICE_S = 0.1
+
+log = logging.getLogger("shmclient_engine")
+
+
+class FrontendLink:
+    """A remote engine's control socket from START on (see the module docstring): a
+    thread reads it (SHUTDOWN, heartbeats) and beats every interval; the main thread
+    sends through ``send``. The socket is used under one lock by both; never blocks for
+    longer than one non-blocking socket call."""
+
+    def __init__(self, ctl: zmq.Socket, interval_s: float, timeout_s: float) -> None:
+        self.ctl = ctl
+        #: Why the engine must stop (None while the frontend is there).
+        self.stop_reason: str | None = None
+        self._hb = control.Heartbeat(interval_s, timeout_s)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shmclient-engine-link",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Queue one message for the frontend; False when the socket cannot take it (no
+        frontend connected). Never blocks."""
+        with self._lock:
+            try:
+                self.ctl.send_multipart(frames, zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError:
+                return False
+
+    def _run(self) -> None:
+        hb = self._hb
+        while not self._done.wait(hb.poll_s()):
+            with self._lock:
+                while self.ctl.poll(0, zmq.POLLIN):
+                    msg = self.ctl.recv_multipart()
+                    hb.heard()
+                    if msg and msg[0] == control.SHUTDOWN:
+                        self.stop_reason = "the frontend said SHUTDOWN"
+                if self.stop_reason is None:
+                    hb.beat(self.ctl)
+                    if hb.expired():
+                        self.stop_reason = (f"the frontend sent nothing for {hb.silence_s():.1f} "
+                                            "s: it died, or the network to it is down")
+                        log.warning("remote engine stops: %s", self.stop_reason)
+            if self.stop_reason is not None:
+                return
+
+    def close(self) -> None:
+        """Stop the thread (waits for it, at most one interval and a bit)."""
+        self._done.set()
+        self._thread.join(timeout=5.0)
+
+
+def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]]:
+    """``[address, frontend pid]`` or ``--connect ADDRESS [--ready-timeout S]``: the
+    control address, the frontend's pid (None when remote) and how long a remote engine
+    waits for START. Raises ``SystemExit`` (usage) for anything else."""
+    if argv and not argv[0].startswith("-"):
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m shmclient_engine <control address> <frontend pid>"
+                             " | --connect tcp://HOST:PORT [--ready-timeout S]")
+        return argv[0], int(argv[1]), 0.0, ()
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m shmclient_engine",
+        description="A remote engine core: connects to a frontend's control socket "
+                    "(EngineConfig.data_parallel_size_local) and serves it until it says "
+                    "SHUTDOWN or goes silent.")
+    p.add_argument("--connect", required=True, metavar="tcp://HOST:PORT",
+                   help="the frontend's control address (logged by the frontend)")
+    p.add_argument("--allow-module", action="append", default=[], metavar="NAME",
+                   help="a module the frontend may make this engine import (an entry of "
+                        "EngineConfig.utility_modules); repeat for more. A frontend naming "
+                        "any other is refused")
+    p.add_argument("--ready-timeout", type=float, default=None, metavar="S",
+                   help="seconds to wait for the frontend's START (default: "
+                        "$SHMCLIENT_ENGINE_READY_TIMEOUT_S, else 600)")
+    args = p.parse_args(argv)
+    if not args.connect.startswith("tcp://"):
+        p.error(f"--connect {args.connect!r}: expected tcp://HOST:PORT")
+    wait = args.ready_timeout
+    if wait is None:
+        wait = float(os.environ.get("SHMCLIENT_ENGINE_READY_TIMEOUT_S", "600"))
+    if not wait > 0:
+        p.error(f"--ready-timeout {wait!r}: must be > 0")
+    return args.connect, None, wait, tuple(args.allow_module)
+
+
+def connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float,
+                       secret: bytes | None = None) -> list[bytes] | None:
+    """Remote engine: say HELLO once the frontend listens, then wait for START; None if
+    either takes longer than ``wait_s`` in all. With a ``secret``, the frontend's AUTH
+    challenge is answered first; ``AuthenticationError`` for a frontend that cannot prove
+    it knows the secret (or sends START without trying): nothing it sent is decoded, no
+    module it names is imported."""
+    deadline = time.monotonic() + wait_s
+    nonce_e = auth.nonce() if secret is not None else b""
+    hello = [control.HELLO, str(os.getpid()).encode(), nonce_e]
+    while True:
+        try:
+            ctl.send_multipart(hello, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ctl.poll(int(min(_SLICE_S, left) * 1000) + 1, zmq.POLLOUT)
+    authenticated = secret is None
+    while True:
+        msg = control.recv(ctl, min(_SLICE_S, max(0.0, deadline - time.monotonic())))
+        if msg is not None and msg[0] == control.AUTH and not authenticated:
+            if len(msg) != 3 or len(msg[1]) != auth.NONCE_BYTES or not auth.verify(
+                    secret, b"frontend", nonce_e, msg[1], msg[2]):
+                raise AuthenticationError(
+                    f"the frontend at {address} could not prove it knows the shared secret: "
+                    "it is not the frontend this engine was started for, or its "
+                    f"{auth.SECRET_FILE_ENV} / {auth.SECRET_ENV} differs")
+            authenticated = True
+            ctl.send_multipart([control.AUTH, auth.proof(secret, b"engine", msg[1], nonce_e)])
+            continue
+        if msg is not None and msg[0] == control.START:
+            if not authenticated:
+                raise AuthenticationError(
+                    f"the frontend at {address} sent START without authenticating (it has "
+                    f"no shared secret): give it the same {auth.SECRET_FILE_ENV} or "
+                    f"{auth.SECRET_ENV} as this engine")
+            return msg
+        if msg is None and time.monotonic() >= deadline:
+            return None
