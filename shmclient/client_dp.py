@@ -46,14 +46,10 @@ from .errors import (
     UsageError,
     UtilityCallError,
 )
+from .dp_balance import least_loaded, work_estimate
 from .messages import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SchedulerStats
 
 logger = logging.getLogger("shmclient")
-
-#: vLLM's KV-pressure penalty on waiting requests: 0 at <= 50 % KV use, rising to
-#: ``6 * 0.5 = 3`` extra load per waiting request at 100 %.
-KV_PENALTY_FROM = 0.5
-KV_PENALTY_SLOPE = 6.0
 
 _NO_STATS = SchedulerStats()
 
@@ -375,7 +371,7 @@ class DPAsyncMPClient(EngineCoreClient):
         if rid in self.reqs_in_flight:
             raise InvalidRequestError(f"request id {rid!r} is already live")
         pos = self.get_core_engine_for_request(request)
-        cost = _work_estimate(request)
+        cost = work_estimate(request)
         self.reqs_in_flight[rid] = (pos, cost)
         self.engine_inflight[pos] += 1
         self.engine_work[pos] += cost
@@ -654,16 +650,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     Routing: a request's ``data_parallel_rank`` picks its engine when given
     (``InvalidRequestError`` outside 0..N-1); otherwise the engine with the lowest
-    score gets it. The score of engine ``i``, with ``w``/``r``/``kv`` its latest
-    ``SchedulerStats`` (waiting, running, KV use; every output batch carries them)::
-
-        load_i = max(inflight_i, w + r) + w * 6 * max(0, kv - 0.5)
-
-    where ``inflight_i`` is this client's exact count of its unfinished requests on
-    that engine (it moves at once, between stats updates). This is vLLM's score. Equal
-    loads are decided by ``work_i``, the prompt plus ``max_tokens`` tokens of those
-    requests (so that alternating long and short requests do not all pile up on one
-    engine, as they do under round robin), then by a rotating start, as vLLM's.
+    score gets it: vLLM's score over the engines' latest ``SchedulerStats`` (every output
+    batch carries them) and this client's exact in-flight counts, ties decided by the
+    work in flight (so that alternating long and short requests do not all pile up on
+    one engine, as under round robin), then by a rotating start (``dp_balance``).
 
     Utility calls go to every engine: ``call_utility_async`` returns the first
     engine's result (vLLM's rule), ``call_utility_all_async`` every result;
@@ -699,36 +689,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                     f"request {request.request_id!r}: data_parallel_rank={dpr!r} is invalid: "
                     f"must be None or 0..{n - 1} (data_parallel_size={n})")
             return dpr
-        inflight, work, stats = self.engine_inflight, self.engine_work, self.lb_engines
-        best, best_key = 0, None
-        start = self._start
-        for k in range(n):
-            i = (start + k) % n
-            s = stats[i]
-            waiting = s.num_waiting_reqs
-            load = float(max(inflight[i], waiting + s.num_running_reqs))
-            if waiting:
-                load += waiting * KV_PENALTY_SLOPE * max(0.0, s.kv_cache_usage - KV_PENALTY_FROM)
-            key = (load, work[i])
-            if best_key is None or key < best_key:
-                best, best_key = i, key
-        self._start = (start + 1) % n
+        best = least_loaded(self.engine_inflight, self.engine_work, self.lb_engines, self._start)
+        self._start = (self._start + 1) % n
         return best
-
-
-def _work_estimate(request: EngineCoreRequest) -> int:
-    """Tokens a request makes its engine process at most: its prompt and, for
-    generation, ``max_tokens``."""
-    if request.prompt_token_ids is not None:
-        prompt = len(request.prompt_token_ids)
-    elif request.prompt_embeds is not None:
-        prompt = len(request.prompt_embeds)
-    else:
-        prompt = 0
-    if request.pooling_params is not None:
-        return prompt
-    sp = request.sampling_params
-    return prompt + (sp.max_tokens if sp is not None else 16)
 
 
 def _stop_all(clients: list[Any]) -> None:
