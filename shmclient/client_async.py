@@ -30,6 +30,7 @@ from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .channel_zmq import ZmqChannel
 from .client_mp import MPClient, _check_timeout
+from .client_utilities import AsyncUtilities
 from .doorbell import Spin
 from .errors import (
     ClientClosedError,
@@ -41,10 +42,10 @@ from .errors import (
     UsageError,
 )
 from .launcher import weak_callback
-from .messages import EngineCoreOutputs, EngineCoreRequest, LoRARequest
+from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(AsyncUtilities, MPClient):
     """The multiprocess client for asyncio frontends: ``make_client(True, True, config)``.
 
     Use the ``*_async`` methods from one event loop (the first that calls one binds the
@@ -323,115 +324,8 @@ class AsyncMPClient(MPClient):
             raise
         return await fut
 
-    # -- named utilities, spelled out as in vLLM's AsyncMPClient ----------------------
-    async def echo_async(self, x: Any) -> Any:
-        """Async form of ``echo``."""
-        return await self.call_utility_async("echo", x)
-
-    async def profile_async(
-        self,
-        is_start: bool = True,
-        profile_prefix: str | None = None,
-        delay_iterations: int | None = None,
-        max_iterations: int | None = None,
-    ) -> None:
-        """Async form of ``profile``."""
-        await self.call_utility_async(
-            "profile", is_start, profile_prefix, delay_iterations, max_iterations
-        )
-
-    async def reset_prefix_cache_async(
-        self,
-        reset_running_requests: bool = False,
-        reset_connector: bool = False,
-    ) -> bool:
-        """Async form of ``reset_prefix_cache``."""
-        return await self.call_utility_async(
-            "reset_prefix_cache", reset_running_requests, reset_connector
-        )
-
-    async def reset_mm_cache_async(self) -> None:
-        """Async form of ``reset_mm_cache``."""
-        await self.call_utility_async("reset_mm_cache")
-
-    async def reset_encoder_cache_async(self) -> None:
-        """Async form of ``reset_encoder_cache``."""
-        await self.call_utility_async("reset_encoder_cache")
-
-    async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
-        """Async form of ``sleep``."""
-        await self.call_utility_async("sleep", level, mode)
-
-    async def wake_up_async(self, tags: list[str] | None = None) -> bool:
-        """Async form of ``wake_up``."""
-        return await self.call_utility_async("wake_up", tags)
-
-    async def is_sleeping_async(self) -> bool:
-        """Async form of ``is_sleeping``."""
-        return await self.call_utility_async("is_sleeping")
-
-    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Async form of ``pause_scheduler``."""
-        await self.call_utility_async("pause_scheduler", mode, clear_cache)
-
-    async def resume_scheduler_async(self) -> None:
-        """Async form of ``resume_scheduler``."""
-        await self.call_utility_async("resume_scheduler")
-
-    async def is_scheduler_paused_async(self) -> bool:
-        """Async form of ``is_scheduler_paused``."""
-        return await self.call_utility_async("is_scheduler_paused")
-
-    async def execute_dummy_batch_async(self) -> None:
-        """Async form of ``execute_dummy_batch``."""
-        await self.call_utility_async("execute_dummy_batch")
-
-    async def collective_rpc_async(
-        self,
-        method: str,
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Async form of ``collective_rpc``."""
-        return await self.call_utility_async("collective_rpc", method, timeout, args, kwargs)
-
-    async def save_sharded_state_async(
-        self,
-        path: str,
-        pattern: str | None = None,
-        max_size: int | None = None,
-    ) -> None:
-        """Async form of ``save_sharded_state``."""
-        await self.call_utility_async("save_sharded_state", path, pattern, max_size)
-
-    async def get_supported_tasks_async(self) -> tuple[str, ...]:
-        """Async form of ``get_supported_tasks``."""
-        return tuple(await self.call_utility_async("get_supported_tasks"))
-
-    async def add_lora_async(self, lora_request: LoRARequest) -> bool:
-        """Async form of ``add_lora``."""
-        return await self.call_utility_async("add_lora", lora_request)
-
-    async def remove_lora_async(self, lora_id: int) -> bool:
-        """Async form of ``remove_lora``."""
-        return await self.call_utility_async("remove_lora", lora_id)
-
-    async def list_loras_async(self) -> set[int]:
-        """Async form of ``list_loras``."""
-        return set(await self.call_utility_async("list_loras"))
-
-    async def pin_lora_async(self, lora_id: int) -> bool:
-        """Async form of ``pin_lora``."""
-        return await self.call_utility_async("pin_lora", lora_id)
-
-    async def set_weight_version_async(self, weight_version: str) -> None:
-        """Async form of ``set_weight_version``."""
-        await self.call_utility_async("set_weight_version", weight_version)
-
-    async def get_weight_version_async(self) -> str:
-        """Async form of ``get_weight_version``."""
-        return await self.call_utility_async("get_weight_version")
+    async def _utility(self, method: str, *args: Any) -> Any:
+        return await self.call_utility_async(method, *args)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free everything, blocking the calling thread for up to

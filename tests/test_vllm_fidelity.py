@@ -171,12 +171,16 @@ async def test_sleep_wait_returns_after_in_flight_requests_finish(drv):
 
 
 def test_async_client_defines_every_utility_async_with_the_sync_signature():
-    # vLLM's AsyncMPClient spells out pause_scheduler_async, reset_prefix_cache_async, ...
-    # in its class body; type checkers and IDEs see them only if they are written there.
+    # vLLM's AsyncMPClient spells out pause_scheduler_async, reset_prefix_cache_async, ...;
+    # type checkers and IDEs see them only if a class body writes them out (here the one
+    # every async client shares), not if they are generated at run time.
     from shmclient.client import UTILITY_METHODS, SyncEngineCoreClient
+    from shmclient.client_dp import DPAsyncMPClient
+    from shmclient.client_utilities import AsyncUtilities
 
+    assert issubclass(AsyncMPClient, AsyncUtilities) and issubclass(DPAsyncMPClient, AsyncUtilities)
     for name in UTILITY_METHODS:
-        fn = AsyncMPClient.__dict__.get(f"{name}_async")
+        fn = AsyncUtilities.__dict__.get(f"{name}_async")
         assert fn is not None and inspect.iscoroutinefunction(fn), name
         want = inspect.signature(getattr(SyncEngineCoreClient, name)).parameters
         got = inspect.signature(fn).parameters
