@@ -26,6 +26,7 @@ import math
 from abc import ABC, abstractmethod
 from typing import Any
 
+from .config import EngineConfig
 from .errors import InvalidRequestError
 from .messages import EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from .validate import check_abort_ids, check_request, check_utility_call
@@ -105,7 +106,7 @@ class EngineCoreClient(ABC):
 
     @staticmethod
     def make_client(
-        multiprocess_mode: bool, asyncio_mode: bool, config: Any = None
+        multiprocess_mode: bool, asyncio_mode: bool, config: EngineConfig | None = None
     ) -> "EngineCoreClient":
         """Build the client for a frontend, as vLLM's ``EngineCoreClient.make_client``.
 
@@ -126,8 +127,6 @@ class EngineCoreClient(ABC):
                 "Running EngineCore in asyncio without multiprocessing is not supported."
             )
         if config is None:
-            from shmclient.config import EngineConfig
-
             config = EngineConfig()
         if not multiprocess_mode:
             from .client_inproc import InprocClient
@@ -140,7 +139,7 @@ class EngineCoreClient(ABC):
         return SyncMPClient(config)
 
     @staticmethod
-    def make_async_mp_client(config: Any = None) -> "EngineCoreClient":
+    def make_async_mp_client(config: EngineConfig | None = None) -> "EngineCoreClient":
         """The asyncio multiprocess client for ``config``, with vLLM's rules:
         ``data_parallel_size > 1`` gives ``DPAsyncMPClient`` (one rank per client behind
         an external load balancer) with ``data_parallel_external_lb``, else
@@ -148,8 +147,6 @@ class EngineCoreClient(ABC):
         gives ``AsyncMPClient``. Blocks and raises as ``make_client``; a DP client
         starts its engines concurrently."""
         if config is None:
-            from shmclient.config import EngineConfig
-
             config = EngineConfig()
         if config.data_parallel_size > 1:
             from .client_dp import DPAsyncMPClient, DPLBAsyncMPClient

@@ -26,6 +26,7 @@ import asyncio
 import time
 from typing import Any
 
+from .config import EngineConfig
 from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .channel_zmq import ZmqChannel
@@ -66,7 +67,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
     #: 321-405 to 278-328 µs, at the same outputs/s (16 streams: 516k against 509k).
     READ_LIMIT = 16
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiters: set[asyncio.Future] = set()
         self._fd: int | None = None
@@ -79,7 +80,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         self.resources.before_close(self._remove_reader_hook())
 
     @classmethod
-    async def create(cls, config: Any) -> "AsyncMPClient":
+    async def create(cls, config: EngineConfig) -> "AsyncMPClient":
         """Build the client from a running loop without blocking it: the engine starts
         in a thread (seconds for a model). Raises what the constructor raises."""
         loop = asyncio.get_running_loop()

@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Any
 
+from .config import EngineConfig
 from . import forksafe
 from .client_utilities import DP_RULES, AsyncUtilities
 from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
@@ -61,7 +62,7 @@ def _async_client_class() -> type:
     return AsyncMPClient
 
 
-def engine_config(config: Any, rank: int) -> Any:
+def engine_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config of the engine of ``rank``: ``data_parallel_rank=rank`` and, when one
     client starts every rank on this host (the internal load balancer) with
     ``device="cuda"`` (no index), the GPU of that rank, ``"cuda:<rank>"`` (one GPU per
@@ -82,7 +83,7 @@ def engine_config(config: Any, rank: int) -> Any:
     return config.replace(**changes)
 
 
-def start_engines(config: Any, ranks: list[int]) -> list[Any]:
+def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
     """Start one ``AsyncMPClient`` per rank, concurrently (one thread each, so start-up
     takes about as long as one engine's), each with ``engine_config(config, rank)``.
     Blocks until all are ready. If any fails, the others are shut down and the first
@@ -124,15 +125,13 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
     stopped, as vLLM does.
     """
 
-    def __init__(self, config: Any = None, *, engines: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, engines: list[Any] | None = None) -> None:
         """``engines``: instead of starting them, take these engine clients, already
         started, one per managed rank in rank order (each with ``AsyncMPClient``'s
         public async API, e.g. ``AsyncMPClient(engine_config(config, rank))`` with
         another transport); from then on this client owns them (``shutdown`` stops
         them). ConfigError when their number is not the number of ranks."""
         if config is None:
-            from .config import EngineConfig
-
             config = EngineConfig()
         self.config = config
         ranks = self._managed_ranks(config)
@@ -185,7 +184,7 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         self._out_head = 0
 
     @classmethod
-    async def create(cls, config: Any = None) -> "DPAsyncMPClient":
+    async def create(cls, config: EngineConfig | None = None) -> "DPAsyncMPClient":
         """Build the client from a running loop without blocking it: the engines start
         in a thread (each in one of its own, at once). Raises what the constructor
         raises."""
@@ -194,7 +193,7 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
 
     # -- set-up ----------------------------------------------------------------------
     @staticmethod
-    def _managed_ranks(config: Any) -> list[int]:
+    def _managed_ranks(config: EngineConfig) -> list[int]:
         rank = config.data_parallel_rank
         if rank is None:
             raise ConfigError(
@@ -570,12 +569,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ``DPAsyncMPClient``.
     """
 
-    def __init__(self, config: Any = None, *, engines: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, engines: list[Any] | None = None) -> None:
         super().__init__(config, engines=engines)
         self._start = 0
 
     @staticmethod
-    def _managed_ranks(config: Any) -> list[int]:
+    def _managed_ranks(config: EngineConfig) -> list[int]:
         if config.data_parallel_rank not in (None, 0):
             raise ConfigError(
                 f"EngineConfig.data_parallel_rank={config.data_parallel_rank!r} is invalid: "

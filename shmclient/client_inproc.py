@@ -15,6 +15,7 @@ import concurrent.futures
 import importlib
 from typing import Any
 
+from .config import EngineConfig
 from .client import (
     SyncEngineCoreClient,
     check_abort_ids,
@@ -37,7 +38,7 @@ class InprocClient(SyncEngineCoreClient):
     does not exist or has no ``make_core``).
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.engine_core = load_engine(config.engine_module).make_core(config)
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks

@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+from .config import EngineConfig
 from . import forksafe, waiting
 from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
 from .channel_zmq import ZmqChannel
@@ -120,7 +121,7 @@ class MPClient(EngineCoreClient):
     #: True in a process forked from the one that built the client (see forksafe).
     _forked = False
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config  # never mutated: capacity comes back in attributes
         #: Held by the one thread (or event-loop task) that is reading the channel, and
         #: by shutdown() while it closes the channel under any reader.
@@ -364,7 +365,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
     #: notify followers whenever they hand the channel back).
     _FOLLOW_SLICE_S = 0.05
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._cond = threading.Condition(threading.Lock())  # followers wait here
         self._followers = 0
         super().__init__(config)
