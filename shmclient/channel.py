@@ -39,6 +39,8 @@ from .messages import (
 )
 from .ring import HEADER_BYTES as RING_HEADER_BYTES
 from .ring import Ring, RingSpec
+from .ring_consumer import RingConsumer
+from .ring_producer import RingProducer
 from .shm import Segment, close_inherited
 from .tensors import ShmTensorReceiver, ShmTensorSender
 
@@ -202,11 +204,9 @@ class ShmChannel:
         created so far is removed again."""
         made: list[Any] = []
         try:
-            req = Ring.create("producer", ring_capacity, spin_us=spin_us, producer_wake_fd=wake_fd)
+            req = RingProducer.create(ring_capacity, spin_us=spin_us, producer_wake_fd=wake_fd)
             made.append(req)
-            out = Ring.create(
-                "consumer", ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd
-            )
+            out = RingConsumer.create(ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd)
             made.append(out)
             # Arenas are sized now and reserved by their sender on its first tensor, so a
             # client that never sends one never holds their memory. No arena (0 bytes):
@@ -250,9 +250,9 @@ class ShmChannel:
     @classmethod
     def attach(cls, spec: ShmChannelSpec, framing: FramingFactory = NativeFraming) -> "ShmChannel":
         """Attach to a channel created by the peer (engine side)."""
-        rx = Ring.attach(spec.rx, "consumer", spin_us=spec.spin_us)
+        rx = RingConsumer.attach(spec.rx, spin_us=spec.spin_us)
         try:
-            tx = Ring.attach(spec.tx, "producer", spin_us=spec.spin_us)
+            tx = RingProducer.attach(spec.tx, spin_us=spec.spin_us)
             try:
                 seg_rx = Segment.attach(spec.tensor_rx)
                 try:
@@ -458,7 +458,7 @@ class ShmChannel:
             self._raise_deferred()
         self.flush_releases()
         try:
-            self.rx.recv_into(self._on_record, timeout=0.0, limit=limit)
+            self.rx.recv_into(self._on_record, limit)
         except PeerTimeoutError:  # another thread of ours is reading this ring right now
             raise WouldBlock("another thread is reading this channel") from None
         except Exception as e:

@@ -1,15 +1,19 @@
-"""SPSC ring of variable-length records in an anonymous shared-memory segment.
+"""What both ends of an SPSC ring of variable-length records share: the segment's life
+cycle and layout.
 
-Lowest layer, with ``shm``, ``doorbell``, ``errors`` and the C extension ``_ring`` (its
-only imports from the package); it knows nothing of codecs, clients, asyncio or the
-engine. The per-message path (write and publish, see and read and release, the spin, the
-futex sleep and wake) is C, in ``shmclient/_ring.c``, whose module docstring carries the
-layout and the memory-ordering argument for x86-64 and aarch64. This module keeps what is
-not per-message: the segment's life cycle, the slice loop of a blocking wait with its
-liveness check, timeouts, errors, the adaptive spin (``doorbell.Spin``) and statistics.
-``try_*`` methods never block; ``send``, ``send_batch``, ``recv`` and ``recv_into`` with a
-timeout spin, then sleep. The two ends are ``ring_producer.RingProducer`` and
-``ring_consumer.RingConsumer``.
+Lowest layer: imports only ``_ring`` (the C end), ``shm``, ``doorbell``, ``errors`` and
+``forksafe``; never the two ends (``ring_producer.RingProducer`` and
+``ring_consumer.RingConsumer``, which subclass ``Ring`` and import this module),
+``waiting``, asyncio, codecs, clients or the engine. It owns making and attaching the
+shared segment and its pipes (``Ring.create`` / ``Ring.attach``, called on an end's
+class), closing and unmapping, fork safety, statistics, errors, and the one C wait with
+its adaptive spin (``doorbell.Spin``). Nothing here or in the ends waits more than once:
+each end tries without waiting (``try_*`` / ``*_nowait``) and offers one single wait
+(``wait_readable`` / ``wait_writable``); the deadline and the liveness check around
+them are ``shmclient.waiting``'s. The per-message path (write and publish, see and read
+and release, the spin, the futex sleep and wake) is C, in ``shmclient/_ring.c``, whose
+module docstring carries the layout and the memory-ordering argument for x86-64 and
+aarch64.
 
 State is two byte positions in the header: the producer's published head and the
 consumer's released tail, each on its own cache line, stored with release and loaded
@@ -17,21 +21,19 @@ with acquire order. Free space is ``tail + capacity - write position``: nothing 
 reclaimed lazily. Taking a batch and recording that it was taken is one C call, so no
 Python exception (a KeyboardInterrupt) can split them. A message longer than
 ``max_record`` goes in fragments, each published as it is written, so the consumer
-frees each one while the next is written; a send that times out half-way resumes where
-it stopped, never from the first fragment.
+frees each one while the next is written; a send that runs out of room half-way resumes
+where it stopped when the same payload is sent again, never from the first fragment.
 
 Nothing is named: the segment is a memfd and the async wake-up a pipe, each reached by
 the peer through ``/proc/<pid>/fd`` (or an inherited fd), see ``shm``. A SIGKILL of
 either side at any moment leaves nothing behind in /dev/shm or /tmp.
 
 Threads: each ring end takes a local lock around every send and receive (or goes
-without it on the lock-free fast path, which the GIL orders), so several threads of one
-process may share an end while the ring itself stays single-producer single-consumer.
-The single waits ``wait_readable`` / ``wait_writable`` take no lock: another thread may
-send or receive while one sleeps in them (``shmclient.waiting`` builds its waits on
-them). A receive handler that uses its own ring raises RuntimeError (the C end refuses
-re-entry) instead of corrupting it; another thread's call meanwhile waits for the
-handler's call to end (without the GIL) instead of being refused.
+without it on the lock-free fast path, which the GIL orders), held only for that one
+non-blocking call, so several threads of one process may share an end while the ring
+itself stays single-producer single-consumer. The single waits take no lock: another
+thread may send or receive while one sleeps in them. A receive handler that uses its own
+ring raises RuntimeError (the C end refuses re-entry) instead of corrupting it.
 
 The peer is not trusted: the C end checks every value it reads from the mapping and a
 violation closes this end with ``RingCorruptError`` (a ``ProtocolError``) naming what was
@@ -45,20 +47,13 @@ import os
 import threading
 import weakref
 from time import perf_counter
-from typing import Callable, Literal, Sequence, Union
+from typing import Callable, TypeVar, Union
 
 import msgspec
 
 from . import _ring, forksafe
 from .doorbell import Spin
-from .errors import (
-    ClientClosedError,
-    ForkedError,
-    PeerDeadError,
-    PeerNotConsumingError,
-    PeerNotProducingError,
-    RingCorruptError,
-)
+from .errors import ClientClosedError, ForkedError, PeerDeadError, RingCorruptError
 from .shm import Segment, make_pipe, open_handle
 
 __all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec", "RingCorruptError"]
@@ -73,7 +68,7 @@ MIN_CAPACITY = 64
 MAX_CAPACITY = 1 << 40
 
 BytesLike = Union[bytes, bytearray, memoryview]
-Role = Literal["producer", "consumer"]
+E = TypeVar("E", bound="Ring")
 
 
 class RingSpec(msgspec.Struct, frozen=True):
@@ -95,9 +90,9 @@ class _Resources:
         self.owner = owner
         self.seg: Segment | None = None
         self.fds: list[int] = []
-        self.wake_w = -1  # a write end of the consumer's wake pipe (both roles keep one)
+        self.wake_w = -1  # a write end of the consumer's wake pipe (both ends keep one)
         self.wake_r = -1  # the consumer's: its wake pipe's read end
-        self.space_w = -1  # a write end of the producer's space pipe (both roles keep one)
+        self.space_w = -1  # a write end of the producer's space pipe (both ends keep one)
         self.space_r = -1  # the producer's: its space pipe's read end
         self.ends: list = []  # the C end: dropped before the mapping is closed
 
@@ -137,35 +132,36 @@ def _as_bytes(payload) -> memoryview:
 
 
 class Ring:
-    """One end of a shared-memory ring. Build with ``Ring.create`` or ``Ring.attach``.
+    """What both ends of a shared-memory ring share. Not an end itself: build one with
+    ``RingProducer.create`` / ``RingProducer.attach`` or ``RingConsumer.create`` /
+    ``RingConsumer.attach``. Any use after ``close()`` raises ClientClosedError."""
 
-    Producer methods: ``try_send``, ``send``, ``send_batch``. Consumer methods:
-    ``try_recv``, ``recv``, ``recv_into``, ``fileno``, ``drain_wake_fd``. Calling a
-    method of the other role raises TypeError; any use after ``close()`` raises
-    ClientClosedError.
-    """
-
-    role: Role
+    #: "producer" or "consumer": names this end in messages.
+    role: str
+    #: What the other end is called in messages.
     _peer: str
+    #: Which pipe read ends this end keeps: the consumer reads its wake pipe, the
+    #: producer its space pipe (the other ends keep only write ends).
+    _reads_wake = False
+    _reads_space = False
 
     def __init__(self) -> None:
-        raise TypeError("use Ring.create() or Ring.attach()")
+        raise TypeError("use RingProducer.create() / .attach() or RingConsumer.create() / .attach()")
 
     # ----------------------------------------------------------------- construction
 
     @classmethod
     def create(
-        cls,
-        role: Role,
+        cls: type[E],
         capacity: int = DEFAULT_CAPACITY,
         *,
         prefix: str = "shmc",
         spin_us: float = 30.0,
         consumer_wake_fd: bool = False,
         producer_wake_fd: bool = False,
-        liveness_interval: float = 0.1,
-    ) -> "Ring":
-        """Create a ring (owner side) and return this process's end of it.
+    ) -> E:
+        """Create a ring (owner side) and return this process's end of it (of the class it
+        is called on).
 
         ``capacity``: data bytes, a multiple of 8, at least 64. ``spin_us``: how long a
         waiter spins before it sleeps (0: never spins; adapted, see ``doorbell.Spin``).
@@ -174,17 +170,16 @@ class Ring:
         one. ``producer_wake_fd``: also make a pipe the producer can watch with an event
         loop while it waits for room (``space_fileno()``, ``arm_space()``); the consumer
         then writes a byte when it releases space the producer asked for.
-        ``liveness_interval``: seconds between ``alive()`` checks while blocked.
         Raises ShmCapacityError if the memory cannot be reserved (nothing is left
         behind), ValueError for bad arguments. Call ``unlink()`` once the peer has
         attached. Does not block.
         """
-        kind = _role_class(role)
+        cls._check_end()
         if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
             raise ValueError(
                 f"capacity must be a multiple of 8 between {MIN_CAPACITY} and {MAX_CAPACITY}, got {capacity!r}"
             )
-        _check_tuning(spin_us, liveness_interval)
+        _check_spin(spin_us)
         res = _Resources(owner=True)
         try:
             res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=True)
@@ -194,29 +189,28 @@ class Ring:
                 r, w, wake = make_pipe()
                 res.fds.append(r)
                 res.wake_w = w
-                if role == "consumer":
+                if cls._reads_wake:
                     res.wake_r = r
             if producer_wake_fd:
                 r, w, space = make_pipe()
                 res.fds.append(r)
                 res.space_w = w
-                if role == "producer":
+                if cls._reads_space:
                     res.space_r = r
             spec = RingSpec(res.seg.name, capacity, wake, space)
-            return kind._build(spec, res, spin_us, liveness_interval)
+            return cls._build(spec, res, spin_us)
         except BaseException:
             res.release()
             raise
 
     @classmethod
-    def attach(
-        cls, spec: RingSpec, role: Role, *, spin_us: float = 30.0, liveness_interval: float = 0.1
-    ) -> "Ring":
-        """Attach to a ring another process (or this one) created. Raises
-        FileNotFoundError if its creator is gone or released it, ValueError if the
-        segment is not a ring of ``spec.capacity``. Does not block."""
-        kind = _role_class(role)
-        _check_tuning(spin_us, liveness_interval)
+    def attach(cls: type[E], spec: RingSpec, *, spin_us: float = 30.0) -> E:
+        """Attach to a ring another process (or this one) created and return this end
+        of it (of the class it is called on). Raises FileNotFoundError if its creator is
+        gone or released it, ValueError if the segment is not a ring of
+        ``spec.capacity``. Does not block."""
+        cls._check_end()
+        _check_spin(spin_us)
         res = _Resources(owner=False)
         try:
             res.seg = Segment.attach(spec.segment, populate=True)
@@ -229,28 +223,33 @@ class Ring:
             if counters.get("capacity") != spec.capacity:
                 raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
             if spec.wake_pipe:
-                if role == "consumer":
+                if cls._reads_wake:
                     res.wake_r = open_handle(spec.wake_pipe, os.O_RDONLY | os.O_NONBLOCK)
                     res.fds.append(res.wake_r)
                 res.wake_w = open_handle(spec.wake_pipe, os.O_WRONLY | os.O_NONBLOCK)
             if spec.space_pipe:
-                if role == "producer":
+                if cls._reads_space:
                     res.space_r = open_handle(spec.space_pipe, os.O_RDONLY | os.O_NONBLOCK)
                     res.fds.append(res.space_r)
                 res.space_w = open_handle(spec.space_pipe, os.O_WRONLY | os.O_NONBLOCK)
-            return kind._build(spec, res, spin_us, liveness_interval)
+            return cls._build(spec, res, spin_us)
         except BaseException:
             res.release()
             raise
 
     @classmethod
-    def _build(cls, spec: RingSpec, res: _Resources, spin_us: float, interval: float) -> "Ring":
+    def _check_end(cls) -> None:
+        if cls._make_end is Ring._make_end:
+            raise TypeError(f"{cls.__name__} is not a ring end: use RingProducer.create() / .attach() "
+                            "or RingConsumer.create() / .attach()")
+
+    @classmethod
+    def _build(cls: type[E], spec: RingSpec, res: _Resources, spin_us: float) -> E:
         self = object.__new__(cls)
         self.spec = spec
         self.capacity = spec.capacity
         self._res = res
         self._spin = Spin(spin_us * 1e-6)
-        self._interval = interval
         self._lock = threading.RLock()
         self._closed = False
         self._forked = False
@@ -266,9 +265,13 @@ class Ring:
             raise ValueError(
                 f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes: its "
                 f"header says capacity = {self._c.capacity}")
-        self.max_record = self._max_record()
+        self.max_record = min(self.capacity - REC_HDR, 0xFFFFFFF8)
         forksafe.register(self)
         return self
+
+    def _make_end(self, res: _Resources):
+        """The C end of this side (``_ring.Producer`` / ``_ring.Consumer``)."""
+        raise NotImplementedError
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this end belongs to the parent; never close it from here,
@@ -277,12 +280,6 @@ class Ring:
         self._forked = True
         self._closed = True
         self._final_stats = {}
-
-    def _make_end(self, res: _Resources):  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _max_record(self) -> int:
-        return min(self.capacity - REC_HDR, 0xFFFFFFF8)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -301,8 +298,8 @@ class Ring:
         return [fd for fd in (seg, res.wake_w, res.space_w) if fd >= 0]
 
     def close(self) -> None:
-        """Tell the peer this side has gone, wake anything blocked on the ring, unmap.
-        Idempotent. Waits for an operation in progress on another thread of this side to
+        """Tell the peer this side has gone, wake anything waiting on the ring, unmap.
+        Idempotent. Waits for a call in progress on another thread of this side to
         finish (it is woken first)."""
         if self._closed:
             return
@@ -318,7 +315,7 @@ class Ring:
                 if got:
                     self._lock.release()
 
-    def __enter__(self) -> "Ring":
+    def __enter__(self: E) -> E:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -357,11 +354,6 @@ class Ring:
         self._peer_gone = True
         return PeerDeadError(f"the {self._peer} closed the ring")
 
-    def _lock_for(self, timeout: float | None) -> None:
-        if not self._lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            err = PeerNotConsumingError if self.role == "producer" else PeerNotProducingError
-            raise err(f"another thread held this {self.role} end for the whole timeout ({timeout} s)")
-
     def _wait_once(self, wait: Callable[..., int], timeout: float, spin: float | None, first: bool) -> bool:
         """One C wait: spin (``spin`` seconds; None: the adaptive budget, on a first
         wait only), then sleep until ready or ``timeout`` seconds. True when ready (or
@@ -381,99 +373,16 @@ class Ring:
                 self._spin.after(True, 0.0)
             elif r == _ring.WOKEN:
                 self._spin.after(False, perf_counter() - t0 - budget)
+            # (a timeout says nothing about spinning: the caller's window was just short)
         if self._closed:
             raise self._closed_error()
         return r != _ring.TIMEOUT
 
-    def _wait(self, wait: Callable[..., int], timeout: float | None, alive) -> bool:
-        """The slice loop around a C wait: spin (adaptive), then sleep in slices of
-        ``liveness_interval``, checking ``alive()`` between slices. True when ready,
-        False on the timeout; raises PeerDeadError (closed or not alive),
-        ClientClosedError, or what a signal handler raised."""
-        spin = self._spin
-        budget = spin.budget
-        t0 = perf_counter()
-        r = wait(budget, self._interval if timeout is None else min(timeout, self._interval))
-        if r == _ring.READY:
-            spin.after(True, 0.0)
-        elif r == _ring.WOKEN:
-            spin.after(False, perf_counter() - t0 - budget)
-        # (a timeout says nothing about spinning: the caller's window was just short)
-        if r == _ring.CLOSED:
-            raise self._peer_dead()
-        if r != _ring.TIMEOUT:
-            return True
-        remaining = None if timeout is None else timeout - self._interval
-        while True:
-            if self._closed:
-                raise self._closed_error()
-            if alive is not None and not alive():
-                if wait(0.0, 0.0, False) != _ring.TIMEOUT:  # it may have published just before it went
-                    return True
-                raise PeerDeadError(f"the {self._peer} is gone: its liveness check failed while we waited")
-            if remaining is not None and remaining <= 0:
-                return False
-            t = self._interval if remaining is None else min(remaining, self._interval)
-            r = wait(0.0, t, False)
-            if r == _ring.CLOSED:
-                raise self._peer_dead()
-            if r != _ring.TIMEOUT:
-                return True
-            if remaining is not None:
-                remaining -= t
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.capacity} bytes"
-        return f"<Ring {self.role} {self.spec.segment} {state}>"
-
-    # ----------------------------------------------------------------- wrong role
-
-    def _wrong(self, name: str) -> TypeError:
-        other = "consumer" if self.role == "producer" else "producer"
-        return TypeError(f"{name}() is a {other} method; this end of the ring is the {self.role}")
-
-    def try_send(self, rtype: int, payload: BytesLike) -> bool:
-        raise self._wrong("try_send")
-
-    def send(self, rtype: int, payload: BytesLike, *, timeout: float | None = None, alive=None) -> None:
-        raise self._wrong("send")
-
-    def send_batch(self, records: Sequence[tuple[int, BytesLike]], *, timeout: float | None = None, alive=None) -> None:
-        raise self._wrong("send_batch")
-
-    def try_recv(self) -> list[tuple[int, bytes]]:
-        raise self._wrong("try_recv")
-
-    def recv(self, *, timeout: float | None = None, alive=None) -> list[tuple[int, bytes]]:
-        raise self._wrong("recv")
-
-    def recv_into(self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None) -> int:
-        raise self._wrong("recv_into")
-
-    def fileno(self) -> int:
-        raise self._wrong("fileno")
-
-    def drain_wake_fd(self) -> None:
-        raise self._wrong("drain_wake_fd")
+        return f"<{type(self).__name__} {self.spec.segment} {state}>"
 
 
-def _check_tuning(spin_us: float, interval: float) -> None:
+def _check_spin(spin_us: float) -> None:
     if not spin_us >= 0:
         raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
-    if not interval > 0:
-        raise ValueError(f"liveness_interval must be > 0 seconds, got {interval!r}")
-
-
-def _role_class(role: str) -> type[Ring]:
-    # The ends live in modules of their own that import this one.
-    if role == "producer":
-        from .ring_producer import RingProducer
-
-        return RingProducer
-    if role == "consumer":
-        from .ring_consumer import RingConsumer
-
-        return RingConsumer
-    raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
-
-

@@ -1,15 +1,18 @@
-"""The reading end of a ring: ``RingConsumer`` (built by ``Ring.create`` / ``Ring.attach``
-with ``role="consumer"``).
+"""The reading end of a ring: ``RingConsumer`` (``RingConsumer.create`` / ``.attach``).
 
-Lowest layer, beside ``ring`` (life cycle, waits; read its docstring first) and the C
-end ``_ring.Consumer`` (see, read, reassemble, release: one call); imports nothing above
-them. ``try_recv`` and ``recv_into(timeout=0)`` never block; ``recv`` and ``recv_into``
-with a timeout spin, then sleep, with a liveness check.
+Lowest layer, beside ``ring`` (the shared life cycle and layout; read its docstring
+first) and the C end ``_ring.Consumer`` (see, read, reassemble, release: one call);
+imports ``ring`` and nothing above it: not ``ring_producer``, ``waiting`` or asyncio. It
+owns reading: ``try_recv``, ``recv_nowait`` (copied out) and ``recv_into`` (in place)
+never wait for data, and the one wait for it is ``wait_readable`` (``wait_recv``), a
+single spin then sleep; these are the wait handle through which ``shmclient.waiting``
+receives with a deadline and a liveness check, or ``fileno`` / ``drain_wake_fd`` for an
+event loop.
 
 Each receive first tries one C call without the lock (the GIL orders it against other
 threads' calls); only when there is nothing to read, or another thread's slow path holds
-the end (``held``), does it take the lock and wait. Taking records and releasing their
-space happen inside that one call, so no exception can land between them.
+the end (``held``), does it take the lock. Taking records and releasing their space
+happen inside that one call, so no exception can land between them.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Callable
 
 from . import _ring
 from .doorbell import drain_pipe
-from .errors import PeerNotProducingError
+from .errors import WouldBlock
 from .ring import Ring
 
 
@@ -27,6 +30,7 @@ class RingConsumer(Ring):
 
     role = "consumer"
     _peer = "producer"
+    _reads_wake = True
 
     def _make_end(self, res):
         self._wake_r = res.wake_r
@@ -52,81 +56,55 @@ class RingConsumer(Ring):
                 raise self._peer_dead()
             return out
 
-    def recv(self, *, timeout: float | None = None, alive=None) -> list[tuple[int, bytes]]:
-        """At least one record: everything available, copied out. Spins, then sleeps;
-        ``timeout`` bounds each wait without progress (None: forever); ``alive`` runs
-        every ``liveness_interval`` while blocked. Raises PeerNotProducingError,
-        PeerDeadError, ClientClosedError, or what a signal handler raised."""
-        out = self._c.take()  # fast path: no lock, one C call
-        if out:
-            return out
-        if timeout is None:
-            self._lock.acquire()
+    def recv_nowait(self, limit: int = 0) -> list[tuple[int, bytes]]:
+        """``try_recv`` for the wait handle: every record available now (at most
+        ``limit`` if > 0; the rest stay for the next call), in order, copied out; raises
+        WouldBlock when there is none (or, with a ``limit``, when another thread of this
+        side is in a call). Raises as ``try_recv`` otherwise."""
+        if limit > 0:
+            out: list[tuple[int, bytes]] = []
+            self.recv_into(lambda t, v: out.append((t, bytes(v))), limit)
         else:
-            self._lock_for(timeout)
-        c = self._c
-        try:
-            if self._closed:
-                raise self._closed_error()
-            c.held = True
-            while True:
-                out = c.take(True)
-                if out:
-                    return out
-                if not self._wait(c.wait, timeout, alive):
-                    raise self._not_producing(timeout)
-        finally:
-            c.held = False
-            self._lock.release()
+            out = self.try_recv()
+        if not out:
+            raise WouldBlock("nothing to receive")
+        return out
 
-    def recv_into(
-        self, handler: Callable[[int, memoryview], None], *, timeout: float | None = 0.0, alive=None,
-        limit: int = 0,
-    ) -> int:
-        """Zero-copy receive: call ``handler(rtype, view)`` for every record available,
-        in order; ``view`` points into the ring and is valid only during the call (it is
-        released afterwards). A view the handler kept an export of (``numpy.frombuffer``,
-        ``torch.frombuffer``) pins its record: its space is not reused until that export
-        is dropped. ``timeout=0`` (default) never blocks and may return 0; otherwise
-        waits like ``recv`` for at least one record. Returns the number of records
-        handled. If the handler raises, that record counts as consumed and the exception
-        propagates; the rest come with the next call. The handler must not use this
-        ring (RuntimeError); another thread's call waits for it to return (with
-        ``timeout=0`` it raises PeerNotProducingError instead, as for a held lock).
-        ``limit`` > 0: at most that many messages per call (the rest stay; the wake pipe
-        stays readable)."""
+    def recv_into(self, handler: Callable[[int, memoryview], None], limit: int = 0) -> int:
+        """Zero-copy receive: call ``handler(rtype, view)`` for every record available
+        now, in order, and return how many (0: none there). Never waits for data
+        (``shmclient.waiting.recv_into`` waits for it). ``view`` points into the ring and
+        is valid only during the call (it is released afterwards). A view the handler
+        kept an export of (``numpy.frombuffer``, ``torch.frombuffer``) pins its record:
+        its space is not reused until that export is dropped. If the handler raises,
+        that record counts as consumed and the exception propagates; the rest come with
+        the next call. The handler must not use this ring (RuntimeError). ``limit`` > 0:
+        at most that many messages per call (the rest stay; the wake pipe stays
+        readable). Raises WouldBlock when another thread of this side is in a call (a
+        handler may take long: it is not waited for), PeerDeadError once the producer
+        closed and everything was read, RingCorruptError, ClientClosedError."""
         c = self._c
         n = c.recv_views(handler, False, limit)  # fast path: no lock, one C call
         if n:
             if self._closed:  # the handler closed this end
                 raise self._closed_error()
             return n
-        if n == 0 and timeout is not None and timeout <= 0 and c.poll() == 0:
+        if n == 0 and c.poll() == 0:
             return 0  # nothing there and the producer is still open
-        self._lock_for(timeout)
+        if not self._lock.acquire(False):
+            raise WouldBlock(f"another thread is in a call on this {self.role} end")
         try:
             if self._closed:
                 raise self._closed_error()
             c.held = True
-            nowait = timeout is not None and timeout <= 0
-            while True:
-                # with timeout 0, another thread's call in progress is not waited for
-                n = c.recv_views(handler, 2 if nowait else True, limit)
-                if self._closed:  # the handler closed this end
-                    raise self._closed_error()
-                if n is None:
-                    raise PeerNotProducingError(
-                        f"another thread is in a call on this {self.role} end (timeout {timeout} s)")
-                if n:
-                    return n
-                if timeout is not None and timeout <= 0:
-                    if c.poll() == 2:
-                        raise self._peer_dead()
-                    return 0
-                if c.pinned:
-                    c.unpin()  # views dropped since the last call free their space now
-                if not self._wait(c.wait, timeout, alive):
-                    raise self._not_producing(timeout)
+            n = c.recv_views(handler, 2, limit)  # 2: another thread's call is not waited for
+            if self._closed:  # the handler closed this end
+                raise self._closed_error()
+            if n is None:
+                raise WouldBlock(f"another thread is in a call on this {self.role} end")
+            if not n and c.poll() == 2:
+                raise self._peer_dead()
+            return n
         finally:
             if not self._closed:
                 c.held = False
@@ -146,6 +124,9 @@ class RingConsumer(Ring):
         if c.pinned:
             c.unpin()  # views dropped since the last call free their space now
         return self._wait_once(c.wait, timeout, spin, first)
+
+    #: The wait handle's name for ``wait_readable`` (``shmclient.waiting.recv``).
+    wait_recv = wait_readable
 
     def fileno(self) -> int:
         """A descriptor that is readable whenever a published record has not been read
@@ -167,8 +148,3 @@ class RingConsumer(Ring):
     def pinned(self) -> int:
         """Records whose space a handler's kept view still holds."""
         return 0 if self._closed else self._c.pinned
-
-    def _not_producing(self, timeout) -> PeerNotProducingError:
-        return PeerNotProducingError(
-            f"the peer is not producing: nothing was published in the ring for {timeout} s"
-        )

@@ -1,12 +1,15 @@
-"""The writing end of a ring: ``RingProducer`` (built by ``Ring.create`` / ``Ring.attach``
-with ``role="producer"``).
+"""The writing end of a ring: ``RingProducer`` (``RingProducer.create`` / ``.attach``).
 
-Lowest layer, beside ``ring`` (life cycle, waits; read its docstring first) and the C
-end ``_ring.Producer`` (records, wrap-around, fragments, publication); imports nothing
-above them. Nothing here blocks except ``send`` / ``send_batch`` waiting for space, with
-their timeout and liveness check. A message longer than ``max_record`` is written in
-fragments; when a send times out half-way, the next ``send`` of the same payload object
-resumes at the fragment where it stopped (see ``send``).
+Lowest layer, beside ``ring`` (the shared life cycle and layout; read its docstring
+first) and the C end ``_ring.Producer`` (records, wrap-around, fragments, publication);
+imports ``ring`` and nothing above it: not ``ring_consumer``, ``waiting`` or asyncio.
+It owns writing: ``try_send``, ``send_nowait`` and ``send_batch_nowait`` never wait for
+room, and the one wait for it is ``wait_writable`` (``wait_send``), a single spin then
+sleep; with ``abandon`` these are the wait handle through which ``shmclient.waiting``
+sends with a deadline and a liveness check, or ``space_fileno`` / ``arm_space`` for an
+event loop. A message longer than ``max_record`` is written in fragments as room allows;
+when the ring fills half-way, sending the same payload again resumes at the fragment
+where it stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Sequence
 
 from . import _ring
 from .doorbell import drain_pipe
-from .errors import PeerNotConsumingError, WouldBlock
+from .errors import WouldBlock
 from .ring import MAX_PAYLOAD, BytesLike, Ring, _as_bytes
 
 
@@ -33,19 +36,21 @@ class RingProducer(Ring):
 
     role = "producer"
     _peer = "consumer"
+    _reads_space = True
 
     def _make_end(self, res):
         end = _ring.Producer(res.seg.buf, res.wake_w)
         self._frag_chunk = max(8, (self.capacity // 4 - 16) & -8)
-        self._partial: tuple[int, object, int] | None = None  # (type, payload, offset)
+        #: A fragmented message half-way: (type, payload as given, bytes written).
+        self._partial: tuple[int, object, int] | None = None
         return end
 
     # ---- public
 
     def try_send(self, rtype: int, payload: BytesLike) -> bool:
         """Write one record and publish it if it fits now; False if it does not (a
-        message longer than ``max_record`` never fits here: use ``send``). Never waits
-        for space (it may wait for another thread of this side to finish its call).
+        message longer than ``max_record`` never fits here: use ``send_nowait``). Never
+        waits for space (it may wait for another thread of this side to finish its call).
         Raises ValueError (type not in 0..255, payload over MAX_PAYLOAD), PeerDeadError
         (the consumer closed), ClientClosedError."""
         try:
@@ -69,63 +74,90 @@ class RingProducer(Ring):
             return r
 
     def send_nowait(self, rtype: int, payload: BytesLike) -> None:
-        """Write and publish one message without ever waiting: raises WouldBlock when the
-        ring has no room now (or another thread of this side is in a call). A message
-        longer than ``max_record`` goes in fragments: as many as fit now are written,
-        then WouldBlock; calling again with the same payload resumes after them (any
-        other record sent first makes the consumer drop the partial message). Raises
-        ValueError, PeerDeadError, ClientClosedError as ``send``."""
+        """Write and publish one message without waiting for room: raises WouldBlock when
+        the ring has none now. A message longer than ``max_record`` goes in fragments: as
+        many as fit now are written, then WouldBlock; calling again with the same payload
+        resumes after them (any other record sent first makes the consumer drop the
+        partial message). May wait for another thread of this side to finish its own
+        non-blocking call. Raises ValueError (type not in 0..255, payload over
+        MAX_PAYLOAD), PeerDeadError (the consumer closed), ClientClosedError."""
         try:
             if self._c.try_send(rtype, payload):  # fast path: no lock, one C call
                 return
         except OverflowError:
             pass
-        if not self._lock.acquire(False):
-            raise WouldBlock(f"another thread is in a call on this {self.role} end")
-        c = self._c
-        try:
+        with self._lock:
+            c = self._c
             if self._closed:
                 raise self._closed_error()
             c.held = True
-            off = self._resume_at(rtype, payload)
-            if off is not None:
-                self._fragments_nowait(rtype, payload, off)
-                return
             try:
-                r = c.try_send(rtype, payload, True)
-            except OverflowError:  # longer than one record: fragments
-                self._fragments_nowait(rtype, payload, 0)
-                return
-            if r is None:
-                raise self._peer_dead()
-            if not r:
+                off = self._resume_at(rtype, payload)
+                if off is not None:
+                    self._fragments_nowait(rtype, payload, off)
+                    return
+                try:
+                    r = c.try_send(rtype, payload, True)
+                except OverflowError:  # longer than one record: fragments
+                    self._fragments_nowait(rtype, payload, 0)
+                    return
+                if r is None:
+                    raise self._peer_dead()
+                if not r:
+                    raise WouldBlock(f"the ring is full ({c.pending()} of {self.capacity} bytes unread)")
+            finally:
+                # a message left half-way keeps the fast path closed: nothing may be
+                # written between its fragments
+                c.held = self._partial is not None
+
+    def send_batch_nowait(self, records: Sequence[tuple[int, BytesLike]]) -> int:
+        """Write as many of ``records`` (``(type, payload)`` pairs) as fit now, in order,
+        and publish them together (one doorbell, one wake-up of the consumer); return how
+        many went. The rest did not fit: send them with the next call (or wait for room
+        first). Raises WouldBlock when not even the first fits. A batch carries records
+        of up to ``max_record`` bytes: the batch stops before a longer one (it goes alone
+        with ``send_nowait``), and ValueError when it comes first. A fragmented message
+        left half-way is given up (the consumer drops it). Raises as ``send_nowait``."""
+        with self._lock:
+            c = self._c
+            if self._closed:
+                raise self._closed_error()
+            c.held = True
+            self._partial = None
+            n = 0
+            try:
+                for rtype, payload in records:
+                    try:
+                        r = c.append(rtype, payload, True)
+                    except OverflowError:
+                        if n:
+                            break
+                        size = _nbytes(payload)
+                        if size > MAX_PAYLOAD:
+                            raise _too_big(size) from None
+                        raise ValueError(f"a record of {size} bytes is longer than one record of "
+                                         f"this ring ({self.max_record} bytes): send it with "
+                                         "send_nowait()") from None
+                    if r is None:
+                        raise self._peer_dead()
+                    if not r:
+                        break
+                    n += 1
+            finally:
+                if not self._closed:
+                    c.publish()
+                c.held = False
+            if not n and records:
                 raise WouldBlock(f"the ring is full ({c.pending()} of {self.capacity} bytes unread)")
-        finally:
-            c.held = self._partial is not None
-            self._lock.release()
+            return n
 
-    def _resume_at(self, rtype: int, payload) -> int | None:
-        """Where to resume ``payload`` if it is the fragmented message left half-way,
-        else None; either way the half-way message is forgotten here (anything else sent
-        first makes the consumer drop it). Caller holds the lock."""
-        partial, self._partial = self._partial, None
-        if partial is None:
-            return None
-        ptype, ppayload, off = partial
-        return off if ptype == rtype and (ppayload is payload or ppayload == payload) else None
-
-    def _fragments_nowait(self, rtype: int, payload, off: int) -> None:
-        n = _nbytes(payload)
-        if n > MAX_PAYLOAD:
-            raise _too_big(n)
-        if type(payload) is not bytes:
-            payload = _as_bytes(payload)
-        new = self._c.send_part(rtype, payload, off, self._frag_chunk)
-        if new is None:
-            raise self._peer_dead()
-        if new < n:
-            self._partial = (rtype, payload, new)
-            raise WouldBlock(f"{new} of {n} bytes of a fragmented message written; the ring is full")
+    def abandon(self, payload: BytesLike) -> None:
+        """A send of ``payload`` gave up (the wait handle's call, see ``shmclient.waiting``).
+        Nothing to do for a bare ring end: a fragmented message left half-way needs no
+        forgetting here, because sending the same payload again resumes it, and any
+        other record sent first makes the consumer drop it (``partial_pending`` says one
+        is half-way). Whoever shares an end between senders decides who goes next (the
+        channel does)."""
 
     def wait_writable(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
         """Wait, once, for the consumer to release space since the last write that did
@@ -134,6 +166,9 @@ class RingProducer(Ring):
         next send says which), False on the timeout. No liveness check, no retry (see
         ``shmclient.waiting``). Raises ClientClosedError or what a signal handler raised."""
         return self._wait_once(self._c.wait_space, timeout, spin, first)
+
+    #: The wait handle's name for ``wait_writable`` (``shmclient.waiting.send``).
+    wait_send = wait_writable
 
     def poke(self) -> None:
         """Write a wake byte to the consumer's wake pipe now, whether or not anything was
@@ -171,113 +206,34 @@ class RingProducer(Ring):
             drain_pipe(self._res.space_r)
         self._c.arm_space()
 
-    def send(self, rtype: int, payload: BytesLike, *, timeout: float | None = None, alive=None) -> None:
-        """Write one record and publish it, waiting for space while the ring is full
-        (spin, then sleep; never drops, never grows). ``timeout`` bounds each wait
-        without progress (None: forever); ``alive`` runs every ``liveness_interval``
-        while blocked. Raises PeerNotConsumingError, PeerDeadError, ValueError,
-        ClientClosedError, or what a signal handler raised.
+    # ---- fragments
 
-        A message longer than ``max_record`` goes in fragments. If the wait for space
-        times out half-way, the fragments written stay in the ring and calling ``send``
-        again with the same payload resumes after them; any other record sent first
-        makes the consumer drop the partial message."""
-        try:
-            if self._c.try_send(rtype, payload):  # fast path: no lock, one C call
-                return
-        except OverflowError:
-            pass
-        if timeout is None:
-            self._lock.acquire()
-        else:
-            self._lock_for(timeout)
-        c = self._c
-        try:
-            if self._closed:
-                raise self._closed_error()
-            c.held = True
-            off = self._resume_at(rtype, payload)
-            if off is not None:
-                self._send_fragments(rtype, payload, off, timeout, alive)
-                return
-            try:
-                r = c.try_send(rtype, payload, True)
-            except OverflowError:  # longer than one record: fragments
-                self._send_fragments(rtype, payload, 0, timeout, alive)
-                return
-            while not r:
-                if r is None:
-                    raise self._peer_dead()
-                self._wait_space(timeout, alive)
-                r = c.try_send(rtype, payload, True)
-        finally:
-            # a message left half-way keeps the fast path closed: nothing may be
-            # written between its fragments
-            c.held = self._partial is not None
-            self._lock.release()
+    def _resume_at(self, rtype: int, payload) -> int | None:
+        """Where to resume ``payload`` if it is the fragmented message left half-way,
+        else None; either way the half-way message is forgotten here (anything else sent
+        first makes the consumer drop it). Caller holds the lock."""
+        partial, self._partial = self._partial, None
+        if partial is None:
+            return None
+        ptype, ppayload, off = partial
+        if ptype != rtype:
+            return None
+        if ppayload is payload:
+            return off
+        try:  # an equal copy resumes too (compared as bytes: any buffer, any format)
+            return off if _as_bytes(ppayload) == _as_bytes(payload) else None
+        except TypeError:
+            return None
 
-    def send_batch(
-        self, records: Sequence[tuple[int, BytesLike]], *, timeout: float | None = None, alive=None
-    ) -> None:
-        """Write several records and publish them together when they fit (else publish
-        what is written, wait, go on). Blocks and raises like ``send``; when it raises,
-        the records before the failing one may have been sent."""
-        self._lock_for(timeout)
-        c = self._c
-        try:
-            if self._closed:
-                raise self._closed_error()
-            c.held = True
-            self._partial = None
-            try:
-                for rtype, payload in records:
-                    try:
-                        r = c.append(rtype, payload, True)
-                    except OverflowError:
-                        self._send_fragments(rtype, payload, 0, timeout, alive)
-                        continue
-                    while not r:
-                        if r is None:
-                            raise self._peer_dead()
-                        c.publish()
-                        self._wait_space(timeout, alive)
-                        r = c.append(rtype, payload, True)
-            finally:
-                if not self._closed:
-                    c.publish()
-        finally:
-            # a message left half-way keeps the fast path closed: nothing may be
-            # written between its fragments
-            c.held = self._partial is not None
-            self._lock.release()
-
-    # ---- fragments and space
-
-    def _send_fragments(self, rtype: int, payload, off: int, timeout, alive) -> None:
-        n = _nbytes(payload)
+    def _fragments_nowait(self, rtype: int, payload, off: int) -> None:
+        data = payload if type(payload) is bytes else _as_bytes(payload)
+        n = len(data)
         if n > MAX_PAYLOAD:
             raise _too_big(n)
-        if type(payload) is not bytes:
-            payload = _as_bytes(payload)
-        c = self._c
-        chunk = self._frag_chunk
-        while True:
-            new = c.send_part(rtype, payload, off, chunk)
-            if new is None:
-                raise self._peer_dead()
-            off = new
-            if off >= n:
-                return
-            try:
-                self._wait_space(timeout, alive)
-            except PeerNotConsumingError:
-                self._partial = (rtype, payload, off)
-                raise
-
-    def _wait_space(self, timeout, alive) -> None:
-        if not self._wait(self._c.wait_space, timeout, alive):
-            used = self._c.pending()
-            raise PeerNotConsumingError(
-                f"the peer is not consuming: no space was released in the ring for {timeout} s "
-                f"({used} of {self.capacity} bytes still unread)"
-            )
+        new = self._c.send_part(rtype, data, off, self._frag_chunk)
+        if new is None:
+            raise self._peer_dead()
+        if new < n:
+            # the payload as given: a retry passes the same object (compared by identity)
+            self._partial = (rtype, payload, new)
+            raise WouldBlock(f"{new} of {n} bytes of a fragmented message written; the ring is full")

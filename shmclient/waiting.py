@@ -1,16 +1,21 @@
-"""The only place above the ring that blocks: waiting on a channel, for threads and asyncio.
+"""The only place above the ring that blocks: waiting on a channel or a ring end, for
+threads and asyncio.
 
-Middle layer: imports errors and asyncio only; it knows channels by their interface (both
-``channel.ShmChannel`` and ``channel_zmq.ZmqChannel`` have it), never the clients or the
-engine. Every other module tries without blocking (``send_nowait`` / ``recv_nowait``, which
-raise ``WouldBlock``) and comes here to wait; both clients and the engine loop do.
+Middle layer: imports errors and asyncio only; it knows channels and ring ends by their
+interface (``channel.ShmChannel``, ``channel_zmq.ZmqChannel``, ``ring_producer.RingProducer``
+and ``ring_consumer.RingConsumer`` have it), never the clients, the engine or those
+classes themselves. It owns every wait with a deadline and a liveness check. Every other
+module tries without blocking (``send_nowait`` / ``recv_nowait``, which raise
+``WouldBlock``) and comes here to wait; both clients and the engine loop do.
 
-A channel's wait handle is four calls:
+Beside ``send_nowait`` / ``recv_nowait``, a wait handle is four calls (a bare ring end has
+those of its direction that a thread needs: ``wait_send`` and ``abandon``, or
+``wait_recv``; the descriptors are the channel's):
 
 * ``wait_recv(timeout, spin=None, first=True)`` / ``wait_send(...)``: block this thread,
   once, until the channel may have something to read / room to write, or ``timeout``
-  seconds passed (True / False). The shared-memory channel spins for its adaptive budget,
-  then sleeps on the ring's futex; zmq polls its socket.
+  seconds passed (True / False). A ring end (and the shared-memory channel over it) spins
+  for its adaptive budget, then sleeps on the ring's futex; zmq polls its socket.
 * ``recv_fd()`` / ``send_fd()``: a file descriptor for ``loop.add_reader``, readable when
   the channel may have something to read / room to write after ``arm_recv()`` /
   ``arm_send()``. Arm, try again, and only then park: a wake-up is never lost between
@@ -33,7 +38,7 @@ from typing import Any, Callable, TypeVar
 
 from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
 
-__all__ = ["LIVENESS_S", "check_timeout", "recv", "recv_spin", "send", "send_async", "wait_fd"]
+__all__ = ["LIVENESS_S", "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
@@ -125,6 +130,31 @@ def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = No
         return PeerNotProducingError(f"nothing arrived within {timeout} s: the peer is not producing")
 
     return _block(channel.recv_nowait, channel.wait_recv, timeout, alive, timed_out)
+
+
+def recv_into(
+    end: Any, handler: Callable[[int, memoryview], Any], *, timeout: float | None = None,
+    alive: Alive | None = None, limit: int = 0,
+) -> int:
+    """Zero-copy ``recv`` for a ring consumer end: ``handler(rtype, view)`` for every
+    record there (at least one; at most ``limit`` messages if > 0), waiting in this
+    thread while there is none; returns how many. ``end.recv_into(handler, limit)`` must
+    never wait and return 0 when nothing is there (``RingConsumer.recv_into``: the view
+    is valid during the call only; a handler's exception propagates, its record counted
+    as read). Raises as ``recv``."""
+
+    timeout = check_timeout(timeout)
+
+    def attempt() -> int:
+        n = end.recv_into(handler, limit)
+        if not n:
+            raise WouldBlock("nothing to receive")
+        return n
+
+    def timed_out() -> Exception:
+        return PeerNotProducingError(f"nothing arrived within {timeout} s: the peer is not producing")
+
+    return _block(attempt, end.wait_recv, timeout, alive, timed_out)
 
 
 def recv_spin(channel: Any, spin: float | None, limit: int = 0) -> list[tuple[int, Any]]:

@@ -7,7 +7,8 @@ as a dict for a top-level ``python -m shmclient_bench``. Measures, in one run:
   the ring (default 4 MiB ring, so 16 MiB travels in fragments) and through two zmq
   PUSH/PULL pairs; warm-up excluded. The echo side reads zero-copy (``recv_into``) and
   sends the view back; the timing side copies small records out (``recv``) and reads
-  large ones zero-copy.
+  large ones zero-copy. Every wait goes through ``shmclient.waiting``; a send tries the
+  ring's non-blocking ``send_nowait`` first and waits there only when the ring is full.
 * one-way throughput: 64 B messages per second (one doorbell each, and batches of 64)
   and 1 MiB GB/s (zero-copy read, and copied out), zmq alongside;
 * a stream of 10^6 64 B messages through the default ring: the producer's time per send
@@ -35,7 +36,11 @@ import msgspec
 import psutil
 import zmq
 
+from shmclient import waiting
+from shmclient.errors import WouldBlock
 from shmclient.ring import Ring, RingSpec
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 CTX = mp.get_context("spawn")
 STOP = 255
@@ -60,12 +65,35 @@ def _pct(sorted_ns: list[int], q: float) -> float:
     return sorted_ns[min(len(sorted_ns) - 1, int(len(sorted_ns) * q))] / 1e3
 
 
+def _send(tx: RingProducer, rtype: int, payload, alive) -> None:
+    """Send as a producer that keeps up with its consumer does: the ring's non-blocking
+    ``send_nowait`` (one C call when there is room), and only when the ring is full, a
+    wait for room through ``shmclient.waiting`` (which resumes a fragmented message)."""
+    try:
+        tx.send_nowait(rtype, payload)
+    except WouldBlock:
+        waiting.send(tx, rtype, payload, alive=alive)
+
+
+def _send_batch(tx: RingProducer, recs: list, alive) -> None:
+    """Every record of ``recs``, as many at a time as fit, each group written and
+    published together (``send_batch_nowait``: one doorbell); when not even one fits,
+    the next waits for room through ``shmclient.waiting``."""
+    i = 0
+    while i < len(recs):
+        try:
+            i += tx.send_batch_nowait(recs[i:] if i else recs)
+        except WouldBlock:
+            waiting.send(tx, *recs[i], alive=alive)
+            i += 1
+
+
 # ---------------------------------------------------------------- child processes
 
 
 def _ring_echo(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
-    rx = Ring.attach(_dec(spec_in), "consumer", spin_us=SPIN_US)
-    tx = Ring.attach(_dec(spec_out), "producer", spin_us=SPIN_US)
+    rx = RingConsumer.attach(_dec(spec_in), spin_us=SPIN_US)
+    tx = RingProducer.attach(_dec(spec_out), spin_us=SPIN_US)
     alive = _parent_alive(ppid)
     stop = []
 
@@ -73,11 +101,11 @@ def _ring_echo(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
         if rtype == STOP:
             stop.append(1)
         else:
-            tx.send(rtype, view, alive=alive)
+            _send(tx, rtype, view, alive)
 
     try:
         while not stop:
-            rx.recv_into(echo, timeout=None, alive=alive)
+            waiting.recv_into(rx, echo, timeout=None, alive=alive)
     finally:
         rx.close()
         tx.close()
@@ -105,19 +133,18 @@ def _zmq_echo(addr_in: str, addr_out: str) -> None:
 
 
 def _ring_flood(spec: bytes, size: int, count: int, batch: int, ppid: int) -> None:
-    tx = Ring.attach(_dec(spec), "producer", spin_us=SPIN_US)
+    tx = RingProducer.attach(_dec(spec), spin_us=SPIN_US)
     alive = _parent_alive(ppid)
     msg = b"\xab" * size
     try:
         if batch > 1:
             recs = [(1, msg)] * batch
             for _ in range(count // batch):
-                tx.send_batch(recs, alive=alive)
+                _send_batch(tx, recs, alive)
         else:
-            send = tx.send
             for _ in range(count):
-                send(1, msg, alive=alive)
-        tx.send(STOP, b"", alive=alive)
+                _send(tx, 1, msg, alive)
+        waiting.send(tx, STOP, b"", alive=alive)
     finally:
         tx.close()
 
@@ -127,21 +154,20 @@ def _ring_stream(spec: bytes, count: int, ppid: int, back) -> None:
     percentiles of those times (and the stream's rate) through ``back``."""
     import numpy as np
 
-    tx = Ring.attach(_dec(spec), "producer", spin_us=SPIN_US)
+    tx = RingProducer.attach(_dec(spec), spin_us=SPIN_US)
     alive = _parent_alive(ppid)
     msg = b"\x5a" * 64
     took = np.empty(count, dtype=np.int64)
     now = time.perf_counter_ns
     try:
-        send = tx.send
         t_start = now()
         for i in range(count):
             t = now()
-            send(1, msg, alive=alive)
+            _send(tx, 1, msg, alive)
             took[i] = now() - t
         t_end = now()
         waits = tx.stats()["waits_on_full"]
-        tx.send(STOP, b"", alive=alive)
+        waiting.send(tx, STOP, b"", alive=alive)
     finally:
         tx.close()
     took.sort()
@@ -176,11 +202,11 @@ def _zmq_flood(addr: str, size: int, count: int) -> None:
 
 
 def _ring_idle(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
-    rx = Ring.attach(_dec(spec_in), "consumer", spin_us=SPIN_US)
-    tx = Ring.attach(_dec(spec_out), "producer")
+    rx = RingConsumer.attach(_dec(spec_in), spin_us=SPIN_US)
+    tx = RingProducer.attach(_dec(spec_out))
     try:
-        tx.send(1, b"blocking now")
-        rx.recv(alive=_parent_alive(ppid))  # spins SPIN_US, then sleeps on the semaphore
+        waiting.send(tx, 1, b"blocking now")
+        waiting.recv(rx, alive=_parent_alive(ppid))  # spins SPIN_US, then sleeps on the futex
     finally:
         rx.close()
         tx.close()
@@ -212,8 +238,8 @@ def _counts(size: int, quick: bool) -> tuple[int, int]:
 
 
 def ring_round_trips(quick: bool) -> dict:
-    out_ring = Ring.create("producer", spin_us=SPIN_US)
-    in_ring = Ring.create("consumer", spin_us=SPIN_US)
+    out_ring = RingProducer.create(spin_us=SPIN_US)
+    in_ring = RingConsumer.create(spin_us=SPIN_US)
     child = _start(_ring_echo, _enc(out_ring), _enc(in_ring), os.getpid())
     alive = child.is_alive
     res = {}
@@ -230,13 +256,13 @@ def ring_round_trips(quick: bool) -> dict:
             small = size <= 4 * KiB
             for i in range(n + warm):
                 t0 = time.perf_counter_ns()
-                out_ring.send(1, msg, alive=alive)
+                _send(out_ring, 1, msg, alive)
                 if small:
-                    rec = in_ring.recv(alive=alive)
+                    rec = waiting.recv(in_ring, alive=alive)
                 else:
                     got.clear()
                     while not got:
-                        in_ring.recv_into(seen, timeout=None, alive=alive)
+                        waiting.recv_into(in_ring, seen, timeout=None, alive=alive)
                 lat.append(time.perf_counter_ns() - t0)
                 if i == 0:
                     out_ring.unlink()
@@ -244,7 +270,7 @@ def ring_round_trips(quick: bool) -> dict:
                     assert (len(rec[0][1]) if small else got[0]) == size
             lat = sorted(lat[warm:])
             res[size] = {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99), "n": n}
-        out_ring.send(STOP, b"")
+        waiting.send(out_ring, STOP, b"")
         _finish(child)
         res["stats"] = in_ring.stats()
     finally:
@@ -293,7 +319,7 @@ def zmq_round_trips(quick: bool, tmp: str) -> dict:
 
 def ring_one_way(size: int, count: int, *, batch: int = 1, zero_copy: bool = True) -> float:
     """Messages per second, consumer here, producer in a child."""
-    r = Ring.create("consumer", spin_us=SPIN_US)
+    r = RingConsumer.create(spin_us=SPIN_US)
     child = _start(_ring_flood, _enc(r), size, count, batch, os.getpid())
     marks: list[int] = []
     done = []
@@ -307,10 +333,10 @@ def ring_one_way(size: int, count: int, *, batch: int = 1, zero_copy: bool = Tru
     try:
         if zero_copy:
             while not done:
-                r.recv_into(seen, timeout=None, alive=child.is_alive)
+                waiting.recv_into(r, seen, timeout=None, alive=child.is_alive)
         else:
             while not done:
-                for rtype, body in r.recv(alive=child.is_alive):
+                for rtype, body in waiting.recv(r, alive=child.is_alive):
                     seen(rtype, body)
         t1 = time.perf_counter_ns()
         _finish(child)
@@ -348,9 +374,9 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
 
 def ring_stream(count: int) -> dict:
     """A stream of ``count`` 64 B messages through the default 4 MiB ring, the consumer
-    copying each out: the time each ``send`` call took in the producer (percentiles and
+    copying each out: the time each send took in the producer (percentiles and
     max), where a stall (reclaiming space, a full ring) would show."""
-    r = Ring.create("consumer", spin_us=SPIN_US)
+    r = RingConsumer.create(spin_us=SPIN_US)
     mine, theirs = CTX.Pipe()
     child = _start(_ring_stream, _enc(r), count, os.getpid(), theirs)
     theirs.close()
@@ -358,7 +384,7 @@ def ring_stream(count: int) -> dict:
     try:
         done = False
         while not done:
-            for rtype, _ in r.recv(alive=child.is_alive):
+            for rtype, _ in waiting.recv(r, alive=child.is_alive):
                 if rtype == STOP:
                     done = True
                     break
@@ -377,16 +403,16 @@ def ring_stream(count: int) -> dict:
 
 def idle_cpu(seconds: float) -> float:
     """Percent of one core used by a consumer blocked past its spin budget."""
-    to_child = Ring.create("producer")
-    from_child = Ring.create("consumer")
+    to_child = RingProducer.create()
+    from_child = RingConsumer.create()
     child = _start(_ring_idle, _enc(to_child), _enc(from_child), os.getpid())
     try:
-        from_child.recv(timeout=60, alive=child.is_alive)  # it is about to block
+        waiting.recv(from_child, timeout=60, alive=child.is_alive)  # it is about to block
         proc = psutil.Process(child.pid)
         c0, t0 = proc.cpu_times(), time.perf_counter()
         time.sleep(seconds)  # the measurement window, not a synchronisation
         c1, t1 = proc.cpu_times(), time.perf_counter()
-        to_child.send(STOP, b"")
+        waiting.send(to_child, STOP, b"")
         _finish(child)
     finally:
         if child.is_alive():
@@ -406,8 +432,8 @@ def wake_pipe_cost(n: int, reps: int = 9) -> dict:
     rings = {}
     try:
         for wake in (False, True):
-            p = Ring.create("producer", 1 << 20, consumer_wake_fd=wake)
-            c = Ring.attach(p.spec, "consumer")
+            p = RingProducer.create(1 << 20, consumer_wake_fd=wake)
+            c = RingConsumer.attach(p.spec)
             p.unlink()
             rings[wake] = (p, c)
         msg = b"x" * 64

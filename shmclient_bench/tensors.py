@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from shmclient.codec import Decoder, Encoder
-from shmclient.ring import Ring
+from shmclient import waiting
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 from shmclient.shm import Segment
 from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
 
@@ -76,19 +78,19 @@ def _summary(samples: list[float]) -> dict:
 
 
 def _shm_receiver(data_spec, back_spec, arena: str, view_from: int) -> None:
-    rx = Ring.attach(data_spec, "consumer")
-    tx = Ring.attach(back_spec, "producer")
+    rx = RingConsumer.attach(data_spec)
+    tx = RingProducer.attach(back_spec)
     receiver = ShmTensorReceiver(Segment.attach(arena), view_from=view_from)
     dec = Decoder(tensors=receiver)
-    tx.send(ACK, b"", timeout=60)
+    waiting.send(tx, ACK, b"", timeout=60)
     try:
         while True:
-            for rtype, payload in rx.recv(timeout=120):
+            for rtype, payload in waiting.recv(rx, timeout=120):
                 if rtype == STOP:
                     return
                 dec.decode(payload)  # the tensor is dropped at once: its release goes back
                 t1 = time.perf_counter()
-                tx.send(ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
+                waiting.send(tx, ACK, _T.pack(t1) + (receiver.take_releases() or b""), timeout=60)
     finally:
         receiver.close()
         rx.close()
@@ -136,14 +138,14 @@ def _source(size: int) -> torch.Tensor:
 
 def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
     arena = Segment.create(max(sizes) + MiB)
-    data = Ring.create("producer", 1 * MiB)
-    back = Ring.create("consumer", 1 * MiB)
+    data = RingProducer.create(1 * MiB)
+    back = RingConsumer.create(1 * MiB)
     sender = ShmTensorSender(arena)
     child = CTX.Process(target=_shm_receiver, args=(data.spec, back.spec, arena.name, view_from))
     child.start()
     out: dict = {}
     try:
-        back.recv(timeout=120)
+        waiting.recv(back, timeout=120)
         data.unlink(), back.unlink(), arena.unlink()
         enc = Encoder(sender)
         for size in sizes:
@@ -152,8 +154,8 @@ def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
             samples = []
             for i in range(_reps(size, quick) + 2):
                 t0 = time.perf_counter()
-                data.send(MSG, enc.encode(src), timeout=60)
-                (rtype, payload), = back.recv(timeout=60)
+                waiting.send(data, MSG, enc.encode(src), timeout=60)
+                (rtype, payload), = waiting.recv(back, timeout=60)
                 (t1,) = _T.unpack_from(payload)
                 if len(payload) > 8:
                     sender.on_release(bytes(payload[8:]))
@@ -161,7 +163,7 @@ def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
                     samples.append(t1 - t0)
             out[size] = _summary(samples)
             assert sender.stats()["used_bytes"] == 0
-        data.send(STOP, b"", timeout=10)
+        waiting.send(data, STOP, b"", timeout=10)
         child.join(30)
     finally:
         if child.is_alive():
@@ -248,14 +250,14 @@ def _bench_cuda(sizes: list[int], quick: bool) -> dict:
     """Hand-off of CUDA tensors by IPC handle: a fresh allocation each time (the handle
     is opened), and slices of one allocation the receiver keeps open (cached)."""
     arena = Segment.create(4 * MiB)
-    data = Ring.create("producer", 1 * MiB)
-    back = Ring.create("consumer", 1 * MiB)
+    data = RingProducer.create(1 * MiB)
+    back = RingConsumer.create(1 * MiB)
     sender = ShmTensorSender(arena)
     child = CTX.Process(target=_cuda_receiver, args=(data.spec, back.spec, arena.name))
     child.start()
     out: dict = {}
     try:
-        back.recv(timeout=120)
+        waiting.recv(back, timeout=120)
         data.unlink(), back.unlink(), arena.unlink()
         enc = Encoder(sender)
         for size in sizes:
@@ -264,8 +266,8 @@ def _bench_cuda(sizes: list[int], quick: bool) -> dict:
             for i in range(min(_reps(size, quick), 30) + 2):
                 t = torch.empty(size, dtype=torch.uint8, device="cuda").fill_(i % 251)
                 t0 = time.perf_counter()
-                data.send(MSG, enc.encode(t), timeout=60)
-                (rtype, payload), = back.recv(timeout=60)
+                waiting.send(data, MSG, enc.encode(t), timeout=60)
+                (rtype, payload), = waiting.recv(back, timeout=60)
                 (t1,) = _T.unpack_from(payload)
                 if len(payload) > 8:
                     sender.on_release(bytes(payload[8:]))
@@ -273,7 +275,7 @@ def _bench_cuda(sizes: list[int], quick: bool) -> dict:
                 if i >= 2:
                     samples.append(t1 - t0)
             out[size] = _summary(samples)
-        data.send(STOP, b"", timeout=10)
+        waiting.send(data, STOP, b"", timeout=10)
         child.join(30)
     finally:
         if child.is_alive():

@@ -347,7 +347,7 @@ def test_shm_undecodable_message_gives_its_tensor_block_back(shm_pair):
 def test_shm_unknown_record_type_is_a_protocol_error_after_what_came_before(shm_pair):
     front, engine = shm_pair
     send(front, REQ_ADD, add("kept"))
-    front.tx.send(0x7E, b"junk", timeout=1.0)
+    waiting.send(front.tx, 0x7E, b"junk", timeout=1.0)
     got = waiting.recv(engine, timeout=5.0)
     assert [obj.request_id for _, obj in got] == ["kept"]
     with pytest.raises(ProtocolError, match="unknown record type 0x7e"):

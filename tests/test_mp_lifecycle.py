@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from shmclient.config import EngineConfig
-from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client
+from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client, waiting
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
@@ -321,7 +321,7 @@ def test_broken_request_ring_is_fatal_and_the_engine_says_why():
     c = SyncMPClient(cfg())
     try:
         c.add_request(req("first", max_tokens=1))
-        c.channel.tx.send(0x7E, b"junk", timeout=5.0)  # a record type nobody speaks
+        waiting.send(c.channel.tx, 0x7E, b"junk", timeout=5.0)  # a record type nobody speaks
         with pytest.raises(EngineDeadError, match="ProtocolError: unknown record type 0x7e"):
             for _ in range(10):
                 c.get_output(timeout=30)

@@ -1,8 +1,10 @@
 """The shared-memory ring within one process: both ends on one segment.
 
 Records, wrap-around, fragments, batches, backpressure and timeouts, liveness, close,
-names and modes in /dev/shm, the wake FIFO, threads, zero-copy reads and statistics.
-Cross-process behaviour lives in ``test_ring_procs``.
+names and modes in /dev/shm, the wake FIFO, threads, zero-copy reads and statistics. The
+ends never wait more than once themselves; waits with a deadline and a liveness check go
+through ``shmclient.waiting``, as everywhere in the package. Cross-process behaviour lives
+in ``test_ring_procs``.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmclient import doorbell, ring as ring_mod
+from shmclient import doorbell, ring as ring_mod, waiting
 from shmclient.errors import (
     ClientClosedError,
     PeerDeadError,
     PeerNotConsumingError,
     PeerNotProducingError,
     ShmCapacityError,
+    WouldBlock,
 )
 from shmclient.ring import DEFAULT_CAPACITY, Ring, RingSpec
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 from shmclient.shm import Segment
 
 SHM = "/dev/shm"
@@ -48,9 +53,9 @@ class Pair:
 
     def __init__(self, capacity: int = 4096, **kw) -> None:
         cw = kw.pop("consumer_wake_fd", False)
-        self.p = Ring.create("producer", capacity, consumer_wake_fd=cw, **kw)
+        self.p = RingProducer.create(capacity, consumer_wake_fd=cw, **kw)
         try:
-            self.c = Ring.attach(self.p.spec, "consumer", **kw)
+            self.c = RingConsumer.attach(self.p.spec, **kw)
         except BaseException:
             self.p.close()
             raise
@@ -81,6 +86,22 @@ def pair():
     yield make
     for pr in made:
         pr.close()
+
+
+def send_batches(p: RingProducer, records, *, timeout: float | None = None, alive=None) -> int:
+    """Send every record, in order: as many as fit go together (``send_batch_nowait``),
+    and when none fits, the next one waits for room through ``waiting.send``. Returns
+    how many batches ``send_batch_nowait`` published."""
+    records = list(records)
+    i = batches = 0
+    while i < len(records):
+        try:
+            i += p.send_batch_nowait(records[i:])
+            batches += 1
+        except WouldBlock:
+            waiting.send(p, *records[i], timeout=timeout, alive=alive)
+            i += 1
+    return batches
 
 
 def payload(i: int, n: int) -> bytes:
@@ -121,7 +142,7 @@ def test_spec_is_msgpack_able(pair):
 
 
 def test_default_capacity():
-    r = Ring.create("consumer")
+    r = RingConsumer.create()
     try:
         assert r.capacity == DEFAULT_CAPACITY == 4 << 20
     finally:
@@ -134,7 +155,9 @@ def test_bad_record_type(pair, rtype):
     with pytest.raises(ValueError, match="0..255"):
         pr.p.try_send(rtype, b"x")
     with pytest.raises(ValueError, match="0..255"):
-        pr.p.send(rtype, b"x" * 10_000, timeout=1)  # fragmented path checks too
+        pr.p.send_nowait(rtype, b"x" * 10_000)  # fragmented path checks too
+    with pytest.raises(ValueError, match="0..255"):
+        pr.p.send_batch_nowait([(rtype, b"x")])
     assert pr.c.try_recv() == []
     assert pr.p.try_send(1, b"ok") and pr.c.try_recv() == [(1, b"ok")]
 
@@ -144,9 +167,11 @@ def test_payload_larger_than_u32_is_refused(pair):
     big = mmap.mmap(-1, (1 << 32) + 1)  # address space only; never touched
     try:
         with pytest.raises(ValueError, match=str((1 << 32) + 1)):
-            pr.p.send(1, big)
+            pr.p.send_nowait(1, big)
         with pytest.raises(ValueError, match=str((1 << 32) + 1)):
             pr.p.try_send(1, big)
+        with pytest.raises(ValueError, match=str((1 << 32) + 1)):
+            pr.p.send_batch_nowait([(1, big)])
     finally:
         big.close()
 
@@ -154,28 +179,45 @@ def test_payload_larger_than_u32_is_refused(pair):
 @pytest.mark.parametrize("capacity", [63, 100, 0, 32])
 def test_bad_capacity(capacity):
     with pytest.raises(ValueError, match="capacity"):
-        Ring.create("producer", capacity)
+        RingProducer.create(capacity)
 
 
-def test_bad_role_and_tuning():
-    with pytest.raises(ValueError, match="role"):
-        Ring.create("reader", 1024)
+def test_only_an_end_is_made_and_tuning_is_checked():
+    for call in (lambda: Ring.create(1024), Ring, RingProducer, RingConsumer,
+                 lambda: Ring.attach(RingSpec("memfd:1:2:3", 1024))):
+        with pytest.raises(TypeError, match="RingProducer.create"):
+            call()
+    # no role strings: the class is the end
+    role = "producer"
+    for call in (lambda: Ring.create(role, 1024), lambda: RingProducer.create(role, 1024),
+                 lambda: RingConsumer.attach(RingSpec("memfd:1:2:3", 1024), role)):
+        with pytest.raises(TypeError):
+            call()
+    with pytest.raises(ValueError, match="capacity"):
+        RingProducer.create("producer")
     with pytest.raises(ValueError, match="spin_us"):
-        Ring.create("producer", 1024, spin_us=-1)
-    with pytest.raises(ValueError, match="liveness_interval"):
-        Ring.create("producer", 1024, liveness_interval=0)
-    with pytest.raises(TypeError):
-        Ring()
+        RingProducer.create(1024, spin_us=-1)
+    with pytest.raises(ValueError, match="spin_us"):
+        RingConsumer.create(1024, spin_us=float("nan"))
 
 
-def test_wrong_role_methods(pair):
+def test_each_end_is_the_wait_handle_of_its_direction(pair):
+    """A producer is something ``waiting.send`` waits on, a consumer something
+    ``waiting.recv`` / ``waiting.recv_into`` waits on; neither has the other's calls."""
     pr = pair()
-    for name, args in [("try_recv", ()), ("recv", ()), ("recv_into", (print,)), ("fileno", ()), ("drain_wake_fd", ())]:
-        with pytest.raises(TypeError, match="consumer method"):
-            getattr(pr.p, name)(*args)
-    for name, args in [("try_send", (1, b"")), ("send", (1, b"")), ("send_batch", ([],))]:
-        with pytest.raises(TypeError, match="producer method"):
-            getattr(pr.c, name)(*args)
+    assert isinstance(pr.p, Ring) and isinstance(pr.c, Ring)
+    producer = {"try_send", "send_nowait", "send_batch_nowait", "wait_send", "wait_writable", "abandon",
+                "space_fileno", "arm_space", "poke", "partial_pending"}
+    consumer = {"try_recv", "recv_nowait", "recv_into", "wait_recv", "wait_readable", "has_data",
+                "fileno", "drain_wake_fd", "pinned"}
+    assert all(hasattr(pr.p, n) for n in producer) and not any(hasattr(pr.p, n) for n in consumer)
+    assert all(hasattr(pr.c, n) for n in consumer) and not any(hasattr(pr.c, n) for n in producer)
+    assert RingProducer.wait_send is RingProducer.wait_writable
+    assert RingConsumer.wait_recv is RingConsumer.wait_readable
+    with pytest.raises(AttributeError):
+        waiting.recv(pr.p, timeout=1)  # refused at once, never a wait on the wrong end
+    with pytest.raises(AttributeError):
+        waiting.send(pr.c, 1, b"x", timeout=1)
 
 
 def test_exact_fit_and_max_record(pair):
@@ -202,7 +244,7 @@ def test_wrap_with_pad_in_the_middle_of_a_batch(pair):
     assert pr.p.try_send(1, payload(1, 64))  # 72 bytes used
     assert pr.c.try_recv() == [(1, payload(1, 64))]
     recs = [(2, payload(2, 30)), (3, payload(3, 40))]  # 40 fits at 72..112, 48 wraps
-    pr.p.send_batch(recs, timeout=1)
+    assert pr.p.send_batch_nowait(recs) == 2
     assert pr.c.try_recv() == recs
     assert pr.p.stats()["tx_batches"] == 2
 
@@ -253,22 +295,41 @@ def test_random_sizes_one_process(cap, data):
 def test_batch_is_one_doorbell_and_read_in_one_call(pair):
     pr = pair(4096)
     recs = [(i, payload(i, i * 3)) for i in range(20)]
-    pr.p.send_batch(recs)
-    pr.p.send_batch(recs[:3])
+    assert pr.p.send_batch_nowait(recs) == 20
+    assert pr.p.send_batch_nowait(recs[:3]) == 3
     assert pr.p.stats()["tx_batches"] == 2
     assert pr.c.try_recv() == recs + recs[:3]  # every batch available, one call
     s = pr.c.stats()
     assert s["rx_batches"] == 1 and s["rx_records"] == 23  # one read took both
 
 
+def test_a_batch_writes_what_fits_and_says_how_many(pair):
+    pr = pair(256)
+    recs = [(i, payload(i, 50)) for i in range(30)]  # 58-byte records, 256 bytes of room
+    assert pr.p.send_batch_nowait(recs) == 4  # what fits, published together
+    assert pr.p.stats()["tx_batches"] == 1
+    with pytest.raises(WouldBlock, match="full"):
+        pr.p.send_batch_nowait(recs[4:])  # not even the first fits
+    assert pr.p.send_batch_nowait([]) == 0
+    assert pr.c.try_recv() == recs[:4]
+    assert pr.p.send_batch_nowait(recs[4:]) == 4  # the rest resume where it stopped
+    assert pr.c.try_recv() == recs[4:8]
+    # a record longer than one record of the ring ends a batch before it...
+    assert pr.p.send_batch_nowait([(1, b"a"), (2, payload(2, 300)), (3, b"c")]) == 1
+    # ... and is refused when it comes first (it goes alone, in fragments)
+    with pytest.raises(ValueError, match="send_nowait"):
+        pr.p.send_batch_nowait([(2, payload(2, 300))])
+    assert pr.c.try_recv() == [(1, b"a")]
+
+
 def test_batch_larger_than_free_space_is_split_not_deadlocked(pair):
     pr = pair(256)
     recs = [(i, payload(i, 50)) for i in range(30)]  # ~1.7 KiB through 256 bytes
     got = []
-    t = threading.Thread(target=pr.p.send_batch, args=(recs,), kwargs={"timeout": 10})
+    t = threading.Thread(target=send_batches, args=(pr.p, recs), kwargs={"timeout": 10})
     t.start()
     while len(got) < len(recs):
-        got += pr.c.recv(timeout=10)
+        got += waiting.recv(pr.c, timeout=10)
     t.join(10)
     assert got == recs
     assert pr.p.stats()["waits_on_full"] > 0
@@ -288,7 +349,7 @@ def test_oversize_messages_intact_in_order_with_small_ones(pair):
     def produce():
         try:
             for rtype, body in msgs:
-                pr.p.send(rtype, body, timeout=10)
+                waiting.send(pr.p, rtype, body, timeout=10)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -296,7 +357,7 @@ def test_oversize_messages_intact_in_order_with_small_ones(pair):
     t.start()
     got = []
     while len(got) < len(msgs):
-        got += pr.c.recv(timeout=10)
+        got += waiting.recv(pr.c, timeout=10)
     t.join(10)
     assert not errors
     assert got == msgs
@@ -307,27 +368,27 @@ def test_oversize_messages_intact_in_order_with_small_ones(pair):
 def test_oversize_message_zero_copy(pair):
     pr = pair(512)
     body = payload(3, 40_000)
-    t = threading.Thread(target=pr.p.send, args=(4, body), kwargs={"timeout": 10})
+    t = threading.Thread(target=waiting.send, args=(pr.p, 4, body), kwargs={"timeout": 10})
     t.start()
     seen = []
     while not seen:
-        pr.c.recv_into(lambda rt, v: seen.append((rt, zlib.crc32(v), len(v))), timeout=10)
+        waiting.recv_into(pr.c, lambda rt, v: seen.append((rt, zlib.crc32(v), len(v))), timeout=10)
     t.join(10)
     assert seen == [(4, zlib.crc32(body), len(body))]
 
 
 def test_try_send_never_fragments(pair):
     pr = pair(256)
-    assert pr.p.try_send(1, b"x" * 249) is False  # > max_record: use send()
+    assert pr.p.try_send(1, b"x" * 249) is False  # > max_record: use send_nowait()
     assert pr.c.try_recv() == []
 
 
 def test_abandoned_fragmented_message_is_dropped(pair):
     pr = pair(256)
     with pytest.raises(PeerNotConsumingError):
-        pr.p.send(1, payload(1, 2000), timeout=0.05)  # nobody reads: stalls mid-message
+        waiting.send(pr.p, 1, payload(1, 2000), timeout=0.05)  # nobody reads: stalls mid-message
     pr.c.try_recv()  # reads the fragments that got through; nothing complete
-    pr.p.send(2, b"after", timeout=1)
+    waiting.send(pr.p, 2, b"after", timeout=1)
     got = pr.drain()
     assert got == [(2, b"after")]
 
@@ -337,7 +398,7 @@ def test_abandoned_fragmented_message_is_dropped(pair):
 
 def test_recv_into_views_are_released_after_the_call(pair):
     pr = pair()
-    pr.p.send_batch([(1, b"one"), (2, b"two")])
+    assert pr.p.send_batch_nowait([(1, b"one"), (2, b"two")]) == 2
     kept = []
 
     def handler(rtype, view):
@@ -353,7 +414,7 @@ def test_recv_into_views_are_released_after_the_call(pair):
 def test_recv_into_handler_error_consumes_that_record_only(pair):
     pr = pair(128)
     recs = [(i, payload(i, 20)) for i in range(3)]
-    pr.p.send_batch(recs)
+    assert pr.p.send_batch_nowait(recs) == 3
 
     def bad(rtype, view):
         if rtype == 1:
@@ -378,7 +439,7 @@ def test_close_inside_handler_with_exported_view(pair):
     import numpy as np
 
     pr = pair()
-    pr.p.send_batch([(1, b"12345678"), (2, b"x")])
+    assert pr.p.send_batch_nowait([(1, b"12345678"), (2, b"x")]) == 2
     keep = []
 
     def handler(rtype, view):
@@ -394,12 +455,13 @@ def test_close_inside_handler_with_exported_view(pair):
 # ---------------------------------------------------------------- waiting
 
 
-def test_full_ring_times_out_saying_peer_not_consuming(pair):
-    pr = pair(128, liveness_interval=0.02)
+def test_full_ring_times_out_saying_peer_not_consuming(pair, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 0.02)  # several slices in the timeout
+    pr = pair(128)
     assert pr.p.try_send(1, payload(1, 100))
     t0 = time.perf_counter()
     with pytest.raises(PeerNotConsumingError, match="the peer is not consuming") as ei:
-        pr.p.send(2, payload(2, 100), timeout=0.15)
+        waiting.send(pr.p, 2, payload(2, 100), timeout=0.15)
     dt = time.perf_counter() - t0
     assert 0.14 <= dt < 1.0
     msg = str(ei.value).lower()
@@ -407,21 +469,23 @@ def test_full_ring_times_out_saying_peer_not_consuming(pair):
     assert pr.p.stats()["waits_on_full"] == 1
 
 
-def test_empty_ring_times_out_saying_peer_not_producing(pair):
-    pr = pair(liveness_interval=0.02)
+def test_empty_ring_times_out_saying_peer_not_producing(pair, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 0.02)
+    pr = pair()
     t0 = time.perf_counter()
     with pytest.raises(PeerNotProducingError, match="the peer is not producing"):
-        pr.c.recv(timeout=0.15)
+        waiting.recv(pr.c, timeout=0.15)
     assert 0.14 <= time.perf_counter() - t0 < 1.0
     with pytest.raises(PeerNotProducingError):
-        pr.c.recv_into(print, timeout=0.01)
+        waiting.recv_into(pr.c, print, timeout=0.01)
     with pytest.raises(PeerNotProducingError):
-        pr.c.recv(timeout=0)
+        waiting.recv(pr.c, timeout=0)
 
 
 @pytest.mark.parametrize("side", ["consumer", "producer"])
-def test_liveness_check_runs_at_the_interval_and_raises(pair, side):
-    pr = pair(128, liveness_interval=0.03, spin_us=0)
+def test_liveness_check_runs_at_the_interval_and_raises(pair, side, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 0.03)
+    pr = pair(128, spin_us=0)
     calls = []
 
     def alive():
@@ -431,33 +495,34 @@ def test_liveness_check_runs_at_the_interval_and_raises(pair, side):
     t0 = time.perf_counter()
     with pytest.raises(PeerDeadError, match="liveness"):
         if side == "consumer":
-            pr.c.recv(alive=alive)  # timeout None: forever, but liveness still checked
+            waiting.recv(pr.c, alive=alive)  # timeout None: forever, but liveness still checked
         else:
             assert pr.p.try_send(1, payload(1, 100))
-            pr.p.send(2, payload(2, 100), alive=alive)
+            waiting.send(pr.p, 2, payload(2, 100), alive=alive)
     dt = time.perf_counter() - t0
     assert len(calls) == 4
-    assert 0.08 <= dt < 1.0  # three intervals of 0.03 s, bounded
+    assert 0.08 <= dt < 1.0  # a slice of 0.03 s before each check, bounded
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     assert max(gaps) < 0.5
 
 
-def test_dead_peer_that_published_first_is_read_before_the_error(pair):
-    pr = pair(liveness_interval=0.02)
+def test_dead_peer_that_published_first_is_read_before_the_error(pair, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 0.02)
+    pr = pair()
     pr.p.try_send(1, b"last words")
-    assert pr.c.recv(alive=lambda: False) == [(1, b"last words")]
+    assert waiting.recv(pr.c, alive=lambda: False) == [(1, b"last words")]
     with pytest.raises(PeerDeadError):
-        pr.c.recv(alive=lambda: False)
+        waiting.recv(pr.c, alive=lambda: False)
 
 
 def test_blocked_waiter_uses_no_cpu(pair):
-    pr = pair(spin_us=30, liveness_interval=0.1)
+    pr = pair(spin_us=30)  # waits in slices of waiting.LIVENESS_S (0.1 s)
     used = []
 
     def wait():
         t0 = time.thread_time()
         with pytest.raises(PeerNotProducingError):
-            pr.c.recv(timeout=0.5)
+            waiting.recv(pr.c, timeout=0.5)
         used.append(time.thread_time() - t0)
 
     t = threading.Thread(target=wait)
@@ -468,9 +533,9 @@ def test_blocked_waiter_uses_no_cpu(pair):
 
 def test_zero_spin_budget_still_delivers(pair):
     pr = pair(spin_us=0)
-    t = threading.Thread(target=lambda: pr.p.send(3, b"z", timeout=5))
+    t = threading.Thread(target=lambda: waiting.send(pr.p, 3, b"z", timeout=5))
     t.start()
-    assert pr.c.recv(timeout=5) == [(3, b"z")]
+    assert waiting.recv(pr.c, timeout=5) == [(3, b"z")]
     t.join(5)
 
 
@@ -479,25 +544,26 @@ def test_zero_spin_budget_still_delivers(pair):
 
 def test_producer_close_seen_after_pending_data(pair):
     pr = pair()
-    pr.p.send_batch([(1, b"a"), (2, b"b")])
+    assert pr.p.send_batch_nowait([(1, b"a"), (2, b"b")]) == 2
     assert not pr.c.peer_closed
     pr.p.close()
     assert pr.c.peer_closed
-    assert pr.c.recv(timeout=1) == [(1, b"a"), (2, b"b")]
+    assert waiting.recv(pr.c, timeout=1) == [(1, b"a"), (2, b"b")]
     with pytest.raises(PeerDeadError, match="closed"):
-        pr.c.recv(timeout=1)
+        waiting.recv(pr.c, timeout=1)
     with pytest.raises(PeerDeadError):
         pr.c.try_recv()
 
 
-def test_consumer_close_seen_by_blocked_producer(pair):
-    pr = pair(128, liveness_interval=5.0)  # the close post wakes it, not the liveness tick
+def test_consumer_close_seen_by_blocked_producer(pair, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 5.0)  # the close post wakes it, not the liveness tick
+    pr = pair(128)
     assert pr.p.try_send(1, payload(1, 100))
     errors = []
 
     def produce():
         try:
-            pr.p.send(2, payload(2, 100), timeout=20)
+            waiting.send(pr.p, 2, payload(2, 100), timeout=20)
         except BaseException as e:
             errors.append(e)
 
@@ -513,13 +579,14 @@ def test_consumer_close_seen_by_blocked_producer(pair):
         pr.p.try_send(3, b"x")
 
 
-def test_close_wakes_own_blocked_thread(pair):
-    pr = pair(liveness_interval=5.0)
+def test_close_wakes_own_blocked_thread(pair, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 5.0)  # the close wakes it, not the liveness tick
+    pr = pair()
     errors = []
 
     def consume():
         try:
-            pr.c.recv(timeout=20)
+            waiting.recv(pr.c, timeout=20)
         except BaseException as e:
             errors.append(e)
 
@@ -539,7 +606,8 @@ def test_use_after_close_and_idempotence(pair):
     pr.p.close()
     pr.p.close()
     pr.p.unlink()
-    for call in (lambda: pr.p.try_send(1, b""), lambda: pr.p.send(1, b""), lambda: pr.p.send_batch([])):
+    for call in (lambda: pr.p.try_send(1, b""), lambda: pr.p.send_nowait(1, b""), lambda: waiting.send(pr.p, 1, b""),
+                 lambda: pr.p.send_batch_nowait([]), lambda: pr.p.wait_send(0.0)):
         with pytest.raises(ClientClosedError):
             call()
     assert pr.p.stats()["tx_records"] == 1  # as it was at close
@@ -547,10 +615,33 @@ def test_use_after_close_and_idempotence(pair):
     with pytest.raises(ClientClosedError):
         pr.c.try_recv()
     with pytest.raises(ClientClosedError):
-        pr.c.recv(timeout=0)
-    with pytest.raises(ClientClosedError):
-        pr.c.recv_into(print)
+        waiting.recv(pr.c, timeout=0)
+    for call in (lambda: pr.c.recv_nowait(), lambda: pr.c.recv_nowait(1), lambda: pr.c.recv_into(print),
+                 lambda: waiting.recv_into(pr.c, print, timeout=0), lambda: pr.c.wait_recv(0.0)):
+        with pytest.raises(ClientClosedError):
+            call()
     assert pr.c.closed
+
+
+def test_recv_nowait_raises_where_try_recv_returns_nothing(pair):
+    pr = pair()
+    with pytest.raises(WouldBlock):
+        pr.c.recv_nowait()
+    with pytest.raises(WouldBlock):
+        pr.c.recv_nowait(limit=2)
+    assert pr.p.send_batch_nowait([(1, b"a"), (2, bytearray(b"b")), (3, b"c")]) == 3
+    assert pr.c.recv_nowait(limit=2) == [(1, b"a"), (2, b"b")]  # the rest stay
+    got = pr.c.recv_nowait()
+    assert got == [(3, b"c")] and type(got[0][1]) is bytes  # copied out
+    assert pr.p.try_send(4, b"last")
+    pr.p.close()
+    assert pr.c.recv_nowait() == [(4, b"last")]  # what came before the close first
+    with pytest.raises(PeerDeadError, match="closed"):
+        pr.c.recv_nowait()
+    with pytest.raises(PeerDeadError):
+        pr.c.recv_nowait(limit=1)
+    with pytest.raises(PeerDeadError):
+        pr.c.recv_into(print)
 
 
 # ---------------------------------------------------------------- names and lifecycle
@@ -568,17 +659,17 @@ def _fd_targets() -> set[str]:
 
 def test_nothing_is_named_and_handles_stop_opening_after_unlink():
     before_shm, before_tmp = set(os.listdir(SHM)), set(os.listdir("/tmp"))
-    p = Ring.create("consumer", 1024, consumer_wake_fd=True, prefix="shmctest")
+    p = RingConsumer.create(1024, consumer_wake_fd=True, prefix="shmctest")
     try:
         spec = p.spec
         assert set(os.listdir(SHM)) == before_shm and set(os.listdir("/tmp")) == before_tmp
         assert spec.segment.startswith("memfd:") and spec.wake_pipe.startswith("pipe:")
-        c = Ring.attach(spec, "producer")
+        c = RingProducer.attach(spec)
         try:
             p.unlink()
             p.unlink()
             with pytest.raises(FileNotFoundError, match="gone"):
-                Ring.attach(spec, "producer")  # the handle no longer opens
+                RingProducer.attach(spec)  # the handle no longer opens
             assert c.try_send(1, b"still works")  # mappings and fds stay
             p.drain_wake_fd()
             assert p.try_recv() == [(1, b"still works")]
@@ -590,24 +681,24 @@ def test_nothing_is_named_and_handles_stop_opening_after_unlink():
 
 def test_close_without_unlink_leaves_no_fd_or_mapping():
     fds = _fd_targets()
-    p = Ring.create("producer", 1024, consumer_wake_fd=True)
-    c = Ring.attach(p.spec, "consumer")
+    p = RingProducer.create(1024, consumer_wake_fd=True)
+    c = RingConsumer.attach(p.spec)
     spec = p.spec
     c.close()
     p.close()
     with pytest.raises(FileNotFoundError):
-        Ring.attach(spec, "consumer")
+        RingConsumer.attach(spec)
     assert _fd_targets() <= fds | {f"/proc/{os.getpid()}/fd"}
 
 
 def test_attached_side_never_releases_the_handle(pair):
     pr = Pair.__new__(Pair)
-    pr.p = Ring.create("producer", 1024)
+    pr.p = RingProducer.create(1024)
     try:
-        pr.c = Ring.attach(pr.p.spec, "consumer")
+        pr.c = RingConsumer.attach(pr.p.spec)
         pr.c.unlink()
         pr.c.close()
-        again = Ring.attach(pr.p.spec, "consumer")  # the owner's handle still opens
+        again = RingConsumer.attach(pr.p.spec)  # the owner's handle still opens
         again.close()
     finally:
         pr.p.close()
@@ -637,25 +728,25 @@ def test_ring_larger_than_memory_fails_at_create_and_leaves_nothing(monkeypatch)
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
     with pytest.raises(ShmCapacityError, match=str(8192 + ring_mod.HEADER_BYTES)):
-        Ring.create("producer", 8192)
+        RingProducer.create(8192)
     assert _fd_targets() <= before | {f"/proc/{os.getpid()}/fd"}
 
 
 def test_attach_checks_the_segment_is_a_ring():
-    p = Ring.create("producer", 1024)
+    p = RingProducer.create(1024)
     try:
         spec = p.spec
         with pytest.raises(ValueError, match="not a version"):
-            Ring.attach(RingSpec(spec.segment, 2048), "consumer")
+            RingConsumer.attach(RingSpec(spec.segment, 2048))
         seg = Segment.create(8192)
         try:
             with pytest.raises(ValueError, match="not a version"):
-                Ring.attach(RingSpec(seg.name, 1024), "consumer")
+                RingConsumer.attach(RingSpec(seg.name, 1024))
         finally:
             seg.close()
             seg.unlink()
         with pytest.raises(ValueError, match="handle"):
-            Ring.attach(RingSpec("/shmc-old-name", 1024), "consumer")
+            RingConsumer.attach(RingSpec("/shmc-old-name", 1024))
     finally:
         p.close()
 
@@ -679,9 +770,9 @@ def test_threaded_producer_keeps_records_intact(pair):
             for seq in range(per):
                 size = (seq * 37 + tid * 11) % 700
                 if seq % 3:
-                    pr.p.send(tid, _stamp(tid, seq, size), timeout=10)
+                    waiting.send(pr.p, tid, _stamp(tid, seq, size), timeout=10)
                 else:
-                    pr.p.send_batch([(tid, _stamp(tid, seq, size))], timeout=10)
+                    send_batches(pr.p, [(tid, _stamp(tid, seq, size))], timeout=10)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -691,7 +782,7 @@ def test_threaded_producer_keeps_records_intact(pair):
     nxt = [0] * n_threads
     total = 0
     while total < n_threads * per:
-        for rtype, body in pr.c.recv(timeout=10):
+        for rtype, body in waiting.recv(pr.c, timeout=10):
             tid = int.from_bytes(body[:2], "little")
             seq = int.from_bytes(body[2:6], "little")
             assert rtype == tid
@@ -714,7 +805,7 @@ def test_threaded_consumer_shares_one_end(pair):
     def consume():
         while not done.is_set():
             try:
-                recs = pr.c.recv(timeout=0.05)
+                recs = waiting.recv(pr.c, timeout=0.05)
             except PeerNotProducingError:
                 continue
             with lock:
@@ -726,7 +817,7 @@ def test_threaded_consumer_shares_one_end(pair):
     for t in threads:
         t.start()
     for i in range(n):
-        pr.p.send(1, i.to_bytes(4, "little"), timeout=10)
+        waiting.send(pr.p, 1, i.to_bytes(4, "little"), timeout=10)
     assert done.wait(10)
     for t in threads:
         t.join(10)
@@ -743,17 +834,17 @@ def _readable(fd: int) -> bool:
 @pytest.mark.parametrize("owner", ["consumer", "producer"])
 def test_wake_fd_readable_when_a_batch_is_published(owner):
     if owner == "consumer":
-        c = Ring.create("consumer", 1024, consumer_wake_fd=True)
-        p = Ring.attach(c.spec, "producer")
+        c = RingConsumer.create(1024, consumer_wake_fd=True)
+        p = RingProducer.attach(c.spec)
         c.unlink()
     else:
-        p = Ring.create("producer", 1024, consumer_wake_fd=True)
-        c = Ring.attach(p.spec, "consumer")
+        p = RingProducer.create(1024, consumer_wake_fd=True)
+        c = RingConsumer.attach(p.spec)
         p.unlink()  # the producer opens its end before the name goes
     try:
         fd = c.fileno()
         assert not _readable(fd)
-        p.send_batch([(1, b"a"), (2, b"b")])
+        assert p.send_batch_nowait([(1, b"a"), (2, b"b")]) == 2
         assert _readable(fd)
         c.drain_wake_fd()
         assert _readable(fd)  # records still unread: it stays readable
@@ -791,7 +882,7 @@ async def test_wake_fd_with_an_event_loop(pair):
 
     loop.add_reader(pr.c.fileno(), on_wake)
     try:
-        t = threading.Thread(target=lambda: [pr.p.send(1, payload(i, i), timeout=5) for i in range(50)])
+        t = threading.Thread(target=lambda: [waiting.send(pr.p, 1, payload(i, i), timeout=5) for i in range(50)])
         t.start()
         await asyncio.wait_for(done, 5)
         t.join(5)
@@ -805,7 +896,7 @@ async def test_wake_fd_with_an_event_loop(pair):
 
 def test_stats_from_both_sides(pair):
     pr = pair(256)
-    pr.p.send_batch([(1, b"x" * 10), (2, b"y" * 20)])
+    assert pr.p.send_batch_nowait([(1, b"x" * 10), (2, b"y" * 20)]) == 2
     assert pr.c.try_recv()
     a, b = pr.p.stats(), pr.c.stats()
     assert a == b
@@ -854,17 +945,17 @@ def test_a_timed_out_fragmented_send_resumes_and_nothing_slips_between_its_fragm
     pr = pair(4096)
     big = payload(3, 20_000)  # five ring-fulls
     with pytest.raises(PeerNotConsumingError):
-        pr.p.send(7, big, timeout=0.05)  # the consumer is not reading yet
+        waiting.send(pr.p, 7, big, timeout=0.05)  # the consumer is not reading yet
     assert pr.c.try_recv() == []  # it reads the fragments so far: the ring has room now
     assert not pr.p.try_send(1, b"release")  # would land between two fragments
     got = []
-    reader = threading.Thread(target=lambda: got.extend(pr.c.recv(timeout=5)))
+    reader = threading.Thread(target=lambda: got.extend(waiting.recv(pr.c, timeout=5)))
     reader.start()
-    pr.p.send(7, big, timeout=5)  # resumes after the fragments already written
+    waiting.send(pr.p, 7, big, timeout=5)  # resumes after the fragments already written
     reader.join(10)
-    pr.p.send(1, b"next", timeout=5)
+    waiting.send(pr.p, 1, b"next", timeout=5)
     while len(got) < 2:
-        got += pr.c.recv(timeout=5)
+        got += waiting.recv(pr.c, timeout=5)
     assert got == [(7, big), (1, b"next")]
     assert pr.p.stats()["fragments"] <= 20_000 // pr.p._frag_chunk + 2  # no restart from 0
 
@@ -875,5 +966,5 @@ def test_short_receive_windows_that_time_out_do_not_switch_the_spin_off(pair):
     pr = pair(4096, spin_us=50)
     for _ in range(3 * doorbell.Spin.MISSES):
         with pytest.raises(PeerNotProducingError):
-            pr.c.recv(timeout=20e-6)
+            waiting.recv(pr.c, timeout=20e-6)
     assert pr.c._spin.budget > 0

@@ -21,8 +21,11 @@ import numpy as np
 import psutil
 import pytest
 
+from shmclient import waiting
 from shmclient.errors import PeerNotConsumingError, PeerNotProducingError
 from shmclient.ring import Ring
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 CTX = mp.get_context("spawn")
 
@@ -38,18 +41,18 @@ def _resource_tracker():
 def _producer_main(spec_bytes: bytes, count: int, pace_s: float, go) -> None:
     import msgspec
 
-    from shmclient.ring import Ring, RingSpec
+    from shmclient.ring import RingSpec
 
-    p = Ring.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), "producer")
+    p = RingProducer.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec))
     go.send("attached")
     for i in range(count):
-        p.send(1, i.to_bytes(8, "little") * 4, timeout=30)
+        waiting.send(p, 1, i.to_bytes(8, "little") * 4, timeout=30)
         if pace_s:
             t = time.perf_counter() + pace_s
             while time.perf_counter() < t:
                 pass
     go.recv()  # the consumer asks for one more record after the storm
-    p.send(2, b"last", timeout=30)
+    waiting.send(p, 2, b"last", timeout=30)
     go.recv()
     p.close()
 
@@ -69,7 +72,7 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
     exception propagates out of the wait (EINTR reaches Python), no record is taken twice
     or out of order, and afterwards the consumer is never one record behind."""
     count = 20_000
-    c = Ring.create("consumer", 4096, spin_us=5)
+    c = RingConsumer.create(4096, spin_us=5)
     parent, kid = CTX.Pipe()
     proc = CTX.Process(target=_producer_main, args=(_spec_bytes(c), count, 20e-6, kid))
     receiving = [False]
@@ -103,7 +106,7 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
             try:
                 try:
                     receiving[0] = True
-                    got = c.recv(timeout=5)
+                    got = waiting.recv(c, timeout=5)
                 finally:
                     receiving[0] = False
             except _Interrupted:
@@ -114,11 +117,12 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
         t.join()
         assert interrupts >= 30, f"only {interrupts} interrupts landed"
         assert seen == sorted(set(seen)), "a record came twice or out of order"
-        # A signal landing just after recv() returned can drop that one call's result at
-        # the call site (any Python API can); it must never shift what comes later.
+        # A signal landing after the ring handed the records over, before waiting.recv()
+        # returned them, can drop that one call's result at the call site (any Python API
+        # can); it must never shift what comes later.
         assert seen[-1] == count - 1 and len(seen) > count // 2
         parent.send("more")
-        got = c.recv(timeout=10)
+        got = waiting.recv(c, timeout=10)
         assert got == [(2, b"last")], "the consumer fell behind"
         parent.send("done")
         proc.join(30)
@@ -137,25 +141,25 @@ def test_sigint_storm_never_leaves_the_consumer_behind():
 
 
 def test_signal_handler_exception_propagates_from_a_blocked_wait_at_once():
-    c = Ring.create("consumer", 4096, spin_us=0)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096, spin_us=0)
+    p = RingProducer.attach(c.spec)
     old = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(_Interrupted()))
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
         timer.start()
         t0 = time.monotonic()
         with pytest.raises(_Interrupted):
-            c.recv(timeout=10)
+            waiting.recv(c, timeout=10)
         assert time.monotonic() - t0 < 2.0
-        p.send(1, b"after")  # the ring is intact
-        assert c.recv(timeout=1) == [(1, b"after")]
+        waiting.send(p, 1, b"after")  # the ring is intact
+        assert waiting.recv(c, timeout=1) == [(1, b"after")]
         # the same for a producer waiting for space
         while p.try_send(1, b"x" * 1000):
             pass
         timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
         timer.start()
         with pytest.raises(_Interrupted):
-            p.send(1, b"y" * 1000, timeout=10)
+            waiting.send(p, 1, b"y" * 1000, timeout=10)
     finally:
         timer.cancel()
         timer.join()
@@ -165,10 +169,10 @@ def test_signal_handler_exception_propagates_from_a_blocked_wait_at_once():
 
 
 def test_a_handler_that_receives_on_its_own_ring_is_refused():
-    c = Ring.create("consumer", 4096)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
     try:
-        p.send_batch([(1, b"a"), (2, b"b"), (3, b"c")])
+        assert p.send_batch_nowait([(1, b"a"), (2, b"b"), (3, b"c")]) == 3
         got = []
 
         def handler(t, view):
@@ -188,10 +192,10 @@ def test_a_handler_that_receives_on_its_own_ring_is_refused():
 
 
 def test_a_view_kept_past_the_handler_pins_its_bytes():
-    c = Ring.create("consumer", 256)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(256)
+    p = RingProducer.attach(c.spec)
     try:
-        p.send(1, b"A" * 100)
+        waiting.send(p, 1, b"A" * 100)
         kept = []
         c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
         assert c.pinned == 1
@@ -199,32 +203,32 @@ def test_a_view_kept_past_the_handler_pins_its_bytes():
         assert p.try_send(2, b"B" * 100)
         with pytest.raises(PeerNotConsumingError):
             for _ in range(3):
-                p.send(3, b"C" * 100, timeout=0.05)
+                waiting.send(p, 3, b"C" * 100, timeout=0.05)
                 c.recv_into(lambda t, v: None)
         assert bytes(kept[0]) == b"A" * 100
         kept.clear()
         gc.collect()
         c.recv_into(lambda t, v: None)
         assert c.pinned == 0
-        p.send(4, b"D" * 100, timeout=1)
-        assert c.recv(timeout=1)[-1] == (4, b"D" * 100)
+        waiting.send(p, 4, b"D" * 100, timeout=1)
+        assert waiting.recv(c, timeout=1)[-1] == (4, b"D" * 100)
     finally:
         p.close()
         c.close()
 
 
 def test_a_closed_producer_is_read_to_the_end_first():
-    c = Ring.create("consumer", 4096)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
     try:
-        p.send(1, b"one")
-        p.send(2, b"two")
+        waiting.send(p, 1, b"one")
+        waiting.send(p, 2, b"two")
         p.close()
-        assert c.recv(timeout=1) == [(1, b"one"), (2, b"two")]
+        assert waiting.recv(c, timeout=1) == [(1, b"one"), (2, b"two")]
         from shmclient.errors import PeerDeadError
 
         with pytest.raises(PeerDeadError):
-            c.recv(timeout=1)
+            waiting.recv(c, timeout=1)
     finally:
         c.close()
 
@@ -242,13 +246,13 @@ def _fork_and_exit_normally() -> None:
 
 
 def test_a_fork_child_that_exits_leaves_the_parents_ring_alone():
-    c = Ring.create("consumer", 4096)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
     try:
         _fork_and_exit_normally()
         assert not p.peer_closed and not c.peer_closed
-        p.send(1, b"still open")
-        assert c.recv(timeout=1) == [(1, b"still open")]
+        waiting.send(p, 1, b"still open")
+        assert waiting.recv(c, timeout=1) == [(1, b"still open")]
     finally:
         p.close()
         c.close()
@@ -350,13 +354,13 @@ def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path, monkeyp
 def _litmus_producer(spec_bytes: bytes, count: int) -> None:
     import msgspec
 
-    from shmclient.ring import Ring, RingSpec
+    from shmclient.ring import RingSpec
 
-    p = Ring.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), "producer", spin_us=2)
+    p = RingProducer.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), spin_us=2)
     rng = random.Random(count)
     for seq in range(count):
         words = rng.randrange(1, 24)  # sizes that make the tiny ring wrap and pad constantly
-        p.send(seq & 0xFF, np.full(words, seq, dtype=np.uint64).tobytes(), timeout=60)
+        waiting.send(p, seq & 0xFF, np.full(words, seq, dtype=np.uint64).tobytes(), timeout=60)
     p.close()
 
 
@@ -366,7 +370,7 @@ def test_litmus_every_word_of_every_record_equals_its_sequence_number():
     record's sequence number: a reordering of the data stores against the head store
     (or of the consumer's reads against its tail store) shows up as a torn record."""
     count = 1_000_000
-    c = Ring.create("consumer", 256, spin_us=2)
+    c = RingConsumer.create(256, spin_us=2)
     proc = CTX.Process(target=_litmus_producer, args=(_spec_bytes(c), count))
     proc.start()
     try:
@@ -379,7 +383,7 @@ def test_litmus_every_word_of_every_record_equals_its_sequence_number():
             seq += 1
 
         while seq < count:
-            c.recv_into(check, timeout=60)
+            waiting.recv_into(c, check, timeout=60)
         proc.join(60)
         assert proc.exitcode == 0
         assert c.stats()["wraps"] > 10_000
@@ -421,7 +425,6 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
     """One thread's send waits on a full request ring (a stalled engine); the reading
     thread, with tensor releases to hand back, must still time out on its own schedule
     instead of queueing behind the sender's lock."""
-    from shmclient import waiting
     from shmclient.channel import REQ_UTILITY, ShmChannel
 
     front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
@@ -488,18 +491,18 @@ def test_a_reader_that_fails_after_draining_the_wake_pipe_is_woken_again():
     records still in the ring must keep the descriptor readable."""
     import select
 
-    c = Ring.create("consumer", 4096, consumer_wake_fd=True)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096, consumer_wake_fd=True)
+    p = RingProducer.attach(c.spec)
     try:
-        p.send(1, b"one")
+        waiting.send(p, 1, b"one")
         assert select.select([c.fileno()], [], [], 1.0)[0]
         c.drain_wake_fd()  # ... and the reader raises here, reading nothing
         assert select.select([c.fileno()], [], [], 0.5)[0], "the wake-up was lost"
-        p.send(2, b"two")  # later records wake it as well
+        waiting.send(p, 2, b"two")  # later records wake it as well
         assert c.try_recv() == [(1, b"one"), (2, b"two")]
         c.drain_wake_fd()
         assert not select.select([c.fileno()], [], [], 0)[0]  # nothing unread: quiet
-        p.send(3, b"three")
+        waiting.send(p, 3, b"three")
         assert select.select([c.fileno()], [], [], 1.0)[0]
     finally:
         p.close()
@@ -545,15 +548,17 @@ def test_a_wall_clock_step_does_not_stretch_a_wait(tmp_path):
     script = textwrap.dedent(
         """
         import time
+        from shmclient import waiting
         from shmclient.errors import PeerNotProducingError
-        from shmclient.ring import Ring
+        from shmclient.ring_consumer import RingConsumer
+        from shmclient.ring_producer import RingProducer
         import os
         assert time.time() - os.stat("/proc/self").st_mtime > 3000  # the shim is in effect
-        c = Ring.create("consumer", 4096, spin_us=0)
-        p = Ring.attach(c.spec, "producer")
+        c = RingConsumer.create(4096, spin_us=0)
+        p = RingProducer.attach(c.spec)
         t0 = time.monotonic()
         try:
-            c.recv(timeout=0.3)
+            waiting.recv(c, timeout=0.3)
         except PeerNotProducingError:
             pass
         print(f"{time.monotonic() - t0:.3f}")

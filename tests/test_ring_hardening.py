@@ -21,9 +21,11 @@ import threading
 
 import pytest
 
-from shmclient import _ring
-from shmclient.errors import ForkedError, PeerDeadError, ProtocolError
+from shmclient import _ring, waiting
+from shmclient.errors import ForkedError, PeerDeadError, ProtocolError, WouldBlock
 from shmclient.ring import Ring, RingCorruptError
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 OFF_CAPACITY, OFF_HEAD, OFF_TAIL, DATA = 16, 64, 256, 4096
 F_PAD, F_MORE, F_CONT = 0x02, 0x04, 0x08
@@ -46,8 +48,8 @@ def _record(ring: Ring, pos: int, length: int, rtype: int, flags: int, body: byt
 @pytest.fixture
 def rings():
     """A consumer that owns a 4096-byte ring and a producer attached to it."""
-    c = Ring.create("consumer", 4096)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
     c.unlink()
     yield p, c
     p.close()
@@ -70,7 +72,7 @@ def _assert_broken(p: Ring, c: Ring, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):  # every later call says it again
         c.recv_into(lambda t, v: None)
     with pytest.raises(PeerDeadError):  # the close reached the producer
-        p.send(1, b"x", timeout=1)
+        waiting.send(p, 1, b"x", timeout=1)
 
 
 # ---------------------------------------------------------------- R1: a PAD past head
@@ -80,9 +82,10 @@ def test_r1_a_pad_beyond_the_published_head_is_an_error_not_a_hang():
     r = _run(
         f"""
         import struct
-        from shmclient.ring import Ring, RingCorruptError
+        from shmclient.ring import RingCorruptError
+        from shmclient.ring_consumer import RingConsumer
         for call in ("take", "views"):
-            c = Ring.create("consumer", 4096)
+            c = RingConsumer.create(4096)
             buf = c._res.seg.buf
             struct.pack_into("<IBBH", buf, {DATA}, 0, 0, {F_PAD}, 0)  # PAD at offset 0
             struct.pack_into("<Q", buf, {OFF_HEAD}, 8)  # head: not a multiple of the capacity
@@ -107,7 +110,7 @@ def test_r1_a_pad_beyond_the_published_head_is_an_error_not_a_hang():
 
 def test_r2_a_head_more_than_a_ring_ahead_is_refused(rings):
     p, c = rings
-    p.send(1, b"a" * 10)
+    waiting.send(p, 1, b"a" * 10)
     assert c.try_recv() == [(1, b"a" * 10)]
     _put(c, OFF_HEAD, _get(c, OFF_HEAD) + 4096 + 8)  # laps the unread ring: stale bytes
     _assert_broken(p, c, r"head .* bound")
@@ -115,23 +118,23 @@ def test_r2_a_head_more_than_a_ring_ahead_is_refused(rings):
 
 def test_r2_a_head_that_moves_back_is_refused(rings):
     p, c = rings
-    p.send_batch([(1, b"a" * 10), (2, b"b" * 10)])
+    assert p.send_batch_nowait([(1, b"a" * 10), (2, b"b" * 10)]) == 2
     assert len(c.try_recv()) == 2
-    p.send(3, b"c")
+    waiting.send(p, 3, b"c")
     _put(c, OFF_HEAD, 8)  # behind what was read
     _assert_broken(p, c, r"head")
 
 
 def test_r2_a_misaligned_head_is_refused(rings):
     p, c = rings
-    p.send(1, b"a" * 10)
+    waiting.send(p, 1, b"a" * 10)
     _put(c, OFF_HEAD, _get(c, OFF_HEAD) + 3)
     _assert_broken(p, c, r"head")
 
 
 def test_r2_a_tail_beyond_what_was_written_is_refused(rings):
     p, c = rings
-    p.send(1, b"a" * 10)
+    waiting.send(p, 1, b"a" * 10)
     _put(p, OFF_TAIL, 4096 * 3)  # the consumer "released" bytes never written
     for _ in range(600):  # the producer loads tail once it runs short of space
         try:
@@ -152,26 +155,26 @@ def test_r2_a_tail_beyond_what_was_written_is_refused(rings):
 
 
 @pytest.mark.parametrize("field", ["head", "tail"])
-@pytest.mark.parametrize("attaching", ["producer", "consumer"])
+@pytest.mark.parametrize("attaching", [RingProducer, RingConsumer], ids=["producer", "consumer"])
 def test_r3_misaligned_positions_are_refused_at_attach(field, attaching):
-    owner = Ring.create("consumer" if attaching == "producer" else "producer", 4096)
+    owner = (RingConsumer if attaching is RingProducer else RingProducer).create(4096)
     try:
         _put(owner, OFF_HEAD, 4093 if field == "head" else 4096)
         _put(owner, OFF_TAIL, 4093 if field == "tail" else 0)
         with pytest.raises(RingCorruptError, match=field):
-            Ring.attach(owner.spec, attaching)
+            attaching.attach(owner.spec)
     finally:
         owner.close()
 
 
 @pytest.mark.parametrize("head,tail", [(8192, 0), (0, 64)])
 def test_r3_positions_more_than_a_ring_apart_are_refused_at_attach(head, tail):
-    owner = Ring.create("producer", 4096)
+    owner = RingProducer.create(4096)
     try:
         _put(owner, OFF_HEAD, head)
         _put(owner, OFF_TAIL, tail)
         with pytest.raises(RingCorruptError, match="head"):
-            Ring.attach(owner.spec, "consumer")
+            RingConsumer.attach(owner.spec)
     finally:
         owner.close()
 
@@ -213,7 +216,7 @@ def test_r5_send_part_refuses_what_the_consumer_would_refuse(rings):
 
 @pytest.mark.parametrize("cap", [(1 << 64) - 8, (1 << 64) - 4096 + 8, 1 << 63])
 def test_r6_a_capacity_that_overflows_the_size_check_is_refused(cap):
-    owner = Ring.create("producer", 4096)
+    owner = RingProducer.create(4096)
     try:
         _put(owner, OFF_CAPACITY, cap)
         for kind in (_ring.Consumer, _ring.Producer):
@@ -227,7 +230,7 @@ def test_r6_a_capacity_that_overflows_the_size_check_is_refused(cap):
 def test_r6_attach_checks_the_capacity_the_c_end_uses(monkeypatch):
     """The capacity is read once, by the C end; the spec is checked against that value
     (a peer could change the header between a read in Python and one in C)."""
-    owner = Ring.create("producer", 8192)
+    owner = RingProducer.create(8192)
     try:
         spec = owner.spec
         _put(owner, OFF_CAPACITY, 4096)  # the header now says something else
@@ -239,7 +242,7 @@ def test_r6_attach_checks_the_capacity_the_c_end_uses(monkeypatch):
 
         monkeypatch.setattr(_ring, "stats", stale)
         with pytest.raises(ValueError, match="capacity"):
-            Ring.attach(spec, "consumer")
+            RingConsumer.attach(spec)
     finally:
         _put(owner, OFF_CAPACITY, 8192)
         owner.close()
@@ -278,7 +281,7 @@ def _in_child(fn) -> str:
 
 def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
     p, c = rings
-    p.send(1, b"before")
+    waiting.send(p, 1, b"before")
 
     def child() -> str:
         calls = {
@@ -289,10 +292,12 @@ def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
             "C poll": lambda: c._c.poll(),
             "C close": lambda: c._c.close(),
             "try_send": lambda: p.try_send(2, b"child"),
-            "send": lambda: p.send(2, b"child", timeout=0),
+            "waiting.send": lambda: waiting.send(p, 2, b"child", timeout=0),
             "send_nowait": lambda: p.send_nowait(2, b"child"),
+            "send_batch_nowait": lambda: p.send_batch_nowait([(2, b"child")]),
             "try_recv": lambda: c.try_recv(),
-            "recv": lambda: c.recv(timeout=0),
+            "recv_nowait": lambda: c.recv_nowait(),
+            "waiting.recv": lambda: waiting.recv(c, timeout=0),
             "recv_into": lambda: c.recv_into(lambda t, v: None),
         }
         out = []
@@ -307,13 +312,13 @@ def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
         return "\n".join(out)
 
     lines = _in_child(child).splitlines()
-    assert len(lines) == 12 and all(": ForkedError" in ln for ln in lines), lines
+    assert len(lines) == 14 and all(": ForkedError" in ln for ln in lines), lines
     assert "fork" in lines[0]
     # the parent's ring, its positions and its peer are untouched
     assert not p.peer_closed and not c.peer_closed
     assert c.try_recv() == [(1, b"before")]
-    p.send(3, b"after")
-    assert c.recv(timeout=1) == [(3, b"after")]
+    waiting.send(p, 3, b"after")
+    assert waiting.recv(c, timeout=1) == [(3, b"after")]
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -405,7 +410,7 @@ def test_f1_a_forked_child_cannot_use_its_parents_client(kind):
 
 def test_f2_another_thread_waits_for_a_handler_instead_of_being_refused(rings):
     p, c = rings
-    p.send(1, b"first")
+    waiting.send(p, 1, b"first")
     inside, go = threading.Event(), threading.Event()
     handled, other, errors = [], [], []
 
@@ -424,11 +429,14 @@ def test_f2_another_thread_waits_for_a_handler_instead_of_being_refused(rings):
     a.start()
     try:
         assert inside.wait(10)
-        p.send(2, b"second")
+        waiting.send(p, 2, b"second")
         # another thread's lock-free call declines to the slow path (None), no error
         assert c._c.take() is None
         assert c._c.recv_views(lambda t, v: None) is None
-        b = threading.Thread(target=lambda: other.extend(c.recv(timeout=10)))
+        # a zero-copy read never waits for another thread's handler: it would block
+        with pytest.raises(WouldBlock, match="another thread"):
+            c.recv_into(lambda t, v: None)
+        b = threading.Thread(target=lambda: other.extend(waiting.recv(c, timeout=10)))
         b.start()
     finally:
         go.set()
@@ -440,7 +448,7 @@ def test_f2_another_thread_waits_for_a_handler_instead_of_being_refused(rings):
 
 def test_f2_the_same_threads_handler_is_still_refused(rings):
     p, c = rings
-    p.send_batch([(1, b"a"), (2, b"b")])
+    assert p.send_batch_nowait([(1, b"a"), (2, b"b")]) == 2
 
     def handler(t, view):
         if t == 1:
@@ -455,11 +463,11 @@ def test_f2_a_handler_is_refused_even_while_another_threads_slow_path_holds_the_
     """Declining would send the handler to the slow path, whose lock that other thread
     holds while it waits for the handler's call: a deadlock. Re-entry is refused first."""
     p, c = rings
-    p.send(1, b"a")
+    waiting.send(p, 1, b"a")
     seen = []
 
     def handler(t, view):
-        c._c.held = True  # as while another thread's recv() holds the lock and waits
+        c._c.held = True  # as while another thread's try_recv() holds the lock and waits
         try:
             c._c.take()
         except RuntimeError as e:
@@ -477,7 +485,8 @@ _FUZZ = r"""
 import random, struct, sys
 from shmclient import _ring
 from shmclient.errors import WouldBlock
-from shmclient.ring import Ring
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 DATA, HEAD, TAIL, CAP = 4096, 64, 256, 16
 FLAGS = [0, 0x02, 0x04, 0x08, 0x0C, 0x06, 0x0A, 0xFF]
@@ -526,7 +535,7 @@ def ops(rng, p, c, cap):
             if op == 0:
                 c.try_recv()
             elif op == 1:
-                c.recv_into(lambda t, v: bytes(v), timeout=0)
+                c.recv_into(lambda t, v: bytes(v))
             elif op == 2:
                 p.try_send(rng.getrandbits(8), rng.randbytes(rng.randrange(cap)))
             elif op == 3:
@@ -547,8 +556,8 @@ def ops(rng, p, c, cap):
 def case(seed):
     rng = random.Random(seed)
     cap = rng.choice([64, 128, 1024, 4096, 8192])
-    c = Ring.create("consumer", cap)
-    p = Ring.attach(c.spec, "producer")
+    c = RingConsumer.create(cap)
+    p = RingProducer.attach(c.spec)
     c.unlink()
     buf = c._res.seg.buf
     try:

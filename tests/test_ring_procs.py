@@ -20,8 +20,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shmclient import waiting
 from shmclient.errors import PeerDeadError
 from shmclient.ring import Ring, RingSpec
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
+
+from .test_ring import send_batches
 
 CTX = mp.get_context("spawn")
 SHM = "/dev/shm"
@@ -68,7 +73,7 @@ def _resource_tracker():
 
 
 def _producer_main(spec: bytes, count: int, seed: int, big: int, batch: bool) -> None:
-    r = Ring.attach(_spec(spec), "producer")
+    r = RingProducer.attach(_spec(spec))
     try:
         rnd = random.Random(seed ^ 0x5EED)
         sizes = _sizes(seed, count, big)
@@ -77,47 +82,47 @@ def _producer_main(spec: bytes, count: int, seed: int, big: int, batch: bool) ->
             k = rnd.randrange(1, 9) if batch else 1
             recs = [(j % 256, _record(j, sizes[j])) for j in range(i, min(count, i + k))]
             if len(recs) == 1:
-                r.send(*recs[0], timeout=30)
+                waiting.send(r, *recs[0], timeout=30)
             else:
-                r.send_batch(recs, timeout=30)
+                send_batches(r, recs, timeout=30)
             i += len(recs)
     finally:
         r.close()
 
 
 def _sizes_producer_main(spec: bytes, sizes: list[int]) -> None:
-    r = Ring.attach(_spec(spec), "producer", spin_us=10)
+    r = RingProducer.attach(_spec(spec), spin_us=10)
     try:
         for i, n in enumerate(sizes):
-            r.send(i % 256, _record(i, n), timeout=30)
+            waiting.send(r, i % 256, _record(i, n), timeout=30)
     finally:
         r.close()
 
 
 def _endless_producer_main(spec: bytes, seed: int) -> None:
     """Writes checksummed records until killed; large ones so a kill often lands mid-copy."""
-    r = Ring.attach(_spec(spec), "producer")
+    r = RingProducer.attach(_spec(spec))
     rnd = random.Random(seed)
     seq = 0
     while True:
         n = rnd.choice((rnd.randrange(0, 100), rnd.randrange(0, 70_000), rnd.randrange(0, 300_000)))
         if rnd.random() < 0.3:
             recs = [(1, _record(seq + j, rnd.randrange(0, 5000))) for j in range(rnd.randrange(1, 6))]
-            r.send_batch(recs)
+            send_batches(r, recs)
             seq += len(recs)
         else:
-            r.send(1, _record(seq, n))
+            waiting.send(r, 1, _record(seq, n))
             seq += 1
 
 
 def _consumer_main(spec: bytes, expect: int, conn) -> None:
     """Reads ``expect`` records, reports attach and the count, then closes."""
-    r = Ring.attach(_spec(spec), "consumer")
+    r = RingConsumer.attach(_spec(spec))
     conn.send("attached")
     n = 0
     try:
         while n < expect:
-            n += len(r.recv(timeout=30))
+            n += len(waiting.recv(r, timeout=30))
     finally:
         r.close()
         conn.send(n)
@@ -143,11 +148,11 @@ class Child:
         return self.proc.exitcode
 
 
-def _consume(c: Ring, count: int, child: Child) -> list[int]:
+def _consume(c: RingConsumer, count: int, child: Child) -> list[int]:
     seen = 0
     types = []
     while seen < count:
-        for rtype, rec in c.recv(timeout=30, alive=child.alive):
+        for rtype, rec in waiting.recv(c, timeout=30, alive=child.alive):
             _check(seen, rec)
             assert rtype == seen % 256
             types.append(rtype)
@@ -159,7 +164,7 @@ def _consume(c: Ring, count: int, child: Child) -> list[int]:
 
 
 def _stress(count: int, capacity: int) -> None:
-    c = Ring.create("consumer", capacity)
+    c = RingConsumer.create(capacity)
     child = None
     try:
         child = Child(_producer_main, _spec_bytes(c), count, 1234 + count, 3000, True)
@@ -170,7 +175,7 @@ def _stress(count: int, capacity: int) -> None:
             assert child.alive() and time.monotonic() < deadline, "producer never filled the ring"
         _consume(c, count, child)
         with pytest.raises(PeerDeadError):
-            c.recv(timeout=30, alive=child.alive)  # then its close() is seen
+            waiting.recv(c, timeout=30, alive=child.alive)  # then its close() is seen
         assert child.finish() == 0
         s = c.stats()
         assert s["tx_records"] == s["rx_records"] == count
@@ -205,13 +210,13 @@ def test_random_sizes_two_processes(cap, data):
             max_size=300,
         )
     )
-    c = Ring.create("consumer", cap)
+    c = RingConsumer.create(cap)
     child = None
     try:
         child = Child(_sizes_producer_main, _spec_bytes(c), sizes)
         seen = 0
         while seen < len(sizes):
-            recs = c.recv(timeout=30, alive=child.alive)
+            recs = waiting.recv(c, timeout=30, alive=child.alive)
             c.unlink()  # something arrived: the producer has attached
             for rtype, rec in recs:
                 _check(seen, rec)
@@ -228,7 +233,7 @@ def test_random_sizes_two_processes(cap, data):
 def test_oversize_messages_between_processes():
     cap = 4096
     sizes = [10, 5 * cap, 1, cap - 20, 3 * cap + 7, 0, 2 * cap, 100] * 3
-    c = Ring.create("consumer", cap)
+    c = RingConsumer.create(cap)
     child = None
     try:
         child = Child(_sizes_producer_main, _spec_bytes(c), sizes)
@@ -239,7 +244,7 @@ def test_oversize_messages_between_processes():
             got.append(len(view))
 
         while len(got) < len(sizes):
-            c.recv_into(handler, timeout=30, alive=child.alive)
+            waiting.recv_into(c, handler, timeout=30, alive=child.alive)
         assert got == [n + 12 for n in sizes]
         assert child.finish() == 0
         assert c.stats()["fragments"] > 0
@@ -251,9 +256,10 @@ def test_oversize_messages_between_processes():
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_sigkilled_producer_never_yields_a_partial_record(seed):
+def test_sigkilled_producer_never_yields_a_partial_record(seed, monkeypatch):
+    monkeypatch.setattr(waiting, "LIVENESS_S", 0.05)
     rnd = random.Random(seed)
-    c = Ring.create("consumer", 256 << 10, liveness_interval=0.05)
+    c = RingConsumer.create(256 << 10)
     child = Child(_endless_producer_main, _spec_bytes(c), seed)
     try:
         kill_after = rnd.randrange(50, 2000)
@@ -262,7 +268,7 @@ def test_sigkilled_producer_never_yields_a_partial_record(seed):
         t0 = None
         with pytest.raises(PeerDeadError):
             while True:
-                for _, rec in c.recv(timeout=30, alive=child.alive):
+                for _, rec in waiting.recv(c, timeout=30, alive=child.alive):
                     _check(seen, rec)
                     seen += 1
                 c.unlink()  # the producer has attached
@@ -281,22 +287,22 @@ def test_sigkilled_producer_never_yields_a_partial_record(seed):
 
 
 def test_consumer_close_and_unlink_seen_across_processes():
-    p = Ring.create("producer", 4096, liveness_interval=0.05)
+    p = RingProducer.create(4096)
     parent, kid = CTX.Pipe()
     child = Child(_consumer_main, _spec_bytes(p), 10, kid)
     try:
         assert parent.poll(30) and parent.recv() == "attached"
         p.unlink()  # owner releases its handle once the peer is in
         with pytest.raises(FileNotFoundError):
-            Ring.attach(p.spec, "consumer")
+            RingConsumer.attach(p.spec)
         for i in range(10):
-            p.send(1, b"%d" % i, timeout=10)
+            waiting.send(p, 1, b"%d" % i, timeout=10)
         assert parent.poll(30) and parent.recv() == 10
         assert child.finish() == 0
         assert p.peer_closed
         with pytest.raises(PeerDeadError, match="consumer closed"):
             while True:  # fills the ring, then learns the consumer has gone
-                p.send(2, b"x" * 500, timeout=10)
+                waiting.send(p, 2, b"x" * 500, timeout=10)
     finally:
         if child.proc.is_alive():
             child.proc.kill()

@@ -14,14 +14,16 @@ import pytest
 
 from shmclient import waiting
 from shmclient.ring import Ring
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 OFF_C_WAIT = 448  # the consumer's sleep flag (see _ring.c's layout)
 
 
 @pytest.fixture
 def pair():
-    p = Ring.create("producer", 4096, spin_us=0)
-    c = Ring.attach(p.spec, "consumer", spin_us=0)
+    p = RingProducer.create(4096, spin_us=0)
+    c = RingConsumer.attach(p.spec, spin_us=0)
     try:
         yield p, c
     finally:
@@ -121,13 +123,12 @@ def test_nan_or_negative_timeouts_are_refused(pair, bad):
 
 @pytest.mark.parametrize("bad", [math.nan, -0.5])
 def test_waiting_refuses_nan_or_negative_timeouts(pair, bad):
-    p, c = pair
-
-    class Ch:  # the channel interface over the ring pair, enough for waiting
-        def recv_nowait(self, limit=0):
-            return c.try_recv()
-
+    p, c = pair  # each end is a wait handle of its own
     with pytest.raises(ValueError, match="timeout"):
-        waiting.recv(Ch(), timeout=bad)
+        waiting.recv(c, timeout=bad)
     with pytest.raises(ValueError, match="timeout"):
-        waiting.send(Ch(), 1, b"x", timeout=bad)
+        waiting.recv_into(c, print, timeout=bad)
+    with pytest.raises(ValueError, match="timeout"):
+        waiting.send(p, 1, b"x", timeout=bad)
+    assert p.try_send(1, b"x")  # nothing went: the refusal comes before any try
+    assert c.try_recv() == [(1, b"x")]

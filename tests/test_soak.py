@@ -1,7 +1,7 @@
 """Soak (slow): 10^6 records of random sizes from 1 B to 16 MiB through one ring between
-two processes, the producer on the non-blocking path of the waiting module (send_nowait,
-wait for room, resume), the consumer reading in place. Every record is checked: its
-sequence number, its length and every byte.
+two processes, both ends waiting through the waiting module: the producer on its
+non-blocking path (send_nowait, wait for room, resume), the consumer reading in place
+(recv_into). Every record is checked: its sequence number, its length and every byte.
 
 Sizes: 999,000 log-uniform in 1 B – 64 KiB and 1,000 uniform in 64 KiB – 16 MiB (the
 large ones go in fragments through the 4 MiB ring; ~14 GB in all: a log-uniform draw over
@@ -20,7 +20,9 @@ import msgspec
 import pytest
 
 from shmclient import waiting
-from shmclient.ring import Ring, RingSpec
+from shmclient.ring import RingSpec
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 from .test_ring_procs import _resource_tracker  # noqa: F401 - the spawn helper, started once
 
@@ -49,29 +51,12 @@ def payload(seq: int, n: int) -> memoryview:
     return memoryview(POOL)[off:off + n]
 
 
-class _End:
-    """The producer end as the waiting module sees a channel."""
-
-    def __init__(self, ring: Ring) -> None:
-        self.ring = ring
-
-    def send_nowait(self, rtype: int, data) -> None:
-        self.ring.send_nowait(rtype, data)
-
-    def wait_send(self, timeout: float, *, spin=None, first=True) -> bool:
-        return self.ring.wait_writable(timeout, spin=spin, first=first)
-
-    def abandon(self, data) -> None:
-        pass
-
-
 def _produce(spec_bytes: bytes, parent: int) -> None:
-    ring = Ring.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec), "producer")
-    end = _End(ring)
+    ring = RingProducer.attach(msgspec.msgpack.decode(spec_bytes, type=RingSpec))
     try:
         for seq, n in enumerate(sizes()):
             # the record type carries the low byte of seq; the length says the rest
-            waiting.send(end, seq & 0xFF, payload(seq, n), timeout=60,
+            waiting.send(ring, seq & 0xFF, payload(seq, n), timeout=60,
                          alive=lambda: os.getppid() == parent)
     finally:
         ring.close()
@@ -79,7 +64,7 @@ def _produce(spec_bytes: bytes, parent: int) -> None:
 
 def test_a_million_records_of_1_byte_to_16_mib_arrive_whole_and_in_order():
     want = sizes()
-    ring = Ring.create("consumer", 4 << 20)
+    ring = RingConsumer.create(4 << 20)
     child = CTX.Process(target=_produce, args=(msgspec.msgpack.encode(ring.spec), os.getpid()))
     child.start()
     seq = 0
@@ -97,7 +82,7 @@ def test_a_million_records_of_1_byte_to_16_mib_arrive_whole_and_in_order():
     t0 = time.monotonic()
     try:
         while seq < COUNT and not bad:
-            ring.recv_into(check, timeout=60, alive=child.is_alive)
+            waiting.recv_into(ring, check, timeout=60, alive=child.is_alive)
     finally:
         ring.close()
         child.join(30)

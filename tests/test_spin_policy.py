@@ -152,10 +152,11 @@ def test_bad_spin_mode_in_the_environment_is_named():
 
 WAIT_ON_EMPTY_RING = """
     import json, os
-    from shmclient.ring import Ring
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
     from shmclient import _ring
-    p = Ring.create("producer", 4096, spin_us=1000)
-    c = Ring.attach(p.spec, "consumer", spin_us=1000)
+    p = RingProducer.create(4096, spin_us=1000)
+    c = RingConsumer.attach(p.spec, spin_us=1000)
     try:
         for _ in range(WAITS):
             c.wait_readable(0.002, spin=0.002)

@@ -395,33 +395,35 @@ def _resource_tracker():
 
 
 def _child(data_spec, back_spec, arena_name: str) -> None:
-    from shmclient.ring import Ring
+    from shmclient import waiting
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
 
-    rx = Ring.attach(data_spec, "consumer")
-    tx = Ring.attach(back_spec, "producer")
+    rx = RingConsumer.attach(data_spec)
+    tx = RingProducer.attach(back_spec)
     receiver = ShmTensorReceiver(Segment.attach(arena_name), view_from=32 * 1024)
     dec = Decoder(tensors=receiver)
     held: list = []
-    tx.send(READY, b"", timeout=10)
+    waiting.send(tx, READY, b"", timeout=10)
     try:
         while True:
-            for rtype, payload in rx.recv(timeout=30):
+            for rtype, payload in waiting.recv(rx, timeout=30):
                 if rtype == STOP:
                     held.clear()
                     rel = receiver.take_releases()
                     if rel:
-                        tx.send(REL, rel, timeout=10)
-                    tx.send(BYE, b"", timeout=10)
+                        waiting.send(tx, REL, rel, timeout=10)
+                    waiting.send(tx, BYE, b"", timeout=10)
                     return
                 seq, x = dec.decode(payload)
-                tx.send(DIGEST, f"{seq}:{digest(x)}".encode(), timeout=10)
+                waiting.send(tx, DIGEST, f"{seq}:{digest(x)}".encode(), timeout=10)
                 held.append(x)
                 if len(held) > 8:
                     held.pop(seq * 7 % len(held))  # drop an arbitrary one
                 del x
                 rel = receiver.take_releases()
                 if rel:
-                    tx.send(REL, rel, timeout=10)
+                    waiting.send(tx, REL, rel, timeout=10)
     finally:
         receiver.close()
         rx.close()
@@ -429,10 +431,12 @@ def _child(data_spec, back_spec, arena_name: str) -> None:
 
 
 def test_across_processes_over_the_ring(_resource_tracker):
-    from shmclient.ring import Ring
+    from shmclient import waiting
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
 
-    data = Ring.create("producer", 1 * MiB)
-    back = Ring.create("consumer", 1 * MiB)
+    data = RingProducer.create(1 * MiB)
+    back = RingConsumer.create(1 * MiB)
     arena = Segment.create(4 * MiB)
     sender = ShmTensorSender(arena)
     enc = Encoder(sender)
@@ -455,7 +459,7 @@ def test_across_processes_over_the_ring(_resource_tracker):
         return done
 
     try:
-        assert back.recv(timeout=60)[0][0] == READY
+        assert waiting.recv(back, timeout=60)[0][0] == READY
         data.unlink()
         back.unlink()
         arena.unlink()
@@ -468,10 +472,10 @@ def test_across_processes_over_the_ring(_resource_tracker):
             if seq % 4 == 0:
                 t = t[::2]
             expected[seq] = digest(t)
-            data.send(MSG, enc.encode([seq, t]), timeout=30)
+            waiting.send(data, MSG, enc.encode([seq, t]), timeout=30)
             pump(back.try_recv())
-        data.send(STOP, b"", timeout=30)
-        while not pump(back.recv(timeout=30)):
+        waiting.send(data, STOP, b"", timeout=30)
+        while not pump(waiting.recv(back, timeout=30)):
             pass
         child.join(30)
         assert child.exitcode == 0

@@ -116,35 +116,37 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def _consumer(data_spec, back_spec, arena: str) -> None:
-    from shmclient.ring import Ring
+    from shmclient import waiting
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
 
-    rx = Ring.attach(data_spec, "consumer")
-    tx = Ring.attach(back_spec, "producer")
+    rx = RingConsumer.attach(data_spec)
+    tx = RingProducer.attach(back_spec)
     receiver = ShmTensorReceiver(Segment.attach(arena))
     dec = Decoder(tensors=receiver)
     held = []
-    tx.send(READY, b"", timeout=30)
+    waiting.send(tx, READY, b"", timeout=30)
     try:
         while True:
-            for rtype, payload in rx.recv(timeout=60):
+            for rtype, payload in waiting.recv(rx, timeout=60):
                 if rtype == STOP:
                     held.clear()
                     torch.cuda.synchronize()
                     rel = receiver.take_releases()
                     if rel:
-                        tx.send(REL, rel, timeout=10)
+                        waiting.send(tx, REL, rel, timeout=10)
                     opened = receiver._cuda.opened if receiver._cuda is not None else 0
-                    tx.send(BYE, str(opened).encode(), timeout=10)
+                    waiting.send(tx, BYE, str(opened).encode(), timeout=10)
                     return
                 seq, t, keep = dec.decode(payload)
                 assert t.is_cuda
-                tx.send(DIGEST, f"{seq}:{_digest(t)}".encode(), timeout=10)
+                waiting.send(tx, DIGEST, f"{seq}:{_digest(t)}".encode(), timeout=10)
                 if keep:
                     held.append(t)
                 del t
                 rel = receiver.take_releases()
                 if rel:
-                    tx.send(REL, rel, timeout=10)
+                    waiting.send(tx, REL, rel, timeout=10)
     finally:
         receiver.close()
         rx.close()
@@ -155,13 +157,15 @@ def _produce(count: int = 1000) -> dict:
     """Send ``count`` CUDA tensors to a spawned consumer; return what was checked."""
     from multiprocessing import resource_tracker
 
-    from shmclient.ring import Ring
+    from shmclient import waiting
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
 
     resource_tracker.ensure_running()
     torch.cuda.init()
     baseline = torch.cuda.memory_allocated()
-    data = Ring.create("producer", 1 * MiB)
-    back = Ring.create("consumer", 1 * MiB)
+    data = RingProducer.create(1 * MiB)
+    back = RingConsumer.create(1 * MiB)
     arena = Segment.create(4 * MiB)
     sender = ShmTensorSender(arena)
     enc = Encoder(sender)
@@ -169,7 +173,7 @@ def _produce(count: int = 1000) -> dict:
     child.start()
     expected, got, opened = {}, {}, None
     try:
-        (rtype, _), = back.recv(timeout=120)
+        (rtype, _), = waiting.recv(back, timeout=120)
         assert rtype == READY
         data.unlink(), back.unlink(), arena.unlink()
 
@@ -196,13 +200,13 @@ def _produce(count: int = 1000) -> dict:
                 if seq % 7 == 0:
                     t = t[::3]
             expected[seq] = _digest(t)
-            data.send(MSG, enc.encode([seq, t, seq % 10 == 0]), timeout=30)
+            waiting.send(data, MSG, enc.encode([seq, t, seq % 10 == 0]), timeout=30)
             del t
             pump(back.try_recv())
         del big
-        data.send(STOP, b"", timeout=30)
+        waiting.send(data, STOP, b"", timeout=30)
         while opened is None:
-            pump(back.recv(timeout=60))
+            pump(waiting.recv(back, timeout=60))
         child.join(60)
         assert child.exitcode == 0
         stats = sender.stats()

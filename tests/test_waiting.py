@@ -25,7 +25,8 @@ from shmclient import (
     waiting,
 )
 from shmclient.channel import REQ_UTILITY, ShmChannel
-from shmclient.ring import Ring
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 from .drivers import req
 
@@ -75,8 +76,8 @@ class Ticker:
 
 
 def test_space_pipe_turns_readable_on_release_after_arming_and_on_close():
-    p = Ring.create("producer", 4096, producer_wake_fd=True)
-    c = Ring.attach(p.spec, "consumer")
+    p = RingProducer.create(4096, producer_wake_fd=True)
+    c = RingConsumer.attach(p.spec)
     try:
         with pytest.raises(WouldBlock):
             while True:
