@@ -4,11 +4,13 @@
 ``InprocClient`` calls its ``make_core``. These tests import every shmclient module in a
 fresh interpreter and check that no engine module came along, and launch a user's engine
 module (written to a temporary directory, wrapping the project's engine) on every kind of
-client.
+client. The ring's own modules (the shared base and its two ends) are read for what they
+import: nothing above them, and not each other in a circle.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -60,6 +62,51 @@ def test_no_shmclient_module_imports_an_engine():
     assert must_cover <= set(got["imported"]), sorted(must_cover - set(got["imported"]))
     assert got["engine"] == [], got["engine"]
     assert got["after_run"] == [], got["after_run"]
+
+
+#: What each of the ring's modules may import from the package (anywhere in the module,
+#: at the top or inside a function): the base never its ends, an end never the other one.
+RING_LAYER = {
+    "ring": {"_ring", "doorbell", "errors", "forksafe", "shm"},
+    "ring_producer": {"_ring", "doorbell", "errors", "ring"},
+    "ring_consumer": {"_ring", "doorbell", "errors", "ring"},
+}
+#: Never imported by the ring's modules: the waiting layer and what sits above it.
+ABOVE_THE_RING = {"asyncio", "shmclient.waiting", "shmclient.channel", "shmclient.client"}
+
+
+def _imports(path: str) -> tuple[set[str], set[str]]:
+    """(modules of the package, other top-level modules) that ``path`` imports."""
+    ours, other = set(), set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x, y / from .x import y
+                if node.module:
+                    ours.add(node.module.split(".")[0])
+                else:
+                    ours.update(a.name for a in node.names)
+            elif node.module.split(".")[0] == "shmclient":
+                rest = node.module.split(".")[1:]
+                ours.update([rest[0]] if rest else [a.name for a in node.names])
+            else:
+                other.add(node.module)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "shmclient":
+                    ours.add(a.name.split(".")[1] if "." in a.name else "shmclient")
+                else:
+                    other.add(a.name)
+    return ours, other
+
+
+def test_the_ring_layer_imports_nothing_above_it_and_no_circle():
+    for name, allowed in RING_LAYER.items():
+        ours, other = _imports(os.path.join(ROOT, "shmclient", f"{name}.py"))
+        assert ours <= allowed, f"shmclient.{name} imports {sorted(ours - allowed)}"
+        above = ({f"shmclient.{m}" for m in ours} | other) & ABOVE_THE_RING
+        assert not above, f"shmclient.{name} imports {sorted(above)}"
+    # the ends import the base; the base none of them (no lazy import either)
+    assert not _imports(os.path.join(ROOT, "shmclient", "ring.py"))[0] & {"ring_producer", "ring_consumer"}
 
 
 USER_ENGINE = '''
