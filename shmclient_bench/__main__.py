@@ -7,8 +7,10 @@ against pyzmq ipc) and ``contention`` (shmclient_bench.contention: sync and asyn
 over zmq with 0 to 3 unrelated busy-loop processes, and under a 1-CPU quota), ``fairness`` (shmclient_bench.fairness:
 how late a concurrent asyncio task's 1 ms sleep wakes while the async client waits, engine
 idle and busy, shm and zmq), ``dp`` (shmclient_bench.dp: requests/s
-with one and two data-parallel engines, and their balance under a skewed load) and ``vllm`` (shmclient_bench.vllm: stock vLLM
-against vLLM over the rings, tiny dummy model; skipped with a note without vLLM). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
+with one and two data-parallel engines, and their balance under a skewed load), ``vllm`` (shmclient_bench.vllm: stock vLLM
+against vLLM over the rings, tiny dummy model; skipped with a note without vLLM) and ``serving``
+(shmclient_bench.serving: vLLM's OpenAI server, stock and with the plug-in, under vLLM's own
+serving benchmark; skipped with a note without vLLM). Configurations (``--configs``): inproc, sync-shm, sync-zmq,
 async-shm, async-zmq, each with the mock model and (latency only, by default) the tiny
 model as a realism check. Progress goes to stderr; the tables to stdout; results.json,
 samples.json and the PNG plots to a folder of the run's own (``--out``, which must not
@@ -44,15 +46,17 @@ import psutil
 from . import clients, report
 from .load import THRESHOLD_CORES, LoadMonitor
 
-SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fairness", "dp", "vllm")
+SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fairness", "dp", "vllm",
+            "serving")
 #: Sections that run in a child process of their own (``_external``).
-EXTERNAL = ("tensors", "ring", "contention", "fairness", "dp", "vllm")
+EXTERNAL = ("tensors", "ring", "contention", "fairness", "dp", "vllm", "serving")
 
 #: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
 #: 24 s quiet, full 54 s with other load; see the README).
 QUICK_DURATION = "fewer samples, half the vLLM engines"
 FULL_DURATION = ("27 minutes on a 2-vCPU VM with vLLM installed, 21 of them the vllm section, "
-                 "which starts 20 engines (2026-12-01)")
+                 "which starts 20 engines (2026-12-01), and about 6 more for the serving "
+                 "section's six vLLM servers (estimated from its quick run's 3 minutes)")
 
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {
@@ -71,6 +75,9 @@ DEFAULTS = {
         "section_timeout": 180.0,
         # vLLM's section starts ten engines (~40 s each), four of them beside busy processes
         "vllm_timeout": 900.0,
+        # four vLLM servers one after another (~30-40 s to start each), two benchmark
+        # runs against each
+        "serving_timeout": 900.0,
     },
     "full": {
         "samples": 3000,
@@ -85,6 +92,7 @@ DEFAULTS = {
         "tiny_configs": "all",
         "section_timeout": 900.0,
         "vllm_timeout": 2400.0,
+        "serving_timeout": 1800.0,
     },
 }
 
@@ -163,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--section-timeout",
         type=float,
         help="seconds each section run in a child process may take (quick 180, full 900; "
-        "the vllm section 900 / 2400)",
+        "the vllm section 900 / 2400, the serving section 900 / 1800)",
     )
     p.add_argument(
         "--noisy-above",
@@ -443,6 +451,7 @@ def _external(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["TMPDIR"] = tmpdir
+    env["SHMCLIENT_BENCH_NOISY_ABOVE"] = str(monitor.threshold_cores)
     cmd = [sys.executable, "-m", "shmclient_bench", "--run-section", name, "--section-json", path]
     if quick:
         cmd.append("--quick")
@@ -491,6 +500,8 @@ def _external(
         progress(f"{name}: failed: {err}")
         return
     res[name] = got["result"]
+    if isinstance(got["result"], dict) and isinstance(got["result"].get("skipped"), str):
+        res["skipped"].append(f"{name}: {got['result']['skipped']}")
     res.setdefault("section_load", {})[name] = blk.as_dict()
     if got.get("table"):
         res.setdefault("tables", {})[name] = got["table"]
@@ -718,7 +729,7 @@ def _run(
                     args.quick,
                     progress,
                     res,
-                    args.section_timeout or d["vllm_timeout" if name == "vllm" else "section_timeout"],
+                    args.section_timeout or d.get(f"{name}_timeout", d["section_timeout"]),
                     monitor,
                     run_tmp,
                     section_pids,

@@ -611,6 +611,12 @@ def format_report(res: dict[str, Any]) -> str:
         res.get("vllm"),
         tables.get("vllm"),
     )
+    lines += _external_section(
+        "vLLM's OpenAI server under vLLM's serving benchmark, stock vs the plug-in "
+        "(shmclient_bench.serving):" + noisy_tag("serving"),
+        res.get("serving"),
+        tables.get("serving"),
+    )
     notes = res.get("notes") or []
     if notes:
         lines.append("")

@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+from shmclient_bench import __main__ as bench_main
 from shmclient_bench import serving
 from shmclient_bench.report import NOT_JUDGED
 
@@ -150,6 +151,12 @@ def test_skipped_without_vllm(monkeypatch):
     got = serving.run(quick=True)
     assert set(got) == {"skipped"} and "vLLM is not importable" in got["skipped"]
     assert serving.format_table(got).startswith("serving: skipped: vLLM is not importable")
+
+
+def test_section_is_registered_with_its_own_time_limit():
+    assert "serving" in bench_main.SECTIONS and "serving" in bench_main.EXTERNAL
+    for kind in ("quick", "full"):
+        assert bench_main.DEFAULTS[kind]["serving_timeout"] > bench_main.DEFAULTS[kind]["section_timeout"]
 
 
 @pytest.mark.vllm
