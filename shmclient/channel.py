@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Protocol
 import msgspec
 
 from .codec import Decoder, Encoder
-from .errors import PeerTimeoutError, ProtocolError, ShmCapacityError, WouldBlock
+from .errors import ProtocolError, ShmCapacityError, WouldBlock
 from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -459,7 +459,7 @@ class ShmChannel:
         self.flush_releases()
         try:
             self.rx.recv_into(self._on_record, limit)
-        except PeerTimeoutError:  # another thread of ours is reading this ring right now
+        except WouldBlock:  # another thread of ours is reading this ring right now
             raise WouldBlock("another thread is reading this channel") from None
         except Exception as e:
             return self._got_then_raise(e)
