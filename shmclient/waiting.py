@@ -119,17 +119,27 @@ def send(
         raise
 
 
-def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = None) -> list[tuple[int, Any]]:
+def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = None,
+         spin: float | None = None) -> list[tuple[int, Any]]:
     """At least one message, decoded (everything available), waiting in this thread.
-    Raises PeerNotProducingError after ``timeout`` seconds (None: no limit), PeerDeadError,
-    ProtocolError, ClientClosedError, or what a signal handler raised."""
+    ``spin``: seconds the first wait may spin before it sleeps (None: the channel's
+    adaptive budget; 0: sleep at once, for a thread that must not hold the GIL while it
+    waits, because other threads of its process need it). Raises PeerNotProducingError
+    after ``timeout`` seconds (None: no limit), PeerDeadError, ProtocolError,
+    ClientClosedError, or what a signal handler raised."""
 
     timeout = check_timeout(timeout)
 
     def timed_out() -> Exception:
         return PeerNotProducingError(f"nothing arrived within {timeout} s: the peer is not producing")
 
-    return _block(channel.recv_nowait, channel.wait_recv, timeout, alive, timed_out)
+    if spin is None:
+        wait_once = channel.wait_recv
+    else:
+        def wait_once(slice_s: float, *, first: bool) -> bool:
+            return channel.wait_recv(slice_s, spin=spin, first=first)
+
+    return _block(channel.recv_nowait, wait_once, timeout, alive, timed_out)
 
 
 def recv_into(

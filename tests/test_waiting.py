@@ -275,6 +275,36 @@ def test_waiting_recv_bounds_and_reports_a_dead_peer():
         front.close()
 
 
+def test_waiting_recv_with_no_spin_sleeps_at_once():
+    """A thread that must leave the GIL to others (the vLLM engine's request reader)
+    asks for spin=0: it then sleeps in the kernel instead of spinning its budget away,
+    however long the channel's configured spin."""
+    from shmclient.messages import UtilityRequest
+
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 16, spin_us=1e6, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    try:
+        t0 = time.monotonic()
+        cpu0 = time.thread_time()
+        with pytest.raises(PeerNotProducingError):
+            waiting.recv(engine, timeout=0.3, spin=0.0)
+        cpu = time.thread_time() - cpu0
+        assert time.monotonic() - t0 >= 0.25
+        # The configured 1 s spin would burn the whole 0.3 s wait on the CPU.
+        assert cpu < 0.1, f"waiting.recv(spin=0) used {cpu:.3f} s of CPU in a 0.3 s wait"
+        # A message sent meanwhile still wakes it.
+        sender = threading.Thread(
+            target=lambda: front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", ["x"]))))
+        sender.start()
+        got = waiting.recv(engine, timeout=10.0, spin=0.0)
+        sender.join()
+        assert [rtype for rtype, _ in got] == [REQ_UTILITY]
+    finally:
+        engine.close()
+        front.close()
+
+
 async def test_a_consumer_behind_the_engine_still_lets_other_tasks_run():
     """Defect: with outputs always queued (an engine faster than its reader),
     get_output_async returned without ever suspending the task, so a concurrent 1 ms

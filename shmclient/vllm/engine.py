@@ -237,8 +237,10 @@ def _serve_requests(self, link: _EngineLink, input_address: str, identity: bytes
         while True:
             try:
                 # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
-                # of request tensors the busy loop has dropped since.
-                messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive)
+                # of request tensors the busy loop has dropped since. Never spins: a spin
+                # holds the GIL, which the busy loop needs, and the busy loop takes
+                # requests only between steps anyway.
+                messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
             except PeerNotProducingError:
                 channel.flush_releases()
                 continue
