@@ -2,9 +2,10 @@
 threads and asyncio.
 
 Middle layer: imports errors and asyncio only; it knows channels and ring ends by their
-interface (``channel.ShmChannel``, ``channel_zmq.ZmqChannel``, ``ring_producer.RingProducer``
-and ``ring_consumer.RingConsumer`` have it), never the clients, the engine or those
-classes themselves. It owns every wait with a deadline and a liveness check. Every other
+interface, the Protocols below (``Channel``: ``channel.ShmChannel`` and
+``channel_zmq.ZmqChannel``; ``Sender``: ``ring_producer.RingProducer``;
+``RecordReceiver``: ``ring_consumer.RingConsumer``), never the clients, the engine or
+those classes themselves. It owns every wait with a deadline and a liveness check. Every other
 module tries without blocking (``send_nowait`` / ``recv_nowait``, which raise
 ``WouldBlock``) and comes here to wait; both clients and the engine loop do.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
 
@@ -45,6 +46,60 @@ LIVENESS_S = 0.1
 
 T = TypeVar("T")
 Alive = Callable[[], bool]
+
+
+@runtime_checkable
+class Receiver(Protocol):
+    """What ``recv`` and ``recv_spin`` need: a try and one wait."""
+
+    def recv_nowait(self, limit: int = 0) -> list[tuple[int, Any]]: ...
+
+    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
+
+
+@runtime_checkable
+class RecordReceiver(Protocol):
+    """What ``recv_into`` needs: a ring consumer end (zero-copy records)."""
+
+    def recv_into(self, handler: Callable[[int, memoryview], Any], limit: int = 0) -> int: ...
+
+    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
+
+
+@runtime_checkable
+class Sender(Protocol):
+    """What ``send`` needs: a try, one wait, and giving up a half-sent message."""
+
+    def send_nowait(self, rtype: int, payload: Any) -> None: ...
+
+    def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
+
+    def abandon(self, payload: Any) -> None: ...
+
+
+@runtime_checkable
+class AsyncSender(Sender, Protocol):
+    """What ``send_async`` needs beyond ``Sender``: the descriptor to park on."""
+
+    def send_fd(self) -> int: ...
+
+    def arm_send(self) -> None: ...
+
+
+@runtime_checkable
+class Channel(AsyncSender, Receiver, Protocol):
+    """A channel: both directions with their descriptors, as the clients, the engine loop
+    and the vLLM plug-in use it (``channel.ShmChannel`` and ``channel_zmq.ZmqChannel``)."""
+
+    def encode(self, obj: Any) -> Any: ...
+
+    def try_recv(self, limit: int = 0) -> list[tuple[int, Any]]: ...
+
+    def recv_fd(self) -> int: ...
+
+    def arm_recv(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -99,7 +154,7 @@ def _block(
 
 
 def send(
-    channel: Any, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
+    channel: Sender, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
 ) -> None:
     """Send ``payload`` (from ``channel.encode``) from this thread, waiting while the
     channel has no room (backpressure). Raises PeerNotConsumingError after ``timeout``
@@ -119,7 +174,7 @@ def send(
         raise
 
 
-def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = None,
+def recv(channel: Receiver, *, timeout: float | None = None, alive: Alive | None = None,
          spin: float | None = None) -> list[tuple[int, Any]]:
     """At least one message, decoded (everything available), waiting in this thread.
     ``spin``: seconds the first wait may spin before it sleeps (None: the channel's
@@ -143,7 +198,7 @@ def recv(channel: Any, *, timeout: float | None = None, alive: Alive | None = No
 
 
 def recv_into(
-    end: Any, handler: Callable[[int, memoryview], Any], *, timeout: float | None = None,
+    end: RecordReceiver, handler: Callable[[int, memoryview], Any], *, timeout: float | None = None,
     alive: Alive | None = None, limit: int = 0,
 ) -> int:
     """Zero-copy ``recv`` for a ring consumer end: ``handler(rtype, view)`` for every
@@ -167,7 +222,7 @@ def recv_into(
     return _block(attempt, end.wait_recv, timeout, alive, timed_out)
 
 
-def recv_spin(channel: Any, spin: float | None, limit: int = 0) -> list[tuple[int, Any]]:
+def recv_spin(channel: Receiver, spin: float | None, limit: int = 0) -> list[tuple[int, Any]]:
     """What is there now, else what arrives within a spin of ``spin`` seconds (None: the
     channel's adaptive budget; never a sleep), else []; at most ``limit`` messages if
     > 0. For an event loop: it holds the loop for at most the spin and the decoding of
@@ -227,7 +282,7 @@ async def wait_fd(fd: int, timeout: float | None) -> bool:
 
 
 async def send_async(
-    channel: Any, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
+    channel: AsyncSender, rtype: int, payload: Any, *, timeout: float | None = None, alive: Alive | None = None
 ) -> None:
     """``send`` for an event loop: while the channel has no room, the task parks on the
     channel's ``send_fd()`` (the loop keeps running other tasks; no polling). Raises as
@@ -244,7 +299,7 @@ async def send_async(
         raise
 
 
-async def _send_parked(channel: Any, rtype: int, payload: Any, timeout: float | None,
+async def _send_parked(channel: AsyncSender, rtype: int, payload: Any, timeout: float | None,
                        alive: Alive | None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:

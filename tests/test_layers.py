@@ -288,3 +288,25 @@ def test_python_started_beside_a_folder_named_shmclient_imports_the_package(tmp_
         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith(os.path.join("shmclient", "__init__.py"))
+
+
+def test_channels_and_ring_ends_have_the_interface_waiting_is_written_against():
+    from shmclient import waiting
+    from shmclient.channel import ShmChannel
+    from shmclient.channel_zmq import ZmqChannel
+    from shmclient.ring_consumer import RingConsumer
+    from shmclient.ring_producer import RingProducer
+
+    for cls in (ShmChannel, ZmqChannel):
+        assert issubclass(cls, waiting.Channel), cls
+    assert issubclass(RingProducer, waiting.Sender)
+    assert issubclass(RingConsumer, waiting.RecordReceiver)
+    assert not issubclass(RingProducer, waiting.Receiver)
+    assert not issubclass(RingConsumer, waiting.Sender)
+
+    class NoAbandon:
+        def send_nowait(self, rtype, payload): ...
+
+        def wait_send(self, timeout, *, spin=None, first=True): ...
+
+    assert not issubclass(NoAbandon, waiting.Sender)
