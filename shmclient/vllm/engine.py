@@ -11,10 +11,12 @@ of ``EngineCoreProc``, the targets of its two IO threads:
   request that does not decode fails alone (vLLM's request-scoped error for an ADD).
 * ``process_output_sockets``: still connects vLLM's PUSH socket, used only for
   ``ENGINE_CORE_DEAD``. Output mode ``inline`` (the default): ``output_queue`` is
-  replaced (before the busy loop starts) by an object whose ``put_nowait`` encodes the
-  ``EngineCoreOutputs`` and writes it in the putting thread (the busy loop, or a
-  utility's completion callback), skipping the hand-off to the IO thread. Output mode
-  ``thread``: the IO thread takes each output from ``output_queue`` and writes it.
+  replaced (before the busy loop starts) by an object whose ``put_nowait`` encodes a
+  small ``EngineCoreOutputs`` and writes it in the putting thread (the busy loop, or a
+  utility's completion callback), skipping the hand-off to the IO thread; a big batch
+  (more than ``SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS`` outputs) and what follows it until it
+  is written go to the IO thread, as in vLLM. Output mode ``thread``: the IO thread
+  takes each output from ``output_queue`` and writes it.
 
 Both wrappers fall back to vLLM's own method when this process was not handed a channel
 (the environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
@@ -84,7 +86,7 @@ class _EngineLink:
         """The one _InlineOutputs of this engine (made by whichever IO thread asks first)."""
         with self._inline_lock:
             if self._inline is None:
-                self._inline = _InlineOutputs(self, engine.engine_index, type(engine).ENGINE_CORE_DEAD)
+                self._inline = _InlineOutputs(self, engine.engine_index, self.spec.inline_max_outputs)
             return self._inline
 
     def frontend_alive(self) -> bool:
@@ -351,31 +353,68 @@ def _prewake_before_outputs(self, link: _EngineLink) -> None:
 
 
 class _InlineOutputs:
-    """Stands in for ``EngineCoreProc.output_queue``: ``put_nowait`` encodes and writes
-    the outputs to the ring in the calling thread; ENGINE_CORE_DEAD goes to ``dead``."""
+    """Stands in for ``EngineCoreProc.output_queue``. ``put_nowait`` encodes the outputs
+    and writes them to the ring in the calling thread (the busy loop, or a utility's
+    completion callback) when that is cheap: a batch of at most ``inline_max`` outputs
+    while the output thread has nothing queued. A bigger batch, everything after it until
+    the output thread has written it, and ENGINE_CORE_DEAD go to ``queue`` for the output
+    thread (``serve_queued``): the busy loop never encodes a large batch on its critical
+    path, and nothing overtakes what is queued."""
 
-    def __init__(self, link: _EngineLink, engine_index: int, dead_marker: bytes) -> None:
+    def __init__(self, link: _EngineLink, engine_index: int, inline_max: int) -> None:
         self._link = link
         self._engine_index = engine_index
-        self._dead_marker = dead_marker
+        self._inline_max = inline_max
         self._buffer = bytearray()  # the ring copies it: reusable at once
-        self._lock = threading.Lock()  # vLLM's encoder is not thread-safe
-        self.dead: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # vLLM's encoder is not thread-safe
+        self._count_lock = threading.Lock()
+        self._queued = 0  # output batches put in ``queue`` and not yet written
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.inline = self.offloaded = 0  # batches written each way
 
     def put_nowait(self, item) -> None:
-        if isinstance(item, bytes):
-            self.dead.put(item)
+        if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
+            self.queue.put(item)
             return
         _, outputs = item
-        outputs.engine_index = self._engine_index
-        link = self._link
-        with self._lock:
-            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffer))
+        with self._count_lock:
+            offload = self._queued > 0 or len(outputs.outputs) > self._inline_max
+            if offload:
+                self._queued += 1
+        if offload:
+            self.queue.put(outputs)
+        else:
+            self.send(outputs)
 
     put = put_nowait
 
+    def send(self, outputs, *, queued: bool = False) -> None:
+        """Encode and write one EngineCoreOutputs in this thread."""
+        outputs.engine_index = self._engine_index
+        link = self._link
+        with self._send_lock:
+            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffer))
+            if queued:
+                self.offloaded += 1
+            else:
+                self.inline += 1
+
+    def serve_queued(self, dead_socket) -> None:
+        """The output thread's loop: write what ``put_nowait`` queued, in order, until
+        ENGINE_CORE_DEAD, which goes on ``dead_socket``."""
+        while True:
+            item = self.queue.get()
+            if isinstance(item, bytes):
+                dead_socket.send(item)
+                return
+            try:
+                self.send(item, queued=True)
+            finally:
+                with self._count_lock:
+                    self._queued -= 1
+
     def empty(self) -> bool:
-        return True
+        return not self._queued
 
 
 def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
@@ -395,11 +434,11 @@ def _serve_outputs(self, link: _EngineLink, output_path: str, engine_index: int)
         inline = link.inline_outputs(self)
         if link.spec.output_mode == "inline":
             # The input thread put the inline object in place of output_queue.
-            dead_socket.send(inline.dead.get())
+            inline.serve_queued(dead_socket)
             return
         while True:
             output = self.output_queue.get()
             if output == dead:
                 dead_socket.send(output)
                 return
-            inline.put_nowait(output)
+            inline.send(output[1])

@@ -59,6 +59,11 @@ ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
 ASYNC_SPIN_US = 50.0
 #: "0" switches off the engine's early wake-up of a parked async frontend.
 PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
+#: Output mode "inline": the engine's busy loop writes a batch of at most this many outputs
+#: itself; bigger ones (a saturated engine) go through its output thread, off the busy
+#: loop's path between two steps.
+INLINE_MAX_ENV = "SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS"
+INLINE_MAX_OUTPUTS = 16
 PAGE_BYTES = 4096
 #: Tensor arena per direction (bytes; 0: tensors go as ring frames, as vLLM's own).
 ARENA_ENV = "SHMCLIENT_VLLM_ARENA_BYTES"
@@ -88,6 +93,9 @@ class _Link:
         self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
         if self.output_mode not in ("thread", "inline"):
             raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
+        self.inline_max_outputs = int(_env_float(INLINE_MAX_ENV, INLINE_MAX_OUTPUTS))
+        if self.inline_max_outputs < 0:
+            raise ValueError(f"{INLINE_MAX_ENV} must be >= 0, got {self.inline_max_outputs}")
         prewake = os.environ.get(PREWAKE_ENV, "1")
         if prewake not in ("0", "1"):
             raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
@@ -136,7 +144,8 @@ class _Link:
         return wire.encode_spec(wire.EngineSpec(
             channel=self.spec, frontend_pid=os.getpid(), output_mode=self.output_mode,
             parked=self.parked.name if self.parked is not None else "", arenas=self.arenas,
-            tensor_min_bytes=self.tensor_min_bytes, frontend_gpus=gpus))
+            tensor_min_bytes=self.tensor_min_bytes, frontend_gpus=gpus,
+            inline_max_outputs=self.inline_max_outputs))
 
     def attached(self, engine_pid: int | None) -> None:
         """The engine has attached: release the handles; its one-off tensor handles must

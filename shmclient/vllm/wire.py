@@ -74,6 +74,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     tensor_min_bytes: int = 64 * 1024
     #: GPU UUIDs the frontend has a CUDA context on (CUDA IPC towards it only for those)
     frontend_gpus: list[str] = []
+    #: output mode "inline": batches of more outputs than this go through the output thread
+    inline_max_outputs: int = 16
 
 
 def encode_spec(spec: EngineSpec) -> str:

@@ -1,0 +1,79 @@
+"""The vLLM engine's inline output path (no vLLM needed): small batches are written by the
+thread that puts them, big ones by the output thread, and nothing overtakes what is
+queued."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from shmclient.vllm.engine import _InlineOutputs
+from shmclient.vllm import wire
+
+
+class FakeLink:
+    """Records what would be written to the ring, and by which thread."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, str]] = []
+        self.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=self._encode))
+
+    @staticmethod
+    def _encode(outputs, buffer: bytearray) -> bytearray:
+        buffer[:] = outputs.tag
+        return buffer
+
+    def send(self, rtype: int, payload) -> None:
+        assert rtype == wire.OUTPUTS
+        self.sent.append((bytes(payload), threading.current_thread().name))
+
+
+class DeadSocket:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append(frame)
+
+
+def batch(tag: bytes, n: int) -> tuple[int, SimpleNamespace]:
+    return 0, SimpleNamespace(tag=tag, outputs=[None] * n, engine_index=None)
+
+
+def test_small_batches_inline_big_ones_and_what_follows_through_the_output_thread():
+    link = FakeLink()
+    out = _InlineOutputs(link, engine_index=3, inline_max=4)
+    me = threading.current_thread().name
+
+    out.put_nowait(batch(b"a", 1))
+    out.put_nowait(batch(b"b", 4))
+    assert link.sent == [(b"a", me), (b"b", me)]  # written at once, by the putter
+
+    out.put_nowait(batch(b"c", 5))   # big: queued for the output thread
+    out.put_nowait(batch(b"d", 1))   # small, but c is not written yet: queued behind it
+    out.put_nowait(b"DEAD")          # ENGINE_CORE_DEAD after both
+    assert len(link.sent) == 2
+
+    dead = DeadSocket()
+    thread = threading.Thread(target=out.serve_queued, args=(dead,), name="output-thread")
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert link.sent[2:] == [(b"c", "output-thread"), (b"d", "output-thread")]
+    assert dead.sent == [b"DEAD"]
+    assert (out.inline, out.offloaded) == (2, 2)
+
+    out.put_nowait(batch(b"e", 2))   # the queue is empty again: inline
+    assert link.sent[-1] == (b"e", me)
+
+
+def test_every_batch_is_stamped_with_the_engine_index():
+    link = FakeLink()
+    out = _InlineOutputs(link, engine_index=7, inline_max=0)
+    small, big = batch(b"x", 0), batch(b"y", 1)
+    out.put_nowait(small)
+    out.put_nowait(big)
+    out.put_nowait(b"DEAD")
+    out.serve_queued(DeadSocket())
+    assert small[1].engine_index == 7 and big[1].engine_index == 7
+    assert [tag for tag, _ in link.sent] == [b"x", b"y"]
