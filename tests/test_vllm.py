@@ -286,6 +286,24 @@ def test_output_thread_mode_identical(model_dir, stock_llm, monkeypatch):
         llm.llm_engine.engine_core.shutdown()
 
 
+def test_big_batches_through_the_output_thread_identical(model_dir, stock_llm, monkeypatch):
+    """Inline mode with SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS=1: every batch of several
+    outputs (and what follows it) goes through the output thread, single ones inline;
+    the two ways interleave and every token arrives in order."""
+    monkeypatch.setenv("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "1")
+    llm = make_llm(model_dir, shm=True)
+    try:
+        assert llm.llm_engine.engine_core._link.inline_max_outputs == 1
+        assert run(llm, STREAM_PROMPTS, 12) == run(stock_llm, STREAM_PROMPTS, 12)
+        assert run(llm, PROMPTS[:1], 12) == run(stock_llm, PROMPTS[:1], 12)
+        assert llm.reset_prefix_cache() is True
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    monkeypatch.setenv("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "-1")
+    with pytest.raises(ValueError, match="SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS must be >= 0, got -1"):
+        make_llm(model_dir, shm=True)
+
+
 def test_bad_output_mode_is_refused(model_dir, monkeypatch):
     monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "fast")
     with pytest.raises(ValueError, match="SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got 'fast'"):
