@@ -66,7 +66,10 @@ CONFIGS = (
     ("async", "shm-noprewake"),
 )
 #: Measured again with BUSY plain busy-loop processes running (the contention matrix's
-#: vLLM cell): stock against the plug-in, sync and async.
+#: vLLM cell): stock against the plug-in, sync and async. Each busy process is pinned to
+#: its own CPU (round robin over this process's CPUs): left to the scheduler, where they
+#: land beside vLLM's own pinned worker decides the step time (about 4 or 14 ms here, at
+#: random per engine), which no transport does.
 BUSY_CONFIGS = (("sync", "stock"), ("sync", "shm"), ("async", "stock"), ("async", "shm"))
 BUSY = 2
 PARTS = ("quiet", "busy")
@@ -295,7 +298,7 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
             order = []
         for kind, transport in order:
             fn = _bench_sync if kind == "sync" else _bench_async
-            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BUSY)]
+            hogs = _pinned_busy(BUSY)
             try:
                 t0 = time.monotonic()
                 part = fn(model, transport, rounds, tokens)
@@ -314,6 +317,22 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     finally:
         shutil.rmtree(model, ignore_errors=True)
     return results
+
+
+def _pinned_busy(n: int) -> list[subprocess.Popen]:
+    """``n`` busy-loop processes, the i-th pinned to the i-th of our CPUs (round robin)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    hogs = []
+    try:
+        for i in range(n):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(hogs[-1].pid, {cpus[i % len(cpus)]})
+    except BaseException:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        raise
+    return hogs
 
 
 def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
@@ -371,7 +390,8 @@ def _busy_table(busy: dict[str, Any] | None) -> list[str]:
         return []
     lines = [
         "",
-        f"with {busy['processes']} busy processes (target: shm hop p50 <= stock's, TPOT p50 <= stock's)",
+        f"with {busy['processes']} busy processes, one pinned to each CPU (target: shm hop p50 <= stock's, "
+        "TPOT p50 <= stock's)",
         "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
         "|---|---|---|---|---|---|",
     ]

@@ -633,3 +633,19 @@ def test_a_busy_process_started_half_way_marks_the_run_noisy(tmp_path, short_tmp
     assert data["idle_cpu"]["sync-shm"]["noisy"] is True
     assert stdout.splitlines()[0].startswith("NOISY RUN"), stdout
     assert "noisy" in err
+
+
+def test_the_vllm_sections_busy_processes_are_pinned_one_to_each_cpu():
+    """Left to the scheduler, where the busy processes land beside vLLM's pinned worker
+    decides the step time; pinned, both transports see the same placement."""
+    from shmclient_bench.vllm import _pinned_busy
+
+    cpus = sorted(os.sched_getaffinity(0))
+    hogs = _pinned_busy(len(cpus) + 1)
+    try:
+        got = [os.sched_getaffinity(h.pid) for h in hogs]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert got == [{c} for c in cpus] + [{cpus[0]}]
