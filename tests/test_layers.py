@@ -199,6 +199,17 @@ def user_path(tmp_path, monkeypatch):
 CFG = EngineConfig(model="mock", max_model_len=256, engine_module="user_engine")
 
 
+async def first_tokens(drv: Driver, n: int) -> list[int]:
+    """The tokens of the outputs read until ``n`` came (at most 50 output batches)."""
+    tokens: list[int] = []
+    for _ in range(50):
+        out = await drv.get_output(timeout=30)
+        tokens += [t for o in out.outputs for t in o.new_token_ids]
+        if len(tokens) == n:
+            break
+    return tokens
+
+
 @pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
 async def test_a_user_engine_module_is_launched(kind, user_path):
     client = build(kind, CFG)
@@ -210,12 +221,7 @@ async def test_a_user_engine_module_is_launched(kind, user_path):
             cmd = psutil.Process(client.engine_pid).cmdline()
             assert cmd[1:3] == ["-m", "user_engine"], cmd
         await drv.add(req("r", max_tokens=3))
-        tokens = []
-        for _ in range(50):
-            out = await drv.get_output(timeout=30)
-            tokens += [t for o in out.outputs for t in o.new_token_ids]
-            if len(tokens) == 3:
-                break
+        tokens = await first_tokens(drv, 3)
         assert len(tokens) == 3
     finally:
         client.shutdown()
@@ -228,12 +234,7 @@ async def test_a_third_party_engine_is_served_without_the_projects_engine(kind, 
     try:
         assert client.num_gpu_blocks == 7
         await drv.add(req("r", prompt=[5, 6, 7], max_tokens=8))
-        tokens = []
-        for _ in range(50):
-            out = await drv.get_output(timeout=30)
-            tokens += [t for o in out.outputs for t in o.new_token_ids]
-            if len(tokens) == 3:
-                break
+        tokens = await first_tokens(drv, 3)
         assert tokens == [7, 6, 5]
         assert await drv.call_utility("imported", "shmclient_engine") == []
     finally:
