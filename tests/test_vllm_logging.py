@@ -53,13 +53,27 @@ def test_a_vllm_that_differs_logs_one_warning_naming_what_differs():
 def test_an_unknown_version_number_with_known_contents_runs_with_an_info_line():
     h = _Records()
     plugin.log.addHandler(h)
+    # The logger's level is the process's logging set-up (vLLM's, once it configured its
+    # loggers); this test is about what the plug-in logs, whatever ran before it.
+    level = plugin.log.level
+    plugin.log.setLevel(logging.INFO)
     try:
         assert plugin.supported_version("0.32.0+nv25.12") is True
     finally:
+        plugin.log.setLevel(level)
         plugin.log.removeHandler(h)
     [info] = [r for r in h.records if r.levelno == logging.INFO]
     assert "0.32.0+nv25.12 is not a tested release" in info.getMessage()
     assert not [r for r in h.records if r.levelno == logging.WARNING]
+
+
+def run_switched_on(code: str) -> str:
+    """Run ``code`` in a fresh Python with SHMCLIENT_VLLM=1; its stdout and stderr."""
+    env = dict(os.environ, SHMCLIENT_VLLM="1")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                       timeout=280, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout + r.stderr
 
 
 def test_taking_over_logs_one_info_line(tmp_path):
@@ -71,11 +85,7 @@ def test_taking_over_logs_one_info_line(tmp_path):
         llm = LLM(model={str(model)!r}, **{bench_vllm.ENGINE_KW!r})
         del llm
     """
-    env = dict(os.environ, SHMCLIENT_VLLM="1")
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=280, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
+    out = run_switched_on(code)
     lines = [ln for ln in out.splitlines() if "shmclient.vllm:" in ln and "shared-memory rings" in ln]
     assert len(lines) == 1, out[-3000:]
     assert "INFO" in lines[0] and "SyncMPClient" in lines[0]
@@ -100,11 +110,7 @@ def test_a_vllm_that_differs_runs_stock_with_one_warning(tmp_path):
         print("TOKENS", len(out[0].outputs[0].token_ids))
         del llm
     """
-    env = dict(os.environ, SHMCLIENT_VLLM="1")
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                       timeout=280, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
+    out = run_switched_on(code)
     assert "CLIENT SyncMPClient" in out and "TOKENS 3" in out
     warns = [ln for ln in out.splitlines()
              if "WARNING" in ln and "shmclient.vllm:" in ln and "own ZMQ transport is used" in ln]
