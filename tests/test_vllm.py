@@ -419,7 +419,7 @@ async def _drain(gen) -> None:
 async def _shutdown_async(engine: AsyncLLM) -> None:
     engine.shutdown()
     # let the cancelled output tasks finish on this loop
-    tasks = [t for t in (getattr(engine.engine_core, "_ring_task", None),
+    tasks = [t for t in (*getattr(engine.engine_core, "_ring_tasks", ()),
                          engine.engine_core.resources.output_queue_task) if t is not None]
     if tasks:
         await asyncio.wait(tasks, timeout=5)
@@ -500,7 +500,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
         try:
             calls = [asyncio.ensure_future(client.call_utility_async("no_such_method", big, i)) for i in range(8)]
             await asyncio.sleep(0.3)
-            backlog = len(client._backlog)
+            backlog = len(client._backlogs[0])
         finally:
             os.kill(pid, signal.SIGCONT)
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
@@ -512,7 +512,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     assert backlog >= 3  # messages were waiting for room while the engine was stopped
     assert max(gaps) < 0.1 and len(gaps) > 100, (max(gaps), len(gaps))
     assert all("Call to no_such_method method failed" in str(r) for r in results), results
-    assert not client._backlog
+    assert not client._backlogs[0]
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-full", [5, 6, 7, 8], 4))
 

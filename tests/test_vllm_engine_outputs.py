@@ -77,3 +77,29 @@ def test_every_batch_is_stamped_with_the_engine_index():
     out.serve_queued(DeadSocket())
     assert small[1].engine_index == 7 and big[1].engine_index == 7
     assert [tag for tag, _ in link.sent] == [b"x", b"y"]
+
+
+def test_coordinator_messages_go_to_the_output_thread_and_hold_no_output_back():
+    """With data parallelism the engine also puts messages for the DP coordinator
+    (client index -1): they go to the output thread (which owns the coordinator's socket),
+    stamped with the engine index, and the frontend's small batches stay inline."""
+    link = FakeLink()
+    out = _InlineOutputs(link, engine_index=1, inline_max=4)
+    me = threading.current_thread().name
+    stats = SimpleNamespace(tag=b"stats", outputs=[], engine_index=None)
+
+    out.put_nowait((-1, stats))
+    out.put_nowait(batch(b"a", 1))
+    assert link.sent == [(b"a", me)]  # not held behind the coordinator's message
+    out.put_nowait(b"DEAD")
+
+    to_coordinator: list[tuple[object, str]] = []
+    thread = threading.Thread(
+        target=out.serve_queued,
+        args=(DeadSocket(), lambda o: to_coordinator.append((o, threading.current_thread().name))),
+        name="output-thread")
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert to_coordinator == [(stats, "output-thread")] and stats.engine_index == 1
+    assert link.sent == [(b"a", me)]  # nothing of it reached the frontend's ring

@@ -45,3 +45,33 @@ def test_a_multidimensional_buffer_travels_as_its_bytes():
 def test_a_bad_header_raises_naming_what_is_wrong(payload, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         unpack(memoryview(payload))
+
+
+def test_each_engine_finds_its_own_spec_and_none_when_it_has_none():
+    import msgspec
+
+    from shmclient.channel import ShmChannel
+    from shmclient.vllm.wire import EngineSpec, decode_spec, encode_specs
+
+    channels = [ShmChannel.create(ring_capacity=1 << 16, arena_bytes=0, spin_us=0.0, wake_fd=False)
+                for _ in range(2)]
+    try:
+        specs = [EngineSpec(channel=spec, frontend_pid=1, output_mode="inline", engine_index=i)
+                 for i, (_, spec) in enumerate(channels)]
+        text = encode_specs(specs)
+        assert decode_spec(text, 0) == specs[0]
+        assert decode_spec(text, 1) == specs[1]
+        assert decode_spec(text, 1).channel != decode_spec(text, 0).channel
+        assert decode_spec(text, 2) is None  # an engine this frontend does not reach over the rings
+        assert msgspec.msgpack.decode(bytes.fromhex(text))[1]["engine_index"] == 1
+    finally:
+        for channel, _ in channels:
+            channel.close()
+
+
+@pytest.mark.parametrize("text", ["zz", "00", (b"\x91\x01").hex()])
+def test_a_spec_variable_shmclient_did_not_write_is_refused_by_name(text):
+    from shmclient.vllm.wire import decode_spec
+
+    with pytest.raises(ValueError, match="SHMCLIENT_VLLM_SPEC does not hold channel specs written by shmclient.vllm"):
+        decode_spec(text, 0)

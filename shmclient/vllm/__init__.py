@@ -7,9 +7,12 @@ without vLLM. vLLM calls ``register`` (entry point ``shmclient`` in group
 ``SHMCLIENT_VLLM=1`` is in the frontend's environment. Then:
 
 * frontend: ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
-  ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for data_parallel_size 1 with
-  engines this process starts, once ``versions`` has found the installed vLLM to be one the
-  plug-in knows; anything else gets vLLM's own client, with one WARNING saying why.
+  ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for one engine this process
+  starts, and ``ShmDPLBAsyncMPClient`` for data parallelism with internal load balancing
+  where this process starts every engine (one pair of rings per engine), once
+  ``versions`` has found the installed vLLM to be one the plug-in knows; anything else
+  (several API servers, external or hybrid load balancing, engines on other nodes) gets
+  vLLM's own client, with one WARNING saying why.
 * engine core: the targets of ``EngineCoreProc``'s two IO threads read requests from and
   write outputs to the channel (``engine``) when the process was handed one.
 
@@ -107,6 +110,27 @@ def register() -> None:
         _installed = True
 
 
+def _not_on_rings(parallel, client_addresses) -> "str | None":
+    """Why an async client with this parallel config keeps vLLM's transport, or None
+    when the rings can carry it: one engine, or data parallelism with internal load
+    balancing where this frontend starts every engine itself."""
+    if client_addresses:
+        return ("several API servers and externally started engines are not on the rings yet "
+                "(this frontend was handed its engines' addresses)")
+    dp = parallel.data_parallel_size
+    if dp <= 1:
+        return None
+    if parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
+        return f"data_parallel_size={dp} with external or hybrid load balancing is not on the rings yet"
+    if parallel.data_parallel_size_local != dp:
+        return (f"data_parallel_size={dp} with {parallel.data_parallel_size_local} engines on this node: "
+                "engines on other nodes are not on the rings")
+    if parallel.data_parallel_backend != "mp" or getattr(parallel, "enable_elastic_ep", False):
+        return (f"data_parallel_size={dp} with the {parallel.data_parallel_backend!r} backend or elastic EP "
+                "is not on the rings yet")
+    return None
+
+
 def _install_frontend() -> None:
     from vllm.v1.engine.core_client import EngineCoreClient
 
@@ -118,19 +142,19 @@ def _install_frontend() -> None:
         if not (enabled() and _runs_here()):
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
-        if vllm_config.parallel_config.data_parallel_size > 1 or client_addresses:
-            _fallback("data parallelism, several API servers and externally started engines are not on the "
-                      f"rings yet (data_parallel_size={vllm_config.parallel_config.data_parallel_size}, "
-                      f"engines {'given' if client_addresses else 'started here'})")
-            warnings.warn(
-                "shmclient.vllm: data parallelism and externally started engines use vLLM's own transport",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        reason = _not_on_rings(vllm_config.parallel_config, client_addresses)
+        if reason is not None:
+            _fallback(reason)
+            warnings.warn(f"shmclient.vllm: {reason}; vLLM's own transport is used", RuntimeWarning, stacklevel=2)
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
-        from .frontend import ShmAsyncMPClient
+        from .frontend import ShmAsyncMPClient, ShmDPLBAsyncMPClient
 
+        dp = vllm_config.parallel_config.data_parallel_size
+        if dp > 1:
+            _took_over(f"DPLBAsyncMPClient ({dp} engines)")
+            return ShmDPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
+                                        client_count, client_index, renderer=renderer)
         _took_over("AsyncMPClient")
         return ShmAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
                                 client_count, client_index, renderer=renderer)

@@ -19,7 +19,10 @@ of ``EngineCoreProc``, the targets of its two IO threads:
   takes each output from ``output_queue`` and writes it.
 
 Both wrappers fall back to vLLM's own method when this process was not handed a channel
-(the environment variable ``SHMCLIENT_VLLM_SPEC``) or when a DP coordinator is involved.
+(the environment variable ``SHMCLIENT_VLLM_SPEC`` holds none for its engine index) or
+talks to several frontends. With data parallelism the DP coordinator's messages stay on
+vLLM's ZMQ sockets: its requests (waves) are read by a thread of their own
+(``_Coordinator``), and outputs for it (client index -1) go out from the output thread.
 The engine watches its frontend: the request wait checks every 0.1 s that the frontend (its
 parent process) is still there; when it is gone the engine asks for its own shutdown the
 way vLLM's SIGTERM handler does, and outputs nobody can read are dropped. Idle, the request
@@ -46,6 +49,7 @@ from . import wire
 
 _state_lock = threading.Lock()
 _state: "_EngineLink | None" = None
+_looked = False  # whether the environment was read (once per process)
 _originals: dict[str, Any] = {}
 #: How often (s) an idle request reader sends the frontend pending tensor releases.
 RELEASE_FLUSH_S = 0.1
@@ -54,8 +58,7 @@ RELEASE_FLUSH_S = 0.1
 class _EngineLink:
     """This engine core process's end of the channel to its frontend."""
 
-    def __init__(self, text: str) -> None:
-        spec = wire.decode_spec(text)
+    def __init__(self, spec: wire.EngineSpec) -> None:
         self.spec = spec
         self.framing: wire.VllmFraming | None = None
 
@@ -138,16 +141,19 @@ class _EngineLink:
         self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
 
 
-def _link() -> "_EngineLink | None":
-    """Attach once, from the environment, and remove the variable (processes started
-    later do not see it; workers started before carry it and ignore it: only an
-    EngineCoreProc's IO threads read it)."""
-    global _state
+def _link(engine_index: int) -> "_EngineLink | None":
+    """Attach once, from the environment, to this engine's channel (the spec naming
+    ``engine_index``), and remove the variable (processes started later do not see it;
+    workers started before carry it and ignore it: only an EngineCoreProc's IO threads
+    read it). None when the frontend handed this engine no channel."""
+    global _state, _looked
     with _state_lock:
-        if _state is None:
+        if not _looked:
+            _looked = True
             text = os.environ.pop(wire.ENV_SPEC, None)
-            if text:
-                _state = _EngineLink(text)
+            spec = wire.decode_spec(text, engine_index) if text else None
+            if spec is not None:
+                _state = _EngineLink(spec)
         return _state
 
 
@@ -185,12 +191,13 @@ def _keep_signals_for_main_thread() -> None:
 
 
 def _process_input_sockets(self, input_addresses, coord_input_address, identity, ready_event):
-    link = _link() if coord_input_address is None and len(input_addresses) == 1 else None
+    link = _link(int.from_bytes(identity, "little")) if len(input_addresses) == 1 else None
     if link is None:
         return _originals["in"](self, input_addresses, coord_input_address, identity, ready_event)
     _keep_signals_for_main_thread()
     self._shmclient_link = link
-    _fatal_if_raises(self, "request", _serve_requests, self, link, input_addresses[0], identity, ready_event)
+    _fatal_if_raises(self, "request", _serve_requests, self, link, input_addresses[0], coord_input_address,
+                     identity, ready_event)
 
 
 def _fatal_if_raises(self, what: str, fn, *args) -> None:
@@ -208,7 +215,8 @@ def _fatal_if_raises(self, what: str, fn, *args) -> None:
         raise
 
 
-def _serve_requests(self, link: _EngineLink, input_address: str, identity: bytes, ready_event) -> None:
+def _serve_requests(self, link: _EngineLink, input_address: str, coord_address: str | None, identity: bytes,
+                    ready_event) -> None:
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine import EngineCoreRequestType
 
@@ -218,51 +226,120 @@ def _serve_requests(self, link: _EngineLink, input_address: str, identity: bytes
     with zmq.Context() as ctx, make_zmq_socket(
         ctx, input_address, zmq.DEALER, identity=identity, bind=False
     ) as handshake:
-        if link.spec.output_mode == "inline":
-            # Swap before the busy loop starts (it waits for ready_event): no output can
-            # then go to the old queue after it was emptied.
-            inline = link.inline_outputs(self)
-            old, self.output_queue = self.output_queue, inline
+        coordinator = None
+        if coord_address is not None:
+            # The DP coordinator's messages (waves, scale-out) stay on its ZMQ socket,
+            # read by their own thread; it subscribes now, as vLLM's input thread does.
+            coordinator = _Coordinator(self, coord_address, identity)
+        try:
+            if link.spec.output_mode == "inline":
+                # Swap before the busy loop starts (it waits for ready_event): no output can
+                # then go to the old queue after it was emptied.
+                inline = link.inline_outputs(self)
+                old, self.output_queue = self.output_queue, inline
+                while True:
+                    try:
+                        inline.put_nowait(old.get_nowait())
+                    except queue.Empty:
+                        break
+            if link._parked_flag is not None:
+                _prewake_before_outputs(self, link)
+            if link.spec.arenas:
+                link.send_gpus()
+            # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
+            handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
+            if coordinator is not None:
+                coordinator.wait_ready()  # vLLM's handshake completes only after the coordinator's READY
+                coordinator.start()
+            ready_event.set()
+            del ready_event
             while True:
                 try:
-                    inline.put_nowait(old.get_nowait())
-                except queue.Empty:
-                    break
-        if link._parked_flag is not None:
-            _prewake_before_outputs(self, link)
-        if link.spec.arenas:
-            link.send_gpus()
-        # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
-        handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
-        ready_event.set()
-        del ready_event
-        while True:
-            try:
-                # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
-                # of request tensors the busy loop has dropped since. Never spins: a spin
-                # holds the GIL, which the busy loop needs, and the busy loop takes
-                # requests only between steps anyway.
-                messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
-            except PeerNotProducingError:
-                channel.flush_releases()
-                continue
-            except (PeerDeadError, ClientClosedError):
-                link.frontend_gone = True
-                # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
-                from vllm.v1.engine.core import EngineShutdownState
-
-                self.shutdown_state = EngineShutdownState.REQUESTED
-                self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-                return
-            for rtype, request in messages:
-                request_type = types[rtype & ~wire.MULTI]
-                if isinstance(request, BadMessage):
-                    _refuse(self, request_type, request)
+                    # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
+                    # of request tensors the busy loop has dropped since. Never spins: a spin
+                    # holds the GIL, which the busy loop needs, and the busy loop takes
+                    # requests only between steps anyway.
+                    messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
+                except PeerNotProducingError:
+                    channel.flush_releases()
                     continue
-                _handle_request(self, request_type, request)
-            # Hold no request here: its tensors' arena blocks are released when the
-            # busy loop drops it.
-            messages = request = None
+                except (PeerDeadError, ClientClosedError):
+                    link.frontend_gone = True
+                    # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
+                    from vllm.v1.engine.core import EngineShutdownState
+
+                    self.shutdown_state = EngineShutdownState.REQUESTED
+                    self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+                    return
+                for rtype, request in messages:
+                    request_type = types[rtype & ~wire.MULTI]
+                    if isinstance(request, BadMessage):
+                        _refuse(self, request_type, request)
+                        continue
+                    _handle_request(self, request_type, request)
+                # Hold no request here: its tensors' arena blocks are released when the
+                # busy loop drops it.
+                messages = request = None
+        finally:
+            if coordinator is not None:
+                coordinator.stop()
+
+
+class _Coordinator:
+    """The DP coordinator's messages to this engine: vLLM's XSUB socket, subscribed and
+    read as vLLM's input thread reads it, in a thread of its own (the request reader
+    waits on the ring), with a ZMQ context of its own. Each message is handled as vLLM
+    handles it (``_handle_request``). ``stop`` ends the thread within ``POLL_S``."""
+
+    POLL_S = 0.1
+
+    def __init__(self, engine, address: str, identity: bytes) -> None:
+        from vllm.utils.network_utils import make_zmq_socket
+        from vllm.v1.serial_utils import MsgpackDecoder
+
+        self._engine = engine
+        self._decoder = MsgpackDecoder(oob_tensor_provider=engine.tensor_ipc_receiver)
+        self._ctx = zmq.Context()
+        self.socket = make_zmq_socket(self._ctx, address, zmq.XSUB, identity=identity, bind=False)
+        self.socket.send(b"\x01")  # the subscription
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ShmEngineCoordinatorInput", daemon=True)
+
+    def wait_ready(self) -> None:
+        if self.socket.recv() != b"READY":
+            raise RuntimeError("shmclient.vllm: the DP coordinator's first message was not READY")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.ident is None:
+            self._close()
+
+    def _close(self) -> None:
+        self.socket.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        from vllm.v1.engine import EngineCoreRequestType
+
+        _keep_signals_for_main_thread()
+        try:
+            _fatal_if_raises(self._engine, "coordinator", self._read, EngineCoreRequestType)
+        finally:
+            self._close()
+
+    def _read(self, types) -> None:
+        socket, engine, stopped = self.socket, self._engine, self._stopped
+        timeout_ms = int(self.POLL_S * 1000)
+        while not stopped.is_set():
+            if not socket.poll(timeout_ms):
+                continue
+            type_frame, *data = socket.recv_multipart(copy=False)
+            if type_frame.buffer == b"READY":  # vLLM's notice to newly started engines
+                continue
+            _handle_request(engine, types(bytes(type_frame.buffer)), self._decoder.decode(data))
 
 
 def _refuse(self, request_type, bad: BadMessage) -> None:
@@ -376,7 +453,13 @@ class _InlineOutputs:
         if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
             self.queue.put(item)
             return
-        _, outputs = item
+        client_index, outputs = item
+        if client_index == -1:
+            # For the DP coordinator (its ZMQ socket, owned by the output thread); no
+            # order to keep with the frontend's outputs, so it holds none of them back.
+            outputs.engine_index = self._engine_index
+            self.queue.put(_ForCoordinator(outputs))
+            return
         with self._count_lock:
             offload = self._queued > 0 or len(outputs.outputs) > self._inline_max
             if offload:
@@ -399,14 +482,18 @@ class _InlineOutputs:
             else:
                 self.inline += 1
 
-    def serve_queued(self, dead_socket) -> None:
+    def serve_queued(self, dead_socket, coordinator=None) -> None:
         """The output thread's loop: write what ``put_nowait`` queued, in order, until
-        ENGINE_CORE_DEAD, which goes on ``dead_socket``."""
+        ENGINE_CORE_DEAD, which goes on ``dead_socket``; messages for the DP coordinator
+        go to ``coordinator`` (a callable)."""
         while True:
             item = self.queue.get()
             if isinstance(item, bytes):
                 dead_socket.send(item)
                 return
+            if isinstance(item, _ForCoordinator):
+                coordinator(item.outputs)
+                continue
             try:
                 self.send(item, queued=True)
             finally:
@@ -417,28 +504,55 @@ class _InlineOutputs:
         return not self._queued
 
 
+class _ForCoordinator:
+    """An output for the DP coordinator in the output thread's queue."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs) -> None:
+        self.outputs = outputs
+
+
 def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
-    link = _link() if coord_output_path is None and len(output_paths) == 1 else None
+    link = _link(engine_index) if len(output_paths) == 1 else None
     if link is None:
         return _originals["out"](self, output_paths, coord_output_path, engine_index)
     _keep_signals_for_main_thread()
-    _fatal_if_raises(self, "output", _serve_outputs, self, link, output_paths[0], engine_index)
+    _fatal_if_raises(self, "output", _serve_outputs, self, link, output_paths[0], coord_output_path, engine_index)
 
 
-def _serve_outputs(self, link: _EngineLink, output_path: str, engine_index: int) -> None:
+def _serve_outputs(self, link: _EngineLink, output_path: str, coord_path: str | None, engine_index: int) -> None:
+    from contextlib import ExitStack
+
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackEncoder
 
     dead = EngineCoreProc.ENGINE_CORE_DEAD
-    with zmq.Context() as ctx, make_zmq_socket(ctx, output_path, zmq.PUSH, linger=4000) as dead_socket:
+    with ExitStack() as stack, zmq.Context() as ctx:
+        dead_socket = stack.enter_context(make_zmq_socket(ctx, output_path, zmq.PUSH, linger=4000))
+        to_coordinator = None
+        if coord_path is not None:
+            # The DP coordinator's stats and wave notices stay on its ZMQ socket, as vLLM's.
+            coord_socket = stack.enter_context(make_zmq_socket(ctx, coord_path, zmq.PUSH, bind=False, linger=4000))
+            encoder = MsgpackEncoder()
+
+            def to_coordinator(outputs) -> None:
+                coord_socket.send_multipart(encoder.encode(outputs))
+
         inline = link.inline_outputs(self)
         if link.spec.output_mode == "inline":
             # The input thread put the inline object in place of output_queue.
-            inline.serve_queued(dead_socket)
+            inline.serve_queued(dead_socket, to_coordinator)
             return
         while True:
             output = self.output_queue.get()
             if output == dead:
                 dead_socket.send(output)
                 return
-            inline.send(output[1])
+            client_index, outputs = output
+            if client_index == -1:
+                outputs.engine_index = engine_index
+                to_coordinator(outputs)
+                continue
+            inline.send(outputs)

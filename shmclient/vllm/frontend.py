@@ -4,9 +4,10 @@ data frames on a ``ShmChannel``.
 Imports vLLM's client module, ``shmclient.channel`` and ``shmclient.waiting`` and the
 plug-in's ``wire`` and ``oob``; nothing of the engine side, no ring end. The classes
 subclass vLLM's own, so construction (engine launch, handshake, ready response), the
-engine monitor, ``shutdown`` and every utility method are vLLM's. What changes: the
-channel is created before the engine core process is started (its spec rides in the
-engine's environment) and its handles released once the engine has answered READY;
+engine monitor, ``shutdown`` and every utility method are vLLM's. What changes: a
+channel per engine is created before the engine core processes are started (their specs
+ride in the engines' environment) and its handles released once the engines have
+answered READY;
 requests are encoded by vLLM's encoder into the request ring, outputs read from the output
 ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
 
@@ -14,7 +15,9 @@ ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
   ``call_utility`` waiting for its reply), through ``waiting.recv``: no reader thread, no
   queue hand-off. Sends wait (``waiting.send``) while the request ring is full, at most
   ``SEND_TIMEOUT_S``, then PeerNotConsumingError.
-* ``ShmAsyncMPClient``: ``get_output_async`` reads the ring itself, spins for at most
+* ``ShmAsyncMPClient`` (one engine) and ``ShmDPLBAsyncMPClient`` (data parallelism, one
+  channel per engine, all read into one inbox; vLLM's engine selection, coordinator and
+  per-output hook unchanged): ``get_output_async`` reads the rings itself, spins for at most
   ``SHMCLIENT_VLLM_ASYNC_SPIN_US`` (adaptive, and only where the spin gate lets it), then
   parks; a reader callback on the ring's wake pipe reads while it is parked (and for
   utility replies). The engine may wake a parked task early, as its scheduler starts
@@ -24,7 +27,9 @@ ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
   parked on the ring's space pipe (``waiting.send_async``).
 
 Blocking: ``get_output`` blocks like vLLM's (until an output, or EngineDeadError within
-about 0.1 s of the engine's death); nothing of the async client blocks the loop.
+about 0.1 s of the engine's death); nothing of the async clients blocks the loop, and they
+watch each engine's process (a pidfd on the loop): an engine's death fails them at once,
+where vLLM's own monitor first waits for the other engines to stop.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from time import monotonic, perf_counter
 from typing import Any
 
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
-from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient, _process_utility_output
+from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient, SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import _ring, waiting
@@ -50,7 +55,7 @@ from ..shm import Segment
 from . import oob
 from . import wire
 
-__all__ = ["ShmAsyncMPClient", "ShmSyncMPClient"]
+__all__ = ["ShmAsyncMPClient", "ShmDPLBAsyncMPClient", "ShmSyncMPClient"]
 
 SEND_TIMEOUT_S = 60.0
 #: How long (µs) get_output_async may spin on the output ring, holding the event loop,
@@ -87,7 +92,9 @@ class _Link:
     """The frontend's end of the channel to its engine (plus the "parked" flag of the
     async client). Owned by a finalizer, not by the client."""
 
-    def __init__(self, wake_fd: bool) -> None:
+    def __init__(self, wake_fd: bool, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.engine_pid: int | None = None
         capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
         spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
         self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
@@ -130,7 +137,7 @@ class _Link:
             raise
         self.parked_flag = self.parked.buf if self.parked is not None else bytearray(1)
 
-    def spec_text(self) -> str:
+    def engine_spec(self) -> wire.EngineSpec:
         gpus: list[str] = []
         try:
             import torch
@@ -141,16 +148,17 @@ class _Link:
                 gpus = local_gpu_uuids()
         except ImportError:
             pass
-        return wire.encode_spec(wire.EngineSpec(
+        return wire.EngineSpec(
             channel=self.spec, frontend_pid=os.getpid(), output_mode=self.output_mode,
             parked=self.parked.name if self.parked is not None else "", arenas=self.arenas,
             tensor_min_bytes=self.tensor_min_bytes, frontend_gpus=gpus,
-            inline_max_outputs=self.inline_max_outputs))
+            inline_max_outputs=self.inline_max_outputs, engine_index=self.engine_index)
 
     def attached(self, engine_pid: int | None) -> None:
         """The engine has attached: release the handles; its one-off tensor handles must
         name its own segments from now on."""
         self.channel.peer_attached()
+        self.engine_pid = engine_pid
         if engine_pid is not None:
             self.channel.set_peer_pid(engine_pid)
         if self.parked is not None:
@@ -172,42 +180,76 @@ class _Link:
             self.parked.close()
 
 
-def _start_with_link(link: _Link, construct) -> None:
-    """Run vLLM's client construction with the spec in the environment while it starts
-    the engine core process, then release the handles (the engine attached before
-    READY)."""
+def _start_with_links(links: "list[_Link]", construct) -> None:
+    """Run vLLM's client construction with the specs in the environment while it starts
+    the engine core processes (each takes the one naming its engine index)."""
     with _spawn_lock:
-        os.environ[wire.ENV_SPEC] = link.spec_text()
+        os.environ[wire.ENV_SPEC] = wire.encode_specs([link.engine_spec() for link in links])
         try:
             construct()
         finally:
             os.environ.pop(wire.ENV_SPEC, None)
 
 
-def _engine_pid(client) -> int | None:
+def _engine_pids(client) -> dict[int, int]:
+    """Engine index -> pid of the engine core processes vLLM started here (named
+    ``EngineCore`` alone, ``EngineCore_DP<index>`` with data parallelism)."""
+    pids: dict[int, int] = {}
     try:
-        return client.resources.engine_manager.processes[0].pid
-    except (AttributeError, IndexError, TypeError):
-        return None
+        processes = list(client.resources.engine_manager.processes)
+    except (AttributeError, TypeError):
+        return pids
+    for proc in processes:
+        name = getattr(proc, "name", "")
+        if name == "EngineCore":
+            pids[0] = proc.pid
+        elif name.startswith("EngineCore_DP") and name[len("EngineCore_DP"):].isdigit():
+            pids[int(name[len("EngineCore_DP"):])] = proc.pid
+    return pids
+
+
+def _close_links(links: "list[_Link]") -> None:
+    for link in links:
+        link.close()
 
 
 class _LinkIO:
-    """Send and receive vLLM messages over the channel (shared by both clients)."""
+    """Send and receive vLLM messages over the channels, one per engine (shared by the
+    clients)."""
 
-    def _init_link(self, wake_fd: bool, construct) -> None:
-        self._link = link = _Link(wake_fd)
-        self._link_finalizer = weakref.finalize(self, link.close)
+    def _init_link(self, wake_fd: bool, construct, engine_indexes: "tuple[int, ...]" = (0,)) -> None:
+        links: list[_Link] = []
+        self._link_finalizer = weakref.finalize(self, _close_links, links)
         try:
-            _start_with_link(link, construct)
-            link.attached(_engine_pid(self))
+            for index in engine_indexes:
+                links.append(_Link(wake_fd, index))
+            _start_with_links(links, construct)
+            pids = _engine_pids(self)
+            for link in links:
+                link.attached(pids.get(link.engine_index))
         except BaseException:
             self._link_finalizer()
             raise
+        #: engine identity (vLLM's: its index, 2 bytes little-endian) -> its link
+        self._links = {link.engine_index.to_bytes(2, "little"): link for link in links}
+        self._link = links[0]
         self._alive = self._make_alive()
-        if link.arenas and self.encoder.oob_tensor_consumer is None:
-            # vLLM's encoder with the arena as its out-of-band path (unless vLLM gave it
-            # one already: its multimodal tensor queue)
-            self.encoder = link.framing.encoder
+        #: vLLM's encoder had an out-of-band path of its own (its multimodal tensor queue)
+        self._own_oob = self.encoder.oob_tensor_consumer is not None
+        if len(links) == 1 and links[0].arenas and not self._own_oob:
+            # vLLM's encoder with the arena as its out-of-band path. With several engines
+            # each has its own arena: requests are encoded for their engine's
+            # (``_encode``); vLLM's encoder (utility calls) keeps tensors in line.
+            self.encoder = links[0].framing.encoder
+
+    def _link_for(self, engine) -> _Link:
+        return self._link if engine is None else self._links[engine]
+
+    def _encode(self, link: _Link, request: Any) -> list:
+        """vLLM's frames of ``request`` for ``link``'s engine (large tensors in its arena)."""
+        if link.arenas and not self._own_oob:
+            return link.framing.encoder.encode(request)
+        return self.encoder.encode(request)
 
     def _make_alive(self):
         resources = self.resources
@@ -221,7 +263,7 @@ class _LinkIO:
         """Send from this thread, waiting while the request ring is full (at most
         SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
         self.ensure_alive()
-        rtype, payload = wire.message(request_type.value[0], self.encoder.encode(request))
+        rtype, payload = wire.message(request_type.value[0], self._encode(self._link, request))
         try:
             waiting.send(self._link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
         except (PeerDeadError, ClientClosedError):
@@ -316,24 +358,20 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
             self._close_link()
 
 
-class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
-    """vLLM's AsyncMPClient with requests and outputs on shared-memory rings."""
+class _AsyncRings(_LinkIO):
+    """What the async clients (one engine, or several with data parallelism) change of
+    vLLM's: one channel per engine, their outputs read into one inbox on the event
+    loop's thread, requests sent to their engine's channel without holding the loop."""
 
-    def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
-                 client_count: int = 1, client_index: int = 0, renderer=None) -> None:
-        self._ring_task: asyncio.Task | None = None
-        self._reader: _AsyncReader | None = None
-        #: Messages waiting for room in the request ring, oldest first, and the task
-        #: that sends them (sends keep their order, as on vLLM's socket).
-        self._backlog: collections.deque = collections.deque()
-        self._backlog_task: asyncio.Task | None = None
-        self._init_link(
-            True,
-            lambda: AsyncMPClient.__init__(
-                self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
-                renderer=renderer,
-            ),
-        )
+    def _init_async(self, construct, engine_indexes: "tuple[int, ...]" = (0,)) -> None:
+        self._ring_tasks: list[asyncio.Task] = []
+        self._readers: list[_AsyncReader] = []
+        #: Per engine index: messages waiting for room in its request ring, oldest
+        #: first, and the task that sends them (sends keep their order, as on vLLM's
+        #: socket).
+        self._backlogs: dict[int, collections.deque] = {}
+        self._backlog_tasks: dict[int, asyncio.Task] = {}
+        self._init_link(True, construct, engine_indexes)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -341,41 +379,55 @@ class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
         else:
             self._ensure_output_queue_task()
 
+    @property
+    def _reader(self) -> "_AsyncReader | None":
+        return self._readers[0] if self._readers else None
+
     def _ensure_output_queue_task(self) -> None:
         if self.resources.output_queue_task is None and not isinstance(self.outputs_queue, _Inbox):
-            # vLLM's socket task (ENGINE_CORE_DEAD only) and the ring reader both put here.
+            # vLLM's socket task (ENGINE_CORE_DEAD only) and the ring readers all put here.
             self.outputs_queue = _Inbox()
         super()._ensure_output_queue_task()
-        if self._ring_task is not None or not hasattr(self, "_alive"):
-            return  # (not before _init_link has set up the channel)
-        self._reader = reader = _AsyncReader(weakref.ref(self), self._link, self.outputs_queue,
-                                             self.utility_results)
-        self._ring_task = asyncio.create_task(_own_reader(reader), name="ShmEngineCoreOutputTask")
+        if self._ring_tasks or not hasattr(self, "_alive"):
+            return  # (not before _init_link has set up the channels)
+        # vLLM's per-output hook of its DP clients (request counts for load balancing)
+        handler = getattr(type(self), "process_engine_outputs", None)
+        for link in self._links.values():
+            reader = _AsyncReader(weakref.ref(self), link, self.outputs_queue, self.utility_results, handler)
+            self._readers.append(reader)
+        if len(self._readers) > 1:
+            self._readers[0].spin_channels = [r.channel for r in self._readers]
+        for reader in self._readers:
+            self._ring_tasks.append(asyncio.create_task(
+                _own_reader(reader), name=f"ShmEngineCoreOutputTask_{reader.link.engine_index}"))
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next output batch. Reads the ring in this task: what is there is returned
-        at once; else spins on the ring for at most the spin budget (holding the loop);
-        else parks until the wake pipe's callback has read something. Raises
+        """The next output batch. Reads the rings in this task: what is there is returned
+        at once; else spins on them for at most the spin budget (holding the loop);
+        else parks until a wake pipe's callback has read something. Raises
         EngineDeadError (or the output reader's error) as vLLM's does."""
         self._ensure_output_queue_task()
-        reader = self._reader
+        readers = self._readers
         inbox = self.outputs_queue
         items = inbox.items
-        if not items and reader is not None:
-            reader.read_now()
-            if not items and reader.spin_for_output():
+        if not items and readers:
+            for reader in readers:
                 reader.read_now()
+            if not items and readers[0].spin_for_output():
+                for reader in readers:
+                    reader.read_now()
         while not items:
             waiter = asyncio.get_running_loop().create_future()
             inbox.waiter = waiter
-            link = self._link
-            if reader is not None and reader.arm_prewake():
-                link.parked_flag[0] = 1  # the engine may now wake us before it publishes
+            for reader in readers:
+                if reader.arm_prewake():
+                    reader.link.parked_flag[0] = 1  # its engine may now wake us before it publishes
             try:
                 await waiter
             finally:
                 inbox.waiter = None
-                link.parked_flag[0] = 0
+                for reader in readers:
+                    reader.link.parked_flag[0] = 0
         outputs = items.popleft()
         if isinstance(outputs, Exception):
             raise self._format_exception(outputs) from None
@@ -383,40 +435,46 @@ class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
 
     def _send_input(self, request_type, request, engine=None):
         self.ensure_alive()
-        return self._send_frames(request_type.value[0], self.encoder.encode(request))
+        link = self._link_for(engine)
+        return self._send_frames(link, request_type.value[0], self._encode(link, request))
 
     def _send_input_message(self, message, engine):
         # vLLM builds (type, *frames) itself for utility calls.
         self.ensure_alive()
         request_type, *frames = message
-        return self._send_frames(bytes(request_type)[0], frames)
+        return self._send_frames(self._link_for(engine), bytes(request_type)[0], frames)
 
-    def _send_frames(self, kind: int, frames) -> asyncio.Future:
-        """Send one message without holding the loop: at once when the request ring has
-        room and nothing waits before it; else it queues behind the others and the
-        returned future completes when it is sent (the backlog task parks on the ring's
-        space pipe, at most SEND_TIMEOUT_S a message, then PeerNotConsumingError).
-        Raises EngineDeadError at once when the engine is gone."""
+    def _send_frames(self, link: _Link, kind: int, frames) -> asyncio.Future:
+        """Send one message to ``link``'s engine without holding the loop: at once when
+        its request ring has room and nothing waits before it; else it queues behind the
+        others and the returned future completes when it is sent (the backlog task parks
+        on the ring's space pipe, at most SEND_TIMEOUT_S a message, then
+        PeerNotConsumingError). Raises EngineDeadError at once when the engine is gone."""
         rtype, payload = wire.message(kind, frames)
         loop = asyncio.get_running_loop()
-        if not self._backlog:
+        key = link.engine_index
+        backlog = self._backlogs.get(key)
+        if not backlog:
             try:
-                self._link.channel.send_nowait(rtype, payload)
+                link.channel.send_nowait(rtype, payload)
             except WouldBlock:
                 pass
             except (PeerDeadError, ClientClosedError):
                 raise self._dead() from None
             else:
                 return _done(loop)
+        if backlog is None:
+            backlog = self._backlogs[key] = collections.deque()
         sent = loop.create_future()
-        self._backlog.append((rtype, payload, sent))
-        if self._backlog_task is None or self._backlog_task.done():
-            self._backlog_task = loop.create_task(self._send_backlog(), name="ShmEngineCoreSendTask")
+        backlog.append((rtype, payload, sent))
+        task = self._backlog_tasks.get(key)
+        if task is None or task.done():
+            self._backlog_tasks[key] = loop.create_task(self._send_backlog(link, backlog),
+                                                        name=f"ShmEngineCoreSendTask_{key}")
         return sent
 
-    async def _send_backlog(self) -> None:
-        backlog = self._backlog
-        channel = self._link.channel
+    async def _send_backlog(self, link: _Link, backlog: collections.deque) -> None:
+        channel = link.channel
         while backlog:
             rtype, payload, sent = backlog[0]
             error: BaseException | None = None
@@ -443,11 +501,17 @@ class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
                             f.set_exception(EngineDeadError())
 
     def shutdown(self, timeout: float | None = None) -> None:
+        if self.resources.engine_dead:
+            # vLLM's engine monitor found an engine dead and shuts the client down: its
+            # engine manager waits for the other engines to stop (seconds) before the
+            # output tasks are cancelled. Fail the readers now, so that every caller
+            # gets EngineDeadError at once.
+            self._fail_readers_soon()
         try:
             super().shutdown(timeout)
         finally:
-            for task in (self._backlog_task, self._ring_task):
-                if task is None or task.done():
+            for task in (*self._backlog_tasks.values(), *self._ring_tasks):
+                if task.done():
                     continue
                 loop = task.get_loop()
                 if loop.is_closed():
@@ -460,10 +524,54 @@ class ShmAsyncMPClient(_LinkIO, AsyncMPClient):
                     task.cancel()
                 else:
                     loop.call_soon_threadsafe(task.cancel)
-            task = self._ring_task
-            if task is None or task.done() or task.get_loop().is_closed():
+            if not self._ring_tasks:
                 self._close_link()
-            # else the reader task closes the channel itself once cancelled (on its loop)
+            for task, reader in zip(self._ring_tasks, self._readers):
+                if task.done() or task.get_loop().is_closed():
+                    reader.link.close()
+                # else the reader task closes its channel itself once cancelled (on its loop)
+
+
+    def _fail_readers_soon(self) -> None:
+        for task, reader in zip(self._ring_tasks, self._readers):
+            loop = task.get_loop()
+            if task.done() or loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                reader._fail(EngineDeadError())
+            else:
+                loop.call_soon_threadsafe(reader._fail, EngineDeadError())
+
+
+class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):
+    """vLLM's AsyncMPClient with requests and outputs on shared-memory rings."""
+
+    def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
+                 client_count: int = 1, client_index: int = 0, renderer=None) -> None:
+        self._init_async(lambda: AsyncMPClient.__init__(
+            self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
+            renderer=renderer))
+
+
+class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
+    """vLLM's DPLBAsyncMPClient (data parallelism, internal load balancing) with one
+    pair of rings per engine core this frontend starts. Engine selection, the DP
+    coordinator's request counts and waves, aborts routed to the owning engine and
+    utilities to every engine are vLLM's; what travels between this frontend and its
+    engines goes over the rings (the coordinator's messages stay on ZMQ)."""
+
+    def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
+                 client_count: int = 1, client_index: int = 0, renderer=None) -> None:
+        dp_size = vllm_config.parallel_config.data_parallel_size
+        self._init_async(
+            lambda: DPLBAsyncMPClient.__init__(
+                self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
+                renderer=renderer),
+            tuple(range(dp_size)))
 
 
 def _done(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
@@ -504,10 +612,14 @@ class _AsyncReader:
     fast path) and from the wake pipe's reader callback (a parked waiter, utility replies
     nobody awaits as outputs). Dispatches as vLLM's output task does."""
 
-    def __init__(self, client_ref, link: _Link, inbox: _Inbox, utility_results) -> None:
+    def __init__(self, client_ref, link: _Link, inbox: _Inbox, utility_results, handler=None) -> None:
         self.client_ref = client_ref
         self.link = link
         self.channel = link.channel
+        #: the channels ``spin_for_output`` watches (all the client's, on its first reader)
+        self.spin_channels = [self.channel]
+        #: vLLM's per-output hook of the client class (its DP clients'), or None
+        self.handler = handler
         self.inbox = inbox
         self.utility_results = utility_results
         self.stopped = False
@@ -554,8 +666,14 @@ class _AsyncReader:
                     client._engine_status[outputs.engine_index] = outputs.utility_output.result.result
             else:
                 _process_utility_output(outputs.utility_output, self.utility_results)
-        elif outputs.outputs or outputs.scheduler_stats:
-            self.inbox.items.append(outputs)
+        else:
+            if self.handler is not None:
+                client = self.client_ref()
+                if client is None:
+                    return
+                _run_to_end(self.handler(client, outputs))
+            if outputs.outputs or outputs.scheduler_stats:
+                self.inbox.items.append(outputs)
 
     def spin_for_output(self) -> bool:
         """Spin (holding the loop) until a record is there, for at most the adaptive
@@ -588,6 +706,9 @@ class _AsyncReader:
     def _spin_until(self, budget: float) -> bool:
         # The ring's own spin: it stops at once where the spin gate says spinning does
         # not pay on this host now (shmclient/_spin_gate.h), and never sleeps here.
+        channels = self.spin_channels
+        if len(channels) > 1:
+            return _spin_any(channels, budget)
         channel = self.channel
         if channel.readable():
             return True
@@ -639,6 +760,58 @@ class _AsyncReader:
         self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
 
 
+def _spin_any(channels: list, budget: float) -> bool:
+    """Spin (holding the loop) until one of ``channels`` has a record, for at most
+    ``budget`` seconds, and only while the rings' spin gate says spinning pays on this
+    host now."""
+    for channel in channels:
+        if channel.readable():
+            return True
+    if budget <= 0.0 or not _ring.gate.allows(monotonic()):
+        return False
+    end = perf_counter() + budget
+    while perf_counter() < end:
+        for channel in channels:
+            if channel.readable():
+                return True
+    return False
+
+
+def _run_to_end(coro) -> None:
+    """Run a coroutine that never suspends (vLLM's per-output hooks await nothing) to its
+    end, here. One that suspends is a vLLM this was not written against: RuntimeError."""
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise RuntimeError("shmclient.vllm: vLLM's output hook awaited; this vLLM's DP client is not supported")
+
+
+def _watch_engine(loop: asyncio.AbstractEventLoop, reader: _AsyncReader) -> int | None:
+    """Watch the engine's process (a pidfd, readable once it has exited): when it dies,
+    the client is dead and the reader fails at once. vLLM's own engine monitor notices
+    too, but with several engines it first waits for the others to stop (seconds) before
+    failing the client. None where the kernel has no pidfd (vLLM's monitor then)."""
+    pid = reader.link.engine_pid
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        client = reader.client_ref()
+        if client is not None:
+            client.resources.engine_dead = True
+        reader._fail(EngineDeadError())
+
+    loop.add_reader(pidfd, exited)
+    return pidfd
+
+
 async def _own_reader(reader: _AsyncReader) -> None:
     """Own the wake pipe's reader callback: in place until the reader fails or the task
     is cancelled (shutdown); then fail pending utility calls, remove the callback and
@@ -648,6 +821,7 @@ async def _own_reader(reader: _AsyncReader) -> None:
     reader.failed = failed = loop.create_future()
     inbox = reader.inbox
     loop.add_reader(fd, reader.on_readable)
+    pidfd = _watch_engine(loop, reader)
     try:
         if not reader.stopped:
             reader.on_readable()  # whatever arrived before the callback was in place
@@ -663,4 +837,7 @@ async def _own_reader(reader: _AsyncReader) -> None:
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError())
         loop.remove_reader(fd)
+        if pidfd is not None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
         reader.link.close()

@@ -49,6 +49,13 @@ TOUCHED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.core_client", "AsyncMPClient.get_output_async", "body"),
     ("vllm.v1.engine.core_client", "AsyncMPClient._send_input", "body"),
     ("vllm.v1.engine.core_client", "AsyncMPClient._send_input_message", "body"),
+    # data parallelism: its client's sends go through the overridden ones, its per-output
+    # hook runs in the ring reader (it must not await)
+    ("vllm.v1.engine.core_client", "AsyncMPClient._call_utility_async", "body"),
+    ("vllm.v1.engine.core_client", "DPAsyncMPClient.add_request_async", "body"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient.__init__", "params"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient.process_engine_outputs", "body"),
+    ("vllm.v1.engine.core_client", "DPLBAsyncMPClient._abort_requests", "body"),
     # engine core: IO threads replaced (the request loop mirrored), methods called
     ("vllm.v1.engine.core", "EngineCoreProc.process_input_sockets", "body"),
     ("vllm.v1.engine.core", "EngineCoreProc.process_output_sockets", "body"),
@@ -75,16 +82,20 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
         "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
         "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "a3cd76092d06153e", "1459eef83c23b477", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
         "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
         "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
         "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
     )),
     # 0.33.0 (GPU builds only): its input loop gained the validation branch, ported
-    # (engine._handle_request); checked against the release's own files
+    # (engine._handle_request); its DP client no longer tells the coordinator of a first
+    # request (the engine that gets it has the coordinator wake the others, through its
+    # coordinator output, which stays on ZMQ); checked against the release's own files
     "0.33": (("0.33.0",), (
         "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
         "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
         "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "a3cd76092d06153e", "b1f28bb6f943d9b2", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
         "5f1c95b5a61471c1", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
         "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
         "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",

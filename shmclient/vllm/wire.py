@@ -15,10 +15,11 @@ decoders, with the channel's tensor arenas as their out-of-band path (``oob``). 
 vLLM's messages, one ``GPUS`` record (engine → frontend, before READY) says which GPUs
 the engine sees; tensor releases are the channel's own records.
 
-The frontend creates the channel and hands its spec to the engine core process it is
-about to start in the environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack
-``EngineSpec``); vLLM starts its engine with ``multiprocessing`` (spawn or fork), and both
-pass the environment as it is at ``Process.start()``.
+The frontend creates one channel per engine core process it is about to start and hands
+their specs to them in the environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack
+list of ``EngineSpec``, each naming its engine's index); vLLM starts its engines with
+``multiprocessing`` (spawn or fork), and both pass the environment as it is at
+``Process.start()``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = [
     "EngineSpec",
     "VllmFraming",
     "decode_spec",
-    "encode_spec",
+    "encode_specs",
     "message",
     "pack",
     "unpack",
@@ -76,18 +77,28 @@ class EngineSpec(msgspec.Struct, frozen=True):
     frontend_gpus: list[str] = []
     #: output mode "inline": batches of more outputs than this go through the output thread
     inline_max_outputs: int = 16
+    #: the engine this channel is for (vLLM's engine index, its data-parallel rank)
+    engine_index: int = 0
 
 
-def encode_spec(spec: EngineSpec) -> str:
-    return msgspec.msgpack.encode(spec).hex()
+def encode_specs(specs: Sequence[EngineSpec]) -> str:
+    """The environment variable's value: the specs of every engine about to start."""
+    return msgspec.msgpack.encode(list(specs)).hex()
 
 
-def decode_spec(text: str) -> EngineSpec:
-    """Parse the environment variable's value. Raises ValueError naming the variable."""
+def decode_spec(text: str, engine_index: int) -> EngineSpec | None:
+    """The spec for engine ``engine_index`` in the environment variable's value, None
+    when it holds none for that engine (an engine this frontend does not reach over the
+    rings). Raises ValueError naming the variable when the value is not one
+    ``encode_specs`` wrote."""
     try:
-        return msgspec.msgpack.decode(bytes.fromhex(text), type=EngineSpec)
+        specs = msgspec.msgpack.decode(bytes.fromhex(text), type=list[EngineSpec])
     except (ValueError, msgspec.DecodeError) as e:
-        raise ValueError(f"{ENV_SPEC} does not hold a channel spec written by shmclient.vllm: {e}") from None
+        raise ValueError(f"{ENV_SPEC} does not hold channel specs written by shmclient.vllm: {e}") from None
+    for spec in specs:
+        if spec.engine_index == engine_index:
+            return spec
+    return None
 
 
 def pack(frames: Sequence[Any]) -> bytes:

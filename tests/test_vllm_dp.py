@@ -1,0 +1,161 @@
+"""Real vLLM with data parallelism (internal load balancing, one API server) over the
+rings: one pair of rings per engine core, vLLM's DP client and coordinator unchanged.
+
+Run with ``python -m pytest -m vllm``; skipped when vLLM is not importable. One stock and
+one plug-in ``AsyncLLM`` with two engine cores each are shared by the module (~1 min
+each to start here); the kill test starts its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm.v1.engine.core_client import DPLBAsyncMPClient  # noqa: E402
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
+
+from shmclient.vllm.frontend import ShmDPLBAsyncMPClient  # noqa: E402
+
+from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the kill test
+from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-engine tests
+    ENGINE_KW,
+    STREAM_PROMPTS,
+    _drain,
+    _shutdown_async,
+    concurrent,
+    greedy,
+    model_dir,
+    plugin_loaded,
+    stream,
+    switch,
+    tokens,
+)
+
+DP = 2
+
+
+def make_dp(model_dir: str, shm: bool) -> AsyncLLM:
+    with switch(shm):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=model_dir, data_parallel_size=DP, gpu_memory_utilization=0.08, **ENGINE_KW))
+
+
+def engine_pids(client) -> dict[int, int]:
+    return {int(p.name.rsplit("DP", 1)[1]): p.pid for p in client.resources.engine_manager.processes}
+
+
+def requests_carried(client) -> list[int]:
+    """Records each engine's request ring has carried, by engine index."""
+    return [client._links[i.to_bytes(2, "little")].channel.stats()["tx"]["tx_records"] for i in range(DP)]
+
+
+@pytest.fixture(scope="module")
+def dp_pair(model_dir):
+    """(loop, stock, shm) AsyncLLMs with two engine cores each, on one event loop."""
+    loop = asyncio.new_event_loop()
+    stock = shm = None
+    try:
+        stock = make_dp(model_dir, shm=False)
+        shm = make_dp(model_dir, shm=True)
+        for tag, engine in (("warm-stock", stock), ("warm-shm", shm)):
+            loop.run_until_complete(concurrent(engine, tag, STREAM_PROMPTS, 2))
+        yield loop, stock, shm
+    finally:
+        for engine in (shm, stock):
+            if engine is not None:
+                loop.run_until_complete(_shutdown_async(engine))
+        loop.close()
+
+
+def test_dp_clients_are_the_expected_classes(dp_pair):
+    _, stock, shm = dp_pair
+    assert type(stock.engine_core) is DPLBAsyncMPClient
+    assert type(shm.engine_core) is ShmDPLBAsyncMPClient
+    assert sorted(shm.engine_core._links) == [i.to_bytes(2, "little") for i in range(DP)]
+
+
+def test_dp_sixteen_streams_identical_and_spread_over_both_engines(dp_pair):
+    loop, stock, shm = dp_pair
+    before = requests_carried(shm.engine_core)
+    want = loop.run_until_complete(concurrent(stock, "s", STREAM_PROMPTS, 24))
+    got = loop.run_until_complete(concurrent(shm, "m", STREAM_PROMPTS, 24))
+    assert got == want
+    assert all(len(t) == 24 for t in got)
+    after = requests_carried(shm.engine_core)
+    # vLLM's balancing sends a burst round robin: each engine's ring carried half of it
+    assert [a - b for a, b in zip(after, before)] == [len(STREAM_PROMPTS) // DP] * DP
+    assert not shm.engine_core.reqs_in_flight  # vLLM's per-output hook saw every finish
+
+
+def test_dp_abort_goes_to_the_owning_engine_and_utilities_to_every_engine(dp_pair):
+    loop, stock, shm = dp_pair
+    client = shm.engine_core
+
+    async def scenario():
+        got: list[int] = []
+        finish = owner = before = after = None
+        async for out in shm.generate(tokens([1, 2, 3]), greedy(200), request_id="dp-abort-me"):
+            got = list(out.outputs[0].token_ids)
+            finish = out.outputs[0].finish_reason
+            if len(got) >= 3 and finish is None and owner is None:
+                # vLLM's request id carries a suffix of its own: find ours by its prefix
+                owner = next(e for r, e in client.reqs_in_flight.items() if r.startswith("dp-abort-me"))
+                before = requests_carried(client)
+                await shm.abort("dp-abort-me")
+                after = requests_carried(client)
+        other = await stream(shm, "dp-after-abort", [5, 6, 7, 8], 6)
+        utility_before = requests_carried(client)
+        reset = await shm.reset_prefix_cache()
+        utility_after = requests_carried(client)
+        return got, finish, owner, before, after, other, reset, utility_before, utility_after
+
+    got, finish, owner, before, after, other, reset, ub, ua = loop.run_until_complete(scenario())
+    assert 3 <= len(got) < 200 and finish in (None, "abort")
+    assert got == loop.run_until_complete(stream(stock, "dp-ref", [1, 2, 3], len(got)))
+    owner_index = int.from_bytes(owner, "little")
+    assert [a - b for a, b in zip(after, before)] == [int(i == owner_index) for i in range(DP)]
+    assert other == loop.run_until_complete(stream(stock, "dp-ref-after", [5, 6, 7, 8], 6))
+    assert reset is True
+    assert [a - b for a, b in zip(ua, ub)] == [1] * DP  # one utility call to each engine
+
+
+def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracker):
+    loop = asyncio.new_event_loop()
+    engine = make_dp(model_dir, shm=True)
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        assert type(engine.engine_core) is ShmDPLBAsyncMPClient
+
+        async def scenario():
+            t0 = None
+            streams = [asyncio.ensure_future(stream(engine, f"long-{i}", p, 240))
+                       for i, p in enumerate(STREAM_PROMPTS[:4])]
+            try:
+                async for out in engine.generate(tokens([5, 6, 7, 8]), greedy(240), request_id="victim"):
+                    if t0 is None and out.outputs[0].token_ids:
+                        os.kill(engine_pids(engine.engine_core)[1], signal.SIGKILL)
+                        t0 = time.monotonic()
+            except EngineDeadError:
+                pass
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            return time.monotonic() - t0, results
+
+        took, results = loop.run_until_complete(asyncio.wait_for(scenario(), 30))
+        assert took < 2.0
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError):
+            loop.run_until_complete(asyncio.wait_for(stream(engine, "after", [1, 2], 2), 10))
+    finally:
+        loop.run_until_complete(_shutdown_async(engine))
+        loop.close()
+    assert sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("shmc")) == []
