@@ -37,7 +37,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from .load import THRESHOLD_CORES, LoadMonitor, run_cpu_s
 from .report import NOT_JUDGED
@@ -190,7 +190,9 @@ def format_table(results: dict[str, Any]) -> str:
     if "skipped" in results:
         return f"serving: skipped: {results['skipped']}"
     p = results["params"]
-    lines = [f"vLLM {results.get('vllm_version')} OpenAI server, tiny dummy Llama, "
+    dp = p.get("data_parallel_size", 1)
+    lines = [f"vLLM {results.get('vllm_version')} OpenAI server"
+             + (f" ({dp} engine cores, data parallelism)" if dp > 1 else "") + ", tiny dummy Llama, "
              f"{results['tokenizer']['vocab_size']}-token BPE tokenizer; vLLM's serving benchmark, "
              f"random dataset {p['input_len_tokens']} in / {p['output_len_tokens']} out tokens, "
              f"{p['num_prompts']} prompts a run, {len(results['pairs'])} pairs (* a noisy pair)"]
@@ -303,18 +305,21 @@ def _tail(path: str, n: int = 3000) -> str:
     return ""
 
 
-def start_server(model: str, transport: str, tmp: str, log: str) -> tuple[subprocess.Popen, int]:
-    """A healthy server of ``transport``; raises, with its log's tail, when it exits, is
-    not healthy in time, or its log lacks the plug-in's line (has it, for stock)."""
+def start_server(model: str, transport: str, tmp: str, log: str, flags: Sequence[str] = (),
+                 plugin_line: str = PLUGIN_LINE) -> tuple[subprocess.Popen, int]:
+    """A healthy server of ``transport`` (``flags`` added to its command line); raises,
+    with its log's tail, when it exits, is not healthy in time, or its log lacks
+    ``plugin_line`` (has it, for stock)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    os.makedirs(os.path.join(tmp, "rpc"), 0o700, exist_ok=True)  # vLLM's ipc sockets
     env = dict(os.environ, TMPDIR=tmp, VLLM_RPC_BASE_PATH=os.path.join(tmp, "rpc"))
     env.pop("SHMCLIENT_VLLM", None)
     if transport == "plugin":
         env["SHMCLIENT_VLLM"] = "1"
     proc = _spawn([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                   "--port", str(port), *SERVER_FLAGS], env, log)
+                   "--port", str(port), *SERVER_FLAGS, *flags], env, log)
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     try:
         while True:
@@ -328,9 +333,9 @@ def start_server(model: str, transport: str, tmp: str, log: str) -> tuple[subpro
                 raise RuntimeError(f"the {transport} server was not healthy in {HEALTH_TIMEOUT_S:g} s:"
                                    f"\n{_tail(log)}")
             time.sleep(0.5)
-        if (PLUGIN_LINE in _tail(log, 1 << 30)) != (transport == "plugin"):
+        if (plugin_line in _tail(log, 1 << 30)) != (transport == "plugin"):
             raise RuntimeError(f"the {transport} server's log {'lacks' if transport == 'plugin' else 'has'}"
-                               f" the plug-in's line {PLUGIN_LINE!r}:\n{_tail(log)}")
+                               f" the plug-in's line {plugin_line!r}:\n{_tail(log)}")
     except BaseException:
         _stop(proc)
         raise
@@ -406,10 +411,21 @@ def _client(spec_path: str, out_path: str) -> None:
 
 # -- the section ---------------------------------------------------------------------------
 
+def dp_flags(dp: int) -> tuple[list[str], str]:
+    """The server flags for ``dp`` engine cores behind one API server (internal load
+    balancing), and the plug-in's line its log then has."""
+    if dp <= 1:
+        return [], PLUGIN_LINE
+    return (["--data-parallel-size", str(dp), "--api-server-count", "1", "--gpu-memory-utilization", "0.08"],
+            f"shmclient.vllm: DPLBAsyncMPClient ({dp} engines) moves engine-core requests and outputs")
+
+
 def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
-        prompts: int | None = None, noisy_above: float | None = None) -> dict[str, Any]:
+        prompts: int | None = None, noisy_above: float | None = None, dp: int = 1) -> dict[str, Any]:
     """The section's results; ``{"skipped": why}`` without vLLM. ``noisy_above`` defaults
-    to ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's."""
+    to ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
+    ``dp``: engine cores behind the one API server (data parallelism, internal load
+    balancing)."""
     try:
         import vllm
     except ImportError as e:
@@ -419,6 +435,7 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
     if noisy_above is None:
         noisy_above = float(os.environ.get("SHMCLIENT_BENCH_NOISY_ABOVE") or THRESHOLD_CORES)
     rates = ["inf", rate_key(rate)]
+    flags, line = dp_flags(dp)
     monitor = LoadMonitor(noisy_above)
     _become_subreaper()
     results: dict[str, Any] = {
@@ -426,12 +443,12 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         "params": {"pairs": pairs, "num_prompts": prompts, "warmup_prompts": WARMUP_PROMPTS,
                    "input_len_tokens": INPUT_LEN, "output_len_tokens": OUTPUT_LEN, "seed": SEED,
                    "rates": rates, "noisy_above_cores": noisy_above, "quick": quick,
+                   "data_parallel_size": dp,
                    "server_command": ["python", "-m", "vllm.entrypoints.openai.api_server",
-                                      "--model", "DIR", "--port", "PORT", *SERVER_FLAGS]},
+                                      "--model", "DIR", "--port", "PORT", *SERVER_FLAGS, *flags]},
     }
     tmp = tempfile.mkdtemp(prefix="shmc-serving-")
     try:
-        os.mkdir(os.path.join(tmp, "rpc"), 0o700)
         model = os.path.join(tmp, "model")
         results["tokenizer"] = build_model(model)
         for i in range(pairs):
@@ -440,7 +457,8 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
             with monitor.block(f"serving pair {i}") as blk:
                 for transport in order:
                     t0 = time.monotonic()
-                    proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"))
+                    proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"),
+                                              flags, line)
                     try:
                         pair["server_start_s"][transport] = time.monotonic() - t0
                         print(f"serving: pair {i + 1}/{pairs}: {transport} server up in "
@@ -478,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, help="prompts a benchmark run")
     ap.add_argument("--noisy-above", type=float, metavar="CORES",
                     help=f"a pair is noisy above this many cores of other load ({THRESHOLD_CORES:g})")
+    ap.add_argument("--dp", type=int, default=1, metavar="N",
+                    help="engine cores behind the one API server (data parallelism; default 1)")
     ap.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
@@ -487,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above)
+        results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above, args.dp)
     except KeyboardInterrupt:
         print("serving: interrupted; every server stopped, nothing saved", file=sys.stderr)
         return 130

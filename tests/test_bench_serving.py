@@ -190,3 +190,12 @@ def test_model_folder_tokenizer_loads_and_round_trips():
         for s in samples:
             assert s.prompt_len == serving.INPUT_LEN and s.expected_output_len == serving.OUTPUT_LEN
             assert len(vtok.encode(s.prompt, add_special_tokens=False)) == serving.INPUT_LEN
+
+
+def test_data_parallel_servers_get_their_flags_and_the_dp_clients_line():
+    from shmclient_bench.serving import PLUGIN_LINE, dp_flags
+
+    assert dp_flags(1) == ([], PLUGIN_LINE)
+    flags, line = dp_flags(2)
+    assert flags[:4] == ["--data-parallel-size", "2", "--api-server-count", "1"]
+    assert line.startswith("shmclient.vllm: DPLBAsyncMPClient (2 engines) moves")
