@@ -8,6 +8,8 @@ one engine at a time: ``sync`` (``LLM``'s engine, stepped by hand) and ``async``
 for sync ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
 ``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop), and for async
 ``shm-noprewake`` (no early wake-up of the parked frontend, ``SHMCLIENT_VLLM_PREWAKE=0``).
+Then (parts ``busy`` and ``dp``) stock against ``shm`` again with ``BUSY`` busy processes
+pinned one to a CPU, and ``AsyncLLM`` with ``DP`` engine cores (data parallelism).
 
 Figures per configuration:
 
@@ -72,7 +74,12 @@ CONFIGS = (
 #: random per engine), which no transport does.
 BUSY_CONFIGS = (("sync", "stock"), ("sync", "shm"), ("async", "stock"), ("async", "shm"))
 BUSY = 2
-PARTS = ("quiet", "busy")
+#: Measured again with data parallelism: AsyncLLM with DP engine cores (internal load
+#: balancing), stock against the plug-in.
+DP = 2
+DP_KW = dict(data_parallel_size=DP, gpu_memory_utilization=0.08)
+DP_CONFIGS = (("async", "stock"), ("async", "shm"))
+PARTS = ("quiet", "busy", "dp")
 STREAMS = (1, 16)
 CHILD_TIMEOUT_S = 2400
 
@@ -199,7 +206,8 @@ def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> dict[st
     return timing.summary()
 
 
-def _bench_async(model: str, transport: str, rounds: int, tokens: int) -> dict[str, Any]:
+def _bench_async(model: str, transport: str, rounds: int, tokens: int,
+                 engine_kw: dict[str, Any] | None = None) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -210,7 +218,7 @@ def _bench_async(model: str, transport: str, rounds: int, tokens: int) -> dict[s
     timing = _Timing()
 
     async def main() -> None:
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE_KW))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **ENGINE_KW, **(engine_kw or {})))
         client = engine.engine_core
         recording = [False]
         stock_get = client.get_output_async
@@ -314,6 +322,21 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
             r.update(_summarise(r.pop("raw")))
         if busy["configs"]:
             results["busy"] = busy
+        dp: dict[str, Any] = {"engines": DP, "configs": {}}
+        order = list(DP_CONFIGS) if quick else list(DP_CONFIGS) + list(reversed(DP_CONFIGS))
+        if "dp" not in parts:
+            order = []
+        for kind, transport in order:
+            t0 = time.monotonic()
+            part = _bench_async(model, transport, rounds, tokens, DP_KW)
+            name = f"{kind}-{transport}"
+            dp["configs"][name] = _merge(dp["configs"].get(name), part)
+            print(f"shmclient_bench.vllm: {name} with {DP} engine cores done in {time.monotonic() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+        for r in dp["configs"].values():
+            r.update(_summarise(r.pop("raw")))
+        if dp["configs"]:
+            results["dp"] = dp
     finally:
         shutil.rmtree(model, ignore_errors=True)
     return results
@@ -370,7 +393,7 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     if "skipped" in results:
         return f"vllm: skipped: {results['skipped']}"
-    lines = _config_table(results) + _busy_table(results.get("busy"))
+    lines = _config_table(results) + _busy_table(results.get("busy")) + _dp_table(results.get("dp"))
     return "\n".join(lines)
 
 
@@ -407,6 +430,32 @@ def _busy_table(busy: dict[str, Any] | None) -> list[str]:
         lines.append(
             f"{kind}: shm / stock: hop p50 {hop:.2f}x, TPOT p50 {tpot[0]:.2f}x (1 stream) / {tpot[1]:.2f}x "
             f"(16): target {'met' if ok else 'NOT met'}"
+        )
+    return lines
+
+
+def _dp_table(dp: dict[str, Any] | None) -> list[str]:
+    """Data parallelism: target shm hop p50 <= 0.3x stock's, TTFT and TPOT p50 no worse."""
+    if not dp:
+        return []
+    lines = [
+        "",
+        f"AsyncLLM with {dp['engines']} engine cores (data parallelism; target: shm hop p50 <= 0.3x stock's, "
+        "TTFT and TPOT p50 <= stock's)",
+        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
+        "|---|---|---|---|---|---|",
+    ]
+    cfg = dp["configs"]
+    lines += [_row(name, r) for name, r in cfg.items()]
+    st, sh = cfg.get("async-stock"), cfg.get("async-shm")
+    if st and sh:
+        hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
+        ttft = [sh["ttft_ms"][k].get("p50", 0) / max(st["ttft_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+        tpot = [sh["tpot_ms"][k].get("p50", 0) / max(st["tpot_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+        ok = hop <= 0.3 and all(t <= 1.0 for t in ttft + tpot)
+        lines.append(
+            f"async: shm / stock: hop p50 {hop:.2f}x, TTFT p50 {ttft[0]:.2f}x / {ttft[1]:.2f}x, TPOT p50 "
+            f"{tpot[0]:.2f}x (1 stream) / {tpot[1]:.2f}x (16): target {'met' if ok else 'NOT met'}"
         )
     return lines
 
@@ -524,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="quiet (every configuration as the host is), busy (stock and shm with "
-                         f"{BUSY} busy processes), or both (the default)")
+                         f"{BUSY} busy processes), dp (AsyncLLM with {DP} engine cores, stock and shm), "
+                         "comma-separated (default: all)")
     ap.add_argument("--tensors", action="store_true",
                     help="only measure the tensor path (ring frames vs arena) by size")
     args = ap.parse_args(argv)
