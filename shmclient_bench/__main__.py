@@ -51,12 +51,10 @@ SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fa
 #: Sections that run in a child process of their own (``_external``).
 EXTERNAL = ("tensors", "ring", "contention", "fairness", "dp", "vllm", "serving")
 
-#: How long runs take on a 2-vCPU VM (measured with ``time`` on 2026-12-01: --quick
-#: 24 s quiet, full 54 s with other load; see the README).
-QUICK_DURATION = "fewer samples, half the vLLM engines"
-FULL_DURATION = ("27 minutes on a 2-vCPU VM with vLLM installed, 21 of them the vllm section, "
-                 "which starts 20 engines (2026-12-01), and about 6 more for the serving "
-                 "section's six vLLM servers (estimated from its quick run's 3 minutes)")
+#: How long runs take on a 2-vCPU VM (2026-12-03; see the README).
+QUICK_DURATION = "fewer samples, fewer vLLM engines and servers"
+FULL_DURATION = ("about 28 minutes on a 2-vCPU VM with vLLM installed (2026-12-03: 22 for a full "
+                 "run before the vllm section's data-parallel part, 6 for that part alone)")
 
 #: Defaults per run kind; every one can be overridden on the command line.
 DEFAULTS = {

@@ -393,7 +393,10 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
 def format_table(results: dict[str, Any]) -> str:
     if "skipped" in results:
         return f"vllm: skipped: {results['skipped']}"
-    lines = _config_table(results) + _busy_table(results.get("busy")) + _dp_table(results.get("dp"))
+    lines = _config_table(results) if results.get("configs") else [
+        f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
+        f"{results['rounds']} rounds x {results.get('passes', 1)} passes"]
+    lines += _busy_table(results.get("busy")) + _dp_table(results.get("dp"))
     return "\n".join(lines)
 
 
@@ -485,7 +488,7 @@ HOP_POINTS = ("each point: one output batch (every k-th, up to about 2000 per co
 
 def plot(results: dict[str, Any], path: str) -> str | None:
     """CDF of the output hop per configuration, with a footer saying what a point is and
-    the date, machine and load; None without matplotlib."""
+    the date, machine and load; None without matplotlib or without hops."""
     try:
         import matplotlib
 
@@ -493,11 +496,16 @@ def plot(results: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    curves = dict(results.get("configs", {}))
+    dp = results.get("dp") or {}
+    curves.update({f"{name}, {dp['engines']} engine cores": r for name, r in dp.get("configs", {}).items()})
+    curves = {name: sorted(r.get("hops_sample_us", [])) for name, r in curves.items()}
+    curves = {name: v for name, v in curves.items() if v}
+    if not curves:
+        return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.get("configs", {}).items():
-        v = sorted(r.get("hops_sample_us", []))
-        if v:
-            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
+    for name, v in curves.items():
+        ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name)
     ax.set_xscale("log")
     ax.set_xlabel("engine → frontend output hop (µs)")
     ax.set_ylabel("fraction of batches")
@@ -598,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "vllm.json"), "w") as f:
             json.dump(results, f, indent=1)
         png = plot(results, os.path.join(args.out, "vllm_hop_cdf.png"))
-        print(f"wrote {args.out}/vllm.json" + (f" and {png}" if png else " (no plot: matplotlib missing)"))
+        print(f"wrote {args.out}/vllm.json" + (f" and {png}" if png else " (no plot: no hops measured, or matplotlib missing)"))
     return 0 if "skipped" not in results else 1
 
 
