@@ -1,0 +1,171 @@
+"""The frontend's end of the plug-in's channel to one engine core, and how the frontend
+hands the channels to the engines it starts.
+
+Imports ``shmclient.channel``, ``shmclient.shm`` and the plug-in's ``wire`` and ``oob``;
+no vLLM module at import (torch only to ask which GPUs this process sees), no client,
+no waiting. ``_Link`` owns one engine's ``ShmChannel`` (created here, the engine
+attaches), the plug-in's settings read from the environment, and the one-byte "parked"
+flag of the async clients' early wake-up; ``_start_with_links`` runs vLLM's client
+construction with every engine's spec in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ..channel import BadMessage, ShmChannel
+from ..shm import Segment
+from . import oob
+from . import wire
+
+#: "0" switches off the engine's early wake-up of a parked async frontend.
+PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
+#: Output mode "inline": the engine's busy loop writes a batch of at most this many outputs
+#: itself; bigger ones (a saturated engine) go through its output thread, off the busy
+#: loop's path between two steps.
+INLINE_MAX_ENV = "SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS"
+INLINE_MAX_OUTPUTS = 16
+PAGE_BYTES = 4096
+#: Tensor arena per direction (bytes; 0: tensors go as ring frames, as vLLM's own).
+ARENA_ENV = "SHMCLIENT_VLLM_ARENA_BYTES"
+ARENA_BYTES = 32 << 20
+TENSOR_MIN_ENV = "SHMCLIENT_VLLM_TENSOR_MIN_BYTES"
+CUDA_IPC_ENV = "SHMCLIENT_VLLM_CUDA_IPC"
+_spawn_lock = threading.Lock()  # the spec travels in os.environ while an engine starts
+
+
+def _env_float(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+
+
+class _Link:
+    """The frontend's end of the channel to its engine (plus the "parked" flag of the
+    async client). Owned by a finalizer, not by the client."""
+
+    def __init__(self, wake_fd: bool, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.engine_pid: int | None = None
+        capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
+        spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
+        self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
+        if self.output_mode not in ("thread", "inline"):
+            raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
+        self.inline_max_outputs = int(_env_float(INLINE_MAX_ENV, INLINE_MAX_OUTPUTS))
+        if self.inline_max_outputs < 0:
+            raise ValueError(f"{INLINE_MAX_ENV} must be >= 0, got {self.inline_max_outputs}")
+        prewake = os.environ.get(PREWAKE_ENV, "1")
+        if prewake not in ("0", "1"):
+            raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
+        arena = int(_env_float(ARENA_ENV, ARENA_BYTES))
+        self.tensor_min_bytes = int(_env_float(TENSOR_MIN_ENV, oob.TENSOR_MIN_BYTES))
+        cuda_ipc = os.environ.get(CUDA_IPC_ENV, "1")
+        if cuda_ipc not in ("0", "1") or arena < 0 or self.tensor_min_bytes < 0:
+            raise ValueError(
+                f"{CUDA_IPC_ENV} must be '0' or '1', {ARENA_ENV} and {TENSOR_MIN_ENV} >= 0; "
+                f"got {cuda_ipc!r}, {arena}, {self.tensor_min_bytes}"
+            )
+        self.arenas = arena > 0
+        self.framing: wire.VllmFraming | None = None
+
+        def framing(tx, rx):
+            self.framing = wire.VllmFraming(tx, rx, side="frontend", tensor_min_bytes=self.tensor_min_bytes,
+                                            cuda_ipc=cuda_ipc == "1", arenas=self.arenas)
+            return self.framing
+
+        self.channel, self.spec = ShmChannel.create(
+            ring_capacity=capacity, arena_bytes=arena, spin_us=spin_us, wake_fd=wake_fd,
+            enable_cuda_ipc=cuda_ipc == "1", framing=framing)
+        # No peer GPUs until the engine's GPUS record says which it sees: host copies.
+        self.channel.set_peer_gpus([])
+        self.parked: Segment | None = None
+        try:
+            if wake_fd and prewake == "1":
+                # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
+                self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
+        except BaseException:
+            self.close()
+            raise
+        self.parked_flag = self.parked.buf if self.parked is not None else bytearray(1)
+
+    def engine_spec(self) -> wire.EngineSpec:
+        gpus: list[str] = []
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():  # never create a CUDA context here for this
+                from ..tensors_cuda import local_gpu_uuids
+
+                gpus = local_gpu_uuids()
+        except ImportError:
+            pass
+        return wire.EngineSpec(
+            channel=self.spec, frontend_pid=os.getpid(), output_mode=self.output_mode,
+            parked=self.parked.name if self.parked is not None else "", arenas=self.arenas,
+            tensor_min_bytes=self.tensor_min_bytes, frontend_gpus=gpus,
+            inline_max_outputs=self.inline_max_outputs, engine_index=self.engine_index)
+
+    def attached(self, engine_pid: int | None) -> None:
+        """The engine has attached: release the handles; its one-off tensor handles must
+        name its own segments from now on."""
+        self.channel.peer_attached()
+        self.engine_pid = engine_pid
+        if engine_pid is not None:
+            self.channel.set_peer_pid(engine_pid)
+        if self.parked is not None:
+            self.parked.release_handle()
+
+    def on_control(self, rtype: int, obj: Any) -> bool:
+        """Handle a message that is not vLLM's outputs; False if it is one."""
+        if rtype == wire.GPUS:
+            if not isinstance(obj, BadMessage):
+                self.channel.set_peer_gpus(list(obj))
+            return True
+        return False
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.parked is not None:
+            self.parked_flag = bytearray(1)
+            self.parked.release_handle()
+            self.parked.close()
+
+
+def _start_with_links(links: "list[_Link]", construct) -> None:
+    """Run vLLM's client construction with the specs in the environment while it starts
+    the engine core processes (each takes the one naming its engine index)."""
+    with _spawn_lock:
+        os.environ[wire.ENV_SPEC] = wire.encode_specs([link.engine_spec() for link in links])
+        try:
+            construct()
+        finally:
+            os.environ.pop(wire.ENV_SPEC, None)
+
+
+def _engine_pids(client) -> dict[int, int]:
+    """Engine index -> pid of the engine core processes vLLM started here (named
+    ``EngineCore`` alone, ``EngineCore_DP<index>`` with data parallelism)."""
+    pids: dict[int, int] = {}
+    try:
+        processes = list(client.resources.engine_manager.processes)
+    except (AttributeError, TypeError):
+        return pids
+    for proc in processes:
+        name = getattr(proc, "name", "")
+        if name == "EngineCore":
+            pids[0] = proc.pid
+        elif name.startswith("EngineCore_DP") and name[len("EngineCore_DP"):].isdigit():
+            pids[int(name[len("EngineCore_DP"):])] = proc.pid
+    return pids
+
+
+def _close_links(links: "list[_Link]") -> None:
+    for link in links:
+        link.close()
