@@ -536,9 +536,7 @@ def _serve_outputs(self, link: _EngineLink, output_path: str, coord_path: str | 
             # The DP coordinator's stats and wave notices stay on its ZMQ socket, as vLLM's.
             coord_socket = stack.enter_context(make_zmq_socket(ctx, coord_path, zmq.PUSH, bind=False, linger=4000))
             encoder = MsgpackEncoder()
-
-            def to_coordinator(outputs) -> None:
-                coord_socket.send_multipart(encoder.encode(outputs))
+            to_coordinator = lambda outputs: coord_socket.send_multipart(encoder.encode(outputs))  # noqa: E731
 
         inline = link.inline_outputs(self)
         if link.spec.output_mode == "inline":

@@ -24,7 +24,6 @@ list of ``EngineSpec``, each naming its engine's index); vLLM starts its engines
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Any, Sequence
 
