@@ -18,9 +18,9 @@ ring. vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only.
   ``SEND_TIMEOUT_S``, then PeerNotConsumingError.
 * ``ShmAsyncMPClient`` (one engine) and ``ShmDPLBAsyncMPClient`` (data parallelism, one
   channel per engine, all read into one inbox; vLLM's engine selection, coordinator and
-  per-output hook unchanged): ``get_output_async`` reads the rings itself, spins for at most
-  ``SHMCLIENT_VLLM_ASYNC_SPIN_US`` (adaptive, and only where the spin gate lets it), then
-  parks; a reader callback on the ring's wake pipe reads while it is parked (and for
+  per-output hook unchanged): ``get_output_async`` reads the rings itself, spins (one
+  engine only) for at most ``SHMCLIENT_VLLM_ASYNC_SPIN_US`` (adaptive, and only where the
+  spin gate lets it), then parks; a reader callback on the ring's wake pipe reads while it is parked (and for
   utility replies). The engine may wake a parked task early, as its scheduler starts
   building a step's outputs (a one-byte "parked" flag in shared memory;
   ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off). Sends never hold the event loop: a
@@ -239,16 +239,14 @@ class _AsyncRings(_LinkIO):
         for link in self._links.values():
             reader = _AsyncReader(weakref.ref(self), link, self.outputs_queue, self.utility_results, handler)
             self._readers.append(reader)
-        if len(self._readers) > 1:
-            self._readers[0].spin_channels = [r.channel for r in self._readers]
         for reader in self._readers:
             self._ring_tasks.append(asyncio.create_task(
                 _own_reader(reader), name=f"ShmEngineCoreOutputTask_{reader.link.engine_index}"))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next output batch. Reads the rings in this task: what is there is returned
-        at once; else spins on them for at most the spin budget (holding the loop);
-        else parks until a wake pipe's callback has read something. Raises
+        at once; else, with one engine, spins on its ring for at most the spin budget
+        (holding the loop); else parks until a wake pipe's callback has read something. Raises
         EngineDeadError (or the output reader's error) as vLLM's does."""
         self._ensure_output_queue_task()
         readers = self._readers
@@ -257,7 +255,9 @@ class _AsyncRings(_LinkIO):
         if not items and readers:
             for reader in readers:
                 reader.read_now()
-            if not items and readers[0].spin_for_output():
+            # Several engines: no spin. It would be a Python loop over their rings holding
+            # the loop and the GIL; their wake-ups (and each engine's early one) serve.
+            if not items and len(readers) == 1 and readers[0].spin_for_output():
                 for reader in readers:
                     reader.read_now()
         while not items:

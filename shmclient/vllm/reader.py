@@ -67,8 +67,6 @@ class _AsyncReader:
         self.client_ref = client_ref
         self.link = link
         self.channel = link.channel
-        #: the channels ``spin_for_output`` watches (all the client's, on its first reader)
-        self.spin_channels = [self.channel]
         #: vLLM's per-output hook of the client class (its DP clients'), or None
         self.handler = handler
         self.inbox = inbox
@@ -157,9 +155,6 @@ class _AsyncReader:
     def _spin_until(self, budget: float) -> bool:
         # The ring's own spin: it stops at once where the spin gate says spinning does
         # not pay on this host now (shmclient/_spin_gate.h), and never sleeps here.
-        channels = self.spin_channels
-        if len(channels) > 1:
-            return _spin_any(channels, budget)
         channel = self.channel
         if channel.readable():
             return True
@@ -209,23 +204,6 @@ class _AsyncReader:
         if self.failed is not None and not self.failed.done():
             self.failed.set_result(None)
         self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
-
-
-def _spin_any(channels: list, budget: float) -> bool:
-    """Spin (holding the loop) until one of ``channels`` has a record, for at most
-    ``budget`` seconds, and only while the rings' spin gate says spinning pays on this
-    host now."""
-    for channel in channels:
-        if channel.readable():
-            return True
-    if budget <= 0.0 or not _ring.gate.allows(monotonic()):
-        return False
-    end = perf_counter() + budget
-    while perf_counter() < end:
-        for channel in channels:
-            if channel.readable():
-                return True
-    return False
 
 
 def _run_to_end(coro) -> None:
