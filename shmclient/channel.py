@@ -278,6 +278,11 @@ class ShmChannel:
                 m.close()
             raise
 
+    #: The peer registers by connecting: a ZMQ channel's capability only.
+    wait_registered = None
+    #: Everything the peer wrote before it died is in the ring already.
+    late_after_peer_death = False
+
     def peer_attached(self) -> None:
         """Owner: the peer has attached; release the handles, so nothing else can attach."""
         for m in self._owned:

@@ -44,6 +44,18 @@ class ZmqChannel:
 
     ENGINE_IDENTITY = b"\x00\x00"
 
+    # Capabilities a ZMQ channel does not have (``waiting.ChannelCapabilities``): nothing
+    # to unlink (abstract socket names), no handle fds to pass, tensors travel as frames
+    # (no peer GPUs, no peer pid to check one-off handles against, no releases).
+    handle_fds = None
+    #: What the peer sent just before it died may still be on its way (the sockets' IO
+    #: threads): whoever reads what a dead engine left waits a short grace for it.
+    late_after_peer_death = True
+    peer_attached = None
+    set_peer_pid = None
+    set_peer_gpus = None
+    flush_releases = None
+
     def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
         self._tx = tx
         self._rx = rx
@@ -104,12 +116,6 @@ class ZmqChannel:
             raise PeerNotProducingError("engine did not connect to the request socket")
         self._tx.recv_multipart()
 
-    def peer_attached(self) -> None:  # nothing to unlink: abstract socket names
-        pass
-
-    def set_peer_gpus(self, uuids: list[str]) -> None:  # tensors travel as host frames
-        pass
-
     def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
         return True
 
@@ -135,9 +141,6 @@ class ZmqChannel:
         if self._closed or e.errno in (zmq.ENOTSOCK, zmq.ETERM):
             return ClientClosedError("this zmq channel was closed")
         return PeerDeadError(f"the peer is not connected to the socket ({e})")
-
-    def flush_releases(self) -> None:  # tensors travel as frames: nothing to release
-        pass
 
     def _decode_msg(self, frames: list[zmq.Frame]) -> tuple[int, Any]:
         head = frames[0].bytes

@@ -29,7 +29,6 @@ from typing import Any
 from .config import EngineConfig
 from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
-from .channel_zmq import ZmqChannel
 from .client_mp import MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
 from .doorbell import Spin
@@ -242,7 +241,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         """Once the engine died: read what it wrote before dying and queue it, without
         blocking the loop. The zmq transport gets a short grace for its last messages
         (polled with awaits); the rings hold everything already."""
-        zmq_grace = isinstance(self.channel, ZmqChannel)
+        zmq_grace = self.channel.late_after_peer_death
         deadline = time.monotonic() + self._ZMQ_REMAINS_GRACE_S
         while not self._remains_read and not self._closed:
             if self._lead.acquire(False):  # else a reader callback is on it right now

@@ -31,7 +31,6 @@ from typing import Any
 from .config import EngineConfig
 from . import forksafe, waiting
 from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage
-from .channel_zmq import ZmqChannel
 from .client import (
     EngineCoreClient,
     SyncEngineCoreClient,
@@ -295,7 +294,7 @@ class MPClient(EngineCoreClient):
         ``_lead``; called once, after the engine died, never after ``shutdown()``."""
         self._remains_read = True
         got: list[tuple[int, Any]] = []
-        zmq_grace = grace if isinstance(self.channel, ZmqChannel) else 0.0
+        zmq_grace = grace if self.channel.late_after_peer_death else 0.0
         while True:
             try:
                 more = (waiting.recv(self.channel, timeout=zmq_grace) if zmq_grace > 0
@@ -379,7 +378,9 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         """Liveness check run by every blocked wait slice; also sends the releases of
         tensors the caller dropped meanwhile, so the engine's arena does not fill up
         while we wait."""
-        self.channel.flush_releases()
+        flush = self.channel.flush_releases
+        if flush is not None:
+            flush()
         return self.resources.alive()
 
     def _pump(self, done: Any, deadline: float | None) -> None:

@@ -209,7 +209,7 @@ class EngineResources:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
             # The engine inherits the segments' and the wake pipe's fds (same numbers), so
             # it attaches without going through /proc/<pid>/fd.
-            fds = self.channel.handle_fds() if isinstance(self.channel, ShmChannel) else ()
+            fds = self.channel.handle_fds() if self.channel.handle_fds is not None else ()
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", config.engine_module, address, str(os.getpid())],
                 env=env,
@@ -217,14 +217,17 @@ class EngineResources:
                 pass_fds=fds,
             )
         info = self._handshake(config, spec, timeout)
-        if isinstance(self.channel, ZmqChannel):
-            self.channel.wait_registered(timeout=max(1.0, timeout))
-        self.channel.peer_attached()
+        channel = self.channel
+        if channel.wait_registered is not None:
+            channel.wait_registered(timeout=max(1.0, timeout))
+        if channel.peer_attached is not None:
+            channel.peer_attached()
         if self.ipc_dir is not None:
             self.ipc_dir.remove()  # the engine is connected: nothing else may connect
-        self.channel.set_peer_gpus(info.gpu_uuids)
-        if isinstance(self.channel, ShmChannel) and self.proc is not None:
-            self.channel.set_peer_pid(self.proc.pid)
+        if channel.set_peer_gpus is not None:
+            channel.set_peer_gpus(info.gpu_uuids)
+        if channel.set_peer_pid is not None and self.proc is not None:
+            channel.set_peer_pid(self.proc.pid)
         self.monitor = threading.Thread(
             target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
         )

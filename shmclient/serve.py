@@ -132,7 +132,8 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),
                                   output_address=control.reachable(spec.output_address, address))
             channel = ZmqChannel.attach(ctx, spec)
-        channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
+        if channel.set_peer_gpus is not None:
+            channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
         proc = EngineProc(ctl, parent_pid, config, channel, make_core, link=link)
         info = control.ReadyInfo(
             pid=os.getpid(),

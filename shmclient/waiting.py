@@ -102,6 +102,34 @@ class Channel(AsyncSender, Receiver, Protocol):
     def close(self) -> None: ...
 
 
+class ChannelCapabilities(Protocol):
+    """What a channel may or may not be able to do, each an attribute that is None where
+    it cannot (``ZmqChannel`` has none but ``wait_registered``, ``ShmChannel`` all but
+    that one): whoever sets a channel up calls what is there, never asks for a type.
+
+    * ``handle_fds()``: the fds a child must inherit to attach;
+    * ``wait_registered(timeout)``: wait until the peer has connected;
+    * ``peer_attached()``: the peer has attached: release the handles;
+    * ``set_peer_pid(pid)``, ``set_peer_gpus(uuids)``: who the peer is (tensor handles);
+    * ``flush_releases()``: send the peer the releases of its tensor blocks now.
+
+    And one flag: ``late_after_peer_death``, whether what the peer sent just before it
+    died may still arrive after its death was noticed (ZMQ's IO threads; not a ring)."""
+
+    handle_fds: Callable[[], tuple[int, ...]] | None
+    wait_registered: Callable[[float], None] | None
+    peer_attached: Callable[[], None] | None
+    set_peer_pid: Callable[[int], None] | None
+    set_peer_gpus: Callable[[list[str]], None] | None
+    flush_releases: Callable[[], None] | None
+    late_after_peer_death: bool
+
+
+#: The optional capabilities' names (``ChannelCapabilities``).
+CAPABILITIES = ("handle_fds", "wait_registered", "peer_attached", "set_peer_pid", "set_peer_gpus",
+                "flush_releases")
+
+
 def check_timeout(timeout: float | None) -> float | None:
     """``timeout`` as a wait takes it: None or inf (no limit: None), else seconds >= 0.
     Raises ValueError for NaN, a negative number or something that is not one."""

@@ -311,3 +311,27 @@ def test_channels_and_ring_ends_have_the_interface_waiting_is_written_against():
         def wait_send(self, timeout, *, spin=None, first=True): ...
 
     assert not issubclass(NoAbandon, waiting.Sender)
+
+
+def test_optional_channel_capabilities_are_attributes_not_types():
+    """Each optional capability is an attribute on every channel, None where the channel
+    cannot do it; whoever sets a channel up asks for the attribute, not the type."""
+    import ast
+    import inspect
+
+    from shmclient import client_async, client_mp, launcher, serve, waiting
+    from shmclient.channel import ShmChannel
+    from shmclient.channel_zmq import ZmqChannel
+
+    assert set(waiting.CAPABILITIES) | {"late_after_peer_death"} == set(waiting.ChannelCapabilities.__annotations__)
+    assert ZmqChannel.late_after_peer_death and not ShmChannel.late_after_peer_death
+    for name in waiting.CAPABILITIES:
+        assert hasattr(ShmChannel, name) and hasattr(ZmqChannel, name), name
+    assert [n for n in waiting.CAPABILITIES if getattr(ZmqChannel, n) is not None] == ["wait_registered"]
+    assert [n for n in waiting.CAPABILITIES if getattr(ShmChannel, n) is None] == ["wait_registered"]
+    for module in (launcher, client_mp, client_async, serve):
+        tree = ast.parse(inspect.getsource(module))
+        checks = [ast.unparse(n) for n in ast.walk(tree)
+                  if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "isinstance"
+                  and "Channel" in ast.unparse(n.args[1])]
+        assert checks == [], (module.__name__, checks)
