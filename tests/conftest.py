@@ -17,6 +17,7 @@ this session made:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -198,6 +199,34 @@ class LeakCheck:
                     except OSError:
                         pass
         return problems
+
+
+def sweep_orphaned_vllm_segments(before: set[str]) -> list[str]:
+    """vLLM's own shared memory (``psm_*``, its engine-worker message queues) that a
+    SIGKILLed engine could not unlink: remove the entries made since ``before`` that no
+    live process has open or mapped any more (another program's live ones stay).
+    Returns what was removed."""
+    new = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("psm_")}
+    if not new:
+        return []
+    in_use: set[str] = set()
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        paths = set()
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                paths.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        in_use.update(n for n in new if f"/dev/shm/{n}" in maps or f"/dev/shm/{n}" in paths)
+    removed = sorted(new - in_use)
+    for n in removed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{n}")
+    return removed
 
 
 def _cmdline(p: psutil.Process) -> list[str] | str:

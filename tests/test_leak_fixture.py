@@ -14,6 +14,7 @@ import psutil
 
 from . import conftest
 from .conftest import LeakCheck, session_tmp
+from .test_tensors import _resource_tracker  # noqa: F401 - shared memory starts it: before the test
 
 #: A stranger: a process that is not this session's and writes where a parallel run would,
 #: in the host's temporary folder (argv[2]) and in /dev/shm (argv[1]).
@@ -91,3 +92,25 @@ def test_an_entry_is_ours_only_when_its_creator_pid_is_the_sessions():
     assert conftest._ours(f"shmc-{os.getpid()}-x", {os.getpid()})
     assert conftest._ours(f"sem.shmc_t-{os.getpid()}-x", {os.getpid()})
     assert not conftest._ours("torch_123_x", {123})
+
+
+def test_vllm_segments_nobody_holds_are_swept_and_held_ones_stay(_resource_tracker):
+    """vLLM's own ``psm_*`` segments that a SIGKILLed engine could not unlink go; those a
+    live process has mapped or open stay (another program's)."""
+    from multiprocessing import shared_memory
+
+    before = set(os.listdir(conftest.SHM_DIR))
+    held = shared_memory.SharedMemory(create=True, size=4096)
+    orphan = shared_memory.SharedMemory(create=True, size=4096)
+    name = orphan.name
+    orphan.close()  # unmapped, not unlinked: what a killed process leaves
+    try:
+        assert conftest.sweep_orphaned_vllm_segments(before) == [name]
+        assert held.name in os.listdir(conftest.SHM_DIR)
+        assert name not in os.listdir(conftest.SHM_DIR)
+    finally:
+        held.close()
+        held.unlink()
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(f"/{name}", "shared_memory")  # swept: nothing left to track

@@ -27,10 +27,10 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from shmclient.vllm.frontend import ShmDPLBAsyncMPClient  # noqa: E402
 
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the kill test
+from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-engine tests
     ENGINE_KW,
     STREAM_PROMPTS,
-    _drain,
     _shutdown_async,
     concurrent,
     greedy,
@@ -131,8 +131,8 @@ def test_dp_abort_goes_to_the_owning_engine_and_utilities_to_every_engine(dp_pai
 
 def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracker):
     loop = asyncio.new_event_loop()
-    engine = make_dp(model_dir, shm=True)
     shm_before = set(os.listdir("/dev/shm"))
+    engine = make_dp(model_dir, shm=True)
     try:
         assert type(engine.engine_core) is ShmDPLBAsyncMPClient
 
@@ -158,4 +158,5 @@ def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracke
     finally:
         loop.run_until_complete(_shutdown_async(engine))
         loop.close()
+        sweep_orphaned_vllm_segments(shm_before)  # vLLM's own, left by the engine it lost
     assert sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("shmc")) == []

@@ -28,6 +28,7 @@ pytest.importorskip("vllm")
 
 from shmclient_bench import serving  # noqa: E402
 
+from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
 
 DP_FLAGS = ["--data-parallel-size", "2", "--api-server-count", "1", "--gpu-memory-utilization", "0.08"]
@@ -141,9 +142,9 @@ def test_dp_server_aborts_a_request_whose_client_went_away(servers, model):
 
 def test_dp_server_exits_when_an_engine_is_killed(model, _resource_tracker):
     tmp = tempfile.mkdtemp(prefix="shmc-serve-kill-")
+    shm_before = set(os.listdir("/dev/shm"))
     proc, port = serving.start_server(model, "plugin", tmp, os.path.join(tmp, "plugin.log"), DP_FLAGS, DP_LINE)
     try:
-        shm_before = set(os.listdir("/dev/shm"))
         engines = [p for p in psutil.Process(proc.pid).children(recursive=True)
                    if "EngineCore_DP1" in " ".join(p.cmdline()) or p.name().endswith("EngineCore_DP1")]
         assert len(engines) == 1, [(p.pid, p.name(), p.cmdline()) for p in psutil.Process(proc.pid).children(True)]
@@ -165,3 +166,4 @@ def test_dp_server_exits_when_an_engine_is_killed(model, _resource_tracker):
     finally:
         serving._stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+        sweep_orphaned_vllm_segments(shm_before)  # vLLM's own, left by the engine it lost
