@@ -410,6 +410,10 @@ def _row(name: str, r: dict[str, Any]) -> str:
     )
 
 
+_HEAD = ["| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
+         "|---|---|---|---|---|---|"]
+
+
 def _busy_table(busy: dict[str, Any] | None) -> list[str]:
     """The busy-host cell: target shm hop p50 <= stock's, TPOT p50 no worse than stock's."""
     if not busy:
@@ -418,8 +422,7 @@ def _busy_table(busy: dict[str, Any] | None) -> list[str]:
         "",
         f"with {busy['processes']} busy processes, one pinned to each CPU (target: shm hop p50 <= stock's, "
         "TPOT p50 <= stock's)",
-        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
-        "|---|---|---|---|---|---|",
+        *_HEAD,
     ]
     cfg = busy["configs"]
     lines += [_row(name, r) for name, r in cfg.items()]
@@ -445,8 +448,7 @@ def _dp_table(dp: dict[str, Any] | None) -> list[str]:
         "",
         f"AsyncLLM with {dp['engines']} engine cores (data parallelism; target: shm hop p50 <= 0.3x stock's, "
         "TTFT and TPOT p50 <= stock's)",
-        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
-        "|---|---|---|---|---|---|",
+        *_HEAD,
     ]
     cfg = dp["configs"]
     lines += [_row(name, r) for name, r in cfg.items()]
@@ -468,8 +470,7 @@ def _config_table(results: dict[str, Any]) -> list[str]:
         f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
         f"{results['rounds']} rounds x {results.get('passes', 1)} passes; load average "
         f"{results.get('load_before', [0])[0]:.2f} before, {results.get('load_after', [0])[0]:.2f} after",
-        "| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16) | TPOT p50 ms (1 / 16) |",
-        "|---|---|---|---|---|---|",
+        *_HEAD,
     ]
     lines += [_row(name, r) for name, r in results["configs"].items()]
     for kind in ("sync", "async"):

@@ -355,19 +355,7 @@ class _AsyncRings(_LinkIO):
             super().shutdown(timeout)
         finally:
             for task in (*self._backlog_tasks.values(), *self._ring_tasks):
-                if task.done():
-                    continue
-                loop = task.get_loop()
-                if loop.is_closed():
-                    continue
-                try:
-                    running = asyncio.get_running_loop()
-                except RuntimeError:
-                    running = None
-                if running is loop:
-                    task.cancel()
-                else:
-                    loop.call_soon_threadsafe(task.cancel)
+                _on_its_loop(task, task.cancel)
             if not self._ring_tasks:
                 self._close_link()
             for task, reader in zip(self._ring_tasks, self._readers):
@@ -378,17 +366,7 @@ class _AsyncRings(_LinkIO):
 
     def _fail_readers_soon(self) -> None:
         for task, reader in zip(self._ring_tasks, self._readers):
-            loop = task.get_loop()
-            if task.done() or loop.is_closed():
-                continue
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
-                reader._fail(EngineDeadError())
-            else:
-                loop.call_soon_threadsafe(reader._fail, EngineDeadError())
+            _on_its_loop(task, reader._fail, EngineDeadError())
 
 
 class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):
@@ -416,6 +394,22 @@ class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
                 self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
                 renderer=renderer),
             tuple(range(dp_size)))
+
+
+def _on_its_loop(task: asyncio.Task, fn, *args) -> None:
+    """Call ``fn(*args)`` on ``task``'s loop (now, when that is this thread's running
+    loop; else soon, thread-safely), unless the task is done or its loop closed."""
+    loop = task.get_loop()
+    if task.done() or loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn(*args)
+    else:
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _done(loop: asyncio.AbstractEventLoop) -> asyncio.Future:
