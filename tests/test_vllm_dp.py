@@ -92,8 +92,10 @@ def test_dp_sixteen_streams_identical_and_spread_over_both_engines(dp_pair):
     assert got == want
     assert all(len(t) == 24 for t in got)
     after = requests_carried(shm.engine_core)
-    # vLLM's balancing sends a burst round robin: each engine's ring carried half of it
-    assert [a - b for a, b in zip(after, before)] == [len(STREAM_PROMPTS) // DP] * DP
+    # vLLM's balancing spreads the burst (round robin, unless a coordinator stats update
+    # lands in the middle of it): every request went through one ring, each ring a share
+    carried = [a - b for a, b in zip(after, before)]
+    assert sum(carried) == len(STREAM_PROMPTS) and min(carried) >= len(STREAM_PROMPTS) // (2 * DP), carried
     assert not shm.engine_core.reqs_in_flight  # vLLM's per-output hook saw every finish
 
 
