@@ -414,6 +414,11 @@ _HEAD = ["| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16)
          "|---|---|---|---|---|---|"]
 
 
+def _p50_ratios(shm: dict[str, Any], stock: dict[str, Any], metric: str) -> list[float]:
+    """shm / stock p50 of a per-stream metric ("ttft_ms", "tpot_ms") at 1 and 16 streams."""
+    return [shm[metric][k].get("p50", 0) / max(stock[metric][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+
+
 def _busy_table(busy: dict[str, Any] | None) -> list[str]:
     """The busy-host cell: target shm hop p50 <= stock's, TPOT p50 no worse than stock's."""
     if not busy:
@@ -431,7 +436,7 @@ def _busy_table(busy: dict[str, Any] | None) -> list[str]:
         if not st or not sh:
             continue
         hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
-        tpot = [sh["tpot_ms"][k].get("p50", 0) / max(st["tpot_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+        tpot = _p50_ratios(sh, st, "tpot_ms")
         ok = hop <= 1.0 and all(t <= 1.0 for t in tpot)
         lines.append(
             f"{kind}: shm / stock: hop p50 {hop:.2f}x, TPOT p50 {tpot[0]:.2f}x (1 stream) / {tpot[1]:.2f}x "
@@ -455,8 +460,7 @@ def _dp_table(dp: dict[str, Any] | None) -> list[str]:
     st, sh = cfg.get("async-stock"), cfg.get("async-shm")
     if st and sh:
         hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
-        ttft = [sh["ttft_ms"][k].get("p50", 0) / max(st["ttft_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
-        tpot = [sh["tpot_ms"][k].get("p50", 0) / max(st["tpot_ms"][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+        ttft, tpot = _p50_ratios(sh, st, "ttft_ms"), _p50_ratios(sh, st, "tpot_ms")
         ok = hop <= 0.3 and all(t <= 1.0 for t in ttft + tpot)
         lines.append(
             f"async: shm / stock: hop p50 {hop:.2f}x, TTFT p50 {ttft[0]:.2f}x / {ttft[1]:.2f}x, TPOT p50 "

@@ -390,25 +390,32 @@ async def concurrent(engine: AsyncLLM, tag: str, prompts, n: int) -> list[list[i
     return list(await asyncio.gather(*(stream(engine, f"{tag}-{i}", p, n) for i, p in enumerate(prompts))))
 
 
-@pytest.fixture(scope="module")
-def async_pair(model_dir):
-    """(stock, shm) AsyncLLMs on one event loop, run by the tests through ``loop``."""
+def stock_and_shm_on_one_loop(make, embeds_too: bool):
+    """(loop, stock, shm): two AsyncLLMs made by ``make(shm)``, warmed up on one event
+    loop (vLLM starts thread pools on first use: here, not inside a test), shut down
+    after the ``yield``. A generator for module fixtures."""
     loop = asyncio.new_event_loop()
     stock = shm = None
     try:
-        stock = make_async(model_dir, shm=False)
-        shm = make_async(model_dir, shm=True)
-        # vLLM starts thread pools on first use: start them here, not inside a test
+        stock = make(False)
+        shm = make(True)
         for tag, engine in (("warm-stock", stock), ("warm-shm", shm)):
             loop.run_until_complete(concurrent(engine, tag, STREAM_PROMPTS, 2))
-            loop.run_until_complete(_drain(engine.generate({"prompt_embeds": embeds(100, 9)}, greedy(1),
-                                                           request_id=f"{tag}-emb")))
+            if embeds_too:
+                loop.run_until_complete(_drain(engine.generate({"prompt_embeds": embeds(100, 9)}, greedy(1),
+                                                               request_id=f"{tag}-emb")))
         yield loop, stock, shm
     finally:
         for engine in (shm, stock):
             if engine is not None:
                 loop.run_until_complete(_shutdown_async(engine))
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def async_pair(model_dir):
+    """(stock, shm) AsyncLLMs on one event loop, run by the tests through ``loop``."""
+    yield from stock_and_shm_on_one_loop(lambda shm: make_async(model_dir, shm), embeds_too=True)
 
 
 async def _drain(gen) -> None:

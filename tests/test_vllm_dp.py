@@ -36,6 +36,7 @@ from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-en
     greedy,
     model_dir,
     plugin_loaded,
+    stock_and_shm_on_one_loop,
     stream,
     switch,
     tokens,
@@ -62,19 +63,7 @@ def requests_carried(client) -> list[int]:
 @pytest.fixture(scope="module")
 def dp_pair(model_dir):
     """(loop, stock, shm) AsyncLLMs with two engine cores each, on one event loop."""
-    loop = asyncio.new_event_loop()
-    stock = shm = None
-    try:
-        stock = make_dp(model_dir, shm=False)
-        shm = make_dp(model_dir, shm=True)
-        for tag, engine in (("warm-stock", stock), ("warm-shm", shm)):
-            loop.run_until_complete(concurrent(engine, tag, STREAM_PROMPTS, 2))
-        yield loop, stock, shm
-    finally:
-        for engine in (shm, stock):
-            if engine is not None:
-                loop.run_until_complete(_shutdown_async(engine))
-        loop.close()
+    yield from stock_and_shm_on_one_loop(lambda shm: make_dp(model_dir, shm), embeds_too=False)
 
 
 def test_dp_clients_are_the_expected_classes(dp_pair):
