@@ -124,6 +124,55 @@ class _Resources:
         self.fds.clear()
 
 
+def _make(capacity: int, prefix: str, consumer_wake_fd: bool, producer_wake_fd: bool, *,
+          populate: bool) -> tuple[_Resources, RingSpec]:
+    """A new ring's segment (header written) and pipes, and its spec. ``res.fds`` holds
+    the pipes' read ends, the wake pipe's first."""
+    if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
+        raise ValueError(
+            f"capacity must be a multiple of 8 between {MIN_CAPACITY} and {MAX_CAPACITY}, got {capacity!r}"
+        )
+    res = _Resources(owner=True)
+    try:
+        res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=populate)
+        _ring.init_header(res.seg.buf, capacity)
+        wake = space = ""
+        if consumer_wake_fd:
+            r, res.wake_w, wake = make_pipe()
+            res.fds.append(r)
+        if producer_wake_fd:
+            r, res.space_w, space = make_pipe()
+            res.fds.append(r)
+        return res, RingSpec(res.seg.name, capacity, wake, space)
+    except BaseException:
+        res.release()
+        raise
+
+
+class RingHandles:
+    """A ring made by one process for two others to attach (a launcher, for a pair of
+    processes it starts): the handles in ``spec`` and nothing else, no end. Its memory is
+    not mapped here. ``release()`` once both ends have attached (or at the latest when
+    this process ends, which releases them too): the handles stop opening and the ring
+    lives as long as its ends."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, *, prefix: str = "shmc",
+                 consumer_wake_fd: bool = False, producer_wake_fd: bool = False) -> None:
+        self._res, self.spec = _make(capacity, prefix, consumer_wake_fd, producer_wake_fd, populate=False)
+        self._res.seg.close()  # the fd (the handle) stays, the mapping goes
+        self._finalizer = weakref.finalize(self, self._res.release)
+
+    def handle_fds(self) -> list[int]:
+        """The fds behind ``spec`` while they are open (for a forked child to close)."""
+        res = self._res
+        seg = res.seg.fd if res.seg is not None else -1
+        return [fd for fd in (seg, res.wake_w, res.space_w) if fd >= 0]
+
+    def release(self) -> None:
+        """Close every fd of the ring here (idempotent); never blocks."""
+        self._finalizer()
+
+
 def _as_bytes(payload) -> memoryview:
     mv = memoryview(payload)
     if mv.format != "B" or mv.ndim != 1:
@@ -175,29 +224,13 @@ class Ring:
         attached. Does not block.
         """
         cls._check_end()
-        if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
-            raise ValueError(
-                f"capacity must be a multiple of 8 between {MIN_CAPACITY} and {MAX_CAPACITY}, got {capacity!r}"
-            )
         _check_spin(spin_us)
-        res = _Resources(owner=True)
+        res, spec = _make(capacity, prefix, consumer_wake_fd, producer_wake_fd, populate=True)
         try:
-            res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=True)
-            _ring.init_header(res.seg.buf, capacity)
-            wake = space = ""
-            if consumer_wake_fd:
-                r, w, wake = make_pipe()
-                res.fds.append(r)
-                res.wake_w = w
-                if cls._reads_wake:
-                    res.wake_r = r
-            if producer_wake_fd:
-                r, w, space = make_pipe()
-                res.fds.append(r)
-                res.space_w = w
-                if cls._reads_space:
-                    res.space_r = r
-            spec = RingSpec(res.seg.name, capacity, wake, space)
+            if cls._reads_wake and spec.wake_pipe:
+                res.wake_r = res.fds[0]
+            if cls._reads_space and spec.space_pipe:
+                res.space_r = res.fds[-1]
             return cls._build(spec, res, spin_us)
         except BaseException:
             res.release()
