@@ -13,6 +13,7 @@ from shmclient.vllm import _not_on_rings
 
 def parallel(dp: int = 1, local: int | None = None, **kw) -> SimpleNamespace:
     fields = dict(data_parallel_size=dp, data_parallel_size_local=dp if local is None else local,
+                  data_parallel_rank=0,
                   data_parallel_external_lb=False, data_parallel_hybrid_lb=False,
                   data_parallel_backend="mp", enable_elastic_ep=False)
     fields.update(kw)
@@ -25,8 +26,8 @@ def test_one_engine_and_internal_data_parallelism_started_here_take_the_rings(co
 
 
 @pytest.mark.parametrize("config, addresses, words", [
-    (parallel(1), {"input_address": "ipc://x"}, "several API servers"),
-    (parallel(2), {"input_address": "ipc://x"}, "several API servers"),
+    (parallel(1), {"input_address": "ipc://x"}, "handed no shared-memory channels"),
+    (parallel(2), {"input_address": "ipc://x"}, "handed no shared-memory channels"),
     (parallel(2, data_parallel_external_lb=True), None, "external or hybrid load balancing"),
     (parallel(4, local=2, data_parallel_hybrid_lb=True), None, "external or hybrid load balancing"),
     (parallel(4, local=2), None, "with 2 engines on this node"),
@@ -35,4 +36,23 @@ def test_one_engine_and_internal_data_parallelism_started_here_take_the_rings(co
 ])
 def test_the_others_keep_zmq_with_the_reason(config, addresses, words):
     reason = _not_on_rings(config, addresses)
+    assert reason is not None and words in reason
+
+
+def handed(*engines: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(engine_index=e) for e in engines]
+
+
+@pytest.mark.parametrize("config, specs", [(parallel(1), handed(0)), (parallel(2), handed(0, 1))])
+def test_an_api_server_of_several_takes_the_rings_the_launcher_handed_it(config, specs):
+    assert _not_on_rings(config, {"input_address": "ipc://x"}, specs) is None
+
+
+@pytest.mark.parametrize("config, specs, words", [
+    (parallel(2), handed(0), "handed channels to engines [0], it talks to engines [0, 1]"),
+    (parallel(1), handed(1), "handed channels to engines [1], it talks to engines [0]"),
+    (parallel(4, local=2, data_parallel_hybrid_lb=True), handed(0, 1, 2, 3), "external or hybrid"),
+])
+def test_an_api_server_handed_the_wrong_channels_keeps_zmq(config, specs, words):
+    reason = _not_on_rings(config, {"input_address": "ipc://x"}, specs)
     assert reason is not None and words in reason

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from shmclient.vllm.engine import _InlineOutputs
+from shmclient.vllm.engine_outputs import _InlineOutputs
 from shmclient.vllm import wire
 
 
@@ -36,13 +36,13 @@ class DeadSocket:
         self.sent.append(frame)
 
 
-def batch(tag: bytes, n: int) -> tuple[int, SimpleNamespace]:
-    return 0, SimpleNamespace(tag=tag, outputs=[None] * n, engine_index=None)
+def batch(tag: bytes, n: int, client: int = 0) -> tuple[int, SimpleNamespace]:
+    return client, SimpleNamespace(tag=tag, outputs=[None] * n, engine_index=None)
 
 
 def test_small_batches_inline_big_ones_and_what_follows_through_the_output_thread():
     link = FakeLink()
-    out = _InlineOutputs(link, engine_index=3, inline_max=4)
+    out = _InlineOutputs([link], engine_index=3, inline_max=4)
     me = threading.current_thread().name
 
     out.put_nowait(batch(b"a", 1))
@@ -55,7 +55,7 @@ def test_small_batches_inline_big_ones_and_what_follows_through_the_output_threa
     assert len(link.sent) == 2
 
     dead = DeadSocket()
-    thread = threading.Thread(target=out.serve_queued, args=(dead,), name="output-thread")
+    thread = threading.Thread(target=out.serve_queued, args=([dead],), name="output-thread")
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive()
@@ -69,12 +69,12 @@ def test_small_batches_inline_big_ones_and_what_follows_through_the_output_threa
 
 def test_every_batch_is_stamped_with_the_engine_index():
     link = FakeLink()
-    out = _InlineOutputs(link, engine_index=7, inline_max=0)
+    out = _InlineOutputs([link], engine_index=7, inline_max=0)
     small, big = batch(b"x", 0), batch(b"y", 1)
     out.put_nowait(small)
     out.put_nowait(big)
     out.put_nowait(b"DEAD")
-    out.serve_queued(DeadSocket())
+    out.serve_queued([DeadSocket()])
     assert small[1].engine_index == 7 and big[1].engine_index == 7
     assert [tag for tag, _ in link.sent] == [b"x", b"y"]
 
@@ -84,7 +84,7 @@ def test_coordinator_messages_go_to_the_output_thread_and_hold_no_output_back():
     (client index -1): they go to the output thread (which owns the coordinator's socket),
     stamped with the engine index, and the frontend's small batches stay inline."""
     link = FakeLink()
-    out = _InlineOutputs(link, engine_index=1, inline_max=4)
+    out = _InlineOutputs([link], engine_index=1, inline_max=4)
     me = threading.current_thread().name
     stats = SimpleNamespace(tag=b"stats", outputs=[], engine_index=None)
 
@@ -96,10 +96,31 @@ def test_coordinator_messages_go_to_the_output_thread_and_hold_no_output_back():
     to_coordinator: list[tuple[object, str]] = []
     thread = threading.Thread(
         target=out.serve_queued,
-        args=(DeadSocket(), lambda o: to_coordinator.append((o, threading.current_thread().name))),
+        args=([DeadSocket()], lambda o: to_coordinator.append((o, threading.current_thread().name))),
         name="output-thread")
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert to_coordinator == [(stats, "output-thread")] and stats.engine_index == 1
     assert link.sent == [(b"a", me)]  # nothing of it reached the frontend's ring
+
+
+def test_outputs_go_to_the_ring_of_the_frontend_they_belong_to(caplog):
+    """Several API servers: vLLM's client index picks the ring, inline and queued alike;
+    an index this engine has no frontend for is dropped with an error (the other
+    frontends keep being served), and ENGINE_CORE_DEAD goes to every frontend."""
+    links = [FakeLink(), FakeLink()]
+    out = _InlineOutputs(links, engine_index=0, inline_max=1)
+    out.put_nowait(batch(b"a0", 1, client=0))
+    out.put_nowait(batch(b"a1", 1, client=1))
+    out.put_nowait(batch(b"big1", 2, client=1))  # queued
+    out.put_nowait(batch(b"b0", 1, client=0))  # behind it
+    with caplog.at_level("ERROR", logger="vllm.shmclient"):
+        out.put_nowait(batch(b"lost", 1, client=2))
+        out.put_nowait(b"DEAD")
+        dead = [DeadSocket(), DeadSocket()]
+        out.serve_queued(dead)
+    assert [tag for tag, _ in links[0].sent] == [b"a0", b"b0"]
+    assert [tag for tag, _ in links[1].sent] == [b"a1", b"big1"]
+    assert "outputs for frontend 2 dropped" in caplog.text
+    assert [d.sent for d in dead] == [[b"DEAD"], [b"DEAD"]]

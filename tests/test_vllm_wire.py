@@ -3,6 +3,7 @@ from bytes it does not trust (no vLLM needed)."""
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 
@@ -75,3 +76,63 @@ def test_a_spec_variable_shmclient_did_not_write_is_refused_by_name(text):
 
     with pytest.raises(ValueError, match="SHMCLIENT_VLLM_SPEC does not hold channel specs written by shmclient.vllm"):
         decode_spec(text, 0)
+
+
+def _channel_specs(n: int):
+    from shmclient.channel_handles import ChannelHandles
+
+    handles = [ChannelHandles(ring_capacity=1 << 12, arena_bytes=0, spin_us=0.0) for _ in range(n)]
+    return handles, [h.engine_spec for h in handles]
+
+
+def test_an_engine_of_several_api_servers_gets_its_channels_in_client_order():
+    from shmclient.vllm.wire import EngineSpec, decode_specs, encode_specs
+
+    handles, channels = _channel_specs(4)
+    try:
+        specs = [EngineSpec(channel=channels[2 * e + c], frontend_pid=0, output_mode="inline", engine_index=e,
+                            client_index=c, launcher_pid=1) for e in (0, 1) for c in (1, 0)]
+        text = encode_specs(specs)
+        assert [s.client_index for s in decode_specs(text, 1)] == [0, 1]
+        assert [s.channel for s in decode_specs(text, 1)] == [channels[2], channels[3]]
+        assert decode_specs(text, 2) == []
+        # Two channels for one frontend, or a gap: the launcher's bug, refused by name.
+        for bad in ([specs[0], specs[0]], [specs[0]]):
+            with pytest.raises(ValueError, match="SHMCLIENT_VLLM_SPEC holds channels for frontends"):
+                decode_specs(encode_specs(bad), 0)
+    finally:
+        for h in handles:
+            h.release()
+
+
+def test_an_api_server_gets_its_channels_in_engine_order():
+    from shmclient.vllm.wire import FrontendSpec, decode_frontend_specs, encode_specs
+
+    handles, channels = _channel_specs(2)
+    try:
+        specs = [FrontendSpec(channel=channels[e], engine_index=e, client_index=c, launcher_pid=1,
+                              attached_pipe="", output_mode="inline") for e in (1, 0) for c in (0, 1)]
+        text = encode_specs(specs)
+        assert [(s.engine_index, s.client_index) for s in decode_frontend_specs(text, 1)] == [(0, 1), (1, 1)]
+        assert decode_frontend_specs(text, 5) == []
+        with pytest.raises(ValueError, match="two channels to one engine"):
+            decode_frontend_specs(encode_specs([specs[0], specs[0]]), 0)
+        with pytest.raises(ValueError, match="SHMCLIENT_VLLM_FRONTEND_SPEC does not hold"):
+            decode_frontend_specs("zz", 0)
+    finally:
+        for h in handles:
+            h.release()
+
+
+@pytest.mark.parametrize("pid", [0, -1, 1 << 22 + 1, True, "12", None, 1.5])
+def test_a_hello_naming_no_pid_is_refused(pid):
+    from shmclient.vllm.wire import check_pid
+
+    with pytest.raises(ValueError, match="HELLO record names pid"):
+        check_pid(pid)
+
+
+def test_a_hello_pid_passes():
+    from shmclient.vllm.wire import check_pid
+
+    assert check_pid(os.getpid()) == os.getpid()

@@ -9,10 +9,12 @@ without vLLM. vLLM calls ``register`` (entry point ``shmclient`` in group
 * frontend: ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
   ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for one engine this process
   starts, and ``ShmDPLBAsyncMPClient`` for data parallelism with internal load balancing
-  where this process starts every engine (one pair of rings per engine), once
-  ``versions`` has found the installed vLLM to be one the plug-in knows; anything else
-  (several API servers, external or hybrid load balancing, engines on other nodes) gets
-  vLLM's own client, with one WARNING saying why.
+  where every engine is on this node (one pair of rings per engine), once ``versions``
+  has found the installed vLLM to be one the plug-in knows; anything else (external or
+  hybrid load balancing, engines on other nodes) gets vLLM's own client, with one
+  WARNING saying why.
+* ``vllm serve`` with several API servers: the parent makes the rings of every (API
+  server, engine) pair (``launch``); each API server's client attaches to its own.
 * engine core: the targets of ``EngineCoreProc``'s two IO threads read requests from and
   write outputs to the channel (``engine``) when the process was handed one.
 
@@ -106,18 +108,29 @@ def register() -> None:
 
         engine.install()
         if enabled():
+            from . import launch
+
             _install_frontend()
+            launch.install()
         _installed = True
 
 
-def _not_on_rings(parallel, client_addresses) -> "str | None":
+def _not_on_rings(parallel, client_addresses, frontend_specs=None) -> "str | None":
     """Why an async client with this parallel config keeps vLLM's transport, or None
     when the rings can carry it: one engine, or data parallelism with internal load
-    balancing where this frontend starts every engine itself."""
-    if client_addresses:
-        return ("several API servers and externally started engines are not on the rings yet "
-                "(this frontend was handed its engines' addresses)")
+    balancing where every engine is on this node and started by this frontend, or by the
+    ``vllm serve`` parent of several API servers that made this one's channels
+    (``frontend_specs``: the channels it was handed)."""
     dp = parallel.data_parallel_size
+    if client_addresses:
+        if not frontend_specs:
+            return ("this API server was handed no shared-memory channels (several API servers are on the "
+                    "rings when `vllm serve` starts them with the plug-in switched on; externally started "
+                    "engines are not)")
+        engines = list(range(dp)) if dp > 1 else [parallel.data_parallel_rank]
+        got = [spec.engine_index for spec in frontend_specs]
+        if got != engines:
+            return f"this API server was handed channels to engines {got}, it talks to engines {engines}"
     if dp <= 1:
         return None
     if parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
@@ -131,6 +144,17 @@ def _not_on_rings(parallel, client_addresses) -> "str | None":
     return None
 
 
+def _frontend_specs(client_index: int):
+    """This API server's channels from the launcher (``wire.ENV_FRONTEND_SPEC``, removed
+    from the environment once read), or None when it was handed none."""
+    from . import wire
+
+    text = os.environ.pop(wire.ENV_FRONTEND_SPEC, None)
+    if not text:
+        return None
+    return wire.decode_frontend_specs(text, client_index) or None
+
+
 def _install_frontend() -> None:
     from vllm.v1.engine.core_client import EngineCoreClient
 
@@ -142,7 +166,8 @@ def _install_frontend() -> None:
         if not (enabled() and _runs_here()):
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
-        reason = _not_on_rings(vllm_config.parallel_config, client_addresses)
+        specs = _frontend_specs(client_index) if client_addresses else None
+        reason = _not_on_rings(vllm_config.parallel_config, client_addresses, specs)
         if reason is not None:
             _fallback(reason)
             warnings.warn(f"shmclient.vllm: {reason}; vLLM's own transport is used", RuntimeWarning, stacklevel=2)
@@ -151,13 +176,14 @@ def _install_frontend() -> None:
         from .frontend import ShmAsyncMPClient, ShmDPLBAsyncMPClient
 
         dp = vllm_config.parallel_config.data_parallel_size
+        where = f"API server {client_index} of {client_count}" if specs else ""
         if dp > 1:
-            _took_over(f"DPLBAsyncMPClient ({dp} engines)")
+            _took_over(f"DPLBAsyncMPClient ({dp} engines{', ' + where if where else ''})")
             return ShmDPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
-                                        client_count, client_index, renderer=renderer)
-        _took_over("AsyncMPClient")
+                                        client_count, client_index, renderer=renderer, frontend_specs=specs)
+        _took_over(f"AsyncMPClient ({where})" if where else "AsyncMPClient")
         return ShmAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
-                                client_count, client_index, renderer=renderer)
+                                client_count, client_index, renderer=renderer, frontend_specs=specs)
 
     def make_client(multiprocess_mode, asyncio_mode, vllm_config, executor_class, log_stats, renderer=None):
         if not (enabled() and (asyncio_mode or _runs_here())):

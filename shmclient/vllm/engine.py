@@ -1,38 +1,38 @@
-"""Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output on the channel.
+"""Engine core side of the plug-in: vLLM's ``EngineCoreProc`` input/output on the channels.
 
-Imports vLLM (its engine module), ``shmclient.channel`` and ``shmclient.waiting`` and the
-plug-in's ``wire``; nothing of the frontend, no ring end. ``install()`` wraps two methods
-of ``EngineCoreProc``, the targets of its two IO threads:
+Imports vLLM (its engine module), ``shmclient.waiting`` and the plug-in's ``wire``,
+``engine_link`` (this engine's channels) and ``engine_outputs`` (its output side); nothing
+of the frontend, no ring end. ``install()`` wraps two methods of ``EngineCoreProc``, the
+targets of its two IO threads:
 
-* ``process_input_sockets``: still connects vLLM's DEALER socket to the frontend and sends
-  the ready response on it (vLLM's handshake is unchanged), then reads the request ring
-  (``waiting.recv``) instead of the socket and handles each request as vLLM's thread does
-  (``_handle_request``: the same pre-processing, aborts also to ``aborts_queue``). A
-  request that does not decode fails alone (vLLM's request-scoped error for an ADD).
-* ``process_output_sockets``: still connects vLLM's PUSH socket, used only for
-  ``ENGINE_CORE_DEAD``. Output mode ``inline`` (the default): ``output_queue`` is
-  replaced (before the busy loop starts) by an object whose ``put_nowait`` encodes a
-  small ``EngineCoreOutputs`` and writes it in the putting thread (the busy loop, or a
-  utility's completion callback), skipping the hand-off to the IO thread; a big batch
-  (more than ``SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS`` outputs) and what follows it until it
-  is written go to the IO thread, as in vLLM. Output mode ``thread``: the IO thread
-  takes each output from ``output_queue`` and writes it.
+* ``process_input_sockets``: still connects vLLM's DEALER sockets to the frontends and
+  sends the ready response on each (vLLM's handshake is unchanged), then reads the
+  request rings (``waiting.recv``; one thread a frontend when there are several) instead
+  of the sockets and handles each request as vLLM's thread does (``_handle_request``: the
+  same pre-processing, aborts also to ``aborts_queue``; one request at a time). A request
+  that does not decode fails alone (vLLM's request-scoped error for an ADD).
+* ``process_output_sockets``: ``engine_outputs._serve_outputs``. Output mode ``inline``
+  (the default): ``output_queue`` is replaced (before the busy loop starts) by an object
+  whose ``put_nowait`` encodes a small ``EngineCoreOutputs`` and writes it in the putting
+  thread (the busy loop, or a utility's completion callback), skipping the hand-off to the
+  IO thread; a big batch (more than ``SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS`` outputs) and
+  what follows it until it is written go to the IO thread, as in vLLM. Output mode
+  ``thread``: the IO thread takes each output from ``output_queue`` and writes it.
 
 Both wrappers fall back to vLLM's own method when this process was not handed a channel
-(the environment variable ``SHMCLIENT_VLLM_SPEC`` holds none for its engine index) or
-talks to several frontends. With data parallelism the DP coordinator's messages stay on
-vLLM's ZMQ sockets: its requests (waves) are read by a thread of their own
-(``_Coordinator``), and outputs for it (client index -1) go out from the output thread.
-The engine watches its frontend: the request wait checks every 0.1 s that the frontend (its
-parent process) is still there; when it is gone the engine asks for its own shutdown the
-way vLLM's SIGTERM handler does, and outputs nobody can read are dropped. Idle, the request
-reader wakes every 0.1 s also to send the frontend the releases of request tensors the
-busy loop has dropped.
+(the environment variable ``SHMCLIENT_VLLM_SPEC`` holds none for its engine index). With
+data parallelism the DP coordinator's messages stay on vLLM's ZMQ sockets: its requests
+(waves) are read by a thread of their own (``_Coordinator``), and outputs for it (client
+index -1) go out from the output thread. The engine watches its frontends: each request
+wait checks every 0.1 s that its frontend is still there; when the frontend that started
+the engine is gone (or the launcher that did), the engine asks for its own shutdown the
+way vLLM's SIGTERM handler does, and outputs nobody can read are dropped. Idle, each
+request reader wakes every 0.1 s also to send its frontend the releases of request
+tensors the busy loop has dropped.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import threading
@@ -42,119 +42,15 @@ import msgspec
 import zmq
 
 from .. import waiting
-from ..channel import BadMessage, ShmChannel
+from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
-from ..shm import Segment
 from . import wire
+from .engine_link import _EngineLink, _links
+from .engine_outputs import _inline_outputs, _prewake_before_outputs, _serve_outputs
 
-_state_lock = threading.Lock()
-_state: "_EngineLink | None" = None
-_looked = False  # whether the environment was read (once per process)
 _originals: dict[str, Any] = {}
 #: How often (s) an idle request reader sends the frontend pending tensor releases.
 RELEASE_FLUSH_S = 0.1
-
-
-class _EngineLink:
-    """This engine core process's end of the channel to its frontend."""
-
-    def __init__(self, spec: wire.EngineSpec) -> None:
-        self.spec = spec
-        self.framing: wire.VllmFraming | None = None
-
-        def framing(tx, rx):
-            self.framing = wire.VllmFraming(tx, rx, side="engine", tensor_min_bytes=spec.tensor_min_bytes,
-                                            cuda_ipc=spec.channel.enable_cuda_ipc,
-                                            arenas=spec.arenas)
-            return self.framing
-
-        self.channel = ShmChannel.attach(spec.channel, framing)
-        self.channel.set_peer_pid(spec.frontend_pid)
-        self.channel.set_peer_gpus(list(spec.frontend_gpus))
-        self.frontend_pid = spec.frontend_pid
-        self.frontend_gone = False
-        self._parked: Segment | None = None
-        self._parked_flag: Any = None
-        try:
-            if spec.parked:
-                self._parked = Segment.attach(spec.parked)
-                self._parked_flag = self._parked.buf
-        except BaseException:
-            self.close()
-            raise
-        self._inline: "_InlineOutputs | None" = None
-        self._inline_lock = threading.Lock()
-
-    def inline_outputs(self, engine) -> "_InlineOutputs":
-        """The one _InlineOutputs of this engine (made by whichever IO thread asks first)."""
-        with self._inline_lock:
-            if self._inline is None:
-                self._inline = _InlineOutputs(self, engine.engine_index, self.spec.inline_max_outputs)
-            return self._inline
-
-    def frontend_alive(self) -> bool:
-        if os.getppid() != self.frontend_pid:
-            self.frontend_gone = True
-        return not self.frontend_gone
-
-    def prewake(self) -> None:
-        """Early wake-up: if the frontend's output task is parked, wake it now, before
-        this step's outputs are built and encoded, so that its wake-up overlaps that work
-        (it then spins for the outputs; see shmclient.vllm.frontend). One load when it is
-        not parked; never blocks."""
-        flag = self._parked_flag
-        if flag is not None and flag[0]:
-            flag[0] = 0
-            self.channel.wake_peer()
-
-    def close(self) -> None:
-        self.frontend_gone = True
-        self._parked_flag = None
-        self.channel.close()
-        if self._parked is not None:
-            self._parked.close()
-
-    def send(self, kind: int, frames) -> None:
-        """Write one message; drop it once the frontend is gone. Waits while the ring is
-        full (the frontend is slow), checking the frontend's liveness."""
-        if self.frontend_gone:
-            return
-        rtype, payload = wire.message(kind, frames)
-        try:
-            waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
-        except (PeerDeadError, ClientClosedError):
-            self.frontend_gone = True
-
-    def send_gpus(self) -> None:
-        """The GPUS record: the GPUs this process has a CUDA context on (CUDA tensors
-        from the frontend come by IPC handle only for those)."""
-        gpus: list[str] = []
-        try:
-            import torch
-
-            if torch.cuda.is_initialized():
-                from ..tensors_cuda import local_gpu_uuids
-
-                gpus = local_gpu_uuids()
-        except ImportError:
-            pass
-        self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
-
-
-def _link(engine_index: int) -> "_EngineLink | None":
-    """Attach once, from the environment, to this engine's channel (the spec naming
-    ``engine_index``), and remove the variable (processes started later do not see it;
-    workers started before carry it and ignore it: only an EngineCoreProc's IO threads
-    read it). None when the frontend handed this engine no channel."""
-    global _state, _looked
-    with _state_lock:
-        if not _looked:
-            _looked = True
-            text = os.environ.pop(wire.ENV_SPEC, None)
-            spec = wire.decode_spec(text, engine_index) if text else None
-            if spec is not None:
-                _state = _EngineLink(spec)
-        return _state
 
 
 def install() -> None:
@@ -177,8 +73,7 @@ def _shutdown(self) -> None:
     try:
         _originals["shutdown"](self)
     finally:
-        link = getattr(self, "_shmclient_link", None)
-        if link is not None:
+        for link in getattr(self, "_shmclient_links", ()):
             link.close()
 
 
@@ -190,13 +85,24 @@ def _keep_signals_for_main_thread() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
+def _engine_links(engine_index: int, addresses) -> "list[_EngineLink]":
+    """This engine's channels, one per frontend address vLLM gave it; [] for none (vLLM's
+    own sockets then). RuntimeError when the launcher made channels for a different
+    number of frontends than vLLM connects this engine to."""
+    links = _links(engine_index)
+    if links and len(links) != len(addresses):
+        raise RuntimeError(f"shmclient.vllm: engine {engine_index} was handed channels for {len(links)} "
+                           f"frontends, vLLM connects it to {len(addresses)}")
+    return links
+
+
 def _process_input_sockets(self, input_addresses, coord_input_address, identity, ready_event):
-    link = _link(int.from_bytes(identity, "little")) if len(input_addresses) == 1 else None
-    if link is None:
+    links = _engine_links(int.from_bytes(identity, "little"), input_addresses)
+    if not links:
         return _originals["in"](self, input_addresses, coord_input_address, identity, ready_event)
     _keep_signals_for_main_thread()
-    self._shmclient_link = link
-    _fatal_if_raises(self, "request", _serve_requests, self, link, input_addresses[0], coord_input_address,
+    self._shmclient_links = links
+    _fatal_if_raises(self, "request", _serve_requests, self, links, input_addresses, coord_input_address,
                      identity, ready_event)
 
 
@@ -215,74 +121,107 @@ def _fatal_if_raises(self, what: str, fn, *args) -> None:
         raise
 
 
-def _serve_requests(self, link: _EngineLink, input_address: str, coord_address: str | None, identity: bytes,
-                    ready_event) -> None:
+def _serve_requests(self, links: "list[_EngineLink]", input_addresses: list, coord_address: str | None,
+                    identity: bytes, ready_event) -> None:
+    from contextlib import ExitStack
+
     from vllm.utils.network_utils import make_zmq_socket
     from vllm.v1.engine import EngineCoreRequestType
 
-    link.framing.set_fallback(self.tensor_ipc_receiver)
+    for link in links:
+        link.framing.set_fallback(self.tensor_ipc_receiver)
     types = {t.value[0]: t for t in EngineCoreRequestType}
-    channel = link.channel
-    with zmq.Context() as ctx, make_zmq_socket(
-        ctx, input_address, zmq.DEALER, identity=identity, bind=False
-    ) as handshake:
+    with ExitStack() as stack, zmq.Context() as ctx:
+        handshakes = [stack.enter_context(make_zmq_socket(ctx, address, zmq.DEALER, identity=identity, bind=False))
+                      for address in input_addresses]
         coordinator = None
         if coord_address is not None:
             # The DP coordinator's messages (waves, scale-out) stay on its ZMQ socket,
             # read by their own thread; it subscribes now, as vLLM's input thread does.
             coordinator = _Coordinator(self, coord_address, identity)
         try:
-            if link.spec.output_mode == "inline":
+            if links[0].spec.output_mode == "inline":
                 # Swap before the busy loop starts (it waits for ready_event): no output can
                 # then go to the old queue after it was emptied.
-                inline = link.inline_outputs(self)
+                inline = _inline_outputs(self, links)
                 old, self.output_queue = self.output_queue, inline
                 while True:
                     try:
                         inline.put_nowait(old.get_nowait())
                     except queue.Empty:
                         break
-            if link._parked_flag is not None:
-                _prewake_before_outputs(self, link)
-            if link.spec.arenas:
-                link.send_gpus()
-            # vLLM's frontend waits for this on its ROUTER socket before it sends anything.
-            handshake.send(msgspec.msgpack.encode(self._make_ready_response()))
+            if any(link._parked_flag is not None for link in links):
+                _prewake_before_outputs(self, links)
+            for link in links:
+                link.greet()
+            # vLLM's frontends wait for this on their ROUTER sockets before they send anything.
+            ready = msgspec.msgpack.encode(self._make_ready_response())
+            for handshake in handshakes:
+                handshake.send(ready)
             if coordinator is not None:
                 coordinator.wait_ready()  # vLLM's handshake completes only after the coordinator's READY
                 coordinator.start()
             ready_event.set()
             del ready_event
-            while True:
-                try:
-                    # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
-                    # of request tensors the busy loop has dropped since. Never spins: a spin
-                    # holds the GIL, which the busy loop needs, and the busy loop takes
-                    # requests only between steps anyway.
-                    messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
-                except PeerNotProducingError:
-                    channel.flush_releases()
-                    continue
-                except (PeerDeadError, ClientClosedError):
-                    link.frontend_gone = True
-                    # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
-                    from vllm.v1.engine.core import EngineShutdownState
-
-                    self.shutdown_state = EngineShutdownState.REQUESTED
-                    self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
-                    return
-                for rtype, request in messages:
-                    request_type = types[rtype & ~wire.MULTI]
-                    if isinstance(request, BadMessage):
-                        _refuse(self, request_type, request)
-                        continue
-                    _handle_request(self, request_type, request)
-                # Hold no request here: its tensors' arena blocks are released when the
-                # busy loop drops it.
-                messages = request = None
+            if len(links) == 1:
+                _read_requests(self, links[0], types)
+                return
+            # One reader a frontend, each waiting on its own ring; requests are handled
+            # one at a time, as vLLM's one input thread handles them.
+            readers = [threading.Thread(target=_fatal_if_raises, args=(self, "request", _read_requests, self, link,
+                                                                     types), name=f"ShmEngineRequests_{i}",
+                                        daemon=True) for i, link in enumerate(links)]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join()
         finally:
             if coordinator is not None:
                 coordinator.stop()
+
+
+_handling = threading.Lock()  # requests are handled one at a time, as by vLLM's one input thread
+
+
+def _read_requests(self, link: _EngineLink, types) -> None:
+    """Read one frontend's request ring until the frontend or this engine is gone."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    channel = link.channel
+    while True:
+        try:
+            # Wakes every RELEASE_FLUSH_S when idle to send the frontend the releases
+            # of request tensors the busy loop has dropped since. Never spins: a spin
+            # holds the GIL, which the busy loop needs, and the busy loop takes
+            # requests only between steps anyway.
+            messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
+        except PeerNotProducingError:
+            channel.flush_releases()
+            continue
+        except (PeerDeadError, ClientClosedError):
+            link.frontend_gone = True
+            if link.ends_engine:
+                # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
+                from vllm.v1.engine.core import EngineShutdownState
+
+                self.shutdown_state = EngineShutdownState.REQUESTED
+                self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+            return
+        with _handling:
+            for rtype, request in messages:
+                if rtype == wire.HELLO:
+                    link.on_hello(request)
+                    continue
+                request_type = types.get(rtype & ~wire.MULTI)
+                if request_type is None:  # the channel's framing decodes only these
+                    continue
+                if isinstance(request, BadMessage):
+                    _refuse(self, request_type, request)
+                    continue
+                _handle_request(self, request_type, request)
+        # Hold no request here: its tensors' arena blocks are released when the
+        # busy loop drops it.
+        messages = request = None
 
 
 class _Coordinator:
@@ -339,7 +278,9 @@ class _Coordinator:
             type_frame, *data = socket.recv_multipart(copy=False)
             if type_frame.buffer == b"READY":  # vLLM's notice to newly started engines
                 continue
-            _handle_request(engine, types(bytes(type_frame.buffer)), self._decoder.decode(data))
+            request_type, request = types(bytes(type_frame.buffer)), self._decoder.decode(data)
+            with _handling:
+                _handle_request(engine, request_type, request)
 
 
 def _refuse(self, request_type, bad: BadMessage) -> None:
@@ -414,143 +355,11 @@ def _validation_error() -> type | None:
     return VLLMValidationError
 
 
-def _prewake_before_outputs(self, link: _EngineLink) -> None:
-    """Wake the parked frontend when the scheduler starts turning a step's model output
-    into EngineCoreOutputs (measured ~15 us before they are stamped, ~35 us before they
-    are published on this machine)."""
-    scheduler = self.scheduler
-    update = scheduler.update_from_output
-    prewake = link.prewake
-
-    def update_from_output(*args, **kwargs):
-        prewake()
-        return update(*args, **kwargs)
-
-    scheduler.update_from_output = update_from_output
-
-
-class _InlineOutputs:
-    """Stands in for ``EngineCoreProc.output_queue``. ``put_nowait`` encodes the outputs
-    and writes them to the ring in the calling thread (the busy loop, or a utility's
-    completion callback) when that is cheap: a batch of at most ``inline_max`` outputs
-    while the output thread has nothing queued. A bigger batch, everything after it until
-    the output thread has written it, and ENGINE_CORE_DEAD go to ``queue`` for the output
-    thread (``serve_queued``): the busy loop never encodes a large batch on its critical
-    path, and nothing overtakes what is queued."""
-
-    def __init__(self, link: _EngineLink, engine_index: int, inline_max: int) -> None:
-        self._link = link
-        self._engine_index = engine_index
-        self._inline_max = inline_max
-        self._buffer = bytearray()  # the ring copies it: reusable at once
-        self._send_lock = threading.Lock()  # vLLM's encoder is not thread-safe
-        self._count_lock = threading.Lock()
-        self._queued = 0  # output batches put in ``queue`` and not yet written
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.inline = self.offloaded = 0  # batches written each way
-
-    def put_nowait(self, item) -> None:
-        if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
-            self.queue.put(item)
-            return
-        client_index, outputs = item
-        if client_index == -1:
-            # For the DP coordinator (its ZMQ socket, owned by the output thread); no
-            # order to keep with the frontend's outputs, so it holds none of them back.
-            outputs.engine_index = self._engine_index
-            self.queue.put(_ForCoordinator(outputs))
-            return
-        with self._count_lock:
-            offload = self._queued > 0 or len(outputs.outputs) > self._inline_max
-            if offload:
-                self._queued += 1
-        if offload:
-            self.queue.put(outputs)
-        else:
-            self.send(outputs)
-
-    put = put_nowait
-
-    def send(self, outputs, *, queued: bool = False) -> None:
-        """Encode and write one EngineCoreOutputs in this thread."""
-        outputs.engine_index = self._engine_index
-        link = self._link
-        with self._send_lock:
-            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffer))
-            if queued:
-                self.offloaded += 1
-            else:
-                self.inline += 1
-
-    def serve_queued(self, dead_socket, coordinator=None) -> None:
-        """The output thread's loop: write what ``put_nowait`` queued, in order, until
-        ENGINE_CORE_DEAD, which goes on ``dead_socket``; messages for the DP coordinator
-        go to ``coordinator`` (a callable)."""
-        while True:
-            item = self.queue.get()
-            if isinstance(item, bytes):
-                dead_socket.send(item)
-                return
-            if isinstance(item, _ForCoordinator):
-                coordinator(item.outputs)
-                continue
-            try:
-                self.send(item, queued=True)
-            finally:
-                with self._count_lock:
-                    self._queued -= 1
-
-    def empty(self) -> bool:
-        return not self._queued
-
-
-class _ForCoordinator:
-    """An output for the DP coordinator in the output thread's queue."""
-
-    __slots__ = ("outputs",)
-
-    def __init__(self, outputs) -> None:
-        self.outputs = outputs
-
-
 def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
-    link = _link(engine_index) if len(output_paths) == 1 else None
-    if link is None:
+    links = _engine_links(engine_index, output_paths)
+    if not links:
         return _originals["out"](self, output_paths, coord_output_path, engine_index)
     _keep_signals_for_main_thread()
-    _fatal_if_raises(self, "output", _serve_outputs, self, link, output_paths[0], coord_output_path, engine_index)
+    _fatal_if_raises(self, "output", _serve_outputs, self, links, output_paths, coord_output_path, engine_index)
 
 
-def _serve_outputs(self, link: _EngineLink, output_path: str, coord_path: str | None, engine_index: int) -> None:
-    from contextlib import ExitStack
-
-    from vllm.utils.network_utils import make_zmq_socket
-    from vllm.v1.engine.core import EngineCoreProc
-    from vllm.v1.serial_utils import MsgpackEncoder
-
-    dead = EngineCoreProc.ENGINE_CORE_DEAD
-    with ExitStack() as stack, zmq.Context() as ctx:
-        dead_socket = stack.enter_context(make_zmq_socket(ctx, output_path, zmq.PUSH, linger=4000))
-        to_coordinator = None
-        if coord_path is not None:
-            # The DP coordinator's stats and wave notices stay on its ZMQ socket, as vLLM's.
-            coord_socket = stack.enter_context(make_zmq_socket(ctx, coord_path, zmq.PUSH, bind=False, linger=4000))
-            encoder = MsgpackEncoder()
-            to_coordinator = lambda outputs: coord_socket.send_multipart(encoder.encode(outputs))  # noqa: E731
-
-        inline = link.inline_outputs(self)
-        if link.spec.output_mode == "inline":
-            # The input thread put the inline object in place of output_queue.
-            inline.serve_queued(dead_socket, to_coordinator)
-            return
-        while True:
-            output = self.output_queue.get()
-            if output == dead:
-                dead_socket.send(output)
-                return
-            client_index, outputs = output
-            if client_index == -1:
-                outputs.engine_index = engine_index
-                to_coordinator(outputs)
-                continue
-            inline.send(outputs)

@@ -61,13 +61,22 @@ class _LinkIO:
     """Send and receive vLLM messages over the channels, one per engine (shared by the
     clients)."""
 
-    def _init_link(self, wake_fd: bool, construct, engine_indexes: "tuple[int, ...]" = (0,)) -> None:
+    def _init_link(self, wake_fd: bool, construct, engine_indexes: "tuple[int, ...]" = (0,),
+                   frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
+        """Make a channel per engine and run vLLM's construction (which starts the
+        engines) with their specs in the environment; or, with ``frontend_specs`` (an
+        API server of several), attach to the channels the launcher made."""
         links: list[_Link] = []
         self._link_finalizer = weakref.finalize(self, _close_links, links)
         try:
-            for index in engine_indexes:
-                links.append(_Link(wake_fd, index))
-            _start_with_links(links, construct)
+            if frontend_specs is not None:
+                for spec in frontend_specs:
+                    links.append(_Link(wake_fd, frontend_spec=spec))
+                construct()
+            else:
+                for index in engine_indexes:
+                    links.append(_Link(wake_fd, index))
+                _start_with_links(links, construct)
             pids = _engine_pids(self)
             for link in links:
                 link.attached(pids.get(link.engine_index))
@@ -207,7 +216,8 @@ class _AsyncRings(_LinkIO):
     vLLM's: one channel per engine, their outputs read into one inbox on the event
     loop's thread, requests sent to their engine's channel without holding the loop."""
 
-    def _init_async(self, construct, engine_indexes: "tuple[int, ...]" = (0,)) -> None:
+    def _init_async(self, construct, engine_indexes: "tuple[int, ...]" = (0,),
+                    frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
         self._ring_tasks: list[asyncio.Task] = []
         self._readers: list[_AsyncReader] = []
         #: Per engine index: messages waiting for room in its request ring, oldest
@@ -215,7 +225,7 @@ class _AsyncRings(_LinkIO):
         #: socket).
         self._backlogs: dict[int, collections.deque] = {}
         self._backlog_tasks: dict[int, asyncio.Task] = {}
-        self._init_link(True, construct, engine_indexes)
+        self._init_link(True, construct, engine_indexes, frontend_specs)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -370,30 +380,34 @@ class _AsyncRings(_LinkIO):
 
 
 class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):
-    """vLLM's AsyncMPClient with requests and outputs on shared-memory rings."""
+    """vLLM's AsyncMPClient with requests and outputs on shared-memory rings.
+    ``frontend_specs``: the channels a launcher made for this API server (one of
+    several); else it makes its own for the engine it starts."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
-                 client_count: int = 1, client_index: int = 0, renderer=None) -> None:
+                 client_count: int = 1, client_index: int = 0, renderer=None,
+                 frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
         self._init_async(lambda: AsyncMPClient.__init__(
             self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
-            renderer=renderer))
+            renderer=renderer), frontend_specs=frontend_specs)
 
 
 class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
     """vLLM's DPLBAsyncMPClient (data parallelism, internal load balancing) with one
-    pair of rings per engine core this frontend starts. Engine selection, the DP
+    pair of rings per engine core (made here, or by the launcher: ``frontend_specs``). Engine selection, the DP
     coordinator's request counts and waves, aborts routed to the owning engine and
     utilities to every engine are vLLM's; what travels between this frontend and its
     engines goes over the rings (the coordinator's messages stay on ZMQ)."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
-                 client_count: int = 1, client_index: int = 0, renderer=None) -> None:
+                 client_count: int = 1, client_index: int = 0, renderer=None,
+                 frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
         dp_size = vllm_config.parallel_config.data_parallel_size
         self._init_async(
             lambda: DPLBAsyncMPClient.__init__(
                 self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
                 renderer=renderer),
-            tuple(range(dp_size)))
+            tuple(range(dp_size)), frontend_specs)
 
 
 def _on_its_loop(task: asyncio.Task, fn, *args) -> None:

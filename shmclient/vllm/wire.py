@@ -15,11 +15,17 @@ decoders, with the channel's tensor arenas as their out-of-band path (``oob``). 
 vLLM's messages, one ``GPUS`` record (engine → frontend, before READY) says which GPUs
 the engine sees; tensor releases are the channel's own records.
 
-The frontend creates one channel per engine core process it is about to start and hands
-their specs to them in the environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack
-list of ``EngineSpec``, each naming its engine's index); vLLM starts its engines with
-``multiprocessing`` (spawn or fork), and both pass the environment as it is at
-``Process.start()``.
+Each side's first record is a ``HELLO`` naming its pid: the engine learns which process
+is its frontend (and watches it), the frontend which process is its engine.
+
+Who starts the engines creates the channels and hands their specs to them in the
+environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack list of ``EngineSpec``,
+each naming its engine's index and the index of the frontend it serves); vLLM starts its
+engines with ``multiprocessing`` (spawn or fork), and both pass the environment as it is
+at ``Process.start()``. That is the frontend itself when it starts its engines (one API
+server), or the ``vllm serve`` parent with several API servers, which also hands each API
+server its channels, one per engine, in ``SHMCLIENT_VLLM_FRONTEND_SPEC`` (a list of
+``FrontendSpec``).
 """
 
 from __future__ import annotations
@@ -32,13 +38,18 @@ import msgspec
 from ..channel import ShmChannelSpec
 
 __all__ = [
+    "ENV_FRONTEND_SPEC",
     "ENV_SPEC",
+    "FrontendSpec",
     "GPUS",
+    "HELLO",
     "MULTI",
     "OUTPUTS",
     "EngineSpec",
     "VllmFraming",
+    "decode_frontend_specs",
     "decode_spec",
+    "decode_specs",
     "encode_specs",
     "message",
     "pack",
@@ -46,12 +57,17 @@ __all__ = [
 ]
 
 ENV_SPEC = "SHMCLIENT_VLLM_SPEC"
+ENV_FRONTEND_SPEC = "SHMCLIENT_VLLM_FRONTEND_SPEC"
 
 #: engine → frontend: one EngineCoreOutputs.
 OUTPUTS = 0x20
 #: engine → frontend, before READY: msgpack list of the GPU UUIDs the engine sees
 #: (empty when it has no CUDA context); CUDA tensors towards it go by IPC only to those.
 GPUS = 0x22
+#: either way, each side's first record: msgpack int, the sender's pid.
+HELLO = 0x23
+#: The largest pid Linux hands out (``pid_max`` is at most 2**22).
+MAX_PID = 1 << 22
 #: or-ed into a message's record type when its payload holds several frames (``pack``).
 MULTI = 0x80
 #: The most frames one message may say it has (vLLM sends one per out-of-line tensor).
@@ -78,26 +94,78 @@ class EngineSpec(msgspec.Struct, frozen=True):
     inline_max_outputs: int = 16
     #: the engine this channel is for (vLLM's engine index, its data-parallel rank)
     engine_index: int = 0
+    #: the frontend it serves (vLLM's client index: the API server's index)
+    client_index: int = 0
+    #: the process that made the channel when it is not the frontend (the ``vllm serve``
+    #: parent with several API servers; the frontend's pid then comes in its HELLO), or 0
+    launcher_pid: int = 0
+    #: handle of the launcher's pipe: a byte there once this side has attached, or ""
+    attached_pipe: str = ""
 
 
-def encode_specs(specs: Sequence[EngineSpec]) -> str:
-    """The environment variable's value: the specs of every engine about to start."""
+class FrontendSpec(msgspec.Struct, frozen=True):
+    """What an API server started by a launcher needs for one engine: the channel (its
+    point of view) and the settings the engine side was given."""
+
+    channel: ShmChannelSpec
+    engine_index: int
+    client_index: int
+    launcher_pid: int
+    attached_pipe: str
+    output_mode: str
+    parked: str = ""
+    arenas: bool = True
+    tensor_min_bytes: int = 64 * 1024
+    inline_max_outputs: int = 16
+
+
+def encode_specs(specs: Sequence[Any]) -> str:
+    """An environment variable's value: a list of ``EngineSpec`` (or ``FrontendSpec``)."""
     return msgspec.msgpack.encode(list(specs)).hex()
 
 
-def decode_spec(text: str, engine_index: int) -> EngineSpec | None:
-    """The spec for engine ``engine_index`` in the environment variable's value, None
-    when it holds none for that engine (an engine this frontend does not reach over the
-    rings). Raises ValueError naming the variable when the value is not one
-    ``encode_specs`` wrote."""
+def _decode(text: str, kind: type, variable: str) -> list:
     try:
-        specs = msgspec.msgpack.decode(bytes.fromhex(text), type=list[EngineSpec])
+        return msgspec.msgpack.decode(bytes.fromhex(text), type=list[kind])
     except (ValueError, msgspec.DecodeError) as e:
-        raise ValueError(f"{ENV_SPEC} does not hold channel specs written by shmclient.vllm: {e}") from None
-    for spec in specs:
-        if spec.engine_index == engine_index:
-            return spec
-    return None
+        raise ValueError(f"{variable} does not hold channel specs written by shmclient.vllm: {e}") from None
+
+
+def decode_specs(text: str, engine_index: int) -> list[EngineSpec]:
+    """The specs for engine ``engine_index`` in ``SHMCLIENT_VLLM_SPEC``'s value, one per
+    frontend, in client-index order; [] when it holds none for that engine (an engine
+    not reached over the rings). Raises ValueError naming the variable when the value
+    is not one ``encode_specs`` wrote, or holds two for one frontend."""
+    specs = sorted((s for s in _decode(text, EngineSpec, ENV_SPEC) if s.engine_index == engine_index),
+                   key=lambda s: s.client_index)
+    if [s.client_index for s in specs] != list(range(len(specs))):
+        raise ValueError(f"{ENV_SPEC} holds channels for frontends {[s.client_index for s in specs]} "
+                         f"of engine {engine_index}, not 0..n-1")
+    return specs
+
+
+def decode_spec(text: str, engine_index: int) -> EngineSpec | None:
+    """The spec for engine ``engine_index`` when it serves one frontend (see
+    ``decode_specs``), None when the value holds none for it."""
+    specs = decode_specs(text, engine_index)
+    return specs[0] if specs else None
+
+
+def decode_frontend_specs(text: str, client_index: int) -> list[FrontendSpec]:
+    """API server ``client_index``'s channels in ``SHMCLIENT_VLLM_FRONTEND_SPEC``'s
+    value, in engine-index order ([] for none). ValueError as ``decode_specs``."""
+    specs = sorted((s for s in _decode(text, FrontendSpec, ENV_FRONTEND_SPEC) if s.client_index == client_index),
+                   key=lambda s: s.engine_index)
+    if len({s.engine_index for s in specs}) != len(specs):
+        raise ValueError(f"{ENV_FRONTEND_SPEC} holds two channels to one engine for API server {client_index}")
+    return specs
+
+
+def check_pid(obj: Any) -> int:
+    """A pid from a peer's HELLO, checked: ValueError unless an int in 1..MAX_PID."""
+    if not isinstance(obj, int) or isinstance(obj, bool) or not 1 <= obj <= MAX_PID:
+        raise ValueError(f"a HELLO record names pid {obj!r}, not one in 1..{MAX_PID}")
+    return obj
 
 
 def pack(frames: Sequence[Any]) -> bytes:
@@ -160,10 +228,15 @@ class _Frames:
 
 
 class _Msgpack:
-    """A plain msgpack record (the GPUS list)."""
+    """A plain msgpack record (the GPUS list, a HELLO's pid)."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, typ: Any = list[str]) -> None:
+        self.type = typ
 
     def decode(self, view: memoryview) -> Any:
-        return msgspec.msgpack.decode(view, type=list[str])
+        return msgspec.msgpack.decode(view, type=self.type)
 
     def salvage(self, view: memoryview) -> Any:
         return None
@@ -205,6 +278,7 @@ class VllmFraming:
             self.decoders[kind | MULTI] = _Frames(dec, True)
         if side == "frontend":
             self.decoders[GPUS] = _Msgpack()
+        self.decoders[HELLO] = _Msgpack(int)
         add = EngineCoreRequest.__struct_fields__
         self.fields = {k: {name: i for i, name in enumerate(add)}
                        for k in (EngineCoreRequestType.ADD.value[0], EngineCoreRequestType.ADD.value[0] | MULTI)}

@@ -1,0 +1,217 @@
+"""The engine core's ends of its channels: one per frontend (API server) it serves.
+
+Imports ``shmclient.channel``, ``shmclient.shm``, ``shmclient.waiting`` and the plug-in's
+``wire`` and ``link`` (its notice to a launcher); vLLM only for its serializers (through
+``wire``). ``_links`` attaches, once per process, to the channels the environment names
+for this engine (``SHMCLIENT_VLLM_SPEC``), in client-index order, and closes the handles
+of every other channel a forked engine inherited. ``_EngineLink`` is one of them: sends
+wait while the ring is full, checking that the frontend is alive; the frontend is this
+process's parent when it started the engine, or, when a launcher (``vllm serve`` with
+several API servers) did, the process its HELLO names, watched with a pidfd.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from typing import Any
+
+import msgspec
+
+from .. import waiting
+from ..channel import ShmChannel
+from ..errors import ClientClosedError, PeerDeadError
+from ..shm import Segment, close_inherited
+from . import wire
+
+_state_lock = threading.Lock()
+_state: "list[_EngineLink] | None" = None
+_looked = False  # whether the environment was read (once per process)
+
+
+class _EngineLink:
+    """This engine core process's end of the channel to one frontend (one API server)."""
+
+    def __init__(self, spec: wire.EngineSpec) -> None:
+        from .link import notify_attached
+
+        self.spec = spec
+        self.client_index = spec.client_index
+        self.framing: wire.VllmFraming | None = None
+
+        def framing(tx, rx):
+            self.framing = wire.VllmFraming(tx, rx, side="engine", tensor_min_bytes=spec.tensor_min_bytes,
+                                            cuda_ipc=spec.channel.enable_cuda_ipc,
+                                            arenas=spec.arenas)
+            return self.framing
+
+        self.channel = ShmChannel.attach(spec.channel, framing)
+        #: A launcher made the channel (several API servers): the frontend is not the
+        #: parent, its pid comes in its HELLO; the parent is the launcher.
+        self.launcher_pid = spec.launcher_pid
+        self.frontend_pid: int | None = spec.frontend_pid or None
+        if self.frontend_pid is not None:
+            self.channel.set_peer_pid(self.frontend_pid)
+        self.channel.set_peer_gpus(list(spec.frontend_gpus))
+        self.frontend_gone = False
+        self.launcher_gone = False
+        #: outputs went to this frontend since the last step (see _prewake_before_outputs)
+        self.active = False
+        self._pidfd: int | None = None
+        self._parked: Segment | None = None
+        self._parked_flag: Any = None
+        try:
+            if spec.parked:
+                self._parked = Segment.attach(spec.parked)
+                self._parked_flag = self._parked.buf
+        except BaseException:
+            self.close()
+            raise
+        notify_attached(spec.attached_pipe)
+
+    def on_hello(self, obj: Any) -> None:
+        """The frontend's first record names its pid: with a launcher, the process to
+        watch from now on."""
+        try:
+            pid = wire.check_pid(obj)
+        except ValueError as e:
+            _log().error("shmclient.vllm: frontend %d: %s", self.client_index, e)
+            return
+        if self.launcher_pid and self.frontend_pid is None:
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:  # gone already (or no pidfd: the launcher's watch remains)
+                if not _exists(pid):
+                    self.frontend_gone = True
+            self.frontend_pid = pid
+            self.channel.set_peer_pid(pid)
+
+    def frontend_alive(self) -> bool:
+        if self.frontend_gone:
+            return False
+        if self.launcher_pid:
+            if os.getppid() != self.launcher_pid:
+                self.frontend_gone = self.launcher_gone = True
+            elif self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
+                self.frontend_gone = True
+        elif os.getppid() != self.frontend_pid:
+            self.frontend_gone = True
+        return not self.frontend_gone
+
+    @property
+    def ends_engine(self) -> bool:
+        """Whether this frontend's end means the engine's: it is the engine's parent, or
+        the launcher (the parent) is gone. An API server of several that dies leaves the
+        engine to its launcher, which shuts everything down (as vLLM's does)."""
+        if self.launcher_pid and os.getppid() != self.launcher_pid:
+            self.launcher_gone = True
+        return not self.launcher_pid or self.launcher_gone
+
+    def prewake(self) -> None:
+        """Early wake-up: if the frontend's output task is parked, wake it now, before
+        this step's outputs are built and encoded, so that its wake-up overlaps that work
+        (it then spins for the outputs; see shmclient.vllm.frontend). One load when it is
+        not parked; never blocks."""
+        flag = self._parked_flag
+        if flag is not None and flag[0]:
+            flag[0] = 0
+            self.channel.wake_peer()
+
+    def close(self) -> None:
+        self.frontend_gone = True
+        self._parked_flag = None
+        self.channel.close()
+        if self._parked is not None:
+            self._parked.close()
+        pidfd, self._pidfd = self._pidfd, None
+        if pidfd is not None:
+            os.close(pidfd)
+
+    def send(self, kind: int, frames) -> None:
+        """Write one message; drop it once the frontend is gone. Waits while the ring is
+        full (the frontend is slow), checking the frontend's liveness."""
+        if self.frontend_gone:
+            return
+        rtype, payload = wire.message(kind, frames)
+        try:
+            waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
+        except (PeerDeadError, ClientClosedError):
+            self.frontend_gone = True
+
+    def greet(self) -> None:
+        """The first records: HELLO (this process's pid), then, with arenas, GPUS: the
+        GPUs this process has a CUDA context on (CUDA tensors from the frontend come by
+        IPC handle only for those)."""
+        self.send(wire.HELLO, [msgspec.msgpack.encode(os.getpid())])
+        if not self.spec.arenas:
+            return
+        gpus: list[str] = []
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                from ..tensors_cuda import local_gpu_uuids
+
+                gpus = local_gpu_uuids()
+        except ImportError:
+            pass
+        self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _log():
+    from . import log
+
+    return log
+
+
+def _links(engine_index: int) -> "list[_EngineLink]":
+    """Attach once, from the environment, to this engine's channels (one per frontend,
+    in client-index order), and remove the variables (processes started later do not see
+    them; workers started before carry them and ignore them: only an EngineCoreProc's IO
+    threads read them). Closes the inherited handles of every other channel named there
+    (a forked engine inherits its launcher's fds). [] when it was handed no channel."""
+    global _state, _looked
+    with _state_lock:
+        if not _looked:
+            _looked = True
+            text = os.environ.pop(wire.ENV_SPEC, None)
+            frontends = os.environ.pop(wire.ENV_FRONTEND_SPEC, None)
+            specs = wire.decode_specs(text, engine_index) if text else []
+            links: list[_EngineLink] = []
+            try:
+                for spec in specs:
+                    links.append(_EngineLink(spec))
+            except BaseException:
+                for link in links:
+                    link.close()
+                raise
+            _state = links
+            _close_inherited(text, frontends)
+        return _state or []
+
+
+def _close_inherited(text: "str | None", frontends: "str | None") -> None:
+    handles: list[str] = []
+    for value, kind in ((text, wire.EngineSpec), (frontends, wire.FrontendSpec)):
+        if not value:
+            continue
+        try:
+            specs = wire._decode(value, kind, "")
+        except ValueError:
+            continue
+        for spec in specs:
+            c = spec.channel
+            handles += [c.rx.segment, c.rx.wake_pipe, c.rx.space_pipe, c.tx.segment, c.tx.wake_pipe,
+                        c.tx.space_pipe, c.tensor_rx, c.tensor_tx, spec.parked, spec.attached_pipe]
+    close_inherited(handles)

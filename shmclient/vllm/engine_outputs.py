@@ -1,0 +1,189 @@
+"""The engine core's output side: where its ``EngineCoreOutputs`` are written.
+
+Imports ``zmq``, vLLM (inside functions) and the plug-in's ``wire`` and ``engine_link``.
+``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` (see its docstring);
+``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
+ENGINE_CORE_DEAD (one per frontend), the DP coordinator's socket for its messages, every
+output batch to the ring of the frontend it belongs to (vLLM's client index).
+``_prewake_before_outputs`` wakes parked frontends as the scheduler starts building a
+step's outputs.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import zmq
+
+from . import wire
+from .engine_link import _EngineLink, _log
+
+
+def _prewake_before_outputs(self, links: "list[_EngineLink]") -> None:
+    """Wake the parked frontends when the scheduler starts turning a step's model output
+    into EngineCoreOutputs (measured ~15 us before they are stamped, ~35 us before they
+    are published on this machine)."""
+    scheduler = self.scheduler
+    update = scheduler.update_from_output
+    if len(links) == 1:
+        prewake = links[0].prewake
+
+        def update_from_output(*args, **kwargs):
+            prewake()
+            return update(*args, **kwargs)
+    else:
+        # Several frontends: wake only those this engine sent outputs to since the last
+        # step (their requests are running); a frontend whose requests have all finished
+        # would spin for nothing. A request's first output wakes its frontend on publish.
+        def update_from_output(*args, **kwargs):
+            for link in links:
+                if link.active:
+                    link.active = False
+                    link.prewake()
+            return update(*args, **kwargs)
+
+    scheduler.update_from_output = update_from_output
+
+
+_inline_lock = threading.Lock()
+
+
+def _inline_outputs(engine, links: "list[_EngineLink]") -> "_InlineOutputs":
+    """The one _InlineOutputs of this engine (made by whichever IO thread asks first)."""
+    with _inline_lock:
+        inline = getattr(engine, "_shmclient_inline", None)
+        if inline is None:
+            inline = engine._shmclient_inline = _InlineOutputs(links, engine.engine_index,
+                                                               links[0].spec.inline_max_outputs)
+        return inline
+
+
+class _InlineOutputs:
+    """Stands in for ``EngineCoreProc.output_queue``. ``put_nowait`` encodes the outputs
+    and writes them to their frontend's ring (vLLM's client index) in the calling thread
+    (the busy loop, or a utility's completion callback) when that is cheap: a batch of
+    at most ``inline_max`` outputs while the output thread has nothing queued. A bigger
+    batch, everything after it until the output thread has written it, and
+    ENGINE_CORE_DEAD go to ``queue`` for the output thread (``serve_queued``): the busy
+    loop never encodes a large batch on its critical path, and nothing overtakes what is
+    queued."""
+
+    def __init__(self, links: "list[_EngineLink]", engine_index: int, inline_max: int) -> None:
+        self._links = links
+        self._engine_index = engine_index
+        self._inline_max = inline_max
+        self._buffers = [bytearray() for _ in links]  # the ring copies it: reusable at once
+        self._send_locks = [threading.Lock() for _ in links]  # vLLM's encoder is not thread-safe
+        self._count_lock = threading.Lock()
+        self._queued = 0  # output batches put in ``queue`` and not yet written
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.inline = self.offloaded = 0  # batches written each way
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
+            self.queue.put(item)
+            return
+        client_index, outputs = item
+        if client_index == -1:
+            # For the DP coordinator (its ZMQ socket, owned by the output thread); no
+            # order to keep with the frontend's outputs, so it holds none of them back.
+            outputs.engine_index = self._engine_index
+            self.queue.put(_ForCoordinator(outputs))
+            return
+        with self._count_lock:
+            offload = self._queued > 0 or len(outputs.outputs) > self._inline_max
+            if offload:
+                self._queued += 1
+        if offload:
+            self.queue.put((client_index, outputs))
+        else:
+            self.send(client_index, outputs)
+
+    put = put_nowait
+
+    def send(self, client_index: int, outputs, *, queued: bool = False) -> None:
+        """Encode and write one EngineCoreOutputs to frontend ``client_index`` in this
+        thread (dropped, with an error logged, for a frontend this engine has not)."""
+        outputs.engine_index = self._engine_index
+        if not (isinstance(client_index, int) and 0 <= client_index < len(self._links)):
+            _log().error("shmclient.vllm: outputs for frontend %r dropped: this engine serves %d",
+                         client_index, len(self._links))
+            return
+        link = self._links[client_index]
+        link.active = True
+        with self._send_locks[client_index]:
+            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]))
+            if queued:
+                self.offloaded += 1
+            else:
+                self.inline += 1
+
+    def serve_queued(self, dead_sockets, coordinator=None) -> None:
+        """The output thread's loop: write what ``put_nowait`` queued, in order, until
+        ENGINE_CORE_DEAD, which goes on each of ``dead_sockets``; messages for the DP
+        coordinator go to ``coordinator`` (a callable)."""
+        while True:
+            item = self.queue.get()
+            if isinstance(item, bytes):
+                for socket in dead_sockets:
+                    socket.send(item)
+                return
+            if isinstance(item, _ForCoordinator):
+                coordinator(item.outputs)
+                continue
+            try:
+                self.send(*item, queued=True)
+            finally:
+                with self._count_lock:
+                    self._queued -= 1
+
+    def empty(self) -> bool:
+        return not self._queued
+
+
+class _ForCoordinator:
+    """An output for the DP coordinator in the output thread's queue."""
+
+    __slots__ = ("outputs",)
+
+    def __init__(self, outputs) -> None:
+        self.outputs = outputs
+
+
+def _serve_outputs(self, links: "list[_EngineLink]", output_paths: list, coord_path: str | None,
+                   engine_index: int) -> None:
+    from contextlib import ExitStack
+
+    from vllm.utils.network_utils import make_zmq_socket
+    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    dead = EngineCoreProc.ENGINE_CORE_DEAD
+    with ExitStack() as stack, zmq.Context() as ctx:
+        dead_sockets = [stack.enter_context(make_zmq_socket(ctx, path, zmq.PUSH, linger=4000))
+                        for path in output_paths]
+        to_coordinator = None
+        if coord_path is not None:
+            # The DP coordinator's stats and wave notices stay on its ZMQ socket, as vLLM's.
+            coord_socket = stack.enter_context(make_zmq_socket(ctx, coord_path, zmq.PUSH, bind=False, linger=4000))
+            encoder = MsgpackEncoder()
+            to_coordinator = lambda outputs: coord_socket.send_multipart(encoder.encode(outputs))  # noqa: E731
+
+        inline = _inline_outputs(self, links)
+        if links[0].spec.output_mode == "inline":
+            # The input thread put the inline object in place of output_queue.
+            inline.serve_queued(dead_sockets, to_coordinator)
+            return
+        while True:
+            output = self.output_queue.get()
+            if output == dead:
+                for socket in dead_sockets:
+                    socket.send(output)
+                return
+            client_index, outputs = output
+            if client_index == -1:
+                outputs.engine_index = engine_index
+                to_coordinator(outputs)
+                continue
+            inline.send(client_index, outputs)
