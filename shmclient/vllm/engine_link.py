@@ -93,8 +93,13 @@ class _EngineLink:
         if self.launcher_pid:
             if os.getppid() != self.launcher_pid:
                 self.frontend_gone = self.launcher_gone = True
-            elif self._pidfd is not None and select.select([self._pidfd], [], [], 0)[0]:
-                self.frontend_gone = True
+            else:
+                pidfd = self._pidfd
+                try:
+                    if pidfd is not None and select.select([pidfd], [], [], 0)[0]:
+                        self.frontend_gone = True
+                except (OSError, ValueError):  # closed by close() meanwhile: gone for us
+                    self.frontend_gone = True
         elif os.getppid() != self.frontend_pid:
             self.frontend_gone = True
         return not self.frontend_gone
