@@ -39,12 +39,33 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Sequence
 
+import psutil
+
 from .load import THRESHOLD_CORES, LoadMonitor, run_cpu_s
 from .report import NOT_JUDGED
 from .report import table as _text_table
 from .vllm import CONFIG
 
 PLUGIN_LINE = "shmclient.vllm: AsyncMPClient moves engine-core requests and outputs over shared-memory rings"
+#: The plug-in's lines with several API servers (``vllm serve --api-server-count M``): one
+#: of each API server (``rank`` 0 to M-1), with one engine core or with several (data
+#: parallelism), and one of the launcher, the parent that starts the engines and the API
+#: servers. ``plugin_lines`` fills them in.
+API_SERVER_LINE = ("shmclient.vllm: AsyncMPClient (API server {rank} of {servers}) moves engine-core "
+                   "requests and outputs over shared-memory rings")
+DP_API_SERVER_LINE = ("shmclient.vllm: DPLBAsyncMPClient ({engines} engines, API server {rank} of {servers}) "
+                      "moves engine-core requests and outputs over shared-memory rings")
+LAUNCHER_LINE = ("shmclient.vllm: the launcher made shared-memory rings for {servers} API servers "
+                 "x {engines} engine core{s}")
+#: How a server is started: the OpenAI server module (one API server), or ``vllm serve``
+#: (any number of API servers) through ``vllm_cli``; MODEL stands for the model's folder.
+LAUNCHERS = {
+    "api_server": ["-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL"],
+    "serve": ["-m", "shmclient_bench.vllm_cli", "serve", "MODEL"],
+}
+#: What a server logs once per API server when that API server accepts connections
+#: (uvicorn's own line).
+READY_LINE = "Application startup complete."
 TRANSPORTS = ("stock", "plugin")
 DEFAULT_RATE = 20.0
 INPUT_LEN, OUTPUT_LEN, SEED, WARMUP_PROMPTS = 128, 64, 0, 16
@@ -288,13 +309,25 @@ def _spawn(cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _group_members(pgid: int) -> set[int]:
+    """Every live process of the process group ``pgid``, those whose parent has already
+    exited among them (a server's API servers or engines after its parent's death)."""
+    out = set()
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getpgid(p.pid) == pgid:
+                out.add(p.pid)
+    return out
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to the group, SIGKILL to whatever is left after ``grace_s``, every process
-    waited for, what shmclient named after them in /dev/shm removed."""
+    waited for (the group's orphans too), what shmclient named after them in /dev/shm
+    removed."""
     from .__main__ import _group_pids, _stop_group, sweep_shm
 
     with _signals_held():
-        pids = _group_pids(proc.pid)
+        pids = _group_pids(proc.pid) | _group_members(proc.pid)
         _stop_group(proc, pids, grace_s)
         sweep_shm(pids)
 
@@ -305,11 +338,49 @@ def _tail(path: str, n: int = 3000) -> str:
     return ""
 
 
+def _flag(flags: Sequence[str], name: str) -> str | None:
+    """The value of ``name`` (``--name V`` or ``--name=V``) in ``flags``, the last one
+    given; None when absent."""
+    value = None
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif f.startswith(name + "="):
+            value = f.split("=", 1)[1]
+    return value
+
+
+def api_server_count(flags: Sequence[str], launcher: str = "serve") -> int:
+    """How many API servers a server started with ``flags`` runs: one for the OpenAI
+    server module; for ``vllm serve`` ``--api-server-count``, which defaults to the data
+    parallel size (internal load balancing, what these flags ask for)."""
+    if launcher != "serve":
+        return 1
+    count = _flag(flags, "--api-server-count") or _flag(flags, "--data-parallel-size") or "1"
+    return max(int(count), 1)
+
+
+def plugin_lines(dp: int = 1, api_servers: int = 1) -> list[str]:
+    """The plug-in's lines in the log of a server with ``dp`` engine cores and
+    ``api_servers`` API servers: every one must be there when the rings carry it all."""
+    if api_servers <= 1:
+        return [dp_flags(dp)[1]]
+    line = API_SERVER_LINE if dp <= 1 else DP_API_SERVER_LINE
+    return [*(line.format(rank=r, servers=api_servers, engines=dp) for r in range(api_servers)),
+            LAUNCHER_LINE.format(servers=api_servers, engines=dp, s="s" if dp > 1 else "")]
+
+
 def start_server(model: str, transport: str, tmp: str, log: str, flags: Sequence[str] = (),
-                 plugin_line: str = PLUGIN_LINE) -> tuple[subprocess.Popen, int]:
-    """A healthy server of ``transport`` (``flags`` added to its command line); raises,
-    with its log's tail, when it exits, is not healthy in time, or its log lacks
-    ``plugin_line`` (has it, for stock)."""
+                 plugin_line: str | Sequence[str] = PLUGIN_LINE,
+                 launcher: str = "api_server", log_stats: bool = False) -> tuple[subprocess.Popen, int]:
+    """A healthy server of ``transport`` (``flags`` added to its command line), started
+    by ``launcher`` (a key of ``LAUNCHERS``), every API server of it up; raises, with its
+    log's tail, when it exits, is not up in time, or its log lacks one of the plug-in's
+    lines ``plugin_line`` (one line or several; for stock: has any of them).
+    ``log_stats``: without ``--disable-log-stats`` (vLLM's gauges on /metrics, its
+    periodic stats lines in the log)."""
+    lines = [plugin_line] if isinstance(plugin_line, str) else list(plugin_line)
+    servers = api_server_count(flags, launcher)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -318,24 +389,34 @@ def start_server(model: str, transport: str, tmp: str, log: str, flags: Sequence
     env.pop("SHMCLIENT_VLLM", None)
     if transport == "plugin":
         env["SHMCLIENT_VLLM"] = "1"
-    proc = _spawn([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                   "--port", str(port), *SERVER_FLAGS, *flags], env, log)
+    if launcher == "serve":  # vllm_cli from this folder, whatever is installed
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    cmd = [model if a == "MODEL" else a for a in LAUNCHERS[launcher]]
+    base = [f for f in SERVER_FLAGS if not (log_stats and f == "--disable-log-stats")]
+    proc = _spawn([sys.executable, *cmd, "--port", str(port), *base, *flags], env, log)
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     try:
+        healthy = False
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"the {transport} server exited ({proc.returncode}):\n{_tail(log)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
+            if not healthy:
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        healthy = r.status == 200
+            # each API server answers once it logged its start (health may come from one)
+            if healthy and _tail(log, 1 << 30).count(READY_LINE) >= servers:
+                break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the {transport} server was not healthy in {HEALTH_TIMEOUT_S:g} s:"
-                                   f"\n{_tail(log)}")
+                raise RuntimeError(f"the {transport} server was not up in {HEALTH_TIMEOUT_S:g} s "
+                                   f"({servers} API servers):\n{_tail(log)}")
             time.sleep(0.5)
-        if (plugin_line in _tail(log, 1 << 30)) != (transport == "plugin"):
+        text = _tail(log, 1 << 30)
+        wrong = [line for line in lines if (line in text) != (transport == "plugin")]
+        if wrong:
             raise RuntimeError(f"the {transport} server's log {'lacks' if transport == 'plugin' else 'has'}"
-                               f" the plug-in's line {plugin_line!r}:\n{_tail(log)}")
+                               f" the plug-in's lines {wrong!r}:\n{_tail(log)}")
     except BaseException:
         _stop(proc)
         raise

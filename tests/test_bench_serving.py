@@ -199,3 +199,35 @@ def test_data_parallel_servers_get_their_flags_and_the_dp_clients_line():
     flags, line = dp_flags(2)
     assert flags[:4] == ["--data-parallel-size", "2", "--api-server-count", "1"]
     assert line.startswith("shmclient.vllm: DPLBAsyncMPClient (2 engines) moves")
+
+
+def test_several_api_servers_log_a_line_each_and_the_launcher_one():
+    from shmclient_bench.serving import PLUGIN_LINE, dp_flags, plugin_lines
+
+    assert plugin_lines(1, 1) == [PLUGIN_LINE] and plugin_lines(2, 1) == [dp_flags(2)[1]]
+    assert plugin_lines(1, 2) == [
+        "shmclient.vllm: AsyncMPClient (API server 0 of 2) moves engine-core requests and outputs "
+        "over shared-memory rings",
+        "shmclient.vllm: AsyncMPClient (API server 1 of 2) moves engine-core requests and outputs "
+        "over shared-memory rings",
+        "shmclient.vllm: the launcher made shared-memory rings for 2 API servers x 1 engine core"]
+    lines = plugin_lines(2, 2)
+    assert lines[0].startswith("shmclient.vllm: DPLBAsyncMPClient (2 engines, API server 0 of 2) moves")
+    assert lines[1].startswith("shmclient.vllm: DPLBAsyncMPClient (2 engines, API server 1 of 2) moves")
+    assert lines[2].endswith("for 2 API servers x 2 engine cores")
+    assert len(plugin_lines(2, 3)) == 4
+
+
+def test_api_server_count_as_vllm_serve_counts_them():
+    count = serving.api_server_count
+    assert count([]) == 1
+    assert count(["--api-server-count", "3"]) == 3
+    assert count(["--api-server-count=3", "--data-parallel-size", "2"]) == 3
+    assert count(["--data-parallel-size", "2"]) == 2  # vllm serve's default: one per engine
+    assert count(["--data-parallel-size", "2", "--api-server-count", "1"]) == 1
+    assert count(["--api-server-count", "3"], launcher="api_server") == 1
+
+
+def test_server_command_names_the_launcher():
+    assert serving.LAUNCHERS["serve"][:3] == ["-m", "shmclient_bench.vllm_cli", "serve"]
+    assert "MODEL" in serving.LAUNCHERS["serve"] and "MODEL" in serving.LAUNCHERS["api_server"]
