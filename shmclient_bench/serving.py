@@ -2,9 +2,11 @@
 
 A tiny dummy Llama (``shmclient_bench.vllm.CONFIG``, random weights) with a real tokenizer
 (a byte-level BPE trained here on Python's standard library sources) is served by
-``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs), stock
-(``SHMCLIENT_VLLM`` unset) and with the plug-in (``SHMCLIENT_VLLM=1``, its INFO line
-checked in the server's log), one server at a time, in pairs whose order alternates.
+``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs with one API
+server), or with several API servers (``--api-servers``) by ``vllm serve`` itself
+(``shmclient_bench.vllm_cli``), stock (``SHMCLIENT_VLLM`` unset) and with the plug-in
+(``SHMCLIENT_VLLM=1``, its INFO lines checked in the server's log), one server at a time,
+in pairs whose order alternates.
 Against each, vLLM's own serving benchmark (``vllm.benchmarks.serve``, what ``vllm bench
 serve`` runs) sends its random dataset at rate inf and at a fixed rate after a warm-up:
 request throughput, TTFT, TPOT, ITL (median, p99) from its result, plus the CPU time of
@@ -211,9 +213,11 @@ def format_table(results: dict[str, Any]) -> str:
     if "skipped" in results:
         return f"serving: skipped: {results['skipped']}"
     p = results["params"]
-    dp = p.get("data_parallel_size", 1)
+    dp, servers = p.get("data_parallel_size", 1), p.get("api_servers", 1)
+    layout = [f"{dp} engine cores, data parallelism"] if dp > 1 else []
+    layout += [f"{servers} API servers, vllm serve"] if servers > 1 else []
     lines = [f"vLLM {results.get('vllm_version')} OpenAI server"
-             + (f" ({dp} engine cores, data parallelism)" if dp > 1 else "") + ", tiny dummy Llama, "
+             + (f" ({'; '.join(layout)})" if layout else "") + ", tiny dummy Llama, "
              f"{results['tokenizer']['vocab_size']}-token BPE tokenizer; vLLM's serving benchmark, "
              f"random dataset {p['input_len_tokens']} in / {p['output_len_tokens']} out tokens, "
              f"{p['num_prompts']} prompts a run, {len(results['pairs'])} pairs (* a noisy pair)"]
@@ -501,12 +505,31 @@ def dp_flags(dp: int) -> tuple[list[str], str]:
             f"shmclient.vllm: DPLBAsyncMPClient ({dp} engines) moves engine-core requests and outputs")
 
 
+def api_server_flags(dp: int, api_servers: int) -> tuple[list[str], list[str]]:
+    """The server flags for ``dp`` engine cores behind ``api_servers`` API servers
+    (internal load balancing), and the plug-in's lines its log then has. More than one
+    API server takes ``vllm serve`` (``launcher_for``)."""
+    if api_servers <= 1:
+        flags, line = dp_flags(dp)
+        return flags, [line]
+    flags = ["--api-server-count", str(api_servers)]
+    if dp > 1:
+        flags += ["--data-parallel-size", str(dp), "--gpu-memory-utilization", "0.08"]
+    return flags, plugin_lines(dp, api_servers)
+
+
+def launcher_for(api_servers: int) -> str:
+    """The OpenAI server module for one API server, ``vllm serve`` for several."""
+    return "serve" if api_servers > 1 else "api_server"
+
+
 def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
-        prompts: int | None = None, noisy_above: float | None = None, dp: int = 1) -> dict[str, Any]:
+        prompts: int | None = None, noisy_above: float | None = None, dp: int = 1,
+        api_servers: int = 1) -> dict[str, Any]:
     """The section's results; ``{"skipped": why}`` without vLLM. ``noisy_above`` defaults
     to ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
-    ``dp``: engine cores behind the one API server (data parallelism, internal load
-    balancing)."""
+    ``dp``: engine cores (data parallelism, internal load balancing); ``api_servers``:
+    API server processes in front of them (more than one: ``vllm serve``)."""
     try:
         import vllm
     except ImportError as e:
@@ -516,7 +539,8 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
     if noisy_above is None:
         noisy_above = float(os.environ.get("SHMCLIENT_BENCH_NOISY_ABOVE") or THRESHOLD_CORES)
     rates = ["inf", rate_key(rate)]
-    flags, line = dp_flags(dp)
+    flags, lines = api_server_flags(dp, api_servers)
+    launcher = launcher_for(api_servers)
     monitor = LoadMonitor(noisy_above)
     _become_subreaper()
     results: dict[str, Any] = {
@@ -524,9 +548,9 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         "params": {"pairs": pairs, "num_prompts": prompts, "warmup_prompts": WARMUP_PROMPTS,
                    "input_len_tokens": INPUT_LEN, "output_len_tokens": OUTPUT_LEN, "seed": SEED,
                    "rates": rates, "noisy_above_cores": noisy_above, "quick": quick,
-                   "data_parallel_size": dp,
-                   "server_command": ["python", "-m", "vllm.entrypoints.openai.api_server",
-                                      "--model", "DIR", "--port", "PORT", *SERVER_FLAGS, *flags]},
+                   "data_parallel_size": dp, "api_servers": api_servers,
+                   "server_command": ["python", *(a.replace("MODEL", "DIR") for a in LAUNCHERS[launcher]),
+                                      "--port", "PORT", *SERVER_FLAGS, *flags]},
     }
     tmp = tempfile.mkdtemp(prefix="shmc-serving-")
     try:
@@ -539,7 +563,7 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
                 for transport in order:
                     t0 = time.monotonic()
                     proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"),
-                                              flags, line)
+                                              flags, lines, launcher)
                     try:
                         pair["server_start_s"][transport] = time.monotonic() - t0
                         print(f"serving: pair {i + 1}/{pairs}: {transport} server up in "
@@ -578,7 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noisy-above", type=float, metavar="CORES",
                     help=f"a pair is noisy above this many cores of other load ({THRESHOLD_CORES:g})")
     ap.add_argument("--dp", type=int, default=1, metavar="N",
-                    help="engine cores behind the one API server (data parallelism; default 1)")
+                    help="engine cores (data parallelism; default 1)")
+    ap.add_argument("--api-servers", type=int, default=1, metavar="M",
+                    help="API server processes in front of the engine cores; more than one is "
+                         "served by vllm serve (default 1)")
     ap.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
@@ -588,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above, args.dp)
+        results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above, args.dp,
+                      args.api_servers)
     except KeyboardInterrupt:
         print("serving: interrupted; every server stopped, nothing saved", file=sys.stderr)
         return 130

@@ -231,3 +231,20 @@ def test_api_server_count_as_vllm_serve_counts_them():
 def test_server_command_names_the_launcher():
     assert serving.LAUNCHERS["serve"][:3] == ["-m", "shmclient_bench.vllm_cli", "serve"]
     assert "MODEL" in serving.LAUNCHERS["serve"] and "MODEL" in serving.LAUNCHERS["api_server"]
+
+
+def test_the_bench_serves_several_api_servers_by_vllm_serve():
+    from shmclient_bench.serving import api_server_flags, dp_flags, launcher_for, plugin_lines
+
+    assert api_server_flags(1, 1) == ([], [serving.PLUGIN_LINE])
+    assert api_server_flags(2, 1) == (dp_flags(2)[0], [dp_flags(2)[1]])
+    assert launcher_for(1) == "api_server" and launcher_for(2) == "serve"
+    assert api_server_flags(1, 2) == (["--api-server-count", "2"], plugin_lines(1, 2))
+    flags, lines = api_server_flags(2, 2)
+    assert flags[:4] == ["--api-server-count", "2", "--data-parallel-size", "2"]
+    assert "--gpu-memory-utilization" in flags
+    assert lines == plugin_lines(2, 2)
+    assert serving.api_server_count(flags) == 2
+    results = _results([_pair({}, {})])
+    results["params"].update(data_parallel_size=2, api_servers=2)
+    assert "(2 engine cores, data parallelism; 2 API servers, vllm serve)" in serving.format_table(results)
