@@ -1,0 +1,420 @@
+"""``vllm serve`` with several API server processes, stock and with the plug-in: the same
+answers, the same aborts, the same end when an engine core or an API server is killed.
+
+Two layouts, both with two API servers (``--api-server-count 2``): ``api2``, one engine
+core, and ``dp2``, two (``--data-parallel-size 2``, internal load balancing, a DP
+coordinator). The ``vllm serve`` parent binds the listening socket and the engines' ZMQ
+listeners, starts the engine cores, the coordinator and the API servers
+(``ApiServer_0``, ``ApiServer_1``), and then watches them all: the kernel hands each new
+connection to one of the API servers.
+
+The kill tests come first, each with its own server (so that no more than one runs
+then): an engine core killed in ``dp2``, an API server in ``api2`` (the other two pairings
+would add ~4 min). Then the stock and the plug-in server of one layout are shared by that
+layout's tests, one layout at a time (four processes and more a server, ~1 min to start
+here). Servers run with vLLM's stats on (without ``--disable-log-stats``): the abort test
+reads vLLM's gauge of running requests and its count of generated tokens.
+
+The plug-in servers' logs must have the plug-in's lines of every API server and of the
+launcher (``shmclient_bench.serving.plugin_lines``), the stock servers' logs no line of
+the plug-in. Run with ``python -m pytest -m vllm``; skipped when vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+pytest.importorskip("vllm")
+
+from shmclient_bench import serving  # noqa: E402
+
+from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
+from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
+
+API_SERVERS = 2
+#: layout -> engine cores, each with ``API_SERVERS`` API servers
+LAYOUTS = {"api2": 1, "dp2": 2}
+PROMPTS = [f"def f{i}(x):\n    return" for i in range(6)]
+STREAMS = [f"import os\nclass C{i}:" for i in range(16)]
+MAX_BURSTS = 4
+#: Tokens the kill and abort tests' streams ask for: seconds of work (the model's limit is 512).
+LONG = 480
+#: What stock did when one of its processes was SIGKILLed (measured on this 2-core host):
+#: the parent noticed at once, stopped the rest (SIGTERM, then SIGKILL after vLLM's 5 s
+#: per process group) and exited with 1, 8-13 s after the kill. The plug-in must end the
+#: same way within these bounds.
+KILLED_EXIT_CODE = 1
+KILLED_EXIT_BOUND_S = 40.0
+ALL_GONE_BOUND_S = 10.0  # after the parent's exit
+#: What a killed server may leave in its TMPDIR: vLLM's own (its ipc sockets, its
+#: torch.distributed init file, torch's compile cache) and the server's log.
+VLLM_TMP_LEFTOVERS = ("rpc", "vllm_dist_", "torchinductor_", "server.log")
+_SHMC_NAME = re.compile(r"^(?:sem\.)?shmc[\w]*-(\d+)-")
+
+
+def flags_of(layout: str) -> list[str]:
+    flags, _ = serving.api_server_flags(LAYOUTS[layout], API_SERVERS)
+    return flags
+
+
+def lines_of(layout: str) -> list[str]:
+    """The plug-in's lines every plug-in server of ``layout`` must log."""
+    return serving.plugin_lines(LAYOUTS[layout], API_SERVERS)
+
+
+def start(model: str, transport: str, layout: str, tmp: str):
+    return serving.start_server(model, transport, tmp, os.path.join(tmp, "server.log"), flags_of(layout),
+                                lines_of(layout), launcher="serve", log_stats=True)
+
+
+def title(p: psutil.Process) -> str:
+    """A vLLM process's title (``VLLM::EngineCore_DP1``, ``VLLM::APIServer_0``)."""
+    try:
+        cmd = p.cmdline()
+        return cmd[0] if len(cmd) == 1 else p.name()
+    except psutil.Error:
+        return "?"
+
+
+def api_servers(proc) -> dict[int, int]:
+    """pid -> rank of the server's API server processes."""
+    out = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        m = re.fullmatch(r"VLLM::APIServer_(\d+)", title(p))
+        if m:
+            out[p.pid] = int(m.group(1))
+    return out
+
+
+# -- servers ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    folder = tempfile.mkdtemp(prefix="shmc-serve-model-")
+    serving.build_model(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request):
+    """The layout of the tests that share servers; pytest runs one layout's tests
+    together, and stops its servers (fixtures that depend on this one) before the next."""
+    return request.param
+
+
+class Server:
+    """A server of one transport and layout, in a temporary folder of its own (its
+    TMPDIR and vLLM's ipc sockets, its log)."""
+
+    def __init__(self, model: str, transport: str, layout: str) -> None:
+        self.transport, self.layout = transport, layout
+        self.tmp = tempfile.mkdtemp(prefix=f"shmc-serve-{layout}-{transport}-")
+        self.shm_before = set(os.listdir("/dev/shm"))
+        try:
+            self.proc, self.port = start(model, transport, layout, self.tmp)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def log(self) -> str:
+        with open(os.path.join(self.tmp, "server.log"), encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        if hasattr(self, "proc"):
+            serving._stop(self.proc)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        # vLLM's own worker queues, left by the processes its shutdown SIGKILLs
+        sweep_orphaned_vllm_segments(self.shm_before)
+
+
+@pytest.fixture(scope="module")
+def stock(model, layout, _resource_tracker):
+    server = Server(model, "stock", layout)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def plugin(model, layout, stock):
+    server = Server(model, "plugin", layout)
+    yield server
+    server.close()
+
+
+# -- clients -------------------------------------------------------------------------------
+
+def completion(port: int, model: str, prompt: str, n: int) -> tuple[str, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out = json.load(r)
+    return out["choices"][0]["text"], out["usage"]
+
+
+@dataclass
+class Stream:
+    """What a streaming client saw."""
+
+    text: str = field(default="", repr=False)
+    chunks: int = 0
+    done: bool = False  # the stream ended with data: [DONE]
+    finish: str | None = None  # the last finish_reason
+    error: str | None = None  # an error event, an HTTP status, or the exception
+    local_port: int | None = None  # the client's end of the connection
+    api_server: int | None = None  # the pid of the API server that kept the connection
+
+    @property
+    def complete(self) -> bool:
+        return self.done and self.error is None and self.finish == "length"
+
+
+def connections(pids: "dict[int, int]", port: int) -> dict[int, int]:
+    """client port -> pid of the API server (among ``pids``) holding the connection:
+    accepted connections to ``port`` only (the kernel queues the others on the
+    listening socket the API servers share)."""
+    out = {}
+    for pid in pids:
+        try:
+            for c in psutil.Process(pid).net_connections("tcp"):
+                if c.raddr and c.laddr.port == port:
+                    out[c.raddr.port] = pid
+        except psutil.Error:
+            continue
+    return out
+
+
+def stream(port: int, model: str, prompt: str, n: int, pids: "dict[int, int] | None" = None,
+           timeout: float = 60) -> Stream:
+    """A streamed completion (temperature 0, ``n`` tokens). ``pids``: the API servers,
+    one of which is found holding the connection once the stream is read (HTTP keep-alive
+    keeps it open until the client closes it)."""
+    out = Stream()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    text = []
+    try:
+        conn.connect()
+        out.local_port = conn.sock.getsockname()[1]
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out.error = f"HTTP {resp.status}"
+            return out
+        for line in resp:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                out.done = True
+                continue
+            if not line.startswith(b"data: "):
+                continue
+            msg = json.loads(line[6:])
+            if "error" in msg:
+                out.error = f"error event: {msg['error']}"
+                continue
+            out.chunks += 1
+            choice = msg["choices"][0]
+            text.append(choice["text"])
+            out.finish = choice.get("finish_reason") or out.finish
+        if pids:
+            out.api_server = connections(pids, port).get(out.local_port)
+    except Exception as e:  # noqa: BLE001 - what the client saw is the result
+        out.error = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+        out.text = "".join(text)
+    return out
+
+
+def metric(port: int, name: str) -> float | None:
+    """A vLLM metric from /metrics, summed over its series (the engines); None when
+    /metrics has none. With several API servers /metrics comes from whichever API server
+    takes the connection, and each shows every API server's figures (prometheus
+    multiprocess mode, files in vLLM's PROMETHEUS_MULTIPROC_DIR): counters summed over the
+    API servers; gauges such as the running requests' ``mostrecent``: per engine, the
+    value last written by any API server. The engine sends a step's stats to one API
+    server only. A gauge appears once first set (not before the first request)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        values = [float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                  if line.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+def running(port: int) -> float | None:
+    """vLLM's gauge of the requests its engines run."""
+    return metric(port, "vllm:num_requests_running")
+
+
+def generated(port: int) -> float:
+    """vLLM's count of the tokens its engines generated."""
+    return metric(port, "vllm:generation_tokens_total") or 0.0
+
+
+def wait_until(check, timeout: float, what: str, every: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(every)
+
+
+# -- kills: each starts its own server, before any shared one runs -------------------------------
+
+def _ours(names: set[str], pids: set[int]) -> list[str]:
+    return sorted(n for n in names if (m := _SHMC_NAME.match(n)) and int(m.group(1)) in pids)
+
+
+@pytest.mark.parametrize("transport", ["stock", "plugin"])
+@pytest.mark.parametrize("kill_layout, victim", [("dp2", "engine core"), ("api2", "API server")],
+                         ids=["engine-core-dp2", "api-server-api2"])
+def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracker, kill_layout, victim,
+                                                         transport):
+    """SIGKILL an engine core (EngineCore_DP1) or an API server (one holding a stream)
+    while 8 streams start, once an API server has accepted one: the parent sees it,
+    stops every other process and exits with 1 in bounded time, nothing listens any
+    more; no stream hangs; none completes that the killed process served (with data
+    parallelism, none at all: the engines step together, the survivor waits for the
+    dead one); nothing of the plug-in's is left in /dev/shm or in the server's TMPDIR."""
+    tmp = tempfile.mkdtemp(prefix=f"shmc-serve-kill-{kill_layout}-")
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = None
+    try:
+        proc, port = start(model, transport, kill_layout, tmp)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        pids = api_servers(proc)
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            pending = [ex.submit(stream, port, model, p, LONG, None, 90) for p in STREAMS[:8]]
+            # the kill as soon as an API server has accepted a stream: a stream of LONG
+            # tokens takes a second or two here, and the client may read its first chunk
+            # late, when the CPUs are busy
+            held = wait_until(lambda: connections(pids, port), 60, "an API server accepts a stream", every=0.005)
+            if victim == "engine core":
+                targets = [p for p in tree if title(p) == "VLLM::EngineCore_DP1"]
+            else:  # the API server with the most streams (ApiServer_1 on a tie)
+                most = max(pids, key=lambda pid: (list(held.values()).count(pid), pids[pid]))
+                targets = [p for p in tree if p.pid == most]
+            assert len(targets) == 1, [(p.pid, title(p)) for p in tree]
+            name = title(targets[0])
+            os.kill(targets[0].pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            try:
+                rc = proc.wait(timeout=KILLED_EXIT_BOUND_S)
+            except Exception:
+                pytest.fail(f"the {transport} server still runs {KILLED_EXIT_BOUND_S:g} s after {name}'s kill")
+            exited = time.monotonic() - t0
+            seen = [f.result(timeout=60) for f in pending]
+        _, alive = psutil.wait_procs(tree, timeout=ALL_GONE_BOUND_S)
+        print(f"\n{transport} {kill_layout}: {name} killed; parent exit {rc} after {exited:.1f} s; "
+              f"streams (API server, chunks, [DONE], finish, error): "
+              f"{[(pids.get(held.get(s.local_port)), s.chunks, s.done, s.finish, (s.error or '')[:50]) for s in seen]}")
+        assert rc == KILLED_EXIT_CODE
+        assert [(p.pid, title(p)) for p in alive] == []
+        lost = seen if victim == "engine core" else [s for s in seen if held.get(s.local_port) == targets[0].pid]
+        assert lost and [s for s in lost if s.complete] == []
+        with pytest.raises(OSError):  # nothing listens any more
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        # before _stop sweeps what is named after dead processes: nothing of the plug-in's
+        assert _ours(set(os.listdir("/dev/shm")) - shm_before, {proc.pid, *(p.pid for p in tree)}) == []
+        assert sorted(n for n in os.listdir(tmp) if not n.startswith(VLLM_TMP_LEFTOVERS)) == []
+    finally:
+        if proc is not None:
+            serving._stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        sweep_orphaned_vllm_segments(shm_before)  # vLLM's own, left by the processes it lost
+
+
+# -- the shared servers' tests ----------------------------------------------------------------
+
+def test_logs_name_the_transport_of_every_api_server(stock, plugin):
+    for server in (stock, plugin):
+        assert sorted(api_servers(server.proc).values()) == list(range(API_SERVERS))
+    assert "shmclient.vllm" not in stock.log
+    assert [line for line in lines_of(plugin.layout) if line not in plugin.log] == []
+    assert "vLLM's own ZMQ transport is used" not in plugin.log
+
+
+def test_completions_identical(stock, plugin, model):
+    want = [completion(stock.port, model, p, 12) for p in PROMPTS]
+    got = [completion(plugin.port, model, p, 12) for p in PROMPTS]
+    assert got == want
+    assert all(usage["completion_tokens"] == 12 for _, usage in got)
+
+
+def test_streamed_text_identical_to_the_completion(stock, plugin, model):
+    for prompt in PROMPTS[:3]:
+        want = completion(stock.port, model, prompt, 16)[0]
+        for server in (stock, plugin):
+            s = stream(server.port, model, prompt, 16)
+            assert s.complete, s
+            assert s.text == want
+
+
+def test_sixteen_concurrent_streams_identical_on_every_api_server(stock, plugin, model):
+    """Bursts of 16 streams at once to each server, the plug-in's texts stock's, until
+    each API server has served some: the kernel hands a connection to whichever API
+    server accepts first, and one may take a whole burst."""
+    served = {"stock": set(), "plugin": set()}
+    for burst in range(MAX_BURSTS):
+        got = {}
+        for server in (stock, plugin):
+            pids = api_servers(server.proc)
+            with concurrent.futures.ThreadPoolExecutor(len(STREAMS)) as ex:
+                got[server.transport] = list(ex.map(lambda p: stream(server.port, model, p, 24, pids), STREAMS))
+            assert [s for s in got[server.transport] if not s.complete] == []
+            served[server.transport] |= {pids[s.api_server] for s in got[server.transport] if s.api_server}
+        assert [s.text for s in got["plugin"]] == [s.text for s in got["stock"]]
+        assert all(s.text for s in got["stock"])
+        if all(ranks >= set(range(API_SERVERS)) for ranks in served.values()):
+            break
+    assert served == {"stock": set(range(API_SERVERS)), "plugin": set(range(API_SERVERS))}, burst
+
+
+def test_a_disconnected_stream_is_aborted(stock, plugin, model):
+    """A streaming client goes away after its first chunk: its API server aborts the
+    request on the engine (the running-requests gauge back to 0, the generated-tokens
+    count stopped short of the request's ``LONG``: with ignore_eos only an abort stops
+    it early), and the server answers as stock afterwards. Stock first: the check itself
+    is checked there."""
+    for server in (stock, plugin):
+        port = server.port
+        assert wait_until(lambda: running(port) in (None, 0.0), 30, "no request running before")
+        before = generated(port)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(
+            {"model": model, "prompt": "abort me", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+             "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        for line in resp:
+            if line.startswith(b"data: "):
+                break  # the first chunk is there: the request runs on an engine
+        conn.close()  # the client goes away
+        wait_until(lambda: running(port) == 0.0, 30, f"{server.transport}: the abandoned request is aborted")
+        counts = [generated(port)]
+        while len(counts) < 3 or counts[-1] != counts[-2]:  # the count settles
+            assert len(counts) < 50, counts
+            time.sleep(0.2)
+            counts.append(generated(port))
+        assert 0 < counts[-1] - before < LONG, (server.transport, before, counts)
+        assert completion(port, model, PROMPTS[0], 6) == completion(stock.port, model, PROMPTS[0], 6)
