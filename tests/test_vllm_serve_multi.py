@@ -54,10 +54,10 @@ STREAMS = [f"import os\nclass C{i}:" for i in range(16)]
 MAX_BURSTS = 4
 #: Tokens the kill and abort tests' streams ask for: seconds of work (the model's limit is 512).
 LONG = 480
-#: What stock did when one of its processes was SIGKILLed (measured on this 2-core host):
-#: the parent noticed at once, stopped the rest (SIGTERM, then SIGKILL after vLLM's 5 s
-#: per process group) and exited with 1, 8-13 s after the kill. The plug-in must end the
-#: same way within these bounds.
+#: What stock did when one of its processes was SIGKILLed (measured on this 2-core host,
+#: vLLM 0.31 and 0.32): the parent noticed at once, stopped the rest (SIGTERM, then SIGKILL
+#: after vLLM's 5 s per kind of process: API servers, engine cores) and exited with 1,
+#: 7-13 s after the kill. The plug-in must end the same way within these bounds.
 KILLED_EXIT_CODE = 1
 KILLED_EXIT_BOUND_S = 40.0
 ALL_GONE_BOUND_S = 10.0  # after the parent's exit
