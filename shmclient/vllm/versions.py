@@ -79,6 +79,17 @@ TOUCHED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.utils", "APIServerProcessManager.__init__", "body"),
 )
 
+#: The fingerprints 0.31 and 0.32 share: every entry of TOUCHED but the last three.
+_SHARED_031_032: tuple[str, ...] = (
+        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
+        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
+        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
+        "a3cd76092d06153e", "1459eef83c23b477", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
+        "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
+        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
+        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
+)
+
 #: Release line -> (versions tested, fingerprints of TOUCHED in order). Computed with
 #: ``python -m shmclient.vllm.versions`` from each release's own files.
 KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -86,26 +97,8 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # sockets (0.31: each API server binds and reports its address; 0.32: the parent binds
     # and hands the listeners over); both start the API servers inside the engine launch.
     # Both run the plug-in's tests.
-    "0.31": (("0.31.0",), (
-        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
-        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
-        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
-        "a3cd76092d06153e", "1459eef83c23b477", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
-        "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
-        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
-        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
-        "af01e2a4ba44390c", "a51f7589e8bd21f7", "2b46de9077862e0d",
-    )),
-    "0.32": (("0.32.0",), (
-        "154f83760f4fd543", "0abe910847d4adb7", "f44e7150468daa1c", "dd41ea26cd5d9391", "33c5d07dd0464df6",
-        "e5c3f542459802cf", "41c3674db2089bfc", "a055d514d6690477", "47de53fd4a060a97", "89ceb883275a12e3",
-        "641620cd1606ae4d", "d2b599fd7b29ccfc", "ac07d023b08a0da9", "6bd6d857440c5f37", "6ec494413855a552",
-        "a3cd76092d06153e", "1459eef83c23b477", "641620cd1606ae4d", "bc122e5e212eaecf", "7ae21aa5f88f794e",
-        "4ead0ac65d1498d3", "9869a5bc2f5bb887", "6ca322e58c7dc4f0", "6ca322e58c7dc4f0", "9795ee302c493258",
-        "0b02ca12a6f74025", "9795ee302c493258", "bd462df1747142fa", "dd8cd0c530cfcbc7", "df299f12fee306da",
-        "052d51967c73842a", "a6edac0c4c8f50b4", "26ba151b523031ad", "e0eb148ff1ea6be1",
-        "af01e2a4ba44390c", "7e3970679adea8da", "5739418b49ce2848",
-    )),
+    "0.31": (("0.31.0",), _SHARED_031_032 + ("af01e2a4ba44390c", "a51f7589e8bd21f7", "2b46de9077862e0d")),
+    "0.32": (("0.32.0",), _SHARED_031_032 + ("af01e2a4ba44390c", "7e3970679adea8da", "5739418b49ce2848")),
     # 0.33.0 (GPU builds only): its input loop gained the validation branch, ported
     # (engine._handle_request); its DP client no longer tells the coordinator of a first
     # request (the engine that gets it has the coordinator wake the others, through its
