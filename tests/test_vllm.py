@@ -484,40 +484,49 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     """With the engine stopped (SIGSTOP) the request ring fills; further sends wait in a
     backlog for room while the loop keeps running other tasks, and all of them go out, in
     order, once the engine runs again (the old frontend sent inside the loop and held it
-    for up to 60 s)."""
+    until the engine read: here for the whole second the engine is stopped, so the loop
+    would tick once or not at all in that second and one gap would be >= 1 s). A busy
+    host may deschedule the test for a while (a gap of 0.16 s was seen once on a 2-vCPU
+    machine), so the checks are the number of ticks inside the stopped second and a gap
+    well under that second, not the sleeper's precision (the benchmark measures that)."""
     loop, stock, shm = async_pair
     client = shm.engine_core
     pid = client.resources.engine_manager.processes[0].pid
     big = b"x" * (1 << 20)  # five of these fill the 4 MiB ring
+    stall_s = 1.0
 
     async def scenario():
-        gaps: list[float] = []
+        ticks: list[float] = []
         stop = asyncio.Event()
 
         async def ticker():
-            last = time.monotonic()
+            ticks.append(time.monotonic())
             while not stop.is_set():
                 await asyncio.sleep(0.001)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
+                ticks.append(time.monotonic())
 
         tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)  # the ticker's first timestamp
         os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
         try:
             calls = [asyncio.ensure_future(client.call_utility_async("no_such_method", big, i)) for i in range(8)]
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(stall_s)
             backlog = len(client._backlogs[0])
         finally:
             os.kill(pid, signal.SIGCONT)
+            resumed = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
         stop.set()
         await tick
-        return gaps, backlog, results
+        return ticks, stopped, resumed, backlog, results
 
-    gaps, backlog, results = loop.run_until_complete(scenario())
+    ticks, stopped, resumed, backlog, results = loop.run_until_complete(scenario())
     assert backlog >= 3  # messages were waiting for room while the engine was stopped
-    assert max(gaps) < 0.1 and len(gaps) > 100, (max(gaps), len(gaps))
+    inside = [t for t in ticks if stopped <= t <= resumed]
+    gaps = [b - a for a, b in zip([stopped] + inside, inside + [resumed])]
+    assert len(inside) >= 50, (len(inside), max(gaps))
+    assert max(gaps) < stall_s / 2, (max(gaps), len(inside))
     assert all("Call to no_such_method method failed" in str(r) for r in results), results
     assert not client._backlogs[0]
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
