@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shmclient.vllm import _not_on_rings
+from shmclient.vllm import _not_on_rings, local_ranks
 
 
 def parallel(dp: int = 1, local: int | None = None, **kw) -> SimpleNamespace:
@@ -20,9 +20,13 @@ def parallel(dp: int = 1, local: int | None = None, **kw) -> SimpleNamespace:
     return SimpleNamespace(**fields)
 
 
-@pytest.mark.parametrize("config", [parallel(1), parallel(2), parallel(4)])
-def test_one_engine_and_internal_data_parallelism_started_here_take_the_rings(config):
+@pytest.mark.parametrize("config, local", [(parallel(1), [0]), (parallel(2), [0, 1]), (parallel(4), [0, 1, 2, 3]),
+                                           (parallel(4, local=2), [0, 1]), (parallel(2, local=1), [0])])
+def test_one_engine_and_internal_data_parallelism_started_here_take_the_rings(config, local):
+    """With engines on other nodes (``--data-parallel-size-local`` below the DP size on
+    the head node), the engines started here take the rings; the others keep ZMQ."""
     assert _not_on_rings(config, None) is None
+    assert local_ranks(config) == local
 
 
 @pytest.mark.parametrize("config, addresses, words", [
@@ -30,7 +34,8 @@ def test_one_engine_and_internal_data_parallelism_started_here_take_the_rings(co
     (parallel(2), {"input_address": "ipc://x"}, "handed no shared-memory channels"),
     (parallel(2, data_parallel_external_lb=True), None, "external or hybrid load balancing"),
     (parallel(4, local=2, data_parallel_hybrid_lb=True), None, "external or hybrid load balancing"),
-    (parallel(4, local=2), None, "with 2 engines on this node"),
+    (parallel(2, local=0), None, "no engine core started by this frontend on this node"),
+    (parallel(4, local=2, data_parallel_rank=2), None, "2 local from rank 2"),
     (parallel(2, data_parallel_backend="ray"), None, "'ray' backend"),
     (parallel(2, enable_elastic_ep=True), None, "elastic EP"),
 ])
@@ -43,14 +48,16 @@ def handed(*engines: int) -> list[SimpleNamespace]:
     return [SimpleNamespace(engine_index=e) for e in engines]
 
 
-@pytest.mark.parametrize("config, specs", [(parallel(1), handed(0)), (parallel(2), handed(0, 1))])
+@pytest.mark.parametrize("config, specs", [(parallel(1), handed(0)), (parallel(2), handed(0, 1)),
+                                           (parallel(4, local=2), handed(0, 1))])
 def test_an_api_server_of_several_takes_the_rings_the_launcher_handed_it(config, specs):
     assert _not_on_rings(config, {"input_address": "ipc://x"}, specs) is None
 
 
 @pytest.mark.parametrize("config, specs, words", [
-    (parallel(2), handed(0), "handed channels to engines [0], it talks to engines [0, 1]"),
-    (parallel(1), handed(1), "handed channels to engines [1], it talks to engines [0]"),
+    (parallel(2), handed(0), "handed channels to engines [0], its engines on this node are [0, 1]"),
+    (parallel(1), handed(1), "handed channels to engines [1], its engines on this node are [0]"),
+    (parallel(4, local=2), handed(0, 1, 2, 3), "handed channels to engines [0, 1, 2, 3], its engines on this node"),
     (parallel(4, local=2, data_parallel_hybrid_lb=True), handed(0, 1, 2, 3), "external or hybrid"),
 ])
 def test_an_api_server_handed_the_wrong_channels_keeps_zmq(config, specs, words):

@@ -9,10 +9,10 @@ without vLLM. vLLM calls ``register`` (entry point ``shmclient`` in group
 * frontend: ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
   ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for one engine this process
   starts, and ``ShmDPLBAsyncMPClient`` for data parallelism with internal load balancing
-  where every engine is on this node (one pair of rings per engine), once ``versions``
-  has found the installed vLLM to be one the plug-in knows; anything else (external or
-  hybrid load balancing, engines on other nodes) gets vLLM's own client, with one
-  WARNING saying why.
+  (one pair of rings per engine of this node; engines on other nodes keep vLLM's ZMQ
+  sockets), once ``versions`` has found the installed vLLM to be one the plug-in knows;
+  anything else (external or hybrid load balancing, a node without engines) gets vLLM's
+  own client, with one WARNING saying why.
 * ``vllm serve`` with several API servers: the parent makes the rings of every (API
   server, engine) pair (``launch``); each API server's client attaches to its own.
 * engine core: the targets of ``EngineCoreProc``'s two IO threads read requests from and
@@ -115,33 +115,47 @@ def register() -> None:
         _installed = True
 
 
+def local_ranks(parallel) -> "list[int]":
+    """The engine cores a frontend with this parallel config starts on this node (their
+    DP ranks): all of them, or with engines on other nodes (``vllm serve --headless``
+    there) the ``data_parallel_size_local`` ranks from ``data_parallel_rank``."""
+    if parallel.data_parallel_size <= 1:
+        return [parallel.data_parallel_rank]
+    first = parallel.data_parallel_rank
+    return list(range(first, first + parallel.data_parallel_size_local))
+
+
 def _not_on_rings(parallel, client_addresses, frontend_specs=None) -> "str | None":
     """Why an async client with this parallel config keeps vLLM's transport, or None
     when the rings can carry it: one engine, or data parallelism with internal load
-    balancing where every engine is on this node and started by this frontend, or by the
-    ``vllm serve`` parent of several API servers that made this one's channels
-    (``frontend_specs``: the channels it was handed)."""
+    balancing where this frontend starts the engines of this node (the engines on other
+    nodes then keep vLLM's ZMQ sockets), or the same started by the ``vllm serve`` parent
+    of several API servers that made this one's channels (``frontend_specs``: the
+    channels it was handed)."""
     dp = parallel.data_parallel_size
+    if dp > 1:
+        if parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
+            return f"data_parallel_size={dp} with external or hybrid load balancing is not on the rings yet"
+        if parallel.data_parallel_backend != "mp" or getattr(parallel, "enable_elastic_ep", False):
+            return (f"data_parallel_size={dp} with the {parallel.data_parallel_backend!r} backend or elastic EP "
+                    "is not on the rings yet")
+        if parallel.data_parallel_size_local < 1 or parallel.data_parallel_rank != 0:
+            return (f"data_parallel_size={dp} with no engine core started by this frontend on this node "
+                    f"({parallel.data_parallel_size_local} local from rank {parallel.data_parallel_rank})")
     if client_addresses:
         if not frontend_specs:
             return ("this API server was handed no shared-memory channels (several API servers are on the "
                     "rings when `vllm serve` starts them with the plug-in switched on; externally started "
                     "engines are not)")
-        engines = list(range(dp)) if dp > 1 else [parallel.data_parallel_rank]
+        engines = local_ranks(parallel)
         got = [spec.engine_index for spec in frontend_specs]
         if got != engines:
-            return f"this API server was handed channels to engines {got}, it talks to engines {engines}"
-    if dp <= 1:
-        return None
-    if parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
-        return f"data_parallel_size={dp} with external or hybrid load balancing is not on the rings yet"
-    if parallel.data_parallel_size_local != dp:
-        return (f"data_parallel_size={dp} with {parallel.data_parallel_size_local} engines on this node: "
-                "engines on other nodes are not on the rings")
-    if parallel.data_parallel_backend != "mp" or getattr(parallel, "enable_elastic_ep", False):
-        return (f"data_parallel_size={dp} with the {parallel.data_parallel_backend!r} backend or elastic EP "
-                "is not on the rings yet")
+            return f"this API server was handed channels to engines {got}, its engines on this node are {engines}"
     return None
+
+
+def _ranks(ranks: "list[int]") -> str:
+    return ", ".join(map(str, ranks))
 
 
 def _frontend_specs(client_index: int):
@@ -175,12 +189,21 @@ def _install_frontend() -> None:
                                     client_count, client_index, renderer=renderer)
         from .frontend import ShmAsyncMPClient, ShmDPLBAsyncMPClient
 
-        dp = vllm_config.parallel_config.data_parallel_size
+        parallel = vllm_config.parallel_config
+        dp = parallel.data_parallel_size
         where = f"API server {client_index} of {client_count}" if specs else ""
         if dp > 1:
-            _took_over(f"DPLBAsyncMPClient ({dp} engines{', ' + where if where else ''})")
+            local = local_ranks(parallel)
+            remote = [rank for rank in range(dp) if rank not in local]
+            what = [where] if where else []
+            if remote:
+                what.insert(0, f"engine{'s' if len(local) > 1 else ''} {_ranks(local)} on the rings, "
+                               + (f"engines {_ranks(remote)} on other nodes" if len(remote) > 1
+                                  else f"engine {remote[0]} on another node") + " on vLLM's ZMQ sockets")
+            _took_over(f"DPLBAsyncMPClient ({dp} engines{''.join(', ' + w for w in what)})")
             return ShmDPLBAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
-                                        client_count, client_index, renderer=renderer, frontend_specs=specs)
+                                        client_count, client_index, renderer=renderer, frontend_specs=specs,
+                                        local=local)
         _took_over(f"AsyncMPClient ({where})" if where else "AsyncMPClient")
         return ShmAsyncMPClient(vllm_config, executor_class, log_stats, client_addresses,
                                 client_count, client_index, renderer=renderer, frontend_specs=specs)

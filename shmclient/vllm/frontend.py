@@ -89,10 +89,11 @@ class _LinkIO:
         self._alive = self._make_alive()
         #: vLLM's encoder had an out-of-band path of its own (its multimodal tensor queue)
         self._own_oob = self.encoder.oob_tensor_consumer is not None
-        if len(links) == 1 and links[0].arenas and not self._own_oob:
+        if len(links) == 1 and links[0].arenas and not self._own_oob and not getattr(self, "_remote", ()):
             # vLLM's encoder with the arena as its out-of-band path. With several engines
             # each has its own arena: requests are encoded for their engine's
-            # (``_encode``); vLLM's encoder (utility calls) keeps tensors in line.
+            # (``_encode``); vLLM's encoder (utility calls, and everything to an engine on
+            # another node) keeps tensors in line.
             self.encoder = links[0].framing.encoder
 
     def _link_for(self, engine) -> _Link:
@@ -220,6 +221,8 @@ class _AsyncRings(_LinkIO):
                     frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
         self._ring_tasks: list[asyncio.Task] = []
         self._readers: list[_AsyncReader] = []
+        if not hasattr(self, "_remote"):
+            self._remote: frozenset[bytes] = frozenset()
         #: Per engine index: messages waiting for room in its request ring, oldest
         #: first, and the task that sends them (sends keep their order, as on vLLM's
         #: socket).
@@ -267,7 +270,7 @@ class _AsyncRings(_LinkIO):
                 reader.read_now()
             # Several engines: no spin. It would be a Python loop over their rings holding
             # the loop and the GIL; their wake-ups (and each engine's early one) serve.
-            if not items and len(readers) == 1 and readers[0].spin_for_output():
+            if not items and len(readers) == 1 and not self._remote and readers[0].spin_for_output():
                 for reader in readers:
                     reader.read_now()
         while not items:
@@ -288,12 +291,16 @@ class _AsyncRings(_LinkIO):
         return outputs
 
     def _send_input(self, request_type, request, engine=None):
+        if engine in self._remote:  # an engine on another node: vLLM's socket
+            return super()._send_input(request_type, request, engine)
         self.ensure_alive()
         link = self._link_for(engine)
         return self._send_frames(link, request_type.value[0], self._encode(link, request))
 
     def _send_input_message(self, message, engine):
         # vLLM builds (type, *frames) itself for utility calls.
+        if engine in self._remote:
+            return super()._send_input_message(message, engine)
         self.ensure_alive()
         request_type, *frames = message
         return self._send_frames(self._link_for(engine), bytes(request_type)[0], frames)
@@ -394,20 +401,26 @@ class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):
 
 class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
     """vLLM's DPLBAsyncMPClient (data parallelism, internal load balancing) with one
-    pair of rings per engine core (made here, or by the launcher: ``frontend_specs``). Engine selection, the DP
+    pair of rings per engine core of this node (made here, or by the launcher:
+    ``frontend_specs``; ``local``: their DP ranks, default all). Engine selection, the DP
     coordinator's request counts and waves, aborts routed to the owning engine and
     utilities to every engine are vLLM's; what travels between this frontend and its
-    engines goes over the rings (the coordinator's messages stay on ZMQ)."""
+    engines of this node goes over the rings. The coordinator's messages, and everything
+    to and from engines on other nodes, stay on vLLM's ZMQ sockets."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, client_addresses=None,
                  client_count: int = 1, client_index: int = 0, renderer=None,
-                 frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
+                 frontend_specs: "list[wire.FrontendSpec] | None" = None,
+                 local: "list[int] | None" = None) -> None:
         dp_size = vllm_config.parallel_config.data_parallel_size
+        local = list(range(dp_size)) if local is None else local
+        #: Engines on other nodes (vLLM's identities): their messages go over vLLM's sockets.
+        self._remote = frozenset(rank.to_bytes(2, "little") for rank in range(dp_size) if rank not in local)
         self._init_async(
             lambda: DPLBAsyncMPClient.__init__(
                 self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
                 renderer=renderer),
-            tuple(range(dp_size)), frontend_specs)
+            tuple(local), frontend_specs)
 
 
 def _on_its_loop(task: asyncio.Task, fn, *args) -> None:

@@ -14,9 +14,11 @@ process's /proc/<pid>/fd and write one byte to its "attached" pipe; a thread her
 releases every handle once all 2 x M x N have (the handles also go when this process
 ends, whatever ends it: nothing is named).
 
-A launch the rings cannot carry keeps vLLM's transport for every process, with one
-WARNING naming the reason: data parallelism with external or hybrid load balancing,
-engines on other nodes, the ray backend, elastic EP, vLLM's Rust frontend.
+Engines on other nodes (``vllm serve --headless`` there) get no channel: every API
+server talks to them over vLLM's ZMQ sockets, as stock. A launch the rings cannot carry
+keeps vLLM's transport for every process, with one WARNING naming the reason: data
+parallelism with external or hybrid load balancing, a node that starts no engine, the
+ray backend, elastic EP, vLLM's Rust frontend.
 """
 
 from __future__ import annotations
