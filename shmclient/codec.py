@@ -1,10 +1,10 @@
 """msgpack encoder for the wire structs, with tensors carried by extension types.
 
-Serialization layer: imports msgspec, ``tensor_ext`` (a tensor's wire layout),
+Serialization layer: imports msgspec, ``codec_tensor`` (a tensor's wire layout),
 ``codec_decoder`` (the ``Decoder``, re-exported here), ``errors`` and the standard
 library; torch and numpy are imported lazily (only once a message actually holds a
 tensor or an array), and the out-of-band transport is reached only through the small
-``TensorSender`` / ``TensorReceiver`` protocols (``tensor_ext``, re-exported here), so
+``TensorSender`` / ``TensorReceiver`` protocols (``codec_tensor``, re-exported here), so
 this module never imports ``tensors``, the ring, ``waiting``, clients, asyncio or the
 engine. It owns the ``Encoder``. torch tensors and numpy arrays may sit
 anywhere in a message (struct fields typed ``Any``, lists, tuples, dicts). Values are
@@ -24,7 +24,7 @@ import msgspec
 
 from .codec_decoder import Decoder
 from .errors import SerializationError
-from .tensor_ext import (
+from .codec_tensor import (
     DTYPE_NAMES,
     EXT_NUMPY,
     EXT_TORCH,

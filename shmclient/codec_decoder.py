@@ -1,7 +1,7 @@
 """msgpack decoder for the wire structs: the other half of ``codec.Encoder``.
 
 Serialization layer, beside ``codec`` (which re-exports ``Decoder``): imports msgspec,
-``tensor_ext`` (a tensor's wire layout and checks), ``dtypes`` (the allowlist), ``errors``
+``codec_tensor`` (a tensor's wire layout and checks), ``dtypes`` (the allowlist), ``errors``
 and the standard library, torch and numpy lazily; never ``codec``, ``tensors``, the
 ring, ``waiting``, clients, asyncio or the engine. It owns turning bytes (or zmq frames)
 back into a message: every tensor header is checked before anything is allocated or
@@ -19,7 +19,7 @@ import msgspec
 
 from .dtypes import numpy_dtype, torch_dtype
 from .errors import SerializationError
-from .tensor_ext import (
+from .codec_tensor import (
     EXT_NUMPY,
     EXT_TORCH,
     EXT_TORCH_CUDA,

@@ -1,16 +1,17 @@
 """The msgpack extension that carries a tensor: its layout, its checks and its bytes.
 
-Serialization layer, under ``codec`` and ``codec_decoder``: imports msgspec, ``dtypes``,
-``errors`` and the standard library (torch and numpy lazily, once a message holds a
-tensor or an array); never ``tensors``, the ring, ``waiting``, asyncio, clients or the
-engine. A tensor is an ``Ext`` whose data is ``<u16 header length><msgpack header>[raw
-bytes]``, the header being ``[dtype, shape, where, extra]``; ``where`` is ``None`` (raw
-bytes follow, "inline"), an ``int`` (index of an out-of-band zmq frame) or a list (a
-handle made by a ``TensorSender``). This module owns the codes (never renumbered), the
+Serialization layer, under ``codec`` and ``codec_decoder``: imports msgspec, ``errors``
+and the standard library (torch and numpy lazily, once a message holds a tensor or an
+array); never ``tensors``, the ring, ``waiting``, asyncio, clients or the engine. A
+tensor is an ``Ext`` whose data is ``<u16 header length><msgpack header>[raw bytes]``,
+the header being ``[dtype, shape, where, extra]``; ``where`` is ``None`` (raw bytes
+follow, "inline"), an ``int`` (index of an out-of-band zmq frame) or a list (a handle
+made by a ``TensorSender``). This module owns the codes (never renumbered), the
 ``TensorSender`` / ``TensorReceiver`` protocols through which the codec reaches an
-out-of-band transport without importing it, the header's reading with every bound checked before anything is allocated, what a tensor
-must be to cross (``check_torch``), its values as C-ordered bytes, and a received
-tensor's rebuilding over its buffer. Nothing here blocks.
+out-of-band transport without importing it, the header's reading with every bound
+checked before anything is allocated, what a tensor must be to cross
+(``check_torch``), its values as C-ordered bytes, and a received tensor rebuilt over
+its buffer. Nothing here blocks.
 """
 
 from __future__ import annotations
