@@ -48,8 +48,8 @@ def _copy_in(dst: np.ndarray, src: Any) -> None:
     """Write ``src``'s values in C order into the flat uint8 array ``dst``.
 
     Copies with numpy (a memcpy, split over a few threads from ``PARALLEL_FROM`` up, or a
-    strided loop): torch's OpenMP ``copy_`` matched the split copy on an idle 2-core host
-    but was 1.5-100x slower than one memcpy when the cores were busy.
+    strided loop), not torch's OpenMP ``copy_``, which degrades badly on a busy host
+    (docs/measurements.md).
     """
     if isinstance(src, torch.Tensor):
         src = src.view(_int_view(src.dtype)).numpy()  # shares memory, any strides
