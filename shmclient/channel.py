@@ -1,10 +1,14 @@
 """The sans-IO duplex endpoint shared by the client AND the engine: codec + tx + rx.
 
-Middle layer: imports ring, shm, tensors, codec, messages, errors; never clients, asyncio,
-``waiting`` or the engine. An endpoint sends ``(record_type, payload)`` pairs and receives
-them decoded. ``ShmChannel`` is a request ring (frontend → engine) and an output ring
-(engine → frontend) plus one tensor arena per direction; ``channel_zmq.ZmqChannel`` has
-the same interface over vLLM's socket layout (the baseline transport).
+Middle layer: imports ``framing`` (record types, ``NativeFraming``, ``BadMessage``),
+``channel_spec`` (``ShmChannelSpec``, the rings and arenas made or attached; both
+re-exported here), ``ring``, ``shm``, ``tensors``, ``stats`` and ``errors``; never
+clients, asyncio, ``waiting`` or the engine. An endpoint sends ``(record_type,
+payload)`` pairs and receives them decoded (a message that does not decode comes as a
+``BadMessage`` in its place, see ``framing``; a broken channel raises
+``ProtocolError``). ``ShmChannel`` is a request ring (frontend → engine) and an output
+ring (engine → frontend) plus one tensor arena per direction; ``channel_zmq.ZmqChannel``
+has the same interface over vLLM's socket layout (the baseline transport).
 
 Nothing here blocks. ``send_nowait`` / ``recv_nowait`` go ahead or raise ``WouldBlock``;
 the wait handle (``wait_send`` / ``wait_recv`` for a thread, ``send_fd`` / ``recv_fd``
@@ -12,141 +16,36 @@ with ``arm_send`` / ``arm_recv`` for an event loop) is what ``shmclient.waiting`
 one module that blocks, waits on. Out-of-band tensor blocks are released by the receiver;
 the releases ride back on the opposite ring as ``REC_RELEASE`` records, sent ahead of the
 next message and with every receive call (never in the middle of a fragmented message).
-
-Isolation: a message that arrives intact but does not decode (a typed-decoder
-``ValidationError``, malformed msgpack, nesting too deep, a tensor that cannot be opened)
-fails alone: it is handed up as ``(rtype, BadMessage)`` in its place in the stream, and
-whoever reads decides (the engine answers it with an error, the client logs it). Only a
-broken channel (a record of unknown type, a release record that does not parse) raises
-``ProtocolError``, which is fatal; the messages decoded before it in the same call are
-returned first and the error is raised by the next call.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any
 
-import msgspec
-
-from .codec import Decoder, Encoder
-from .errors import ProtocolError, ShmCapacityError, WouldBlock
-from .messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineCoreRequestType,
-    UtilityRequest,
+from .channel_spec import ShmChannelSpec, attach_parts, create_parts
+from .errors import ProtocolError, WouldBlock
+from .framing import (  # noqa: F401 - the record types and BadMessage, re-exported from here
+    REC_OUTPUTS,
+    REC_RELEASE,
+    REQ_ABORT,
+    REQ_ADD,
+    REQ_UTILITY,
+    BadMessage,
+    Framing,
+    FramingFactory,
+    NativeFraming,
+    describe,
 )
-from .ring import HEADER_BYTES as RING_HEADER_BYTES
-from .ring import Ring, RingSpec
-from .ring_consumer import RingConsumer
-from .ring_producer import RingProducer
-from .shm import Segment, close_inherited
+from .ring import Ring
+from .shm import Segment
+from .stats import ChannelStatistics
 from .tensors import ShmTensorReceiver, ShmTensorSender
 
-REQ_ADD = EngineCoreRequestType.ADD.code
-REQ_ABORT = EngineCoreRequestType.ABORT.code
-REQ_UTILITY = EngineCoreRequestType.UTILITY.code
-#: engine → frontend: one EngineCoreOutputs batch.
-REC_OUTPUTS = 0x20
-#: either way: tensor blocks the receiver is done with (payload from take_releases()).
-REC_RELEASE = 0x10
-
-_PAYLOAD_TYPES: dict[int, Any] = {
-    REQ_ADD: EngineCoreRequest,
-    REQ_ABORT: list[str],
-    REQ_UTILITY: UtilityRequest,
-    REC_OUTPUTS: EngineCoreOutputs,
-}
-
-
-class ShmChannelSpec(msgspec.Struct, frozen=True):
-    """What the engine needs to attach: ring and arena names (engine's point of view)."""
-
-    rx: RingSpec
-    tx: RingSpec
-    tensor_rx: str
-    tensor_tx: str
-    spin_us: float
-    enable_cuda_ipc: bool = True
-
-
-def _decoders(tensors: ShmTensorReceiver | None) -> dict[int, Decoder]:
-    return {t: Decoder(typ, tensors=tensors) for t, typ in _PAYLOAD_TYPES.items()}
-
-
-class Framing(Protocol):
-    """How a channel's messages become ring records and back: a parameter of
-    ``ShmChannel``, built from the channel's tensor sender and receiver (so that
-    tensors can travel out of band). ``encode(obj)`` gives one record's payload;
-    ``decoders`` maps each record type a peer may send to an object whose
-    ``decode(view)`` returns the message (the view is valid only during the call) and
-    whose ``salvage(view)`` returns what an untyped read still sees (for ``BadMessage``);
-    ``fields`` gives, per record type, the wire position of each field a reader may
-    want from a message that did not decode."""
-
-    decoders: Mapping[int, Any]
-    fields: Mapping[int, Mapping[str, int]]
-
-    def encode(self, obj: Any) -> Any: ...
-
-
-class NativeFraming:
-    """shmclient's own protocol: one record per message, the record type naming its
-    struct (``REQ_*``, ``REC_OUTPUTS``), encoded by ``codec`` with tensors out of band."""
-
-    def __init__(self, tensor_tx: ShmTensorSender | None, tensor_rx: ShmTensorReceiver | None) -> None:
-        self.encode = Encoder(tensors=tensor_tx).encode
-        self.decoders = _decoders(tensor_rx)
-        self.fields = _FIELD_POS
-
-
-#: Wire position of each field, per record type whose payload is a struct.
-_FIELD_POS: dict[int, dict[str, int]] = {
-    t: {name: i for i, name in enumerate(typ.__struct_fields__)}
-    for t, typ in _PAYLOAD_TYPES.items()
-    if hasattr(typ, "__struct_fields__")
-}
-
-
-class BadMessage:
-    """A message that arrived intact but could not be decoded; stands in its place.
-
-    ``rtype``: its record type; ``error``: the decoder's message (msgspec's, e.g.
-    ``Expected `str`, got `int` - at `$[0]```); ``raw``: what an untyped decode could
-    still read (a list for a struct), or None. ``field(name)`` reads one field of the
-    expected struct from ``raw`` (None when absent), so that the reader can still tell
-    whose message it was (``request_id``, ``call_id``, ``client_index``).
-    """
-
-    __slots__ = ("rtype", "error", "raw", "fields")
-
-    def __init__(self, rtype: int, error: str, raw: Any,
-                 fields: Mapping[int, Mapping[str, int]] | None = None) -> None:
-        self.rtype = rtype
-        self.error = error
-        self.raw = raw
-        self.fields = _FIELD_POS if fields is None else fields
-
-    def field(self, name: str) -> Any:
-        pos = self.fields.get(self.rtype, {}).get(name)
-        raw = self.raw
-        if pos is None or type(raw) is not list or pos >= len(raw):
-            return None
-        return raw[pos]
-
-    def __repr__(self) -> str:
-        return f"BadMessage(0x{self.rtype:02x}, {self.error!r})"
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, msgspec.ValidationError):
-        return str(e)
-    return f"{type(e).__name__}: {e}"
-
-
-#: Builds a channel's framing from its tensor sender and receiver.
-FramingFactory = Callable[[ShmTensorSender, ShmTensorReceiver], Framing]
+__all__ = [
+    "REC_OUTPUTS", "REC_RELEASE", "REQ_ABORT", "REQ_ADD", "REQ_UTILITY", "BadMessage",
+    "ChannelStatistics", "Framing", "FramingFactory", "NativeFraming", "ShmChannel", "ShmChannelSpec",
+]
 
 
 class ShmChannel:
@@ -199,50 +98,16 @@ class ShmChannel:
     ) -> tuple["ShmChannel", ShmChannelSpec]:
         """Create both rings and both arenas (frontend side). Returns the channel and the
         spec the engine attaches with. ``wake_fd``: also make the pipes an event loop
-        waits on (``recv_fd`` for outputs, ``send_fd`` for room in the request ring). Raises ShmCapacityError naming the bytes the whole
-        channel needs when its memory cannot be reserved; on any failure everything
-        created so far is removed again."""
-        made: list[Any] = []
+        waits on (``recv_fd`` for outputs, ``send_fd`` for room in the request ring).
+        Raises ShmCapacityError naming the bytes the whole channel needs when its memory
+        cannot be reserved; on any failure everything created so far is removed again
+        (see ``channel_spec.create_parts``)."""
+        parts, spec = create_parts(ring_capacity=ring_capacity, arena_bytes=arena_bytes, spin_us=spin_us,
+                                   wake_fd=wake_fd, enable_cuda_ipc=enable_cuda_ipc)
         try:
-            req = RingProducer.create(ring_capacity, spin_us=spin_us, producer_wake_fd=wake_fd)
-            made.append(req)
-            out = RingConsumer.create(ring_capacity, spin_us=spin_us, consumer_wake_fd=wake_fd)
-            made.append(out)
-            # Arenas are sized now and reserved by their sender on its first tensor, so a
-            # client that never sends one never holds their memory. No arena (0 bytes):
-            # a 1-byte segment holds no block, so every tensor goes as a one-off segment.
-            size = max(arena_bytes, 1)
-            arena_req = Segment.create(size, prefix="shmc-t", reserve=False)
-            made.append(arena_req)
-            arena_out = Segment.create(size, prefix="shmc-t", reserve=False)
-            made.append(arena_out)
-        except ShmCapacityError as e:
-            for m in reversed(made):
-                m.unlink()
-                m.close()
-            total = 2 * (ring_capacity + RING_HEADER_BYTES)
-            raise ShmCapacityError(
-                f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
-                f"of {ring_capacity} bytes; its two tensor arenas of {arena_bytes} bytes are "
-                f"reserved later, on their first tensor) and they could not be reserved: {e}"
-            ) from e
+            return cls(*parts, enable_cuda_ipc, framing), spec
         except BaseException:
-            for m in reversed(made):
-                m.unlink()
-                m.close()
-            raise
-        spec = ShmChannelSpec(
-            rx=req.spec,
-            tx=out.spec,
-            tensor_rx=arena_req.name,
-            tensor_tx=arena_out.name,
-            spin_us=spin_us,
-            enable_cuda_ipc=enable_cuda_ipc,
-        )
-        try:
-            return cls(req, out, arena_req, arena_out, made, enable_cuda_ipc, framing), spec
-        except BaseException:
-            for m in reversed(made):
+            for m in reversed(parts.owned):
                 m.unlink()
                 m.close()
             raise
@@ -250,31 +115,11 @@ class ShmChannel:
     @classmethod
     def attach(cls, spec: ShmChannelSpec, framing: FramingFactory = NativeFraming) -> "ShmChannel":
         """Attach to a channel created by the peer (engine side)."""
-        rx = RingConsumer.attach(spec.rx, spin_us=spec.spin_us)
+        parts = attach_parts(spec)
         try:
-            tx = RingProducer.attach(spec.tx, spin_us=spec.spin_us)
-            try:
-                seg_rx = Segment.attach(spec.tensor_rx)
-                try:
-                    seg_tx = Segment.attach(spec.tensor_tx)
-                except BaseException:
-                    seg_rx.close()
-                    raise
-            except BaseException:
-                tx.close()
-                raise
+            return cls(*parts, spec.enable_cuda_ipc, framing)
         except BaseException:
-            rx.close()
-            raise
-        # Everything is mapped (and the pipes reopened): the fds inherited for the
-        # handles are not needed any more.
-        close_inherited([spec.rx.segment, spec.rx.wake_pipe, spec.rx.space_pipe,
-                         spec.tx.segment, spec.tx.wake_pipe, spec.tx.space_pipe,
-                         spec.tensor_rx, spec.tensor_tx])
-        try:
-            return cls(tx, rx, seg_tx, seg_rx, [], spec.enable_cuda_ipc, framing)
-        except BaseException:
-            for m in (tx, rx, seg_tx, seg_rx):
+            for m in (parts.tx, parts.rx, parts.tensor_tx, parts.tensor_rx):
                 m.close()
             raise
 
@@ -422,7 +267,7 @@ class ShmChannel:
             try:
                 obj = dec.decode(view)
             except Exception as e:  # this message alone is bad; the ring is intact
-                obj = BadMessage(rtype, _describe(e), dec.salvage(view), self._fields)
+                obj = BadMessage(rtype, describe(e), dec.salvage(view), self._fields)
             self._got.append((rtype, obj))
         elif rtype == REC_RELEASE:
             try:
@@ -483,8 +328,11 @@ class ShmChannel:
     def peer_closed(self) -> bool:
         return self.rx.peer_closed or self.tx.peer_closed
 
-    def stats(self) -> dict[str, Any]:
-        return {"tx": self.tx.stats(), "rx": self.rx.stats(), "tensors": self._tensor_tx.stats()}
+    def statistics(self) -> ChannelStatistics:
+        """Both rings' counters and the tensor sender's (after ``close()``: the rings' as
+        they were when closed). Does not block."""
+        return ChannelStatistics(tx=self.tx.statistics(), rx=self.rx.statistics(),
+                                 tensors=self._tensor_tx.statistics())
 
     def close(self) -> None:
         """Tell the peer we are gone (wakes it if blocked), remove names, unmap."""

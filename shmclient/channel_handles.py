@@ -1,8 +1,9 @@
 """A ``ShmChannel`` made by a third process for two others: a launcher that starts both
 a frontend and an engine (vLLM's ``vllm serve`` parent with several API servers).
 
-Middle layer beside ``channel``: imports ``channel`` (its spec), ``ring`` (``RingHandles``)
-and ``shm``; no end of any ring, nothing that waits. ``ChannelHandles`` creates the two
+Middle layer beside ``channel``: imports ``channel_spec`` (the spec), ``ring_resources``
+(``RingHandles``), ``shm`` and ``errors``; no end of any ring, nothing that waits, never
+``waiting``, asyncio, clients or the engine. ``ChannelHandles`` creates the two
 rings and two tensor arenas of one channel without mapping or owning an end of them, and
 gives each side its spec: ``engine_spec`` (what ``ShmChannel.create`` returns for the
 engine) and ``frontend_spec`` (the same rings and arenas from the frontend's side, for
@@ -13,10 +14,10 @@ named anywhere, so nothing outlives the processes that hold it, whatever kills t
 
 from __future__ import annotations
 
-from .channel import ShmChannelSpec
+from .channel_spec import ShmChannelSpec
 from .errors import ShmCapacityError
-from .ring import HEADER_BYTES as RING_HEADER_BYTES
-from .ring import RingHandles
+from .ring_resources import HEADER_BYTES as RING_HEADER_BYTES
+from .ring_resources import RingHandles
 from .shm import Segment
 
 __all__ = ["ChannelHandles"]

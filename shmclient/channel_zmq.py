@@ -1,8 +1,8 @@
 """``ZmqChannel``: the channel interface over vLLM's socket layout (the baseline transport).
 
-Middle layer, beside ``channel`` (whose record types, decoders and ``BadMessage`` it
-shares): imports pyzmq, codec, messages, errors; never clients, asyncio, ``waiting`` or
-the engine. Frontend: ROUTER bound for requests (the engine's DEALER registers with one
+Middle layer, beside ``channel``: imports pyzmq, ``codec``, ``framing`` (the record
+types, decoders and ``BadMessage`` it shares with ``channel``), ``stats`` and
+``errors``; never the ring, ``shm``, clients, asyncio, ``waiting`` or the engine. Frontend: ROUTER bound for requests (the engine's DEALER registers with one
 empty message), PULL bound for outputs; engine: DEALER and PUSH connected. Each message
 is ``[type byte, msgpack frame, *tensor frames]``; tensors travel as frames. The
 frontend binds on abstract unix sockets (same host) or on tcp (``create(..., host=)``, an
@@ -21,9 +21,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from .channel import BadMessage, _decoders, _describe
 from .codec import Encoder
 from .errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError, WouldBlock
+from .framing import BadMessage, decoders, describe
+from .stats import ChannelStatistics
 
 
 class ZmqChannelSpec(msgspec.Struct, frozen=True):
@@ -61,7 +62,7 @@ class ZmqChannel:
         self._rx = rx
         self._frontend = frontend
         self._encoder = Encoder()
-        self._decoders = _decoders(None)
+        self._decoders = decoders(None)
         self._send_lock = threading.Lock()  # held only around one non-blocking send
         self._poller = zmq.Poller()
         self._poller.register(rx, zmq.POLLIN)
@@ -155,7 +156,7 @@ class ZmqChannel:
         try:
             return rtype, dec.decode_frames(bufs)
         except Exception as e:  # this message alone is bad
-            return rtype, BadMessage(rtype, _describe(e), dec.salvage(bufs[0]))
+            return rtype, BadMessage(rtype, describe(e), dec.salvage(bufs[0]))
 
     def recv_nowait(self, limit: int = 0) -> list[tuple[int, Any]]:
         """Every message queued now (at most ``limit`` if > 0), decoded, in order (at
@@ -234,8 +235,9 @@ class ZmqChannel:
     def peer_closed(self) -> bool:
         return False
 
-    def stats(self) -> dict[str, Any]:
-        return {}
+    def statistics(self) -> ChannelStatistics:
+        """Nothing to count here: no rings, no arena (every field None)."""
+        return ChannelStatistics()
 
     def close(self) -> None:
         if self._closed:

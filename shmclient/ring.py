@@ -1,13 +1,14 @@
 """What both ends of an SPSC ring of variable-length records share: the segment's life
 cycle and layout.
 
-Lowest layer: imports only ``_ring`` (the C end), ``shm``, ``doorbell``, ``errors`` and
-``forksafe``; never the two ends (``ring_producer.RingProducer`` and
-``ring_consumer.RingConsumer``, which subclass ``Ring`` and import this module),
-``waiting``, asyncio, codecs, clients or the engine. It owns making and attaching the
-shared segment and its pipes (``Ring.create`` / ``Ring.attach``, called on an end's
-class), closing and unmapping, fork safety, statistics, errors, and the one C wait with
-its adaptive spin (``doorbell.Spin``). Nothing here or in the ends waits more than once:
+Lowest layer: imports only ``_ring`` (the C end), ``ring_resources`` (the segment, the
+pipes, ``RingSpec``), ``shm``, ``stats``, ``doorbell``, ``errors`` and ``forksafe``;
+never the two ends (``ring_producer.RingProducer`` and ``ring_consumer.RingConsumer``,
+which subclass ``Ring`` and import this module), ``waiting``, asyncio, codecs, clients
+or the engine. It owns creating and attaching an end (``Ring.create`` / ``Ring.attach``,
+called on an end's class), closing and unmapping, fork safety, statistics
+(``RingStatistics``), errors, and the one C wait with its adaptive spin
+(``doorbell.Spin``). Nothing here or in the ends waits more than once:
 each end tries without waiting (``try_*`` / ``*_nowait``) and offers one single wait
 (``wait_readable`` / ``wait_writable``); the deadline and the liveness check around
 them are ``shmclient.waiting``'s. The per-message path (write and publish, see and read
@@ -49,128 +50,32 @@ import weakref
 from time import perf_counter
 from typing import Callable, TypeVar, Union
 
-import msgspec
-
 from . import _ring, forksafe
 from .doorbell import Spin
 from .errors import ClientClosedError, ForkedError, PeerDeadError, RingCorruptError
-from .shm import Segment, make_pipe, open_handle
+from .ring_resources import (
+    DEFAULT_CAPACITY,
+    HEADER_BYTES,
+    MAX_CAPACITY,
+    MAX_PAYLOAD,
+    MIN_CAPACITY,
+    REC_HDR,
+    VERSION,
+    Resources,
+    RingHandles,
+    RingSpec,
+    make,
+)
+from .shm import Segment, open_handle
+from .stats import RingStatistics
 
-__all__ = ["DEFAULT_CAPACITY", "Ring", "RingSpec", "RingCorruptError"]
-
-DEFAULT_CAPACITY = 4 << 20
-HEADER_BYTES = _ring.HEADER_BYTES
-REC_HDR = _ring.REC_HDR
-VERSION = _ring.VERSION
-MAX_PAYLOAD = _ring.MAX_MESSAGE  # the largest message (fragmented; the consumer refuses a
-# longer total); one record carries max_record
-MIN_CAPACITY = 64
-MAX_CAPACITY = 1 << 40
+__all__ = [
+    "DEFAULT_CAPACITY", "HEADER_BYTES", "MAX_CAPACITY", "MAX_PAYLOAD", "MIN_CAPACITY", "REC_HDR",
+    "VERSION", "Ring", "RingCorruptError", "RingHandles", "RingSpec", "RingStatistics",
+]
 
 BytesLike = Union[bytes, bytearray, memoryview]
 E = TypeVar("E", bound="Ring")
-
-
-class RingSpec(msgspec.Struct, frozen=True):
-    """Everything the peer process needs to attach (msgpack-able): the segment's handle,
-    the capacity and the handles of the pipes' write ends: ``wake_pipe`` for a consumer
-    that waits in an event loop (the producer writes it on publish), ``space_pipe`` for a
-    producer that waits for room in an event loop (the consumer writes it on release)."""
-
-    segment: str
-    capacity: int
-    wake_pipe: str = ""
-    space_pipe: str = ""
-
-
-class _Resources:
-    """OS resources of one ring end; owned by a finalizer, not by the Ring itself."""
-
-    def __init__(self, owner: bool) -> None:
-        self.owner = owner
-        self.seg: Segment | None = None
-        self.fds: list[int] = []
-        self.wake_w = -1  # a write end of the consumer's wake pipe (both ends keep one)
-        self.wake_r = -1  # the consumer's: its wake pipe's read end
-        self.space_w = -1  # a write end of the producer's space pipe (both ends keep one)
-        self.space_r = -1  # the producer's: its space pipe's read end
-        self.ends: list = []  # the C end: dropped before the mapping is closed
-
-    def unlink(self) -> None:
-        """Release the segment's handle (the peer has attached): it no longer opens. The
-        wake pipe's write end stays until ``release``: a pipe whose last writer closed
-        reads as end-of-file, which an event loop would report as readable forever."""
-        if self.seg is not None:
-            self.seg.release_handle()
-
-    def release(self) -> None:
-        for end in self.ends:
-            end.close()
-            end.detach()
-        self.ends.clear()
-        self.unlink()
-        for name in ("wake_w", "space_w"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-        if self.seg is not None:
-            self.seg.close()
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds.clear()
-
-
-def _make(capacity: int, prefix: str, consumer_wake_fd: bool, producer_wake_fd: bool, *,
-          populate: bool) -> tuple[_Resources, RingSpec]:
-    """A new ring's segment (header written) and pipes, and its spec. ``res.fds`` holds
-    the pipes' read ends, the wake pipe's first."""
-    if not isinstance(capacity, int) or not MIN_CAPACITY <= capacity <= MAX_CAPACITY or capacity % 8:
-        raise ValueError(
-            f"capacity must be a multiple of 8 between {MIN_CAPACITY} and {MAX_CAPACITY}, got {capacity!r}"
-        )
-    res = _Resources(owner=True)
-    try:
-        res.seg = Segment.create(HEADER_BYTES + capacity, prefix=prefix, populate=populate)
-        _ring.init_header(res.seg.buf, capacity)
-        wake = space = ""
-        if consumer_wake_fd:
-            r, res.wake_w, wake = make_pipe()
-            res.fds.append(r)
-        if producer_wake_fd:
-            r, res.space_w, space = make_pipe()
-            res.fds.append(r)
-        return res, RingSpec(res.seg.name, capacity, wake, space)
-    except BaseException:
-        res.release()
-        raise
-
-
-class RingHandles:
-    """A ring made by one process for two others to attach (a launcher, for a pair of
-    processes it starts): the handles in ``spec`` and nothing else, no end. Its memory is
-    not mapped here. ``release()`` once both ends have attached (or at the latest when
-    this process ends, which releases them too): the handles stop opening and the ring
-    lives as long as its ends."""
-
-    def __init__(self, capacity: int = DEFAULT_CAPACITY, *, prefix: str = "shmc",
-                 consumer_wake_fd: bool = False, producer_wake_fd: bool = False) -> None:
-        self._res, self.spec = _make(capacity, prefix, consumer_wake_fd, producer_wake_fd, populate=False)
-        self._res.seg.close()  # the fd (the handle) stays, the mapping goes
-        self._finalizer = weakref.finalize(self, self._res.release)
-
-    def handle_fds(self) -> list[int]:
-        """The fds behind ``spec`` while they are open (for a forked child to close)."""
-        res = self._res
-        seg = res.seg.fd if res.seg is not None else -1
-        return [fd for fd in (seg, res.wake_w, res.space_w) if fd >= 0]
-
-    def release(self) -> None:
-        """Close every fd of the ring here (idempotent); never blocks."""
-        self._finalizer()
 
 
 def _as_bytes(payload) -> memoryview:
@@ -225,7 +130,7 @@ class Ring:
         """
         cls._check_end()
         _check_spin(spin_us)
-        res, spec = _make(capacity, prefix, consumer_wake_fd, producer_wake_fd, populate=True)
+        res, spec = make(capacity, prefix, consumer_wake_fd, producer_wake_fd, populate=True)
         try:
             if cls._reads_wake and spec.wake_pipe:
                 res.wake_r = res.fds[0]
@@ -244,7 +149,7 @@ class Ring:
         ``spec.capacity``. Does not block."""
         cls._check_end()
         _check_spin(spin_us)
-        res = _Resources(owner=False)
+        res = Resources(owner=False)
         try:
             res.seg = Segment.attach(spec.segment, populate=True)
             if res.seg.size < HEADER_BYTES + spec.capacity:
@@ -277,7 +182,7 @@ class Ring:
                             "or RingConsumer.create() / .attach()")
 
     @classmethod
-    def _build(cls: type[E], spec: RingSpec, res: _Resources, spin_us: float) -> E:
+    def _build(cls: type[E], spec: RingSpec, res: Resources, spin_us: float) -> E:
         self = object.__new__(cls)
         self.spec = spec
         self.capacity = spec.capacity
@@ -287,7 +192,7 @@ class Ring:
         self._closed = False
         self._forked = False
         self._peer_gone = False
-        self._final_stats: dict[str, int] | None = None
+        self._final_statistics: RingStatistics | None = None
         self._finalizer = weakref.finalize(self, res.release)
         try:
             self._c = self._make_end(res)
@@ -302,7 +207,7 @@ class Ring:
         forksafe.register(self)
         return self
 
-    def _make_end(self, res: _Resources):
+    def _make_end(self, res: Resources):
         """The C end of this side (``_ring.Producer`` / ``_ring.Consumer``)."""
         raise NotImplementedError
 
@@ -312,7 +217,7 @@ class Ring:
         self._finalizer.detach()
         self._forked = True
         self._closed = True
-        self._final_stats = {}
+        self._final_statistics = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -336,7 +241,7 @@ class Ring:
         finish (it is woken first)."""
         if self._closed:
             return
-        self._final_stats = self._read_stats()
+        self._final_statistics = self._read_statistics()
         self._closed = True
         try:
             self._c.close()  # sets the flag, wakes both sides' waiters (and the pipe)
@@ -365,16 +270,19 @@ class Ring:
             return self._peer_gone
         return self._peer_gone or self._c.peer_closed
 
-    def stats(self) -> dict[str, int]:
+    def statistics(self) -> RingStatistics:
         """Counters of both sides, read from the shared header (after ``close()``: as
-        they were when closed). Does not block."""
+        they were when closed). Raises ForkedError in a forked child (the counters are
+        the parent's). Does not block."""
         if self._closed:
-            return dict(self._final_stats or {})
-        return self._read_stats()
+            if self._final_statistics is None:
+                raise self._closed_error()
+            return self._final_statistics
+        return self._read_statistics()
 
-    def _read_stats(self) -> dict[str, int]:
+    def _read_statistics(self) -> RingStatistics:
         counters, _ = _ring.stats(self._res.seg.buf)
-        return counters
+        return RingStatistics(**counters)
 
     def _closed_error(self) -> ClientClosedError:
         if self._forked:

@@ -1,7 +1,8 @@
 """Anonymous shared-memory segments: create (owner) / attach / close / release the handle.
 
-Lowest layer: imports only ``errors`` and the standard library. It owns the life-cycle
-rules every segment in shmclient follows:
+Lowest layer: imports only ``capacity`` (the memory-limit check), ``errors`` and the
+standard library; never the ring, tensors, codec, ``waiting``, asyncio, clients or the
+engine. It owns the life-cycle rules every segment in shmclient follows:
 
 * a segment is a ``memfd_create`` file: it has no name in /dev/shm or anywhere else, so
   nothing can outlive the processes that map it, whatever kills them and whenever;
@@ -9,7 +10,7 @@ rules every segment in shmclient follows:
   segment created with ``reserve=False`` such as a tensor arena, by ``reserve()`` before
   its first use), after a check against every memory limit of the process (its memory
   cgroup, v1 or v2, and the host's MemAvailable, with ``SHMCLIENT_MEMORY_MARGIN_BYTES``
-  to spare): a reservation that does not fit fails here with a ``ShmCapacityError``
+  to spare, see ``capacity``): a reservation that does not fit fails here with a ``ShmCapacityError``
   naming the bytes and the limit, never with SIGBUS or the OOM killer later;
 * once sized, a segment is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): no
   holder of an fd of it can truncate it under a peer's mapping;
@@ -22,10 +23,6 @@ rules every segment in shmclient follows:
 * ``close()`` unmaps. Only the creator holds a handle; the peer closes its fd as soon as
   it has mapped the segment.
 
-posix_ipc is no longer used: named segments and semaphores could be left in /dev/shm by a
-process killed between creation and unlink, and the semaphores were replaced by the
-futex words of the C ring (``shmclient._ring``).
-
 Nothing here blocks.
 """
 
@@ -37,132 +34,23 @@ import mmap
 import os
 import stat
 
+from .capacity import (  # noqa: F401 - memory_limits & co. re-exported from here too
+    DEFAULT_MARGIN,
+    MARGIN_ENV,
+    capacity_error,
+    check_reservation,
+    margin_bytes,
+    memory_limits,
+)
 from .errors import ShmCapacityError
 
 PAGE = mmap.PAGESIZE
 HANDLE_PREFIX = "memfd:"
 
-#: Env variable: bytes a reservation must leave free under the tightest memory limit of
-#: this process (cgroup or host), so that a reservation that only just fits does not
-#: leave the process to be OOM-killed at its next allocation.
-MARGIN_ENV = "SHMCLIENT_MEMORY_MARGIN_BYTES"
-DEFAULT_MARGIN = 64 << 20
 #: The seals every segment carries once sized: nobody (creator, peer, or a process that
 #: opened it through /proc) can shrink it under a peer's mapping (SIGBUS) or grow it.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python's mmap module yet
-_UNLIMITED = 1 << 62
-
-
-def _capacity_error(what: str, size: int, err: OSError) -> ShmCapacityError:
-    return ShmCapacityError(
-        f"cannot reserve {size} bytes of shared memory for {what}: {err.strerror or err}. "
-        f"The memory comes from the host's (or the container's) memory limit; free some "
-        f"memory or ask for a smaller ring or arena."
-    )
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    if text == "max":
-        return _UNLIMITED
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-def _stat_field(path: str, *names: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 2 and parts[0] in names:
-                    return int(parts[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def memory_limits(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> list[tuple[int, str]]:
-    """What this process may still use: ``[(bytes, where the limit is), ...]``, one entry
-    per limit that applies: the host's ``MemAvailable``, and the memory cgroup of this
-    process (v2: ``memory.max - memory.current`` of its cgroup and of every parent with a
-    limit; v1: ``memory.limit_in_bytes`` (or the hierarchical limit) minus
-    ``memory.usage_in_bytes``), page cache that can be dropped (inactive files) counted
-    as free. Files that cannot be read are left out. Does not block."""
-    out: list[tuple[int, str]] = []
-    avail = _stat_field(f"{proc}/meminfo", "MemAvailable:")
-    if avail:
-        out.append((avail * 1024, f"MemAvailable of the host ({avail * 1024} bytes)"))
-    try:
-        with open(f"{proc}/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":  # cgroup v2
-            base = f"{cgroup_root}/unified" if os.path.isdir(f"{cgroup_root}/unified") and not \
-                os.path.exists(f"{cgroup_root}/cgroup.controllers") else cgroup_root
-            parts = [p for p in path.split("/") if p]
-            for i in range(len(parts), 0, -1):
-                d = "/".join([base, *parts[:i]])
-                limit = _read_int(f"{d}/memory.max")
-                if limit is None or limit >= _UNLIMITED:
-                    continue
-                used = (_read_int(f"{d}/memory.current") or 0) - _stat_field(
-                    f"{d}/memory.stat", "inactive_file")
-                out.append((limit - max(used, 0), f"memory.max={limit} of cgroup {d}"))
-        elif "memory" in controllers.split(","):  # cgroup v1
-            d = f"{cgroup_root}/memory{path}".rstrip("/")
-            if not os.path.isdir(d):
-                d = f"{cgroup_root}/{controllers}{path}".rstrip("/")
-            limit = _read_int(f"{d}/memory.limit_in_bytes")
-            if limit is None:
-                continue
-            hier = _stat_field(f"{d}/memory.stat", "hierarchical_memory_limit")
-            if hier:
-                limit = min(limit, hier)
-            if limit >= _UNLIMITED:
-                continue
-            used = (_read_int(f"{d}/memory.usage_in_bytes") or 0) - _stat_field(
-                f"{d}/memory.stat", "total_inactive_file")
-            out.append((limit - max(used, 0), f"memory.limit_in_bytes={limit} of cgroup {d}"))
-    return out
-
-
-def margin_bytes() -> int:
-    raw = os.environ.get(MARGIN_ENV)
-    if raw is None:
-        return DEFAULT_MARGIN
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{MARGIN_ENV} must be a number of bytes >= 0, got {raw!r}") from None
-    return value
-
-
-def check_reservation(size: int, what: str) -> None:
-    """Raise ``ShmCapacityError`` unless ``size`` more bytes fit under every memory limit
-    of this process with ``SHMCLIENT_MEMORY_MARGIN_BYTES`` to spare: a reservation that
-    does not fit would get the process (or, on the host, someone else) OOM-killed
-    instead of failing. Does not block."""
-    margin = margin_bytes()
-    for free, where in memory_limits():
-        if size + margin > free:
-            raise ShmCapacityError(
-                f"cannot reserve {size} bytes of shared memory for {what}: only "
-                f"{max(free, 0)} bytes are free under {where}, and {margin} must stay free "
-                f"({MARGIN_ENV}). Free some memory or ask for a smaller ring or arena."
-            )
 
 
 def parse_handle(handle: str) -> tuple[str, int, int, int]:
@@ -349,7 +237,7 @@ class Segment:
                 if reserve:
                     os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                raise _capacity_error(f"a {prefix!r} segment", size, e) from e
+                raise capacity_error(f"a {prefix!r} segment", size, e) from e
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = _map(fd, size, _flags(populate and reserve))
             ino = os.fstat(fd).st_ino
@@ -391,7 +279,7 @@ class Segment:
             self._mmap.madvise(_MADV_POPULATE_WRITE)
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                raise _capacity_error("a tensor arena", self.size, e) from e
+                raise capacity_error("a tensor arena", self.size, e) from e
             # An older kernel: touch one byte of every page (nothing reads it yet).
             buf = self.buf
             for off in range(0, self.size, PAGE):

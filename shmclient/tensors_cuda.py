@@ -1,9 +1,10 @@
 """CUDA tensors between processes by IPC handle, on torch's own CUDA IPC reductions.
 
-Transport layer, used only by ``tensors`` (imported on the first CUDA tensor): imports
-torch, ``errors`` and the standard library; never clients, asyncio, the engine or the
-codec. It owns the keep-alive table of sent CUDA tensors, the GPU-UUID device mapping and
-the decision "IPC handle or host copy".
+Transport layer, used only by ``tensors_sender`` and ``tensors_receiver`` (imported on
+the first CUDA tensor): imports torch, ``dtypes``, ``errors``, ``tensors_handles`` and
+the standard library; never clients, asyncio, ``waiting``, the engine or the codec. It
+owns the keep-alive table of sent CUDA tensors, the GPU-UUID device mapping and the
+decision "IPC handle or host copy".
 
 What torch 2.x does for us (``torch.multiprocessing.reductions.reduce_tensor`` →
 ``UntypedStorage._share_cuda_``): it exports a ``cudaIpcMemHandle`` for the whole
@@ -43,10 +44,10 @@ import torch.multiprocessing.reductions as _reductions
 
 from .dtypes import torch_dtype
 from .errors import SerializationError
+from .tensors_handles import CUDA_IPC
 
 log = logging.getLogger("shmclient")
 
-CUDA_IPC = 2  # handle kind, as in ``tensors``
 
 _uuid_to_index: dict[str, int] | None = None
 _uuid_lock = threading.Lock()

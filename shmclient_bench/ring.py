@@ -166,7 +166,7 @@ def _ring_stream(spec: bytes, count: int, ppid: int, back) -> None:
             _send(tx, 1, msg, alive)
             took[i] = now() - t
         t_end = now()
-        waits = tx.stats()["waits_on_full"]
+        waits = tx.statistics().waits_on_full
         waiting.send(tx, STOP, b"", alive=alive)
     finally:
         tx.close()
@@ -272,7 +272,7 @@ def ring_round_trips(quick: bool) -> dict:
             res[size] = {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99), "n": n}
         waiting.send(out_ring, STOP, b"")
         _finish(child)
-        res["stats"] = in_ring.stats()
+        res["stats"] = msgspec.structs.asdict(in_ring.statistics())
     finally:
         if child.is_alive():
             child.kill()

@@ -162,7 +162,7 @@ def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
                 if i >= 2:
                     samples.append(t1 - t0)
             out[size] = _summary(samples)
-            assert sender.stats()["used_bytes"] == 0
+            assert sender.statistics().used_bytes == 0
         waiting.send(data, STOP, b"", timeout=10)
         child.join(30)
     finally:

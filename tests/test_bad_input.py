@@ -336,12 +336,12 @@ def test_shm_undecodable_message_gives_its_tensor_block_back(shm_pair):
     front, engine = shm_pair
     big = torch.randn(64, 32)  # out of band, in the frontend's arena
     send(front, REQ_ADD, EngineCoreRequest(request_id=5, prompt_embeds=big))
-    assert front._tensor_tx.stats()["blocks_in_flight"] == 1
+    assert front._tensor_tx.statistics().blocks_in_flight == 1
     (_, bad), = waiting.recv(engine, timeout=5.0)
     assert type(bad) is BadMessage and bad.field("request_id") == 5
     engine.flush_releases()
     front.try_recv()  # reads the release record
-    assert front._tensor_tx.stats()["blocks_in_flight"] == 0
+    assert front._tensor_tx.statistics().blocks_in_flight == 0
 
 
 def test_shm_unknown_record_type_is_a_protocol_error_after_what_came_before(shm_pair):

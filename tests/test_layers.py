@@ -5,12 +5,16 @@
 fresh interpreter and check that no engine module came along, and launch a user's engine
 module (written to a temporary directory, wrapping the project's engine) on every kind of
 client. The ring's own modules (the shared base and its two ends) are read for what they
-import: nothing above them, and not each other in a circle.
+import: nothing above them, and not each other in a circle. Every transport module
+(segments, rings, codec, tensors, framing, channels, statistics) is read the same way: none
+imports ``waiting``, a client, asyncio or the engine, and the codec reaches the tensor
+transport only through its protocols.
 """
 
 from __future__ import annotations
 
 import ast
+import glob
 import json
 import os
 import subprocess
@@ -67,7 +71,8 @@ def test_no_shmclient_module_imports_an_engine():
 #: What each of the ring's modules may import from the package (anywhere in the module,
 #: at the top or inside a function): the base never its ends, an end never the other one.
 RING_LAYER = {
-    "ring": {"_ring", "doorbell", "errors", "forksafe", "shm"},
+    "ring_resources": {"_ring", "shm"},
+    "ring": {"_ring", "doorbell", "errors", "forksafe", "ring_resources", "shm", "stats"},
     "ring_producer": {"_ring", "doorbell", "errors", "ring"},
     "ring_consumer": {"_ring", "doorbell", "errors", "ring"},
 }
@@ -107,6 +112,58 @@ def test_the_ring_layer_imports_nothing_above_it_and_no_circle():
         assert not above, f"shmclient.{name} imports {sorted(above)}"
     # the ends import the base; the base none of them (no lazy import either)
     assert not _imports(os.path.join(ROOT, "shmclient", "ring.py"))[0] & {"ring_producer", "ring_consumer"}
+
+
+#: The transport under ``waiting``: segments, rings, codec, tensors, channels, and the
+#: records and checks they share. A module added under one of these names is covered.
+TRANSPORT = ("shm.py", "capacity.py", "ring*.py", "codec*.py", "dtypes.py", "tensors*.py",
+             "framing.py", "channel*.py", "stats.py")
+#: What each codec module and the statistics records may import from the package: the
+#: codec reaches tensors only through its protocols, never the transport's modules.
+LEAF_LAYER = {
+    "codec": {"codec_decoder", "codec_tensor", "errors"},
+    "codec_decoder": {"codec_tensor", "dtypes", "errors"},
+    "codec_tensor": {"errors"},
+    "stats": set(),
+    "capacity": {"errors"},
+}
+
+
+def _transport_modules() -> list[str]:
+    return sorted({os.path.basename(p)[:-3] for pattern in TRANSPORT
+                   for p in glob.glob(os.path.join(ROOT, "shmclient", pattern))})
+
+
+def _above_the_transport(path: str) -> list[str]:
+    """What ``path`` imports (anywhere in it) from above the transport: ``waiting``, a
+    client module, asyncio or the engine."""
+    ours, other = _imports(path)
+    bad = {f"shmclient.{m}" for m in ours if m == "waiting" or m.startswith("client")}
+    bad |= {m for m in other if m.split(".")[0] in ("asyncio", "shmclient_engine")}
+    return sorted(bad)
+
+
+def test_the_transport_imports_nothing_above_it(tmp_path):
+    names = _transport_modules()
+    assert {"shm", "capacity", "ring", "ring_resources", "ring_producer", "ring_consumer", "codec",
+            "codec_decoder", "codec_tensor", "tensors", "tensors_handles", "tensors_sender",
+            "tensors_receiver", "tensors_cuda", "framing", "channel", "channel_spec", "channel_zmq",
+            "channel_handles", "stats", "dtypes"} <= set(names), names
+    for name in names:
+        path = os.path.join(ROOT, "shmclient", f"{name}.py")
+        assert _above_the_transport(path) == [], f"shmclient.{name} imports {_above_the_transport(path)}"
+    for name, allowed in LEAF_LAYER.items():
+        ours, _ = _imports(os.path.join(ROOT, "shmclient", f"{name}.py"))
+        assert ours <= allowed, f"shmclient.{name} imports {sorted(ours - allowed)}"
+    # The check sees an import wherever it is written, in every spelling.
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os\nfrom . import errors\n"
+                     "def f():\n    import asyncio.events\n    from . import waiting\n"
+                     "    from .client_mp import SyncMPClient\n    import shmclient.client_async\n"
+                     "    from shmclient_engine.core import EngineCore\n")
+    assert _above_the_transport(str(probe)) == [
+        "asyncio.events", "shmclient.client_async", "shmclient.client_mp", "shmclient.waiting",
+        "shmclient_engine.core"]
 
 
 USER_ENGINE = '''

@@ -194,7 +194,7 @@ async def test_tensors_of_aborted_and_finished_requests_are_released(mode):
     c = make_client(True, mode == "async", cfg(step_delay_s=0.01))
 
     def in_flight() -> int:  # blocks of the frontend's arena the engine still holds
-        return c.channel.stats()["tensors"]["blocks_in_flight"]
+        return c.channel.statistics().tensors.blocks_in_flight
 
     async def call(name, *args):
         if mode == "async":

@@ -289,7 +289,7 @@ def test_add_blocked_on_a_full_ring_at_shutdown_gets_engine_dead_error():
     try:
         # Wait (on state) until the message filled the ring and the adder waits for room.
         deadline = time.monotonic() + 10
-        while c.channel.tx.stats().get("waits_on_full", 0) == 0 and time.monotonic() < deadline:
+        while c.channel.tx.statistics().waits_on_full == 0 and time.monotonic() < deadline:
             t.join(0.01)
     finally:
         c.shutdown(timeout=0.2)

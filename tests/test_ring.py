@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmclient import doorbell, ring as ring_mod, waiting
+from shmclient import _ring, doorbell, ring as ring_mod, waiting
 from shmclient.errors import (
     ClientClosedError,
     PeerDeadError,
@@ -36,6 +36,7 @@ from shmclient.ring import DEFAULT_CAPACITY, Ring, RingSpec
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 from shmclient.shm import Segment
+from shmclient.stats import RingStatistics
 
 SHM = "/dev/shm"
 
@@ -235,8 +236,8 @@ def test_exact_fit_and_max_record(pair):
     assert pr.c.try_recv() == []
     assert pr.p.try_send(2, payload(2, 56))
     assert pr.c.try_recv() == [(2, payload(2, 56))]
-    s = pr.p.stats()
-    assert s["wraps"] >= 6 and s["tx_records"] == s["rx_records"] == 7
+    s = pr.p.statistics()
+    assert s.wraps >= 6 and s.tx_records == s.rx_records == 7
 
 
 def test_wrap_with_pad_in_the_middle_of_a_batch(pair):
@@ -246,7 +247,7 @@ def test_wrap_with_pad_in_the_middle_of_a_batch(pair):
     recs = [(2, payload(2, 30)), (3, payload(3, 40))]  # 40 fits at 72..112, 48 wraps
     assert pr.p.send_batch_nowait(recs) == 2
     assert pr.c.try_recv() == recs
-    assert pr.p.stats()["tx_batches"] == 2
+    assert pr.p.statistics().tx_batches == 2
 
 
 def _sizes_near(cap: int):
@@ -281,10 +282,10 @@ def test_random_sizes_one_process(cap, data):
                 got += pr.c.try_recv()
         got += pr.drain()
         assert got == sent
-        s = pr.p.stats()
-        assert s["tx_records"] == s["rx_records"] == len(sent)
-        assert s["tx_bytes"] == s["rx_bytes"] == sum(len(b) for _, b in sent)
-        assert s["head"] == s["tail"]  # everything published was released
+        s = pr.p.statistics()
+        assert s.tx_records == s.rx_records == len(sent)
+        assert s.tx_bytes == s.rx_bytes == sum(len(b) for _, b in sent)
+        assert s.head == s.tail  # everything published was released
     finally:
         pr.close()
 
@@ -297,17 +298,17 @@ def test_batch_is_one_doorbell_and_read_in_one_call(pair):
     recs = [(i, payload(i, i * 3)) for i in range(20)]
     assert pr.p.send_batch_nowait(recs) == 20
     assert pr.p.send_batch_nowait(recs[:3]) == 3
-    assert pr.p.stats()["tx_batches"] == 2
+    assert pr.p.statistics().tx_batches == 2
     assert pr.c.try_recv() == recs + recs[:3]  # every batch available, one call
-    s = pr.c.stats()
-    assert s["rx_batches"] == 1 and s["rx_records"] == 23  # one read took both
+    s = pr.c.statistics()
+    assert s.rx_batches == 1 and s.rx_records == 23  # one read took both
 
 
 def test_a_batch_writes_what_fits_and_says_how_many(pair):
     pr = pair(256)
     recs = [(i, payload(i, 50)) for i in range(30)]  # 58-byte records, 256 bytes of room
     assert pr.p.send_batch_nowait(recs) == 4  # what fits, published together
-    assert pr.p.stats()["tx_batches"] == 1
+    assert pr.p.statistics().tx_batches == 1
     with pytest.raises(WouldBlock, match="full"):
         pr.p.send_batch_nowait(recs[4:])  # not even the first fits
     assert pr.p.send_batch_nowait([]) == 0
@@ -332,7 +333,7 @@ def test_batch_larger_than_free_space_is_split_not_deadlocked(pair):
         got += waiting.recv(pr.c, timeout=10)
     t.join(10)
     assert got == recs
-    assert pr.p.stats()["waits_on_full"] > 0
+    assert pr.p.statistics().waits_on_full > 0
 
 
 # ---------------------------------------------------------------- messages larger than the ring
@@ -361,8 +362,8 @@ def test_oversize_messages_intact_in_order_with_small_ones(pair):
     t.join(10)
     assert not errors
     assert got == msgs
-    s = pr.c.stats()
-    assert s["fragments"] > 0 and s["rx_records"] == len(msgs)
+    s = pr.c.statistics()
+    assert s.fragments > 0 and s.rx_records == len(msgs)
 
 
 def test_oversize_message_zero_copy(pair):
@@ -427,8 +428,8 @@ def test_recv_into_handler_error_consumes_that_record_only(pair):
     assert got == [recs[0]]
     assert pr.c.recv_into(bad) == 1
     assert got == [recs[0], recs[2]]
-    s = pr.c.stats()  # everything handled (or failed) was released
-    assert s["tx_batches"] == 1 and s["rx_records"] == 3 and s["head"] == s["tail"]
+    s = pr.c.statistics()  # everything handled (or failed) was released
+    assert s.tx_batches == 1 and s.rx_records == 3 and s.head == s.tail
     assert not pr.p.try_send(5, payload(5, 120))  # needs the whole ring: pads first
     assert pr.c.try_recv() == []
     assert pr.p.try_send(5, payload(5, 120))
@@ -466,7 +467,7 @@ def test_full_ring_times_out_saying_peer_not_consuming(pair, monkeypatch):
     assert 0.14 <= dt < 1.0
     msg = str(ei.value).lower()
     assert "bigger" not in msg and "larger" not in msg and "shm-size" not in msg
-    assert pr.p.stats()["waits_on_full"] == 1
+    assert pr.p.statistics().waits_on_full == 1
 
 
 def test_empty_ring_times_out_saying_peer_not_producing(pair, monkeypatch):
@@ -610,7 +611,7 @@ def test_use_after_close_and_idempotence(pair):
                  lambda: pr.p.send_batch_nowait([]), lambda: pr.p.wait_send(0.0)):
         with pytest.raises(ClientClosedError):
             call()
-    assert pr.p.stats()["tx_records"] == 1  # as it was at close
+    assert pr.p.statistics().tx_records == 1  # as it was at close
     pr.c.close()
     with pytest.raises(ClientClosedError):
         pr.c.try_recv()
@@ -894,16 +895,31 @@ async def test_wake_fd_with_an_event_loop(pair):
 # ---------------------------------------------------------------- statistics
 
 
-def test_stats_from_both_sides(pair):
+def test_statistics_from_both_sides_are_one_frozen_record(pair):
     pr = pair(256)
     assert pr.p.send_batch_nowait([(1, b"x" * 10), (2, b"y" * 20)]) == 2
     assert pr.c.try_recv()
-    a, b = pr.p.stats(), pr.c.stats()
-    assert a == b
-    assert a["tx_records"] == 2 and a["tx_bytes"] == 30 and a["tx_batches"] == 1
-    assert a["rx_records"] == 2 and a["rx_bytes"] == 30 and a["rx_batches"] == 1
-    for key in ("tx_spins", "tx_blocks", "rx_spins", "rx_blocks", "wraps", "waits_on_full", "fragments"):
-        assert key in a
+    a, b = pr.p.statistics(), pr.c.statistics()
+    assert type(a) is RingStatistics and a == b
+    assert a.tx_records == 2 and a.tx_bytes == 30 and a.tx_batches == 1
+    assert a.rx_records == 2 and a.rx_bytes == 30 and a.rx_batches == 1
+    # every counter the C end reads from the header, under its name, and nothing else
+    counters, _ = _ring.stats(pr.p._res.seg.buf)
+    assert msgspec.structs.asdict(a) == counters
+    with pytest.raises(AttributeError):
+        a.tx_records = 0  # a snapshot: frozen
+    pr.p.try_send(3, b"z")
+    assert pr.p.statistics().tx_records == 3 and a.tx_records == 2
+
+
+def test_statistics_after_close_are_those_at_close(pair):
+    pr = pair(256)
+    assert pr.p.try_send(1, b"x")
+    pr.p.close()
+    at_close = pr.p.statistics()
+    assert at_close.tx_records == 1 and pr.p.statistics() is at_close
+    assert pr.c.try_recv() == [(1, b"x")]
+    assert pr.c.statistics().rx_records == 1 and at_close.rx_records == 0
 
 
 def test_spin_budget_stretches_only_while_the_peer_answers_right_after_we_block():
@@ -957,7 +973,7 @@ def test_a_timed_out_fragmented_send_resumes_and_nothing_slips_between_its_fragm
     while len(got) < 2:
         got += waiting.recv(pr.c, timeout=5)
     assert got == [(7, big), (1, b"next")]
-    assert pr.p.stats()["fragments"] <= 20_000 // pr.p._frag_chunk + 2  # no restart from 0
+    assert pr.p.statistics().fragments <= 20_000 // pr.p._frag_chunk + 2  # no restart from 0
 
 
 def test_short_receive_windows_that_time_out_do_not_switch_the_spin_off(pair):

@@ -184,8 +184,8 @@ def test_a_handler_that_receives_on_its_own_ring_is_refused():
             c.recv_into(handler)
         assert c.recv_into(lambda t, v: got.append(t)) == 2
         assert got == [1, 2, 3]
-        s = c.stats()
-        assert s["head"] == s["tail"]
+        s = c.statistics()
+        assert s.head == s.tail
     finally:
         p.close()
         c.close()
@@ -386,7 +386,7 @@ def test_litmus_every_word_of_every_record_equals_its_sequence_number():
             waiting.recv_into(c, check, timeout=60)
         proc.join(60)
         assert proc.exitcode == 0
-        assert c.stats()["wraps"] > 10_000
+        assert c.statistics().wraps > 10_000
     finally:
         if proc.is_alive():
             proc.kill()
@@ -437,9 +437,9 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
         waiting.send(front, REQ_UTILITY, b"x" * 3000, timeout=1)  # the engine never reads
         stuck.start()
         deadline = time.monotonic() + 5
-        while front.tx.stats()["waits_on_full"] == 0 and time.monotonic() < deadline:
+        while front.tx.statistics().waits_on_full == 0 and time.monotonic() < deadline:
             stuck.join(0.005)
-        assert front.tx.stats()["waits_on_full"] >= 1
+        assert front.tx.statistics().waits_on_full >= 1
         front._released.append(7)  # a tensor block this side is done with
         t0 = time.monotonic()
         with pytest.raises(PeerNotProducingError):

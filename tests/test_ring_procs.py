@@ -171,15 +171,15 @@ def _stress(count: int, capacity: int) -> None:
         # Read nothing until the producer has hit a full ring (state, not time), so the
         # run always covers backpressure however fast this side would otherwise be.
         deadline = time.monotonic() + 30
-        while c.stats()["waits_on_full"] == 0:
+        while c.statistics().waits_on_full == 0:
             assert child.alive() and time.monotonic() < deadline, "producer never filled the ring"
         _consume(c, count, child)
         with pytest.raises(PeerDeadError):
             waiting.recv(c, timeout=30, alive=child.alive)  # then its close() is seen
         assert child.finish() == 0
-        s = c.stats()
-        assert s["tx_records"] == s["rx_records"] == count
-        assert s["wraps"] > 0 and s["waits_on_full"] > 0
+        s = c.statistics()
+        assert s.tx_records == s.rx_records == count
+        assert s.wraps > 0 and s.waits_on_full > 0
     finally:
         if child is not None and child.proc.is_alive():
             child.proc.kill()
@@ -247,7 +247,7 @@ def test_oversize_messages_between_processes():
             waiting.recv_into(c, handler, timeout=30, alive=child.alive)
         assert got == [n + 12 for n in sizes]
         assert child.finish() == 0
-        assert c.stats()["fragments"] > 0
+        assert c.statistics().fragments > 0
     finally:
         if child is not None and child.proc.is_alive():
             child.proc.kill()

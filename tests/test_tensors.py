@@ -23,7 +23,7 @@ from shmclient.codec import Decoder, Encoder
 from shmclient.errors import SerializationError, ShmCapacityError
 from shmclient.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from shmclient.shm import Segment
-from shmclient.tensors import ALIGN, ShmTensorReceiver, ShmTensorSender
+from shmclient.tensors import ALIGN, ShmTensorReceiver, ShmTensorSender, TensorStatistics
 
 MiB = 1 << 20
 
@@ -82,8 +82,8 @@ class Pair:
         if rel is not None:
             self.sender.on_release(rel)
 
-    def stats(self) -> dict:
-        return self.sender.stats()
+    def statistics(self) -> TensorStatistics:
+        return self.sender.statistics()
 
     def close(self) -> None:
         self.receiver.close()
@@ -124,7 +124,7 @@ def test_roundtrips_through_the_arena(pair):
     del out
     gc.collect()
     pair.flush()
-    assert pair.stats()["used_bytes"] == 0
+    assert pair.statistics().used_bytes == 0
 
 
 def test_message_structs_with_out_of_band_tensors(pair):
@@ -143,9 +143,9 @@ def test_message_structs_with_out_of_band_tensors(pair):
 
 def test_inline_or_out_of_band_by_size(pair):
     pair.send(torch.zeros(63))  # 252 bytes: inline
-    assert pair.stats()["sent_arena"] == 0
+    assert pair.statistics().sent_arena == 0
     pair.send(torch.zeros(64))  # 256 bytes: out of band
-    assert pair.stats()["sent_arena"] == 1
+    assert pair.statistics().sent_arena == 1
     msg = pair.enc.encode(torch.zeros(1 << 16))
     assert len(msg) < 100  # only the handle travels
     pair.dec.decode(msg)
@@ -157,14 +157,14 @@ def test_small_blocks_are_copied_out_and_released_at_once():
         small = p.dec.decode(p.enc.encode(torch.randn(1000)))  # 4 KB: copy
         assert p.receiver.in_use() == 0
         p.flush()
-        assert p.stats()["used_bytes"] == 0
+        assert p.statistics().used_bytes == 0
         big = p.dec.decode(p.enc.encode(torch.randn(1 << 15)))  # 128 KiB: view
         assert p.receiver.in_use() == 1
         p.flush()
-        assert p.stats()["used_bytes"] == 128 * 1024
+        assert p.statistics().used_bytes == 128 * 1024
         del big
         p.flush()
-        assert p.stats()["used_bytes"] == 0 and small.sum() == small.sum()
+        assert p.statistics().used_bytes == 0 and small.sum() == small.sum()
     finally:
         p.close()
 
@@ -185,13 +185,13 @@ def test_block_not_reused_while_a_view_is_alive():
             del out
             p.flush()
             assert torch.equal(part, expect_part) and np.array_equal(as_np, expect_np)
-        assert p.stats()["used_bytes"] == 256 * 1024  # only the held block
+        assert p.statistics().used_bytes == 256 * 1024  # only the held block
         del part
         p.flush()
-        assert p.stats()["used_bytes"] == 256 * 1024  # ``as_np`` still holds it
+        assert p.statistics().used_bytes == 256 * 1024  # ``as_np`` still holds it
         del as_np
         p.flush()
-        assert p.stats()["used_bytes"] == 0
+        assert p.statistics().used_bytes == 0
     finally:
         p.close()
 
@@ -200,16 +200,16 @@ def test_releases_in_any_order_coalesce_the_arena():
     p = Pair(size=4 * MiB, view_from=0)
     try:
         held = [p.send(torch.randn(random.Random(i).randint(100, 5000))) for i in range(200)]
-        used = p.stats()["used_bytes"]
-        assert used > 0 and p.stats()["blocks_in_flight"] == 200
+        used = p.statistics().used_bytes
+        assert used > 0 and p.statistics().blocks_in_flight == 200
         random.Random(7).shuffle(held)
         while held:
             del held[-1]
             if len(held) % 17 == 0:
                 p.flush()
         p.flush()
-        s = p.stats()
-        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["free_extents"] == 1
+        s = p.statistics()
+        assert s.used_bytes == 0 and s.blocks_in_flight == 0 and s.free_extents == 1
     finally:
         p.close()
 
@@ -236,9 +236,9 @@ def test_many_transfers_do_not_grow_memory():
         keep.clear()
         del out, t
         p.flush()
-        s = p.stats()
-        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["free_extents"] == 1
-        assert s["peak_used_bytes"] < 8 * MiB and s["sent_one_off"] == 0
+        s = p.statistics()
+        assert s.used_bytes == 0 and s.blocks_in_flight == 0 and s.free_extents == 1
+        assert s.peak_used_bytes < 8 * MiB and s.sent_one_off == 0
         assert proc.memory_info().rss - rss0 < 16 * MiB
         assert mine() == shm_before
     finally:
@@ -249,21 +249,21 @@ def test_full_arena_and_oversize_fall_back_to_one_off_segments():
     p = Pair(size=1 * MiB, view_from=0)
     try:
         held = [p.send(torch.randn(1 << 16)) for _ in range(4)]  # 4 x 256 KiB: full
-        s = p.stats()
-        assert s["used_bytes"] == 1 * MiB and s["sent_one_off"] == 0
+        s = p.statistics()
+        assert s.used_bytes == 1 * MiB and s.sent_one_off == 0
         extra = torch.randn(1 << 16)
         out = p.send(extra)
-        assert torch.equal(out, extra) and p.stats()["sent_one_off"] == 1
+        assert torch.equal(out, extra) and p.statistics().sent_one_off == 1
         big = torch.randn(3 * MiB // 4)  # bigger than the whole arena
         out2 = p.send(big)
-        assert torch.equal(out2, big) and p.stats()["sent_one_off"] == 2
-        assert p.stats()["one_offs_in_flight"] == 0  # the receiver released them on attach
+        assert torch.equal(out2, big) and p.statistics().sent_one_off == 2
+        assert p.statistics().one_offs_in_flight == 0  # the receiver released them on attach
         for _ in range(50):  # one-offs do not pile up
             p.send(big)
-        assert p.stats()["one_offs_in_flight"] == 0
+        assert p.statistics().one_offs_in_flight == 0
         del held
         p.flush()
-        assert p.send(extra).sum() == extra.sum() and p.stats()["sent_one_off"] == 52
+        assert p.send(extra).sum() == extra.sum() and p.statistics().sent_one_off == 52
     finally:
         p.close()
 
@@ -273,7 +273,7 @@ def test_undelivered_one_off_is_released_by_sender_close():
     before = mine()
     p.enc.encode(torch.randn(1 << 16))  # never decoded
     created = mine() - before
-    assert len(created) == 1 and p.stats()["one_offs_in_flight"] == 1
+    assert len(created) == 1 and p.statistics().one_offs_in_flight == 1
     p.close()
     assert not mine() & created
 
@@ -284,11 +284,11 @@ def test_no_room_in_dev_shm_sends_inline(monkeypatch):
     def full(*a, **k):
         raise ShmCapacityError("no space")
 
-    monkeypatch.setattr(tensors_mod.Segment, "create", full)
+    monkeypatch.setattr(Segment, "create", full)
     try:
         t = torch.randn(1 << 16)
         msg = p.enc.encode(t)
-        assert len(msg) > t.nbytes and p.stats()["sent_inline_fallback"] == 1
+        assert len(msg) > t.nbytes and p.statistics().sent_inline_fallback == 1
         assert torch.equal(p.dec.decode(msg), t)
     finally:
         p.close()
@@ -297,7 +297,7 @@ def test_no_room_in_dev_shm_sends_inline(monkeypatch):
 def test_failed_encode_frees_its_blocks(pair):
     with pytest.raises(SerializationError, match="builtins.object"):
         pair.enc.encode([torch.randn(10_000), object()])
-    assert pair.stats()["used_bytes"] == 0
+    assert pair.statistics().used_bytes == 0
 
 
 def test_views_released_from_other_threads_and_cycles():
@@ -324,7 +324,7 @@ def test_views_released_from_other_threads_and_cycles():
         taker.join()
         gc.collect()
         p.flush()
-        assert p.stats()["used_bytes"] == 0 and p.receiver.in_use() == 0
+        assert p.statistics().used_bytes == 0 and p.receiver.in_use() == 0
     finally:
         p.close()
 
@@ -350,7 +350,7 @@ def test_malformed_handles_rejected(pair):
 def test_release_of_unknown_ids_is_ignored(pair):
     pair.sender.on_release(struct.pack("<3Q", 123, 456, 789))
     pair.send(torch.randn(1000))
-    assert pair.stats()["used_bytes"] == 0
+    assert pair.statistics().used_bytes == 0
 
 
 def test_blocks_are_aligned(pair):
@@ -358,7 +358,7 @@ def test_blocks_are_aligned(pair):
     assert all(h[2] % ALIGN == 0 for h in hs)
     for h in hs:
         pair.sender.cancel(h)
-    assert pair.stats()["used_bytes"] == 0
+    assert pair.statistics().used_bytes == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -375,7 +375,7 @@ def test_hypothesis_arena_roundtrip(shape, dtype, view_from):
         assert out.dtype == t.dtype and out.shape == t.shape and raw(out) == raw(t)
         del out
         p.flush()
-        assert p.stats()["used_bytes"] == 0
+        assert p.statistics().used_bytes == 0
     finally:
         p.close()
 
@@ -480,9 +480,9 @@ def test_across_processes_over_the_ring(_resource_tracker):
         child.join(30)
         assert child.exitcode == 0
         assert got == expected
-        s = sender.stats()
-        assert s["used_bytes"] == 0 and s["blocks_in_flight"] == 0 and s["one_offs_in_flight"] == 0
-        assert s["sent_arena"] > 300 and s["sent_one_off"] > 0
+        s = sender.statistics()
+        assert s.used_bytes == 0 and s.blocks_in_flight == 0 and s.one_offs_in_flight == 0
+        assert s.sent_arena > 300 and s.sent_one_off > 0
     finally:
         if child.is_alive():
             child.kill()
@@ -498,7 +498,7 @@ def test_large_copies_split_over_threads_are_exact():
     try:
         src = torch.from_numpy(np.random.default_rng(5).integers(0, 255, n, dtype=np.uint8))
         out = p.send(src)
-        assert torch.equal(out, src) and p.stats()["sent_arena"] == 1
+        assert torch.equal(out, src) and p.statistics().sent_arena == 1
         nc = src[: n - 77].view(torch.int32).view(-1, 1024)[:, ::2]  # strided: not split
         assert torch.equal(p.send(nc), nc)
     finally:
@@ -518,8 +518,8 @@ def test_no_arena_sends_tensors_as_one_off_segments():
         front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", [t])))
         [(rtype, got)] = engine.recv_nowait()
         assert rtype == REQ_UTILITY and torch.equal(got.args[0], t)
-        s = front.stats()["tensors"]
-        assert s["sent_one_off"] == 1 and s["sent_arena"] == 0
+        s = front.statistics().tensors
+        assert s.sent_one_off == 1 and s.sent_arena == 0
     finally:
         engine.close()
         front.close()

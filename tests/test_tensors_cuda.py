@@ -12,6 +12,7 @@ import subprocess
 import sys
 import types
 
+import msgspec
 import pytest
 import torch
 
@@ -83,7 +84,7 @@ def test_shm_sender_passes_the_switch_through(monkeypatch):
     sender = ShmTensorSender(seg, enable_cuda_ipc=False)
     try:
         assert sender.put_cuda(_fake_cuda_tensor()) is None
-        assert sender.stats()["sent_cuda"] == 0
+        assert sender.statistics().sent_cuda == 0
     finally:
         sender.close()
 
@@ -209,7 +210,7 @@ def _produce(count: int = 1000) -> dict:
             pump(waiting.recv(back, timeout=60))
         child.join(60)
         assert child.exitcode == 0
-        stats = sender.stats()
+        stats = msgspec.structs.asdict(sender.statistics())
     finally:
         if child.is_alive():
             child.kill()

@@ -35,6 +35,7 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 import shmclient.vllm as plugin  # noqa: E402
 from shmclient_bench import vllm as bench_vllm  # noqa: E402
 from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
+from shmclient.stats import TensorStatistics  # noqa: E402
 from shmclient.vllm.oob import TENSOR_MIN_BYTES  # noqa: E402
 
 # The tiny dummy Llama and engine settings the benchmark uses; the tests add prompt embeds.
@@ -149,9 +150,9 @@ def test_long_prompt_and_many_tokens(stock_llm, shm_llm):
     assert run(shm_llm, [prompt], 50) == run(stock_llm, [prompt], 50)
 
 
-def arena_stats(llm_or_client) -> dict:
+def arena_stats(llm_or_client) -> TensorStatistics:
     client = getattr(getattr(llm_or_client, "llm_engine", None), "engine_core", llm_or_client)
-    return client._link.channel.stats()["tensors"]
+    return client._link.channel.statistics().tensors
 
 
 def embeds(rows: int, seed: int):
@@ -172,7 +173,7 @@ def test_small_prompt_embeds_travel_as_ring_frames(stock_llm, shm_llm):
     got = gen(shm_llm)
     assert got == gen(stock_llm)
     after = arena_stats(shm_llm)
-    assert after["sent_arena"] == before["sent_arena"] and after["sent_one_off"] == before["sent_one_off"]
+    assert after.sent_arena == before.sent_arena and after.sent_one_off == before.sent_one_off
 
 
 def test_large_prompt_embeds_go_through_the_arena_and_come_back(stock_llm, shm_llm):
@@ -188,15 +189,15 @@ def test_large_prompt_embeds_go_through_the_arena_and_come_back(stock_llm, shm_l
     assert got == gen(stock_llm)
     assert got[0] != got[1]
     after = arena_stats(shm_llm)
-    assert after["sent_arena"] == before["sent_arena"] + 2
-    assert after["peak_used_bytes"] >= emb.nbytes
+    assert after.sent_arena == before.sent_arena + 2
+    assert after.peak_used_bytes >= emb.nbytes
     # The engine drops the requests' tensors and sends the releases back: the blocks
     # are free again (each utility call reads the output ring, where releases arrive).
     deadline = time.monotonic() + 20
-    while arena_stats(shm_llm)["blocks_in_flight"]:
+    while arena_stats(shm_llm).blocks_in_flight:
         assert time.monotonic() < deadline, arena_stats(shm_llm)
         shm_llm.llm_engine.engine_core.call_utility("get_weight_version")
-    assert arena_stats(shm_llm)["used_bytes"] == 0
+    assert arena_stats(shm_llm).used_bytes == 0
 
 
 def test_arena_tensors_through_vllms_encoder_and_decoder():
@@ -222,7 +223,7 @@ def test_arena_tensors_through_vllms_encoder_and_decoder():
         frames = enc.encode(EngineCoreOutputs(outputs=[
             EngineCoreOutput("s", [1], pooling_output=small), EngineCoreOutput("b", [2], pooling_output=big)]))
         assert len(frames) == 2  # the message and the small tensor's frame
-        assert sender.stats()["sent_arena"] == 1
+        assert sender.statistics().sent_arena == 1
         out = dec.decode([frames[0], bytearray(frames[1])])
         got_small, got_big = (o.pooling_output for o in out.outputs)
         assert torch.equal(got_small, small) and torch.equal(got_big, big)
@@ -232,7 +233,7 @@ def test_arena_tensors_through_vllms_encoder_and_decoder():
         del out, got_big
         gc.collect()
         sender.on_release(receiver.take_releases())
-        assert sender.stats()["blocks_in_flight"] == 0 and sender.stats()["used_bytes"] == 0
+        assert sender.statistics().blocks_in_flight == 0 and sender.statistics().used_bytes == 0
     finally:
         receiver.close()
         sender.close()
@@ -262,7 +263,7 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
             enc = MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, TENSOR_MIN_BYTES))
             dec = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))
             frames = enc.encode(EngineCoreOutputs(outputs=[EngineCoreOutput("c", [1], pooling_output=t)]))
-            assert sender.stats()[want] == 1
+            assert getattr(sender.statistics(), want) == 1
             got = dec.decode(list(frames)).outputs[0].pooling_output
             assert torch.equal(got.cpu(), t.cpu())
             assert got.is_cuda == (want == "sent_cuda")
@@ -575,7 +576,7 @@ def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):
     got = loop.run_until_complete(gen(shm, "shm"))
     assert got == loop.run_until_complete(gen(stock, "stock"))
     assert len(got) == 8
-    assert arena_stats(shm.engine_core)["sent_arena"] == before["sent_arena"] + 1
+    assert arena_stats(shm.engine_core).sent_arena == before.sent_arena + 1
 
 
 # ---------------------------------------------------------------------------- failure
@@ -593,7 +594,7 @@ def test_sigkill_engine_raises_engine_dead_sync(model_dir):
         # tensors in flight: arena blocks the engine holds while it is killed
         engine.add_request("emb-a", {"prompt_embeds": embeds(120, 5)}, greedy(200))
         engine.add_request("emb-b", {"prompt_embeds": embeds(150, 6)}, greedy(200))
-        assert arena_stats(engine.engine_core)["blocks_in_flight"] >= 2
+        assert arena_stats(engine.engine_core).blocks_in_flight >= 2
         os.kill(engine_pid(engine.engine_core), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -646,8 +647,8 @@ FRONTEND = textwrap.dedent(
         params = SamplingParams(max_tokens=200, detokenize=False, ignore_eos=True)
         llm.llm_engine.add_request("emb-a", {"prompt_embeds": torch.randn(100, 256)}, params)
         llm.llm_engine.add_request("emb-b", {"prompt_embeds": torch.randn(200, 256)}, params)
-        stats = client._link.channel.stats()["tensors"]
-        assert stats["sent_arena"] == 1 and stats["sent_one_off"] == 1, stats
+        stats = client._link.channel.statistics().tensors
+        assert stats.sent_arena == 1 and stats.sent_one_off == 1, stats
         print("READY", client.resources.engine_manager.processes[0].pid, flush=True)
         sys.stdin.read()  # until killed
     if __name__ == "__main__":

@@ -57,7 +57,7 @@ def engine_pids(client) -> dict[int, int]:
 
 def requests_carried(client) -> list[int]:
     """Records each engine's request ring has carried, by engine index."""
-    return [client._links[i.to_bytes(2, "little")].channel.stats()["tx"]["tx_records"] for i in range(DP)]
+    return [client._links[i.to_bytes(2, "little")].channel.statistics().tx.tx_records for i in range(DP)]
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def test_a_fragmented_message_is_never_cut_by_another_thread_s_send():
             got += engine_raw(engine)
         a.join(5)
         b.join(5)
-        fragments = front.tx.stats()["fragments"]
+        fragments = front.tx.statistics().fragments
         chunk = front.tx._frag_chunk
     finally:
         engine.close()

@@ -1,0 +1,294 @@
+"""The sending side of the tensor transport: ``ShmTensorSender`` (see ``tensors``).
+
+Transport layer under the codec: imports ``shm``, ``tensors_handles``, ``stats``,
+``errors``, numpy, torch and the standard library (``tensors_cuda`` lazily, on the first
+CUDA tensor); never the receiver, the codec, ``waiting``, asyncio, clients or the
+engine. It owns the sender's arena: a first-fit allocator over a sorted free list that
+coalesces on free, the copy of each tensor into its block (one memcpy, split over
+short-lived threads from ``PARALLEL_FROM`` up), one-off segments for what the arena
+cannot take, the ids still in flight until the receiver's release comes back, and the
+sender's ``TensorStatistics``. Nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import SerializationError, ShmCapacityError
+from .shm import Segment
+from .stats import TensorStatistics
+from .tensors_handles import ALIGN, ARENA, ONE_OFF, RELEASE_ID, round_block
+
+__all__ = ["PARALLEL_FROM", "ShmTensorSender"]
+
+log = logging.getLogger("shmclient")
+
+#: Contiguous copies of at least this size are split over ``_WORKERS`` threads.
+PARALLEL_FROM = 8 * 1024 * 1024
+_WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    """A same-sized dtype numpy knows, for any torch dtype (bfloat16, uint1..7, float8...)."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+        dtype.itemsize, dtype
+    )
+
+
+def _copy_in(dst: np.ndarray, src: Any) -> None:
+    """Write ``src``'s values in C order into the flat uint8 array ``dst``.
+
+    Copies with numpy (a memcpy, split over a few threads from ``PARALLEL_FROM`` up, or a
+    strided loop), not torch's OpenMP ``copy_``, which degrades badly on a busy host
+    (docs/measurements.md).
+    """
+    if isinstance(src, torch.Tensor):
+        src = src.view(_int_view(src.dtype)).numpy()  # shares memory, any strides
+    if src.flags.c_contiguous:
+        flat = src.reshape(-1).view(np.uint8)
+        if flat.nbytes >= PARALLEL_FROM and _WORKERS > 1:
+            _split_copy(dst, flat)
+        else:
+            np.copyto(dst, flat)
+    else:
+        np.copyto(dst.view(src.dtype).reshape(src.shape), src, casting="no")
+
+
+def _split_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """memcpy in ``_WORKERS`` chunks on short-lived threads (numpy drops the GIL while
+    copying). Threads are started and joined here, so none outlives the call; unlike an
+    OpenMP pool they never spin, so a busy host degrades this to about one memcpy."""
+    n = src.nbytes
+    step = -(-n // _WORKERS) + 63 & ~63
+    threads = [
+        threading.Thread(target=np.copyto, args=(dst[i : i + step], src[i : i + step]), daemon=True)
+        for i in range(step, n, step)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        np.copyto(dst[:step], src[:step])
+    finally:
+        for t in threads:
+            t.join()
+
+
+class ShmTensorSender:
+    """Writes tensors into the arena ``segment`` (one copy in) and tracks their blocks.
+
+    Takes ownership of ``segment``: ``close()`` closes it (its creator still unlinks it).
+    ``enable_cuda_ipc``: share CUDA tensors by IPC handle (else host copies);
+    ``peer_gpu_uuids``: the GPUs the receiver sees (from the handshake); ``None`` means
+    unknown, assumed the same machine's GPUs. Thread-safe: ``put`` and ``on_release`` may
+    be called from different threads. Nothing blocks.
+    """
+
+    def __init__(
+        self,
+        segment: Segment,
+        *,
+        enable_cuda_ipc: bool = True,
+        peer_gpu_uuids: "list[str] | None" = None,
+    ) -> None:
+        self._seg = segment
+        self._lock = threading.Lock()
+        self._arena = np.frombuffer(segment.buf, np.uint8)
+        self._usable = usable = segment.size - segment.size % ALIGN
+        #: A segment not yet reserved is reserved on the first tensor that needs it.
+        self._lazy = usable > 0 and not segment.reserved
+        self._free: list[list[int]] = [[0, usable]] if usable and not self._lazy else []  # sorted [offset, size]
+        self._blocks: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
+        self._oneoffs: dict[int, Segment] = {}  # id -> segment, its handle still open
+        self._ids = itertools.count(1)
+        self._cuda_args = (enable_cuda_ipc, peer_gpu_uuids)
+        self._cuda: Any = None
+        self._closed = False
+        self._used = self._peak = 0
+        self._n = collections.Counter()
+
+    def set_peer_gpus(self, peer_gpu_uuids: "list[str] | None") -> None:
+        """The GPUs the receiver sees, once the handshake has told us (before any send)."""
+        with self._lock:
+            self._cuda_args = (self._cuda_args[0], peer_gpu_uuids)
+            if self._cuda is not None:
+                self._cuda.peer = None if peer_gpu_uuids is None else set(peer_gpu_uuids)
+
+    # -- sending --------------------------------------------------------------------------
+
+    def put(self, src: Any, nbytes: int) -> list | None:
+        """Copy ``src`` (CPU tensor or ndarray, any strides) into shared memory.
+
+        Returns the handle to put in the message, or None when neither the arena nor a
+        one-off segment can take it (the codec then sends it inline). Does not block.
+        """
+        if self._closed:
+            raise SerializationError("tensor sender is closed")
+        if nbytes <= 0:
+            return None  # nothing to place: inline is free
+        with self._lock:
+            if self._lazy:
+                self._reserve_arena()
+            offset = self._alloc(nbytes)
+            if offset is not None:
+                bid = next(self._ids)
+                self._blocks[bid] = (offset, round_block(nbytes))
+                self._n["arena"] += 1
+        if offset is not None:
+            try:
+                _copy_in(self._arena[offset : offset + nbytes], src)
+            except BaseException:
+                self.cancel([ARENA, bid, offset])
+                raise
+            return [ARENA, bid, offset]
+        return self._put_oneoff(src, nbytes)
+
+    def _reserve_arena(self) -> None:
+        """First tensor: reserve the arena's memory (checked against the memory limits;
+        on failure the arena stays unused and tensors go as one-offs or inline). Caller
+        holds the lock."""
+        self._lazy = False
+        try:
+            self._seg.reserve()
+        except ShmCapacityError as e:
+            log.warning("tensor arena of %d bytes not used: %s", self._seg.size, e)
+            return
+        self._free = [[0, self._usable]]
+
+    def _put_oneoff(self, src: Any, nbytes: int) -> list | None:
+        try:
+            seg = Segment.create(nbytes, prefix="shmc-t")
+        except (ShmCapacityError, OSError) as e:
+            self._n["inline_fallback"] += 1
+            log.warning("tensor of %d bytes sent inline: %s", nbytes, e)
+            return None
+        try:
+            dst = np.frombuffer(seg.buf, np.uint8)
+            _copy_in(dst, src)
+            del dst
+        except BaseException:
+            seg.close()
+            seg.release_handle()
+            raise
+        seg.close()  # unmapped here; the handle stays open until the receiver releases it
+        bid = next(self._ids)
+        with self._lock:
+            self._oneoffs[bid] = seg
+            self._n["one_off"] += 1
+        return [ONE_OFF, bid, seg.name]
+
+    def put_cuda(self, tensor: torch.Tensor) -> list | None:
+        """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once)."""
+        if self._cuda is None:
+            from .tensors_cuda import CudaIpcSender
+
+            self._cuda = CudaIpcSender(*self._cuda_args)
+        handle = self._cuda.share(tensor, next(self._ids))
+        if handle is not None:
+            self._n["cuda"] += 1
+        return handle
+
+    def cancel(self, handle: list) -> None:
+        """Free a handle whose message will not be sent (a failed encode). Idempotent."""
+        self._free_ids([handle[1]])
+
+    def on_release(self, payload: bytes) -> None:
+        """Free the blocks named in a peer's ``take_releases()`` payload (any order).
+
+        Unknown ids (already freed, or after close) are ignored. Does not block.
+        """
+        ids = [i for (i,) in RELEASE_ID.iter_unpack(payload)]
+        self._free_ids(ids)
+
+    def _free_ids(self, ids) -> None:
+        segs = []
+        with self._lock:
+            for bid in ids:
+                blk = self._blocks.pop(bid, None)
+                if blk is not None:
+                    self._release(*blk)
+                    self._n["released"] += 1
+                    continue
+                seg = self._oneoffs.pop(bid, None)
+                if seg is not None:
+                    segs.append(seg)
+                    self._n["released"] += 1
+                elif self._cuda is not None and self._cuda.release(bid):
+                    self._n["released"] += 1
+        for seg in segs:
+            seg.release_handle()
+
+    # -- allocator (first fit over a sorted free list, coalescing on free) -------------------
+
+    def _alloc(self, nbytes: int) -> int | None:
+        size = round_block(nbytes)
+        for i, ext in enumerate(self._free):
+            if ext[1] >= size:
+                offset = ext[0]
+                if ext[1] == size:
+                    del self._free[i]
+                else:
+                    ext[0] += size
+                    ext[1] -= size
+                self._used += size
+                self._peak = max(self._peak, self._used)
+                return offset
+        return None
+
+    def _release(self, offset: int, size: int) -> None:
+        self._used -= size
+        free = self._free
+        i = bisect.bisect_left(free, [offset, 0])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == offset:  # merge with left
+            free[i - 1][1] += size
+            if i < len(free) and offset + size == free[i][0]:  # and right
+                free[i - 1][1] += free[i][1]
+                del free[i]
+        elif i < len(free) and offset + size == free[i][0]:  # merge with right
+            free[i][0] = offset
+            free[i][1] += size
+        else:
+            free.insert(i, [offset, size])
+
+    # -- state ------------------------------------------------------------------------------
+
+    def statistics(self) -> TensorStatistics:
+        """Arena usage and counters (a snapshot taken under the lock; does not block)."""
+        with self._lock:
+            return TensorStatistics(
+                arena_bytes=self._seg.size,
+                used_bytes=self._used,
+                peak_used_bytes=self._peak,
+                blocks_in_flight=len(self._blocks),
+                one_offs_in_flight=len(self._oneoffs),
+                cuda_in_flight=self._cuda.in_flight() if self._cuda is not None else 0,
+                free_extents=len(self._free),
+                sent_arena=self._n["arena"],
+                sent_one_off=self._n["one_off"],
+                sent_cuda=self._n["cuda"],
+                sent_inline_fallback=self._n["inline_fallback"],
+                released=self._n["released"],
+            )
+
+    def close(self) -> None:
+        """Unlink one-offs still in flight, drop shared CUDA tensors, unmap. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            segs, self._oneoffs = list(self._oneoffs.values()), {}
+            self._blocks.clear()
+        for seg in segs:
+            seg.release_handle()
+        if self._cuda is not None:
+            self._cuda.close()
+        self._arena = None  # type: ignore[assignment]
+        self._seg.close()
