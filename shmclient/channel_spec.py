@@ -22,7 +22,7 @@ from .ring_consumer import RingConsumer
 from .ring_producer import RingProducer
 from .ring_resources import HEADER_BYTES as RING_HEADER_BYTES
 from .ring_resources import RingSpec
-from .shm import Segment, close_inherited
+from .shm import Segment, close_inherited, open_fds
 
 __all__ = ["ChannelParts", "ShmChannelSpec", "attach_parts", "create_parts"]
 
@@ -102,6 +102,7 @@ def attach_parts(spec: ShmChannelSpec) -> ChannelParts:
     """Map the parts of a channel the peer created (engine side), then close the fds this
     process inherited for their handles. Raises as ``Ring.attach`` / ``Segment.attach``;
     on any failure what was mapped is closed again."""
+    before = open_fds()
     rx = RingConsumer.attach(spec.rx, spin_us=spec.spin_us)
     try:
         tx = RingProducer.attach(spec.tx, spin_us=spec.spin_us)
@@ -122,5 +123,5 @@ def attach_parts(spec: ShmChannelSpec) -> ChannelParts:
     # handles are not needed any more.
     close_inherited([spec.rx.segment, spec.rx.wake_pipe, spec.rx.space_pipe,
                      spec.tx.segment, spec.tx.wake_pipe, spec.tx.space_pipe,
-                     spec.tensor_rx, spec.tensor_tx])
+                     spec.tensor_rx, spec.tensor_tx], before)
     return ChannelParts(tx, rx, seg_tx, seg_rx, [])

@@ -128,18 +128,35 @@ def open_peer_memfd(handle: str, peer_pid: int | None) -> int:
     return new
 
 
-def close_inherited(handles) -> None:
-    """Close the fds this process inherited for ``handles`` (``Popen(pass_fds=...)``)
-    once it has attached what they name: a handle of another process whose fd number is
-    open here on the same kind of file and inode. Afterwards nothing of the segment is
-    reachable through this process's /proc/<pid>/fd. Never raises; does not block."""
+def open_fds() -> frozenset[int]:
+    """The fd numbers open in this process now (for ``close_inherited``): the listing,
+    less the fd the listing itself used (it names it, and has closed it since)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fcntl.fcntl(int(name), fcntl.F_GETFD)
+        except OSError:
+            continue
+        out.add(int(name))
+    return frozenset(out)
+
+
+def close_inherited(handles, before: "frozenset[int]") -> None:
+    """Close the fds this process inherited for ``handles`` (``Popen(pass_fds=...)``, or
+    a fork) once it has attached what they name: a handle of another process whose fd
+    number was open here already in ``before`` (``open_fds()`` taken before attaching),
+    on the same kind of file and inode. Afterwards nothing of the segment is reachable
+    through this process's /proc/<pid>/fd. An fd opened since ``before`` is never closed:
+    attaching opens the same file again, and in a process that inherited nothing its new
+    fd may carry the very number the handle names (the creator's), which must stay open.
+    Never raises; does not block."""
     me = os.getpid()
     for handle in handles:
         if not handle:
             continue
         try:
             kind, pid, fd, ino = parse_handle(handle)
-            if pid == me:
+            if pid == me or fd not in before:
                 continue
             link = os.readlink(f"/proc/self/fd/{fd}")
             if link.startswith("/memfd:" if kind == "memfd" else "pipe:") and os.fstat(fd).st_ino == ino:

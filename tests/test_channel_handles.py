@@ -95,3 +95,64 @@ def test_the_two_specs_are_one_channel_seen_from_each_side():
         assert e.tx.wake_pipe and not e.tx.space_pipe  # outputs: the frontend waits for data
     finally:
         handles.release()
+
+
+def _attach_where_the_new_fd_gets_the_launchers_number(spec: bytes, result) -> None:
+    """Attach (as an API server does) in a process that inherited nothing, with every fd
+    number below the launcher's number of the output ring's wake pipe taken: the read end
+    this attach opens gets that very number. Reports whether it is still open afterwards."""
+    from shmclient.shm import parse_handle
+
+    frontend = msgspec.msgpack.decode(spec, type=ShmChannelSpec)
+    _, _, number, ino = parse_handle(frontend.rx.wake_pipe)
+    try:
+        os.fstat(number)
+        result.put("taken")  # the number is in use here: the case cannot be made
+        return
+    except OSError:
+        pass
+    fillers = []
+    null = os.open(os.devnull, os.O_RDONLY)
+    for n in range(3, number):
+        try:
+            os.fstat(n)
+        except OSError:
+            fillers.append(os.dup2(null, n))
+    channel = ShmChannel.attach(frontend)
+    try:
+        try:
+            result.put(os.fstat(number).st_ino == ino)
+        except OSError:
+            result.put(False)  # closed as if it had been inherited
+    finally:
+        channel.close()
+        for fd in (null, *fillers):
+            os.close(fd)
+
+
+def test_an_attach_keeps_the_fd_it_opened_under_the_launchers_own_number(_resource_tracker):
+    """A process spawned by the launcher inherits no handle, so the fd its attach opens for
+    a pipe may carry the number the launcher's handle names. That fd is the live end of
+    the channel, not an inherited copy: it must stay open (closing it lost the output
+    ring's wake-ups: one API server of two never got its first reply)."""
+    padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(8)]  # launcher numbers above the child's
+    try:
+        handles = ChannelHandles(ring_capacity=1 << 12, arena_bytes=0, spin_us=0.0)
+    finally:
+        for fd in padding:
+            os.close(fd)
+    result = CTX.Queue()
+    proc = CTX.Process(target=_attach_where_the_new_fd_gets_the_launchers_number,
+                       args=(msgspec.msgpack.encode(handles.frontend_spec), result))
+    try:
+        proc.start()
+        assert result.get(timeout=60) is True
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        handles.release()
+        result.close()
+        result.join_thread()

@@ -22,7 +22,7 @@ import msgspec
 from .. import waiting
 from ..channel import ShmChannel
 from ..errors import ClientClosedError, PeerDeadError
-from ..shm import Segment, close_inherited
+from ..shm import Segment, close_inherited, open_fds
 from . import wire
 
 _state_lock = threading.Lock()
@@ -193,6 +193,7 @@ def _links(engine_index: int) -> "list[_EngineLink]":
             text = os.environ.pop(wire.ENV_SPEC, None)
             frontends = os.environ.pop(wire.ENV_FRONTEND_SPEC, None)
             specs = wire.decode_specs(text, engine_index) if text else []
+            before = open_fds()
             links: list[_EngineLink] = []
             try:
                 for spec in specs:
@@ -202,11 +203,11 @@ def _links(engine_index: int) -> "list[_EngineLink]":
                     link.close()
                 raise
             _state = links
-            _close_inherited(text, frontends)
+            _close_inherited(text, frontends, before)
         return _state or []
 
 
-def _close_inherited(text: "str | None", frontends: "str | None") -> None:
+def _close_inherited(text: "str | None", frontends: "str | None", before: "frozenset[int]") -> None:
     handles: list[str] = []
     for value, kind in ((text, wire.EngineSpec), (frontends, wire.FrontendSpec)):
         if not value:
@@ -219,4 +220,4 @@ def _close_inherited(text: "str | None", frontends: "str | None") -> None:
             c = spec.channel
             handles += [c.rx.segment, c.rx.wake_pipe, c.rx.space_pipe, c.tx.segment, c.tx.wake_pipe,
                         c.tx.space_pipe, c.tensor_rx, c.tensor_tx, spec.parked, spec.attached_pipe]
-    close_inherited(handles)
+    close_inherited(handles, before)
