@@ -10,6 +10,7 @@ it).
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -54,6 +55,18 @@ def _entries() -> set[str]:
         f"/tmp/{n}" for n in os.listdir("/tmp")}
 
 
+def _names_pid(name: str, pids) -> bool:
+    """Whether ``name`` carries one of ``pids`` as a whole number."""
+    return any(re.search(rf"(?<![0-9]){pid}(?![0-9])", name) for pid in pids)
+
+
+def test_only_names_carrying_our_pids_count_as_left_behind():
+    assert _names_pid("/dev/shm/shmc-4242-ab12-req", (4242, 7))
+    assert _names_pid("/tmp/shmc-ipc-7-x1y2", (4242, 7))
+    assert not _names_pid("/tmp/pytest-shmclient-omnizfaz", (4242, 7))  # another run's
+    assert not _names_pid("/dev/shm/shmc-14242-ab12-req", (4242, 7))
+
+
 @pytest.mark.parametrize("transport,state", [("shm", "idle"), ("zmq", "idle"), ("shm", "busy")])
 def test_engine_exits_within_half_a_second_of_a_frontend_sigkill(transport, state):
     before = _entries()
@@ -74,9 +87,9 @@ def test_engine_exits_within_half_a_second_of_a_frontend_sigkill(transport, stat
         fe.wait(10)
         # Nothing new: the channel's segments are unnamed (memfd) or unlinked once both
         # ends attached, the control socket is an abstract one. Other processes on the
-        # host may add entries of their own meanwhile: only names of ours count.
-        pids = (str(fe.pid), str(engine_pid))
-        left = {n for n in _entries() - before if "shmc" in n or any(p in n for p in pids)}
+        # host (other test runs too) may add entries of their own meanwhile: only names
+        # carrying one of our two pids count (shmclient's names carry their creator's).
+        left = {n for n in _entries() - before if _names_pid(n, (fe.pid, engine_pid))}
         assert left == set(), left
     finally:
         if pidfd is not None:
