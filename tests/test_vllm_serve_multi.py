@@ -73,19 +73,8 @@ def flags_of(layout: str) -> list[str]:
 
 
 def lines_of(layout: str) -> list[str]:
-    """The plug-in's lines every plug-in server of ``layout`` must log (on vLLM 0.31 with
-    data parallelism: its WARNING that the launch keeps ZMQ)."""
-    if LAYOUTS[layout] > 1 and _vllm_031():
-        from shmclient.vllm.launch import OLD_DP_REASON
-
-        return [f"shmclient.vllm: {OLD_DP_REASON}"]
+    """The plug-in's lines every plug-in server of ``layout`` must log."""
     return serving.plugin_lines(LAYOUTS[layout], API_SERVERS)
-
-
-def _vllm_031() -> bool:
-    import vllm
-
-    return vllm.__version__.startswith("0.31.")
 
 
 def start(model: str, transport: str, layout: str, tmp: str):
@@ -362,8 +351,7 @@ def test_logs_name_the_transport_of_every_api_server(stock, plugin):
         assert sorted(api_servers(server.proc).values()) == list(range(API_SERVERS))
     assert "shmclient.vllm" not in stock.log
     assert [line for line in lines_of(plugin.layout) if line not in plugin.log] == []
-    if not (LAYOUTS[plugin.layout] > 1 and _vllm_031()):  # there the launch keeps ZMQ by design
-        assert "vLLM's own ZMQ transport is used" not in plugin.log
+    assert "vLLM's own ZMQ transport is used" not in plugin.log
 
 
 def test_completions_identical(stock, plugin, model):

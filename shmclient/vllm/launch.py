@@ -140,21 +140,6 @@ def _why_not(vllm_config, addresses) -> "str | None":
     return _not_on_rings(vllm_config.parallel_config, None)
 
 
-#: vLLM 0.31's ``vllm serve`` (its API servers bind their own sockets) with data
-#: parallelism: one API server of two sometimes never answered its first utility call over
-#: the rings (seen 2026-12-03 in 5 of 5 starts under the tests' health polling, 0 of 4
-#: without; not explained yet), so that launch keeps vLLM's transport.
-OLD_DP_REASON = "vLLM 0.31's vllm serve with data parallelism and several API servers keeps ZMQ (0.32 and later use the rings)"
-
-
-def _release_line() -> "str | None":
-    import vllm
-
-    from .versions import check
-
-    return check(vllm.__version__).line
-
-
 def make_rings(vllm_config, addresses) -> "_Rings | None":
     """The channels for a launch of several API servers, or None (vLLM's transport)
     when this launch is not one the plug-in carries (one WARNING names why)."""
@@ -168,9 +153,6 @@ def make_rings(vllm_config, addresses) -> "_Rings | None":
         _fallback(reason)
         return None
     parallel = vllm_config.parallel_config
-    if parallel.data_parallel_size > 1 and _release_line() == "0.31":
-        _fallback(OLD_DP_REASON)
-        return None
     first = parallel.data_parallel_rank
     engines = list(range(first, first + parallel.data_parallel_size_local))
     rings = _Rings(api_servers, engines)
