@@ -52,7 +52,7 @@ _LAZY = {
     "SyncMPClient": ("shmclient.client_mp", "SyncMPClient"),
     "AsyncMPClient": ("shmclient.client_async", "AsyncMPClient"),
     "DPAsyncMPClient": ("shmclient.client_dp", "DPAsyncMPClient"),
-    "DPLBAsyncMPClient": ("shmclient.client_dp", "DPLBAsyncMPClient"),
+    "DPLBAsyncMPClient": ("shmclient.client_dp_lb", "DPLBAsyncMPClient"),
 }
 
 __all__ = [

@@ -149,7 +149,8 @@ class EngineCoreClient(ABC):
         if config is None:
             config = EngineConfig()
         if config.data_parallel_size > 1:
-            from .client_dp import DPAsyncMPClient, DPLBAsyncMPClient
+            from .client_dp import DPAsyncMPClient
+            from .client_dp_lb import DPLBAsyncMPClient
 
             if config.data_parallel_external_lb:
                 return DPAsyncMPClient(config)

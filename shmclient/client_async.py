@@ -1,14 +1,13 @@
 """``AsyncMPClient``: the MP client for asyncio frontends.
 
-Top layer: imports client_mp, waiting and asyncio. Like pyzmq's asyncio socket over its
-sync one, it tries the channel at once and waits on a file descriptor only when it would
-block (``shmclient.waiting``): for outputs, the output ring's wake pipe
-(``transport="shm"``) or the ZMQ socket's FD, registered with ``loop.add_reader``, whose
-callback drains the channel whenever something arrives, so utility replies and outputs
-are handled in the loop even with no caller waiting, without a thread hop per message;
-for room in a full request ring, the ring's space pipe. Before parking,
-``get_output_async`` may spin on the ring for at most ``spin_us`` (adaptive, and it stops
-spinning on a host where that does not pay), so the loop is never held longer.
+Top layer: imports client_mp, waiting and asyncio. The protocol is ``MPClient``'s; the
+waiting is ``shmclient.waiting``'s: its ``LoopReader`` watches the output ring's wake pipe
+(``transport="shm"``) or the ZMQ socket's FD and drains the channel into ``_dispatch``
+whenever something arrives, so utility replies and outputs are handled in the loop even
+with no caller waiting; ``get_output_async`` spins on the ring for at most ``spin_us``
+(adaptive), then parks; ``send_async`` parks on the request ring's space pipe while it is
+full. A client that merges several engines' outputs (``client_dp``) has them forwarded
+(``forward_outputs``) into its own stream instead.
 
 The API is the ``*_async`` forms only (no inherited blocking method that raises):
 ``add_request_async``, ``get_output_async``, ``abort_requests_async``,
@@ -23,25 +22,14 @@ that uses it.
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Any
+from typing import Any, Callable
 
 from .config import EngineConfig
 from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .client_mp import MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
-from .doorbell import Spin
-from .errors import (
-    ClientClosedError,
-    EngineDeadError,
-    PeerDeadError,
-    PeerNotConsumingError,
-    PeerNotProducingError,
-    ProtocolError,
-    UsageError,
-)
-from .launcher import weak_callback
+from .errors import EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -57,26 +45,25 @@ class AsyncMPClient(AsyncUtilities, MPClient):
     """
 
     _asyncio = True
-    #: A task taking outputs that were already queued yields to the loop at least this
-    #: often (see get_output_async).
-    YIELD_EVERY_S = 200e-6
-    #: Most messages one read in the loop decodes (a backlog of thousands would hold
-    #: the loop for milliseconds); the rest are read in the next turn of the loop. 16
-    #: rather than 64 took a busy engine's p99 delay of a concurrent 1 ms sleep from
-    #: 321-405 to 278-328 µs, at the same outputs/s (16 streams: 516k against 509k).
-    READ_LIMIT = 16
 
     def __init__(self, config: EngineConfig) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: set[asyncio.Future] = set()
-        self._fd: int | None = None
+        #: Set by ``forward_outputs``: told of the engine's death, after its last outputs.
+        self._forward_dead: Callable[[EngineDeadError], None] | None = None
+        self._death_task: asyncio.Task | None = None
         super().__init__(config)
+        self.resources.before_close(self._reader.unwatch_hook())
+
+    def _make_reader(self) -> waiting.LoopReader:
         # Spin on the ring before parking the task (waking an event loop costs tens of µs
-        # on small virtual machines), adaptively as the ring's own waits do, but never
-        # longer than spin_us: the loop's other tasks wait meanwhile.
-        self._spin = Spin(config.spin_us * 1e-6 if config.transport == "shm" else 0.0)
-        self._last_yield = 0.0
-        self.resources.before_close(self._remove_reader_hook())
+        # on small virtual machines), but never longer than spin_us: the loop's other
+        # tasks wait meanwhile.
+        config = self.config
+        return waiting.LoopReader(
+            self.channel, self._dispatch, lead=self._lead, closed=self._is_closed,
+            dead=self.resources.dead.is_set, dead_error=self._dead_error,
+            broken=self._channel_broken,
+            spin_s=config.spin_us * 1e-6 if config.transport == "shm" else 0.0)
 
     @classmethod
     async def create(cls, config: EngineConfig) -> "AsyncMPClient":
@@ -100,62 +87,21 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise UsageError("this AsyncMPClient is already used by another event loop")
         self._ensure_alive()
         self._loop = loop
-        self._fd = self.channel.recv_fd()
-        loop.add_reader(self._fd, weak_callback(self._on_readable))
+        self._reader.bind(loop)
         return loop
 
-    def _remove_reader_hook(self) -> Any:
-        # Holds only what it needs (not the client), so it can run from the finalizer.
-        state = self.__dict__
-
-        def remove() -> None:
-            loop, fd = state.get("_loop"), state.get("_fd")
-            if loop is None or fd is None or loop.is_closed():
-                return
-            try:
-                if _running_loop() is loop:
-                    loop.remove_reader(fd)
-                else:
-                    loop.call_soon_threadsafe(loop.remove_reader, fd)
-            except RuntimeError:
-                pass
-
-        return remove
-
-    def _on_readable(self) -> None:
-        """Loop reader: drain the channel whenever something was published, so replies
-        and outputs are handled even with no task waiting."""
-        if not self._lead.acquire(False):
-            return  # a task is reading right now, or shutdown is closing the channel
-        try:
-            if self._closed:
-                return
-            self.channel.arm_recv()
-            try:
-                got = self.channel.try_recv(self.READ_LIMIT)
-            except (PeerDeadError, ClientClosedError):
-                got = []
-            except ProtocolError as e:
-                self._channel_broken(e)
-                got = []
-            if got:
-                self._dispatch(got)
-                self._wake_waiters()
-                if len(got) >= self.READ_LIMIT and self._loop is not None:
-                    # more may be waiting: read on after the loop's other tasks ran (an
-                    # edge-triggered socket descriptor would not signal them again)
-                    self._loop.call_soon(weak_callback(self._on_readable))
-            if self.channel.peer_closed and self._loop is not None and self._fd is not None:
-                # The engine closed its end (it is exiting): stop watching a descriptor
-                # that now stays readable; the monitor reports the death to waiters.
-                self._loop.remove_reader(self._fd)
-        finally:
-            self._lead.release()
-
-    def _wake_waiters(self) -> None:
-        for w in self._waiters:
-            if not w.done():
-                w.set_result(None)
+    def forward_outputs(self, sink: Callable[[EngineCoreOutputs], None], parking: waiting.Parking,
+                        on_dead: Callable[[EngineDeadError], None]) -> None:
+        """For a client that merges several engines into one stream (the data-parallel
+        clients): from now on every output batch goes to ``sink(outputs)`` in the loop,
+        not to ``get_output_async``; ``parking``'s tasks are woken after each read that
+        brought any; once the engine is gone, ``on_dead(error)`` is called in the loop
+        after what it wrote before dying went to ``sink``. Binds the client to the
+        running loop; raises UsageError (another loop) or EngineDeadError."""
+        self._bind_loop()
+        self._put = sink
+        self._reader.parking = parking
+        self._forward_dead = on_dead
 
     def _on_engine_dead(self) -> None:
         """Monitor thread: hand the news to the loop (futures belong to it)."""
@@ -169,31 +115,17 @@ class AsyncMPClient(AsyncUtilities, MPClient):
 
     def _fail_in_loop(self) -> None:
         self._fail_all_futures()
-        self._wake_waiters()
+        self._reader.parking.wake()
+        report, self._forward_dead = self._forward_dead, None
+        if report is not None:
+            if self._closed or self._loop is None:
+                report(self._dead_error())  # shut down: nothing more is read
+            else:
+                self._death_task = self._loop.create_task(self._report_death(report))
 
-    def _read_now(self, spin: float) -> None:
-        """Read and dispatch what is there (spinning up to ``spin`` seconds for it),
-        unless another task or shutdown holds the channel."""
-        if not self._lead.acquire(False):
-            return
-        try:
-            if self._closed or self.resources.dead.is_set():
-                return
-            try:
-                got = waiting.recv_spin(self.channel, spin, self.READ_LIMIT)
-            except (PeerDeadError, ClientClosedError):
-                # Dead peer: the monitor's report wakes the waiters with its reason.
-                got = []
-            except ProtocolError as e:
-                self._channel_broken(e)
-                got = []
-            if got:
-                self._dispatch(got)
-                self._wake_waiters()
-                if len(got) >= self.READ_LIMIT and self._loop is not None:
-                    self._loop.call_soon(weak_callback(self._on_readable))  # read on later
-        finally:
-            self._lead.release()
+    async def _report_death(self, report: Callable[[EngineDeadError], None]) -> None:
+        await self._reader.read_remains()  # what the engine wrote before dying goes first
+        report(self._dead_error())
 
     # -- async API --------------------------------------------------------------------
     async def _send_async(self, rtype: int, payload: Any, timeout: float | None = None) -> None:
@@ -237,27 +169,6 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         except EngineDeadError:
             pass
 
-    async def _read_remains_async(self) -> None:
-        """Once the engine died: read what it wrote before dying and queue it, without
-        blocking the loop. The zmq transport gets a short grace for its last messages
-        (polled with awaits); the rings hold everything already."""
-        zmq_grace = self.channel.late_after_peer_death
-        deadline = time.monotonic() + self._ZMQ_REMAINS_GRACE_S
-        while not self._remains_read and not self._closed:
-            if self._lead.acquire(False):  # else a reader callback is on it right now
-                try:
-                    if self._remains_read or self._closed:
-                        return
-                    got = self._take_remains(0.0)
-                    if got:
-                        self._dispatch(got)
-                    if got or not zmq_grace or time.monotonic() >= deadline:
-                        return
-                    self._remains_read = False  # zmq: look again until the grace ends
-                finally:
-                    self._lead.release()
-            await asyncio.sleep(0.005)
-
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch; waits without blocking the loop, ``timeout`` seconds
         at most (None: no limit), then PeerNotProducingError (a ``TimeoutError``). Once
@@ -265,51 +176,19 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         vLLM's), then EngineDeadError; EngineDeadError too once the client was shut
         down."""
         outputs = self._outputs
+        reader = self._reader
         # An output that is already queued, or that a short spin catches, returns
         # without suspending the task; a consumer keeping pace with a fast engine would
         # then never let the loop run its other tasks. So a call yields to the loop
-        # first when the task has not been suspended for YIELD_EVERY_S.
-        now = time.perf_counter()
-        if now - self._last_yield > self.YIELD_EVERY_S:
-            self._last_yield = now
+        # first when the task has not been suspended for a while (``turn_due``).
+        if reader.turn_due():
             await asyncio.sleep(0)
         if outputs:
             return outputs.popleft()
         timeout = _check_timeout("get_output_async", timeout)
         loop = self._bind_loop()
-        spin = self._spin
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self._closed:
-                raise self._dead_error()
-            if self.resources.dead.is_set():
-                await self._read_remains_async()
-                if outputs:
-                    return outputs.popleft()
-                raise self._dead_error()
-            self._read_now(min(spin.budget, spin.base))
-            if outputs:
-                spin.after(True, 0.0)  # the spin paid
-                return outputs.popleft()
-            if deadline is not None and loop.time() >= deadline:
-                raise PeerNotProducingError(
-                    f"no output from the engine within {timeout} s (the engine is alive)")
-            waiter = loop.create_future()
-            self._waiters.add(waiter)
-            handle = None
-            if deadline is not None:
-                handle = loop.call_at(deadline, lambda: waiter.done() or waiter.set_result(None))
-            parked = time.perf_counter()
-            try:
-                await waiter
-            finally:
-                self._waiters.discard(waiter)
-                if handle is not None:
-                    handle.cancel()
-            self._last_yield = now = time.perf_counter()
-            spin.after_block(now - parked)  # how the wait ended steers the next spin
-            if outputs:
-                return outputs.popleft()
+        await reader.wait(outputs.__len__, None if timeout is None else loop.time() + timeout)
+        return outputs.popleft()
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Call ``method(*args)`` in the engine and await its result; see

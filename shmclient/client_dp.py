@@ -1,113 +1,56 @@
 """Data-parallel clients: several engine cores behind one asyncio client, as vLLM's.
 
 Top layer, beside ``client_async``: imports client, client_async, config, messages,
-errors and validate, and uses ``AsyncMPClient`` only through its public async API (one
+errors, validate and waiting, and uses ``AsyncMPClient`` only through its public API (one
 ``AsyncMPClient`` per engine, each with its own engine process and its own ring pair, so
 every ring stays single-producer single-consumer); it must not import the engine, the
 launcher, the channels or the rings. It owns the routing of requests to engines, the
-request → engine map (aborts go to the owner), the merged output stream (one reader task
-per engine), the fan-out of utility calls and the capacity the engines report together.
-
-* ``DPLBAsyncMPClient`` (``data_parallel_size=N``, ``data_parallel_external_lb=False``):
-  starts engines of ranks 0..N-1 and balances requests between them. With
-  ``data_parallel_size_local=L`` only ranks 0..L-1 are started here (over the configured
-  transport); ranks L..N-1 are remote: each is awaited over tcp on
-  ``data_parallel_address`` (port ``data_parallel_rpc_port + rank - L``) until an engine
-  started apart (``python -m shmclient_engine --connect tcp://HOST:PORT``, possibly on
-  another host) connects, and is then one more engine of the group (its tensors travel
-  inline, as zmq frames). Ranks start concurrently, so the group is ready once the last
-  remote engine is.
-* ``DPAsyncMPClient`` (``data_parallel_external_lb=True``): an external load balancer
-  runs one client per rank; this client starts and talks to its own rank only.
-
-``make_async_mp_client`` (``shmclient.client``) picks between them and ``AsyncMPClient``
-with vLLM's rules.
+request → engine map (aborts go to the owner), the merged output stream (each engine's
+loop reader forwards its batches into one dispatch, ``_take``; tasks park on one
+``waiting.Parking``), the fan-out of utility calls and the capacity the engines report
+together. ``DPAsyncMPClient`` (``data_parallel_external_lb=True``): an external load
+balancer runs one client per rank; this client starts and talks to its own rank only.
+``client_dp_lb.DPLBAsyncMPClient`` (every rank behind one client) is this class with
+its own routing; ``make_async_mp_client`` (``shmclient.client``) picks between them and
+``AsyncMPClient`` with vLLM's rules.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import threading
-import time
+from functools import partial
 from typing import Any
 
 from .config import EngineConfig
 from . import forksafe
-from .client_utilities import DP_RULES, AsyncUtilities
-from .client import EngineCoreClient, check_abort_ids, check_request, check_utility_call
-from .errors import (
-    ClientClosedError,
-    ConfigError,
-    EngineDeadError,
-    ForkedError,
-    InvalidRequestError,
-    PeerNotProducingError,
-    UsageError,
-    UtilityCallError,
-)
-from .dp_balance import least_loaded, work_estimate
+from .client_utilities import DPUtilities
+from .client import EngineCoreClient, check_abort_ids, check_request, shutdown_timeout
+from .dp_balance import work_estimate
+from .dp_engines import engine_config, start_engines, stop_all
+from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
+                     InvalidRequestError, PeerNotProducingError, UsageError)
 from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from .waiting import Parking
 
 logger = logging.getLogger("shmclient")
 
 _NO_STATS = SchedulerStats()
 
-
-def _async_client_class() -> type:
-    from .client_async import AsyncMPClient
-
-    return AsyncMPClient
+__all__ = ["DPAsyncMPClient", "engine_config", "start_engines"]
 
 
-def engine_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config of the engine of ``rank``: ``data_parallel_rank=rank`` and, when one
-    client starts every rank on this host (the internal load balancer) with
-    ``device="cuda"`` (no index), the GPU of that rank, ``"cuda:<rank>"`` (one GPU per
-    rank, as vLLM places DP ranks; ``"cuda:N"`` keeps every rank on GPU N; behind an
-    external load balancer each rank's process picks its GPU as it likes, e.g. with
-    ``CUDA_VISIBLE_DEVICES``). A remote rank (``rank >= data_parallel_size_local``:
-    not started here, awaited over tcp) gets ``transport="zmq"``, the one transport that
-    reaches another host, and keeps the device it names (its host places it). Nothing is
-    started; raises nothing for a valid config."""
-    changes: dict[str, Any] = {"data_parallel_rank": rank}
-    local = config.data_parallel_size_local
-    remote = local is not None and rank >= local
-    if remote:
-        changes["transport"] = "zmq"
-    elif (config.device == "cuda" and config.data_parallel_size > 1
-            and not config.data_parallel_external_lb):
-        changes["device"] = f"cuda:{rank}"
-    return config.replace(**changes)
+def __getattr__(name: str) -> Any:
+    if name == "DPLBAsyncMPClient":  # its own module, which imports this one
+        from .client_dp_lb import DPLBAsyncMPClient
+
+        return DPLBAsyncMPClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
-    """Start one ``AsyncMPClient`` per rank, concurrently (one thread each, so start-up
-    takes about as long as one engine's), each with ``engine_config(config, rank)``.
-    Blocks until all are ready. If any fails, the others are shut down and the first
-    failure is raised as the client raised it (``ConfigError``,
-    ``PeerNotProducingError``, ``EngineDeadError``)."""
-    cls = _async_client_class()
-    configs = [engine_config(config, r) for r in ranks]
-    if len(configs) == 1:
-        return [cls(configs[0])]
-    pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")
-    try:
-        futs = [pool.submit(cls, c) for c in configs]
-    finally:
-        pool.shutdown(wait=True)  # also when interrupted: every start is then accounted for
-    started = [f.result() for f in futs if f.exception() is None]
-    errors = [f.exception() for f in futs if f.exception() is not None]
-    if errors:
-        for c in started:
-            c.shutdown(timeout=0.0)
-        raise errors[0]
-    return started
-
-
-class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
+class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     """One data-parallel rank behind an external load balancer (vLLM's
     ``DPAsyncMPClient``): ``make_client(True, True, config)`` with
     ``data_parallel_size > 1`` and ``data_parallel_external_lb=True``.
@@ -118,7 +61,8 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
     ``data_parallel_rank`` must be None or this rank (``InvalidRequestError``).
 
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
-    raises. Use the ``*_async`` methods from one event loop (the first that calls one
+    raises. Engines given ready-made need ``AsyncMPClient``'s async API and its
+    ``forward_outputs``. Use the ``*_async`` methods from one event loop (the first that calls one
     binds the client; another loop gets ``UsageError``); none blocks the loop. As
     ``AsyncMPClient``, it has no blocking forms. When an engine dies, every pending and
     later call raises ``EngineDeadError`` naming it, and the engines still alive are
@@ -161,9 +105,10 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         self.requests_routed = [0] * n
         self._outputs: list[EngineCoreOutputs] = []
         self._out_head = 0
-        self._waiters: set[asyncio.Future] = set()
+        self._parking = Parking()
+        #: Set once an engine died or the client shut down: no more batches are taken.
+        self._halted = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._readers: list[asyncio.Task] = []
         self._dead_fut: asyncio.Future | None = None
         self._dead_reason: str | None = None
         self._closed = False
@@ -202,7 +147,8 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         return [rank]
 
     def _bind(self) -> asyncio.AbstractEventLoop:
-        """Bind to the running loop on first use and start one reader task per engine."""
+        """Bind to the running loop on first use; each engine's reader forwards its
+        batches to ``_take`` from then on."""
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return loop
@@ -211,10 +157,8 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         self._ensure_alive()
         self._loop = loop
         self._dead_fut = loop.create_future()
-        self._readers = [
-            loop.create_task(self._read(i, e), name=f"dp-reader-{self.engine_ranks[i]}")
-            for i, e in enumerate(self.engines)
-        ]
+        for i, e in enumerate(self.engines):
+            e.forward_outputs(partial(self._take, i), self._parking, partial(self._engine_died, i))
         return loop
 
     # -- state -----------------------------------------------------------------------
@@ -242,66 +186,47 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
             raise self._dead_error()
 
     def _engine_died(self, pos: int, err: BaseException) -> None:
-        """In the loop, once engine ``pos`` is gone: the client is dead (vLLM's rule):
-        fail every waiter and pending call, stop the other readers, and stop the engines
-        still alive in a thread (their shutdown blocks)."""
+        """In the loop, once engine ``pos`` is gone and what it wrote before went to
+        ``_take``: the client is dead (vLLM's rule): fail every waiter and pending call,
+        take nothing more from the others, and stop the engines still alive in a thread
+        (their shutdown blocks)."""
         if self._dead_reason is not None or self._closed:
             return
         rank = self.engine_ranks[pos]
         self._dead_reason = (f"data-parallel engine {rank} (pid {self.engine_pids[pos]}) "
                              f"died: {err}")
         logger.error("%s; stopping the other engines", self._dead_reason)
-        self._fail_in_loop(skip=pos)
+        self._fail_in_loop()
         survivors = [e for i, e in enumerate(self.engines) if i != pos]
         self._stopper = threading.Thread(
-            target=_stop_all, args=(survivors,), name="dp-stop-engines", daemon=True)
+            target=stop_all, args=(survivors,), name="dp-stop-engines", daemon=True)
         self._stopper.start()
 
-    def _fail_in_loop(self, skip: int | None = None) -> None:
+    def _fail_in_loop(self) -> None:
+        self._halted = True
         if self._dead_fut is not None and not self._dead_fut.done():
             self._dead_fut.set_result(None)
-        for i, t in enumerate(self._readers):
-            if i != skip:
-                t.cancel()
-        self._wake()
-
-    def _wake(self) -> None:
-        for w in self._waiters:
-            if not w.done():
-                w.set_result(None)
+        self._parking.wake()
 
     # -- the merged output stream ----------------------------------------------------
-    async def _read(self, pos: int, engine: Any) -> None:
-        """One engine's reader: its batches, stamped with its rank, into the stream."""
-        rank = self.engine_ranks[pos]
-        flight = self.reqs_in_flight
-        inflight, work, stats = self.engine_inflight, self.engine_work, self.lb_engines
-        out = self._outputs
-        try:
-            while True:
-                outs = await engine.get_output_async()
-                outs.engine_index = rank
-                if outs.scheduler_stats is not None:
-                    stats[pos] = outs.scheduler_stats
-                fin = outs.finished_requests
-                if fin:
-                    for rid in fin:
-                        entry = flight.get(rid)
-                        if entry is not None and entry[0] == pos:
-                            del flight[rid]
-                            inflight[pos] -= 1
-                            work[pos] -= entry[1]
-                out.append(outs)
-                if self._waiters:
-                    self._wake()
-        except EngineDeadError as e:
-            if not self._closed:
-                self._engine_died(pos, e)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a reader must not die silently
-            logger.exception("data-parallel engine %d: reading its outputs failed", rank)
-            self._engine_died(pos, e)
+    def _take(self, pos: int, outs: EngineCoreOutputs) -> None:
+        """The one dispatch of every engine's batches (in the loop, from its reader):
+        stamped with the engine's rank, its load noted, into the merged stream."""
+        if self._halted:
+            return
+        outs.engine_index = self.engine_ranks[pos]
+        if outs.scheduler_stats is not None:
+            self.lb_engines[pos] = outs.scheduler_stats
+        fin = outs.finished_requests
+        if fin:
+            flight = self.reqs_in_flight
+            for rid in fin:
+                entry = flight.get(rid)
+                if entry is not None and entry[0] == pos:
+                    del flight[rid]
+                    self.engine_inflight[pos] -= 1
+                    self.engine_work[pos] -= entry[1]
+        self._outputs.append(outs)
 
     async def get_output_async(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch of any engine (``engine_index`` says which), in the
@@ -313,27 +238,18 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         if self._out_head < len(out):
             return self._pop()
         loop = self._bind()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else loop.time() + timeout
         while True:
             if self._out_head < len(out):
                 return self._pop()
             # Not ``is_dead``: what a dead engine wrote before dying comes first, and its
-            # reader has queued all of it by the time it reports the death.
+            # reader has forwarded all of it by the time it reports the death.
             if self._closed or self._dead_reason is not None:
                 raise self._dead_error()
-            waiter = loop.create_future()
-            self._waiters.add(waiter)
-            try:
-                if deadline is None:
-                    await waiter
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise PeerNotProducingError(
-                            f"no output from the engines within {timeout} s (they are alive)")
-                    await asyncio.wait((waiter,), timeout=left)
-            finally:
-                self._waiters.discard(waiter)
+            if deadline is not None and loop.time() >= deadline:
+                raise PeerNotProducingError(
+                    f"no output from the engines within {timeout} s (they are alive)")
+            await self._parking.park(loop, deadline)
 
     def _pop(self) -> EngineCoreOutputs:
         out = self._outputs
@@ -417,59 +333,6 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         for pos, ids in self._aborts_by_engine(request_ids).items():
             await self.engines[pos].abort_requests_async(ids)
 
-    # -- utilities -------------------------------------------------------------------
-    async def _guard(self, aw: Any) -> Any:
-        """Await ``aw``, or raise EngineDeadError as soon as any engine died."""
-        dead = self._dead_fut
-        fut = asyncio.ensure_future(aw)
-        try:
-            await asyncio.wait((fut, dead), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            fut.cancel()
-            raise
-        if fut.done():
-            return fut.result()
-        fut.cancel()
-        raise self._dead_error()
-
-    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every engine at once; their results in rank order.
-        Raises UtilityCallError when it failed on an engine, InvalidRequestError for a
-        ``method`` that is not a non-empty str, SerializationError for arguments that
-        cannot cross, EngineDeadError when an engine died (also while waiting)."""
-        self._bind()
-        self._ensure_alive()
-        check_utility_call(method)
-        calls = [asyncio.ensure_future(self._call_on(i, method, args))
-                 for i in range(len(self.engines))]
-        return await self._guard(asyncio.gather(*calls))
-
-    async def _call_on(self, pos: int, method: str, args: tuple) -> Any:
-        try:
-            return await self.engines[pos].call_utility_async(method, *args)
-        except EngineDeadError as e:
-            # Its engine's death, said as the client says it (which engine, why).
-            if self._closed or self._dead_reason is not None:
-                raise self._dead_error() from e
-            raise EngineDeadError(
-                f"data-parallel engine {self.engine_ranks[pos]} (pid "
-                f"{self.engine_pids[pos]}) died: {e}") from e
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` on this client's engine (``DPLBAsyncMPClient``: on
-        every engine, returning the first's result, as vLLM). Errors as
-        ``call_utility_all_async``."""
-        return (await self.call_utility_all_async(method, *args))[0]
-
-    async def call_utility_consensus_async(self, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` on every engine; their common result.
-        UtilityCallError when the engines disagree (vLLM raises a RuntimeError, which
-        UtilityCallError is), else as ``call_utility_all_async``."""
-        results = await self.call_utility_all_async(method, *args)
-        if any(r != results[0] for r in results):
-            raise UtilityCallError(f"Engines returned different {method} results: {results}")
-        return results[0]
-
     def dp_engines_running(self) -> bool:
         """Whether any engine has a request of this client in flight (vLLM's DP clients
         answer whether the engines are in a running wave; there are no waves here).
@@ -483,8 +346,6 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         after the other, so this blocks for at most about N x (``timeout`` + 2) s.
         Pending and later calls raise EngineDeadError (``ClientClosedError``).
         Idempotent. InvalidRequestError for a timeout that is not a number >= 0."""
-        from .client import shutdown_timeout
-
         timeout = shutdown_timeout(timeout)
         if self._begin_shutdown():
             self._join_stopper()
@@ -495,8 +356,6 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
         """As ``shutdown``, without blocking the loop: the engines are stopped at once
         (each engine client's ``shutdown_async`` where it has one, else its
         ``shutdown`` in a worker thread), so this takes about one engine's stop."""
-        from .client import shutdown_timeout
-
         timeout = shutdown_timeout(timeout)
         if not self._begin_shutdown():
             return
@@ -538,70 +397,3 @@ class DPAsyncMPClient(AsyncUtilities, EngineCoreClient):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.shutdown_async()
-
-    async def _utility(self, method: str, *args: Any) -> Any:
-        rule = DP_RULES.get(method)
-        if rule == "all":
-            return all(await self.call_utility_all_async(method, *args))
-        if rule == "consensus":
-            return await self.call_utility_consensus_async(method, *args)
-        return await self.call_utility_async(method, *args)
-
-
-class DPLBAsyncMPClient(DPAsyncMPClient):
-    """Data-parallel engines of ranks 0..N-1 behind one client that balances the load
-    (vLLM's ``DPLBAsyncMPClient``): ``make_client(True, True, config)`` with
-    ``data_parallel_size=N > 1`` and ``data_parallel_external_lb=False``.
-
-    Routing: a request's ``data_parallel_rank`` picks its engine when given
-    (``InvalidRequestError`` outside 0..N-1); otherwise the engine with the lowest
-    score gets it: vLLM's score over the engines' latest ``SchedulerStats`` (every output
-    batch carries them) and this client's exact in-flight counts, ties decided by the
-    work in flight (so that alternating long and short requests do not all pile up on
-    one engine, as under round robin), then by a rotating start (``dp_balance``).
-
-    Utility calls go to every engine: ``call_utility_async`` returns the first
-    engine's result (vLLM's rule), ``call_utility_all_async`` every result;
-    ``is_sleeping``, ``is_scheduler_paused`` and ``get_weight_version`` answer the
-    engines' common result, ``wake_up`` and ``reset_prefix_cache`` whether all did.
-    Capacity: ``num_gpu_blocks`` is the engines' sum, ``max_model_len`` their minimum.
-    ``config.data_parallel_rank`` must be None or 0 (``ConfigError``). Otherwise as
-    ``DPAsyncMPClient``.
-    """
-
-    def __init__(self, config: EngineConfig | None = None, *, engines: list[Any] | None = None) -> None:
-        super().__init__(config, engines=engines)
-        self._start = 0
-
-    @staticmethod
-    def _managed_ranks(config: EngineConfig) -> list[int]:
-        if config.data_parallel_rank not in (None, 0):
-            raise ConfigError(
-                f"EngineConfig.data_parallel_rank={config.data_parallel_rank!r} is invalid: "
-                "the internal load balancer (data_parallel_external_lb=False) runs every "
-                "rank 0..data_parallel_size-1 itself; leave it None")
-        return list(range(config.data_parallel_size))
-
-    def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:
-        """The engine position for ``request``: its ``data_parallel_rank`` when given,
-        else the lowest score (see the class docstring). Changes only the tie-break
-        rotation; raises InvalidRequestError for a rank outside 0..N-1."""
-        n = len(self.engines)
-        dpr = request.data_parallel_rank
-        if dpr is not None:
-            if not 0 <= dpr < n:
-                raise InvalidRequestError(
-                    f"request {request.request_id!r}: data_parallel_rank={dpr!r} is invalid: "
-                    f"must be None or 0..{n - 1} (data_parallel_size={n})")
-            return dpr
-        best = least_loaded(self.engine_inflight, self.engine_work, self.lb_engines, self._start)
-        self._start = (self._start + 1) % n
-        return best
-
-
-def _stop_all(clients: list[Any]) -> None:
-    for c in clients:
-        try:
-            c.shutdown(timeout=1.0)
-        except Exception:  # noqa: BLE001 - best effort: the client is dead already
-            logger.exception("stopping a data-parallel engine failed")

@@ -1,18 +1,14 @@
 """``MPClient`` (the protocol, written once) and ``SyncMPClient``.
 
-Top layer: imports client, launcher, channel, messages, errors. The engine runs in its own
-process; requests and outputs travel over the channel (shared-memory rings by default,
-ZMQ sockets with ``transport="zmq"``). Only waiting differs between the sync and the async
-client: ``_dispatch`` (outputs to the queue, utility replies to their futures, finished
-requests forgotten) is shared.
-
-Why no reader thread in ``SyncMPClient``: a thread-to-thread hand-off through
-``queue.Queue`` costs ~10–18 µs per message on a 2-core machine, several times a ring
-hop, and a spinning reader thread holds the GIL the caller needs. So the caller's own
-thread reads the ring. Several threads may wait at once (``get_output`` in one,
-``call_utility`` in others): one of them leads and reads, dispatching everything it reads,
-the others wait on a condition. The monitor thread (launcher) watches the engine; on its
-death every waiter and every pending utility future gets EngineDeadError.
+Top layer: imports client, launcher, channel, messages, errors and waiting. The engine runs
+in its own process; requests and outputs travel over the channel (shared-memory rings by
+default, ZMQ sockets with ``transport="zmq"``). The protocol is shared: ``_dispatch``
+(outputs to the queue, utility replies to their futures, finished requests forgotten), the
+futures, and what the engine's death means. Waiting is not written here: each client
+hands ``_dispatch`` to a reader of ``shmclient.waiting`` (``SyncMPClient``: the
+``ThreadReader``, whose callers' threads read the channel by turns, no reader thread).
+The monitor thread (launcher) watches the engine; on its death every waiter and every
+pending utility future gets EngineDeadError.
 """
 
 from __future__ import annotations
@@ -39,19 +35,9 @@ from .client import (
     check_utility_call,
     shutdown_timeout,
 )
-from .errors import (
-    ClientClosedError,
-    ConfigError,
-    EngineDeadError,
-    ForkedError,
-    InvalidRequestError,
-    PeerDeadError,
-    PeerNotConsumingError,
-    PeerNotProducingError,
-    ProtocolError,
-    ShmClientError,
-    UtilityCallError,
-)
+from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
+                     InvalidRequestError, PeerDeadError, PeerNotConsumingError,
+                     PeerNotProducingError, ProtocolError, ShmClientError, UtilityCallError)
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
@@ -112,11 +98,6 @@ class MPClient(EngineCoreClient):
     """
 
     _asyncio = False
-    #: After the engine died, how long the zmq transport is given to hand over what the
-    #: engine sent before it died (its death report travels on another socket and may
-    #: overtake the last outputs). The shm rings need none: the outputs are in the ring
-    #: before the engine reports its death.
-    _ZMQ_REMAINS_GRACE_S = 0.05
     #: True in a process forked from the one that built the client (see forksafe).
     _forked = False
 
@@ -151,10 +132,13 @@ class MPClient(EngineCoreClient):
         self._call_ids = itertools.count(1)
         self._futures: dict[int, Any] = {}
         self._outputs: deque[EngineCoreOutputs] = deque()
+        #: Where ``_dispatch`` puts each output batch (None: ``_outputs``, get_output's).
+        self._put: Any = None
         self._live: set[str] = set()
         self._closed = False
-        #: Set once what the engine wrote before dying has been read (or cannot be).
-        self._remains_read = False
+        #: The reader of ``shmclient.waiting`` that waits for the channel (it holds
+        #: ``_lead`` while it reads); what the engine left after its death is read once.
+        self._reader = self._make_reader()
         self.resources.on_dead(weak_callback(self._on_engine_dead))
         self._pid = os.getpid()
         forksafe.register(self)
@@ -171,7 +155,13 @@ class MPClient(EngineCoreClient):
         self._outputs.clear()
         self._futures.clear()
 
+    def _make_reader(self) -> Any:
+        raise NotImplementedError
+
     # -- state ------------------------------------------------------------------------
+    def _is_closed(self) -> bool:
+        return self._closed
+
     def _dead_error(self) -> EngineDeadError:
         if self._forked:
             return ForkedError(
@@ -197,7 +187,7 @@ class MPClient(EngineCoreClient):
         engine process)."""
         res = self.resources
         if not res.dead.is_set():
-            self._remains_read = True  # nothing more can be trusted from this channel
+            self._reader.remains_read = True  # nothing more can be trusted from this channel
             res.dead_reason = f"The channel from the engine core is broken: {e}"
             logger.error("%s", res.dead_reason)
             res.dead.set()
@@ -225,12 +215,8 @@ class MPClient(EngineCoreClient):
     def _admit(self, request: EngineCoreRequest) -> None:
         """Checks before a request travels; marks its id live."""
         self._ensure_alive()
-        check_request(
-            request,
-            max_model_len=self.max_model_len,
-            hidden_size=self.config.hidden_size,
-            vocab_size=self.config.vocab_size,
-        )
+        check_request(request, max_model_len=self.max_model_len,
+                      hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         self._live.add(request.request_id)
@@ -258,7 +244,8 @@ class MPClient(EngineCoreClient):
     # -- receiving --------------------------------------------------------------------
     def _dispatch(self, got: list[tuple[int, Any]]) -> None:
         """Sort what arrived: utility replies resolve their futures (never reach
-        get_output), output batches are queued in order."""
+        get_output), output batches are queued in order (``_put``)."""
+        put = self._put or self._outputs.append
         for rtype, outs in got:
             if rtype != REC_OUTPUTS:
                 continue
@@ -275,45 +262,21 @@ class MPClient(EngineCoreClient):
                     if u.failure_message is None:
                         self._set_future(fut, result=u.result)
                     else:
-                        self._set_future(
-                            fut,
-                            exc=UtilityCallError(
-                                f"Call to {method} method failed: {u.failure_message}"
-                            ),
-                        )
+                        self._set_future(fut, exc=UtilityCallError(
+                            f"Call to {method} method failed: {u.failure_message}"))
                 if not outs.outputs:
                     continue
             for o in outs.outputs:
                 if o.finish_reason is not None:
                     self._live.discard(o.request_id)
-            self._outputs.append(outs)
-
-    def _take_remains(self, grace: float) -> list[tuple[int, Any]]:
-        """What the dead engine wrote before it died and nobody has read yet, without
-        blocking (the zmq transport: up to ``grace`` for the last messages). Caller holds
-        ``_lead``; called once, after the engine died, never after ``shutdown()``."""
-        self._remains_read = True
-        got: list[tuple[int, Any]] = []
-        zmq_grace = grace if self.channel.late_after_peer_death else 0.0
-        while True:
-            try:
-                more = (waiting.recv(self.channel, timeout=zmq_grace) if zmq_grace > 0
-                        else self.channel.try_recv())
-            except (PeerNotProducingError, PeerDeadError, ClientClosedError, ProtocolError):
-                more = []
-            if not more:
-                return got
-            got.extend(more)
+            put(outs)
 
     @staticmethod
     def _set_future(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:
         if fut.done():  # cancelled by its caller: the late reply is dropped
             return
         try:
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
+            fut.set_result(result) if exc is None else fut.set_exception(exc)
         except (concurrent.futures.InvalidStateError, Exception):
             pass
 
@@ -360,100 +323,14 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
     ``EngineDeadError`` within about 0.2 s of the engine's death or of ``shutdown()``.
     """
 
-    #: Longest a waiting thread sleeps before it re-checks (only a safety net: leaders
-    #: notify followers whenever they hand the channel back).
-    _FOLLOW_SLICE_S = 0.05
-
-    def __init__(self, config: EngineConfig) -> None:
-        self._cond = threading.Condition(threading.Lock())  # followers wait here
-        self._followers = 0
-        super().__init__(config)
+    def _make_reader(self) -> waiting.ThreadReader:
+        return waiting.ThreadReader(
+            self.channel, self._dispatch, lead=self._lead, dead=self.resources.dead,
+            alive=self.resources.alive, closed=self._is_closed, dead_error=self._dead_error,
+            broken=self._channel_broken)
 
     def _on_engine_dead(self) -> None:
-        with self._cond:
-            self._fail_all_futures()
-            self._cond.notify_all()
-
-    def _alive_and_flush(self) -> bool:
-        """Liveness check run by every blocked wait slice; also sends the releases of
-        tensors the caller dropped meanwhile, so the engine's arena does not fill up
-        while we wait."""
-        flush = self.channel.flush_releases
-        if flush is not None:
-            flush()
-        return self.resources.alive()
-
-    def _pump(self, done: Any, deadline: float | None) -> None:
-        """Wait until ``done()``. The thread that gets ``_lead`` reads the channel and
-        dispatches everything it reads; the others wait on the condition until the
-        leader hands over. Raises EngineDeadError, TimeoutError."""
-        lead = self._lead
-        dead = self.resources.dead
-        while True:
-            if done():
-                return
-            if dead.is_set():
-                # What the engine wrote before it died comes first, then the error.
-                if self._read_remains():
-                    continue
-                raise self._dead_error()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise PeerNotProducingError(
-                    "no output from the engine within the timeout (the engine is alive)"
-                )
-            if lead.acquire(False):
-                try:
-                    if done() or dead.is_set():
-                        continue
-                    got = waiting.recv(self.channel, timeout=left, alive=self._alive_and_flush)
-                    if got:
-                        self._dispatch(got)
-                except PeerNotProducingError:
-                    pass
-                except ProtocolError as e:
-                    raise self._channel_broken(e) from e
-                except (PeerDeadError, ClientClosedError) as e:
-                    if not dead.is_set():
-                        # The ring saw the peer close before the monitor saw the exit.
-                        dead.wait(2.0)
-                    if not dead.is_set():
-                        raise self._dead_error() from e
-                    # Dead: the loop's top reads what is left, then raises.
-                finally:
-                    lead.release()
-                    if self._followers:
-                        with self._cond:
-                            self._cond.notify_all()
-            else:
-                with self._cond:
-                    self._followers += 1
-                    try:
-                        if lead.locked() and not done() and not dead.is_set():
-                            wait = self._FOLLOW_SLICE_S if left is None else min(left, self._FOLLOW_SLICE_S)
-                            self._cond.wait(wait)
-                    finally:
-                        self._followers -= 1
-
-    def _read_remains(self) -> bool:
-        """Once the engine died: read, once, what it wrote before dying and queue it.
-        True if that brought anything (outputs, utility replies)."""
-        if self._remains_read or self._closed:
-            return False
-        if not self._lead.acquire(timeout=2.0):
-            return False
-        try:
-            if self._remains_read or self._closed:
-                return False
-            got = self._take_remains(self._ZMQ_REMAINS_GRACE_S)
-            if got:
-                self._dispatch(got)
-        finally:
-            self._lead.release()
-            if self._followers:
-                with self._cond:
-                    self._cond.notify_all()
-        return bool(got)
+        self._reader.wake_all(first=self._fail_all_futures)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch; blocks until one arrives. Once the engine died, the
@@ -467,15 +344,10 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
                 return outputs.popleft()  # another thread may have taken the one we saw
             except IndexError:
                 pass
-            if self._closed:
-                raise self._dead_error()
-            if self.resources.dead.is_set():
-                if self._read_remains():
-                    continue
-                raise self._dead_error()
             if deadline is None and timeout is not None:
                 deadline = time.monotonic() + _check_timeout("get_output", timeout)
-            self._pump(outputs.__len__, deadline)
+            # Once the engine died, the reader reads what it wrote first, then raises.
+            self._reader.wait(outputs.__len__, deadline)
 
     def add_request(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError), then queue. EngineDeadError if the engine is
@@ -518,5 +390,5 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         except BaseException:
             self._futures.pop(call_id, None)
             raise
-        self._pump(fut.done, None)
+        self._reader.wait(fut.done, None)
         return fut.result()

@@ -1,20 +1,24 @@
 """The named utility calls of the asyncio clients (vLLM's ``*_async`` methods), written
-once for every async client.
+once for every async client, and their fan-out over a data-parallel group.
 
-Client layer: imports ``messages`` only. ``AsyncUtilities`` spells out each of vLLM's
-``AsyncMPClient`` utilities with vLLM's signature (so type checkers and IDEs see them) and
-sends it through ``self._utility(name, *args)``, which each client defines: one engine
-answers for ``AsyncMPClient``; for the data-parallel clients ``DP_RULES`` says how the
-engines' answers combine, as vLLM's DP clients do.
+Client layer: imports ``messages``, ``errors`` and ``validate``; never a client module.
+``AsyncUtilities`` spells out each of vLLM's ``AsyncMPClient`` utilities with vLLM's
+signature (so type checkers and IDEs see them) and sends it through
+``self._utility(name, *args)``, which each client defines: one engine answers for
+``AsyncMPClient``; ``DPUtilities`` calls every engine of a data-parallel client and
+combines their answers as ``DP_RULES`` says, as vLLM's DP clients do.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from .errors import EngineDeadError, UtilityCallError
 from .messages import LoRARequest
+from .validate import check_utility_call
 
-__all__ = ["AsyncUtilities", "DP_RULES"]
+__all__ = ["AsyncUtilities", "DPUtilities", "DP_RULES"]
 
 #: How a data-parallel client answers a utility, when not by the first engine's result
 #: (vLLM's rule): "all" calls every engine and is True when all were; "consensus" calls
@@ -133,3 +137,71 @@ class AsyncUtilities:
     async def get_weight_version_async(self) -> str:
         """Async form of ``get_weight_version``."""
         return await self._utility("get_weight_version")
+
+
+class DPUtilities(AsyncUtilities):
+    """The utility calls of a data-parallel client: each goes to every engine of
+    ``self.engines`` (engine clients with ``call_utility_async``) at once. The client
+    provides ``engine_ranks``, ``engine_pids``, ``_bind()``, ``_ensure_alive()``,
+    ``_dead_error()``, ``_dead_fut`` (done once an engine died), ``_closed`` and
+    ``_dead_reason``."""
+
+    async def _guard(self, aw: Any) -> Any:
+        """Await ``aw``, or raise EngineDeadError as soon as any engine died."""
+        dead = self._dead_fut
+        fut = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait((fut, dead), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        if fut.done():
+            return fut.result()
+        fut.cancel()
+        raise self._dead_error()
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every engine at once; their results in rank order.
+        Raises UtilityCallError when it failed on an engine, InvalidRequestError for a
+        ``method`` that is not a non-empty str, SerializationError for arguments that
+        cannot cross, EngineDeadError when an engine died (also while waiting)."""
+        self._bind()
+        self._ensure_alive()
+        check_utility_call(method)
+        calls = [asyncio.ensure_future(self._call_on(i, method, args))
+                 for i in range(len(self.engines))]
+        return await self._guard(asyncio.gather(*calls))
+
+    async def _call_on(self, pos: int, method: str, args: tuple) -> Any:
+        try:
+            return await self.engines[pos].call_utility_async(method, *args)
+        except EngineDeadError as e:
+            # Its engine's death, said as the client says it (which engine, why).
+            if self._closed or self._dead_reason is not None:
+                raise self._dead_error() from e
+            raise EngineDeadError(
+                f"data-parallel engine {self.engine_ranks[pos]} (pid "
+                f"{self.engine_pids[pos]}) died: {e}") from e
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` on this client's engine (``DPLBAsyncMPClient``: on
+        every engine, returning the first's result, as vLLM). Errors as
+        ``call_utility_all_async``."""
+        return (await self.call_utility_all_async(method, *args))[0]
+
+    async def call_utility_consensus_async(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` on every engine; their common result.
+        UtilityCallError when the engines disagree (vLLM raises a RuntimeError, which
+        UtilityCallError is), else as ``call_utility_all_async``."""
+        results = await self.call_utility_all_async(method, *args)
+        if any(r != results[0] for r in results):
+            raise UtilityCallError(f"Engines returned different {method} results: {results}")
+        return results[0]
+
+    async def _utility(self, method: str, *args: Any) -> Any:
+        rule = DP_RULES.get(method)
+        if rule == "all":
+            return all(await self.call_utility_all_async(method, *args))
+        if rule == "consensus":
+            return await self.call_utility_consensus_async(method, *args)
+        return await self.call_utility_async(method, *args)

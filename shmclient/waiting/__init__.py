@@ -1,13 +1,15 @@
 """The only place above the ring that blocks: waiting on a channel or a ring end, for
-threads and asyncio.
+threads and asyncio, and the two readers the clients wait for output with.
 
-Middle layer: imports errors and asyncio only; it knows channels and ring ends by their
-interface, the Protocols below (``Channel``: ``channel.ShmChannel`` and
-``channel_zmq.ZmqChannel``; ``Sender``: ``ring_producer.RingProducer``;
-``RecordReceiver``: ``ring_consumer.RingConsumer``), never the clients, the engine or
-those classes themselves. It owns every wait with a deadline and a liveness check. Every other
-module tries without blocking (``send_nowait`` / ``recv_nowait``, which raise
-``WouldBlock``) and comes here to wait; both clients and the engine loop do.
+Waiting layer: imports errors and asyncio only; it knows channels and ring ends by their
+interface (``waiting.protocols``), never the clients, the engine or those classes
+themselves. It owns every wait with a deadline and a liveness check. Every other module
+tries without blocking (``send_nowait`` / ``recv_nowait``, which raise ``WouldBlock``)
+and comes here to wait; both clients and the engine loop do. This module holds the single
+waits (``send``, ``recv``, ``recv_into``, ``recv_spin``, ``wait_fd``, ``send_async``);
+``thread_reader.ThreadReader`` (threads share one channel, leader and followers) and
+``loop_reader.LoopReader`` (an event loop's reader callback, parking with deadlines) are
+written over them, each with the client's ``dispatch`` passed in.
 
 Beside ``send_nowait`` / ``recv_nowait``, a wait handle is four calls (a bare ring end has
 those of its direction that a thread needs: ``wait_send`` and ``abandon``, or
@@ -35,99 +37,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, TypeVar
 
-from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
+from ..errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
+from .protocols import (
+    CAPABILITIES,
+    AsyncSender,
+    Channel,
+    ChannelCapabilities,
+    Receiver,
+    RecordReceiver,
+    Sender,
+)
 
-__all__ = ["LIVENESS_S", "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
+__all__ = ["CAPABILITIES", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities",
+           "LoopReader", "Parking", "Receiver", "RecordReceiver", "Sender", "ThreadReader",
+           "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
 
 T = TypeVar("T")
 Alive = Callable[[], bool]
-
-
-@runtime_checkable
-class Receiver(Protocol):
-    """What ``recv`` and ``recv_spin`` need: a try and one wait."""
-
-    def recv_nowait(self, limit: int = 0) -> list[tuple[int, Any]]: ...
-
-    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
-
-
-@runtime_checkable
-class RecordReceiver(Protocol):
-    """What ``recv_into`` needs: a ring consumer end (zero-copy records)."""
-
-    def recv_into(self, handler: Callable[[int, memoryview], Any], limit: int = 0) -> int: ...
-
-    def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
-
-
-@runtime_checkable
-class Sender(Protocol):
-    """What ``send`` needs: a try, one wait, and giving up a half-sent message."""
-
-    def send_nowait(self, rtype: int, payload: Any) -> None: ...
-
-    def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool: ...
-
-    def abandon(self, payload: Any) -> None: ...
-
-
-@runtime_checkable
-class AsyncSender(Sender, Protocol):
-    """What ``send_async`` needs beyond ``Sender``: the descriptor to park on."""
-
-    def send_fd(self) -> int: ...
-
-    def arm_send(self) -> None: ...
-
-
-@runtime_checkable
-class Channel(AsyncSender, Receiver, Protocol):
-    """A channel: both directions with their descriptors, as the clients, the engine loop
-    and the vLLM plug-in use it (``channel.ShmChannel`` and ``channel_zmq.ZmqChannel``)."""
-
-    def encode(self, obj: Any) -> Any: ...
-
-    def try_recv(self, limit: int = 0) -> list[tuple[int, Any]]: ...
-
-    def recv_fd(self) -> int: ...
-
-    def arm_recv(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class ChannelCapabilities(Protocol):
-    """What a channel may or may not be able to do, each an attribute that is None where
-    it cannot (``ZmqChannel`` has none but ``wait_registered``, ``ShmChannel`` all but
-    that one): whoever sets a channel up calls what is there, never asks for a type.
-
-    * ``handle_fds()``: the fds a child must inherit to attach;
-    * ``wait_registered(timeout)``: wait until the peer has connected;
-    * ``peer_attached()``: the peer has attached: release the handles;
-    * ``set_peer_pid(pid)``, ``set_peer_gpus(uuids)``: who the peer is (tensor handles);
-    * ``flush_releases()``: send the peer the releases of its tensor blocks now.
-
-    And one flag: ``late_after_peer_death``, whether what the peer sent just before it
-    died may still arrive after its death was noticed (ZMQ's IO threads; not a ring)."""
-
-    handle_fds: Callable[[], tuple[int, ...]] | None
-    wait_registered: Callable[[float], None] | None
-    peer_attached: Callable[[], None] | None
-    set_peer_pid: Callable[[int], None] | None
-    set_peer_gpus: Callable[[list[str]], None] | None
-    flush_releases: Callable[[], None] | None
-    late_after_peer_death: bool
-
-
-#: The optional capabilities' names (``ChannelCapabilities``).
-CAPABILITIES = ("handle_fds", "wait_registered", "peer_attached", "set_peer_pid", "set_peer_gpus",
-                "flush_releases")
 
 
 def check_timeout(timeout: float | None) -> float | None:
@@ -351,3 +282,8 @@ async def _send_parked(channel: AsyncSender, rtype: int, payload: Any, timeout: 
             except WouldBlock:
                 raise PeerDeadError("the peer is gone: its liveness check failed while we waited") from None
 
+
+# The readers are written over the waits above (imported last: they use this module's
+# ``recv``, ``recv_spin`` and ``LIVENESS_S``).
+from .loop_reader import LoopReader, Parking  # noqa: E402
+from .thread_reader import ThreadReader  # noqa: E402

@@ -1,0 +1,292 @@
+"""``LoopReader``: one channel read from an event loop, and ``Parking``: the tasks that wait
+for what a reader delivers, each until it is woken or its deadline passes.
+
+Waiting layer (part of ``shmclient.waiting``): imports asyncio, the package's
+``recv_spin``, the spin policy (``doorbell.Spin``) and errors, never the clients or a
+channel class. Like pyzmq's asyncio socket over its sync one, it tries the channel at once
+and waits on a file descriptor only when it would block: ``loop.add_reader`` on the
+channel's ``recv_fd()`` runs a callback that drains the channel into ``dispatch``
+whenever something arrives, so replies and outputs are handled in the loop even with no
+task waiting, without a thread hop per message. A waiting task first spins for at most
+the adaptive budget (never longer than the configured base), then parks. It also owns the
+grace for what a dead peer left. What the messages mean is the caller's (``dispatch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from time import perf_counter
+from typing import Any, Callable
+
+from ..doorbell import Spin
+from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
+from . import recv_spin
+from .protocols import Channel
+
+__all__ = ["LoopReader", "Parking"]
+
+Dispatch = Callable[[list[tuple[int, Any]]], None]
+
+
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Parking:
+    """Tasks of one loop parked until something they wait for may have come: ``wake()``
+    releases them all (each looks again), a deadline releases one. Loop thread only."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self) -> None:
+        self.waiters: set[asyncio.Future] = set()
+
+    def wake(self) -> None:
+        """Release every parked task. Never blocks."""
+        for w in self.waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def park(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        """Suspend the running task until ``wake()`` or ``loop.time() >= deadline``
+        (None: no deadline). Raises only CancelledError; leaves nothing behind."""
+        waiter = loop.create_future()
+        self.waiters.add(waiter)
+        handle = None if deadline is None else loop.call_at(deadline, _release, waiter)
+        try:
+            await waiter
+        finally:
+            self.waiters.discard(waiter)
+            if handle is not None:
+                handle.cancel()
+
+
+class _Watch:
+    """The loop and descriptor being watched: all that a close hook may hold."""
+
+    __slots__ = ("loop", "fd")
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.fd: int | None = None
+
+    def unwatch(self) -> None:
+        """Stop watching, from any thread (from the loop's own at once). Never blocks."""
+        loop, fd = self.loop, self.fd
+        if loop is None or fd is None or loop.is_closed():
+            return
+        try:
+            if _running_loop() is loop:
+                loop.remove_reader(fd)
+            else:
+                loop.call_soon_threadsafe(loop.remove_reader, fd)
+        except RuntimeError:  # closed meanwhile
+            pass
+
+
+class LoopReader:
+    """Reads ``channel`` in one event loop and hands each batch to ``dispatch(got)``;
+    tasks wait for what it brings with ``wait(ready, deadline)``, parked in ``parking``
+    (which a caller may replace, to merge several readers into one stream).
+
+    The caller passes ``lead`` (the lock of whoever reads the channel; its owner takes it
+    to close the channel), ``closed()`` (nothing more is read), ``dead()`` (the peer is
+    gone: waiters read what it left, within ``REMAINS_GRACE_S`` for a channel with
+    ``late_after_peer_death``, then raise ``dead_error()``), ``broken(e)`` (the channel
+    raised ProtocolError: the owner marks the peer dead) and ``spin_s`` (the most a task
+    spins before it parks; 0: never).
+    """
+
+    #: Most messages one read in the loop decodes (a backlog of thousands would hold the
+    #: loop for milliseconds); the rest are read in the next turn of the loop.
+    READ_LIMIT = 16
+    #: A task taking what was already there yields to the loop at least this often.
+    YIELD_EVERY_S = 200e-6
+    #: How long a channel whose last messages may trail the peer's death is given for them.
+    REMAINS_GRACE_S = 0.05
+    #: How often that grace looks again when nothing woke it (the channel may be held by
+    #: another thread).
+    REMAINS_POLL_S = 0.005
+
+    def __init__(self, channel: Channel, dispatch: Dispatch, *, lead: threading.Lock,
+                 closed: Callable[[], bool], dead: Callable[[], bool],
+                 dead_error: Callable[[], BaseException],
+                 broken: Callable[[ProtocolError], Any], spin_s: float) -> None:
+        self.channel = channel
+        self.lead = lead
+        self.parking = Parking()
+        self.spin = Spin(spin_s)
+        self._dispatch = dispatch
+        self._closed = closed
+        self._dead = dead
+        self._dead_error = dead_error
+        self._broken = broken
+        self._grace = self.REMAINS_GRACE_S if channel.late_after_peer_death else 0.0
+        self._watch = _Watch()
+        self._again = _weak(self.on_readable)
+        self._last_turn = 0.0
+        #: Set once what the dead peer wrote has been read (or cannot be).
+        self.remains_read = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._watch.loop
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Watch ``channel.recv_fd()`` in ``loop`` (the loop holds the reader weakly)."""
+        fd = self.channel.recv_fd()
+        self._watch.loop, self._watch.fd = loop, fd
+        loop.add_reader(fd, self._again)
+
+    def unwatch_hook(self) -> Callable[[], None]:
+        """A callable that stops watching from any thread; it holds neither the reader
+        nor its owner, so it may run from a finalizer."""
+        return self._watch.unwatch
+
+    # -- reading ----------------------------------------------------------------------
+    def on_readable(self) -> None:
+        """The loop's callback: drain the channel (``READ_LIMIT`` at a time) whenever
+        something was published, even with no task waiting."""
+        lead = self.lead
+        if not lead.acquire(False):
+            return  # a task is reading right now, or the owner is closing the channel
+        try:
+            if self._closed():
+                return
+            channel = self.channel
+            channel.arm_recv()  # then try: a publish after this makes the fd readable again
+            try:
+                got = channel.try_recv(self.READ_LIMIT)
+            except (PeerDeadError, ClientClosedError):
+                got = []
+            except ProtocolError as e:
+                self._broken(e)
+                got = []
+            if got:
+                self._deliver(got)
+            if channel.peer_closed:
+                # The peer closed its end (it is exiting): stop watching a descriptor
+                # that now stays readable; its owner reports the death.
+                self._watch.unwatch()
+        finally:
+            lead.release()
+
+    def read_now(self, spin: float) -> None:
+        """Read and dispatch what is there, spinning up to ``spin`` seconds for it,
+        unless someone else holds the channel or the peer is gone."""
+        lead = self.lead
+        if not lead.acquire(False):
+            return
+        try:
+            if self._closed() or self._dead():
+                return
+            try:
+                got = recv_spin(self.channel, spin, self.READ_LIMIT)
+            except (PeerDeadError, ClientClosedError):
+                got = []  # a dead peer: its owner's report wakes the waiters
+            except ProtocolError as e:
+                self._broken(e)
+                got = []
+            if got:
+                self._deliver(got)
+        finally:
+            lead.release()
+
+    def _deliver(self, got: list[tuple[int, Any]]) -> None:
+        self._dispatch(got)
+        self.parking.wake()
+        if len(got) >= self.READ_LIMIT and self._watch.loop is not None:
+            # More may be waiting: read on after the loop's other tasks ran (an
+            # edge-triggered socket descriptor would not signal them again).
+            self._watch.loop.call_soon(self._again)
+
+    # -- waiting ----------------------------------------------------------------------
+    def turn_due(self) -> bool:
+        """Whether a task that has not been suspended for ``YIELD_EVERY_S`` should yield
+        to the loop now (it then counts as suspended)."""
+        now = perf_counter()
+        if now - self._last_turn > self.YIELD_EVERY_S:
+            self._last_turn = now
+            return True
+        return False
+
+    async def wait(self, ready: Callable[[], bool], deadline: float | None) -> None:
+        """Return once ``ready()`` (a dispatch brought what the task waits for); never
+        holds the loop longer than a spin. ``deadline``: ``loop.time()`` (None: none),
+        then PeerNotProducingError. Once the peer is gone, what it left is read first;
+        then ``dead_error()`` unless that made ``ready()`` true; ``dead_error()`` at
+        once after ``closed()``. The reader must be bound to the running loop."""
+        loop = self._watch.loop
+        assert loop is not None, "bind() the reader first"
+        spin = self.spin
+        while True:
+            if self._closed():
+                raise self._dead_error()
+            if self._dead():
+                await self.read_remains()
+                if ready():
+                    return
+                raise self._dead_error()
+            self.read_now(min(spin.budget, spin.base))
+            if ready():
+                spin.after(True, 0.0)  # the spin paid
+                return
+            if deadline is not None and loop.time() >= deadline:
+                raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
+            parked = perf_counter()
+            await self.parking.park(loop, deadline)
+            self._last_turn = now = perf_counter()
+            spin.after_block(now - parked)  # how the wait ended steers the next spin
+            if ready():
+                return
+
+    async def read_remains(self) -> None:
+        """Once the peer is gone: dispatch what it wrote before it died and nobody has
+        read yet; a channel whose last messages may trail the death is read on until
+        ``REMAINS_GRACE_S`` passed (parked meanwhile: the callback delivers them).
+        Returns at once if that was done already or after ``closed()``."""
+        loop = self._watch.loop
+        assert loop is not None, "bind() the reader first"
+        end = loop.time() + self._grace
+        while not self.remains_read and not self._closed():
+            if self.lead.acquire(False):
+                try:
+                    if self.remains_read or self._closed():
+                        return
+                    try:
+                        got = self.channel.try_recv()
+                    except (PeerDeadError, ClientClosedError, ProtocolError):
+                        got = []
+                    if got:
+                        self._deliver(got)
+                        continue
+                    if loop.time() >= end:
+                        self.remains_read = True
+                        return
+                finally:
+                    self.lead.release()
+            # Parked, not polling: a delivery by the callback wakes it; the slice bounds
+            # the wait for a channel held by another thread.
+            await self.parking.park(loop, loop.time() + self.REMAINS_POLL_S)
+
+
+def _weak(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` through a weak reference: the loop must not keep its object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        m = ref()
+        if m is not None:
+            m()
+
+    return call
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
