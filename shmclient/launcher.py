@@ -1,17 +1,14 @@
 """Start, watch and stop one engine core; own everything an MP client holds
 (``EngineResources``). Upper-middle layer: imports ``control``, ``control_sockets``,
-``handshake``, ``engine_process``, channels, errors and zmq; never a client class and
-never an engine (it runs as ``python -m <EngineConfig.engine_module>``,
-``engine_process``). The client registers ``weakref.finalize(client,
-resources.shutdown)``, as vLLM's BackgroundResources, so a failure half-way through
-construction, ``shutdown()`` or plain garbage collection all end the same way: engine
-stopped (``Shutdown``, then SIGTERM, then SIGKILL), monitor thread joined, sockets closed
-before the ZMQ context terminates, /dev/shm names removed. Engine death is seen from the
-OS, not from timeouts: the monitor thread polls the control socket (``EngineCoreDead``)
-and a pidfd of the engine process, and calls the death callbacks at once. A remote engine
-(``EngineConfig.is_remote``) is not spawned: it connects over tcp itself, and from its
-``Hello`` on both sides beat (``control.HeartbeatClock``) and take ``heartbeat_timeout_s``
-of silence for death (docs/design.md, "The control plane").
+``handshake`` (the start-up conversation), ``monitor`` (the thread that sees the engine's
+death), ``engine_process`` (the OS process), channels, errors and zmq; never a client
+class and never an engine (it runs as ``python -m <EngineConfig.engine_module>``). The
+client registers ``weakref.finalize(client, resources.shutdown)``, as vLLM's
+BackgroundResources, so a failure half-way through construction, ``shutdown()`` or plain
+garbage collection all end the same way: engine stopped (``Shutdown``, then SIGTERM, then
+SIGKILL), monitor thread joined, sockets closed before the ZMQ context terminates,
+/dev/shm names removed. A remote engine (``EngineConfig.is_remote``) is not spawned: the
+sockets are bound on tcp and it connects itself (docs/design.md, "The control plane").
 """
 
 from __future__ import annotations
@@ -30,16 +27,12 @@ from .channel import ShmChannel
 from .channel_zmq import ZmqChannel
 from .errors import ConfigError
 from .handshake import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, Handshake, ready_timeout_s
+from .monitor import REMOTE_LINGER_MS, EngineMonitor, send_shutdown
 
 __all__ = ["DEFAULT_READY_TIMEOUT_S", "EngineResources", "READY_TIMEOUT_ENV",
            "ready_timeout_s", "remote_control_port", "weak_callback"]
 
 logger = logging.getLogger("shmclient")
-
-_POLL_S = 0.1
-#: How long closing a remote engine's control socket may take to get Shutdown out.
-_REMOTE_LINGER_MS = 500
-
 
 def remote_control_port(config: Any) -> int:
     """The control port of a remote rank: ``data_parallel_rpc_port + rank - local``
@@ -60,7 +53,7 @@ class EngineResources:
         self.proc: subprocess.Popen | None = None
         #: The private directory of the ipc sockets until the engine has connected.
         self.ipc_dir: control_sockets.IpcDir | None = None
-        self.monitor: threading.Thread | None = None
+        self.monitor: EngineMonitor | None = None
         #: True when the engine is remote: not started here, reached over tcp.
         self.remote = False
         #: The control socket's address (tcp for a remote engine).
@@ -153,9 +146,10 @@ class EngineResources:
             channel.set_peer_gpus(info.gpu_uuids)
         if channel.set_peer_pid is not None and self.proc is not None:
             channel.set_peer_pid(self.proc.pid)
-        self.monitor = threading.Thread(
-            target=self._monitor_loop, name=f"shmclient-monitor-{info.pid}", daemon=True
-        )
+        self.monitor = EngineMonitor(
+            self.ctl, self.proc, self._heartbeat, self._wake_r, pid=info.pid,
+            address=self.control_address, rank=self._rank, dead=self.dead,
+            mark_dead=self._mark_dead, expected_exit=lambda: self._shutting_down)
         self.monitor.start()
         return info
 
@@ -202,82 +196,6 @@ class EngineResources:
                 cb()
             except Exception:  # pragma: no cover - a callback bug must not kill the monitor
                 logger.exception("engine death callback failed")
-
-    def _monitor_loop(self) -> None:
-        assert self.ctl is not None and (self.proc is not None or self.remote)
-        poller = zmq.Poller()
-        poller.register(self.ctl, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        pidfd: int | None = None
-        if self.proc is not None:
-            try:
-                pidfd = os.pidfd_open(self.proc.pid)
-                poller.register(pidfd, zmq.POLLIN)
-            except (AttributeError, OSError):  # pragma: no cover - old kernels
-                pidfd = None
-        hb = self._heartbeat
-        try:
-            while True:
-                if hb is not None:
-                    wait: float | None = hb.poll_s() * 1000
-                else:
-                    wait = None if pidfd is not None else _POLL_S * 1000
-                events = dict(poller.poll(wait))
-                if self.ctl in events:
-                    self._read_control(hb)
-                if self._wake_r in events:
-                    if self.proc is None or self.proc.poll() is None:
-                        self._send_shutdown()
-                    return
-                if hb is not None:
-                    if self.dead.is_set():
-                        return  # it reported its death; it is gone
-                    hb.beat(self.ctl)
-                    if hb.expired():
-                        self._mark_dead(
-                            f"Remote engine core of data-parallel rank {self._rank} at "
-                            f"{self.control_address} sent no heartbeat for "
-                            f"{hb.silence_s():.1f} s: it died, or the network to it is down.")
-                        return
-                elif (pidfd is not None and pidfd in events) or self.proc.poll() is not None:
-                    rc = self.proc.wait()
-                    if not self._shutting_down:
-                        self._mark_dead(
-                            f"Engine core process {self.proc.pid} died unexpectedly "
-                            f"({engine_process.describe_exit(rc)})."
-                        )
-                    return
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-            # Over tcp the Shutdown needs a moment to leave (ctx.term() waits for it); a
-            # remote engine that does not get it stops on the missing heartbeats.
-            self.ctl.close(linger=_REMOTE_LINGER_MS if hb is not None else 0)
-
-    def _read_control(self, hb: control.HeartbeatClock | None) -> None:
-        """Take every queued control message (monitor thread). ``EngineCoreDead`` marks
-        the engine dead; one that is not a message, or not one an engine sends after its
-        start-up, is logged and dropped: it proves nothing about the engine's health."""
-        while self.ctl.poll(0, zmq.POLLIN):
-            if hb is not None:
-                hb.heard()
-            try:
-                msg = control.decode(self.ctl.recv_multipart())
-            except control.ControlMessageError as e:
-                logger.warning("engine at %s: dropped a bad control message: %s",
-                               self.control_address, e)
-                continue
-            if isinstance(msg, control.EngineCoreDead):
-                self._mark_dead(f"Engine core process reported a fatal error: {msg.text()}")
-            elif not isinstance(msg, control.Heartbeat):
-                logger.warning("engine at %s: dropped an %s", self.control_address,
-                               control.ControlMessageError.unexpected(msg, "after its start-up"))
-
-    def _send_shutdown(self) -> None:
-        try:
-            control.send(self.ctl, control.Shutdown(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
 
     # -- stop -------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -328,8 +246,8 @@ class EngineResources:
                 if self.remote and self._heartbeat is not None:
                     # Failed after the handshake began: tell the engine (it would
                     # otherwise stop on the missing heartbeats).
-                    self._send_shutdown()
-                    self.ctl.close(linger=_REMOTE_LINGER_MS)
+                    send_shutdown(self.ctl)
+                    self.ctl.close(linger=REMOTE_LINGER_MS)
                 else:
                     self.ctl.close(linger=0)
             if self.ipc_dir is not None:
