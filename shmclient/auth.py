@@ -1,19 +1,15 @@
-"""Mutual authentication of a remote (tcp) engine start-up: an HMAC challenge-response
-on a shared secret, in both directions, before anything else crosses.
-
-Lowest layer: imports ``errors`` and the standard library. The secret comes from the file
-named by ``SHMCLIENT_SECRET_FILE`` (its bytes, a trailing newline dropped), else from
+"""Mutual authentication of a remote (tcp) engine start-up: an HMAC-SHA256 challenge-response
+on a shared secret, in both directions, before the frontend sends anything of its own
+(``control``'s ``Hello`` / ``Auth`` carry the nonces and proofs; docs/design.md, "The
+control plane", has the exchange). Lowest layer: imports ``errors`` and the standard
+library, never ``control`` or anything above it. The secret comes from the file named by
+``SHMCLIENT_SECRET_FILE`` (its bytes, a trailing newline dropped), else from
 ``SHMCLIENT_SECRET``; never from a command line (which other users can read in
 /proc/<pid>/cmdline). Without one, a remote start-up is refused with
 ``AuthenticationError``, unless ``SHMCLIENT_ALLOW_UNAUTHENTICATED=1`` (a warning is
-logged; only for a network where every host that can reach the port is trusted).
-
-The exchange (``control`` message kinds): the engine says ``HELLO <pid> <nonce_e>``; the
-frontend answers ``AUTH <nonce_f> <proof of the frontend>``; the engine checks it and
-answers ``AUTH <proof of the engine>``; only then does the frontend send START (config,
-channel addresses). A proof is HMAC-SHA256 of the secret over the role and both nonces,
-so neither side's answer can be replayed to the other or in another session. Nothing
-here blocks.
+logged; only for a network where every host that can reach the port is trusted). A
+proof covers the role and both nonces, so neither side's answer can be replayed to the
+other or in another session. Nothing here blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +28,8 @@ SECRET_ENV = "SHMCLIENT_SECRET"
 SECRET_FILE_ENV = "SHMCLIENT_SECRET_FILE"
 INSECURE_ENV = "SHMCLIENT_ALLOW_UNAUTHENTICATED"
 NONCE_BYTES = 32
+#: The length of a proof (an HMAC-SHA256 digest).
+PROOF_BYTES = 32
 _TAG = b"shmclient-auth-v1\0"
 
 

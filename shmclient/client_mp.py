@@ -43,10 +43,6 @@ from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
 logger = logging.getLogger("shmclient")
 
-#: How the engine process reports a ConfigError during start-up (shmclient/serve.py sends
-#: "<type name>: <message>"; the launcher puts its prefix in front).
-_STARTUP_CONFIG_ERROR = re.compile(r"initialization failed: ConfigError: (.*)", re.S)
-
 
 def _check_timeout(what: str, timeout: Any) -> float | None:
     """``timeout`` as seconds or None; anything but None or a number >= 0 raises
@@ -67,24 +63,6 @@ _STARTUP_EXIT_GRACE_S = 5.0
 def _engine_reported_failure(e: BaseException) -> bool:
     """Did the engine report its start-up failure (and exit now by itself)?"""
     return isinstance(e, RuntimeError) and str(e).startswith("Engine core initialization failed")
-
-
-def _startup_error(e: BaseException) -> Exception | None:
-    """A start-up failure as the documented typed error, or None to re-raise it as is:
-    the engine's ConfigError → ConfigError (as the in-process client raises it), other
-    failures of the engine → EngineDeadError, the ready timeout → PeerNotProducingError
-    (a TimeoutError), a bad start-up setting → ConfigError; each keeps the message."""
-    if isinstance(e, ShmClientError) or not isinstance(e, Exception):
-        return None
-    text = str(e)
-    if isinstance(e, TimeoutError):
-        return PeerNotProducingError(text)
-    if isinstance(e, RuntimeError):
-        m = _STARTUP_CONFIG_ERROR.search(text)
-        return ConfigError(m.group(1)) if m else EngineDeadError(text)
-    if isinstance(e, ValueError):  # a setting read at start-up (e.g. the timeout variable)
-        return ConfigError(text)
-    return None
 
 
 class MPClient(EngineCoreClient):
@@ -119,11 +97,7 @@ class MPClient(EngineCoreClient):
             self._finalizer.detach()
             self.resources.shutdown(
                 timeout=_STARTUP_EXIT_GRACE_S if _engine_reported_failure(e) else 0.0)
-            typed = _startup_error(e)
-            if typed is None:
-                raise
-            # The engine's own text, once: the launcher's wrapper adds nothing to it.
-            raise typed from None
+            raise
         self.engine_pid = info.pid
         self.num_gpu_blocks = info.num_gpu_blocks
         self.block_size = info.block_size

@@ -1,206 +1,195 @@
-"""The ZMQ control plane: ready handshake, ENGINE_CORE_DEAD and shutdown.
-
-Middle layer: imports zmq, msgspec, messages and errors; never clients or the engine.
-Control traffic is rare, so ZMQ's ~80 µs per message does not matter here; all data
-(requests, outputs, utility calls) goes over the channel so that its order with respect
-to adds and aborts is the ring's order.
-
-One PAIR socket per engine, bound by the frontend on a unix socket in a private (0700)
-directory (``IpcDir``: only this uid can connect; unlinked as soon as the engine has
-connected, so nothing is left in the file system once it has started), or on tcp (``tcp_address``) for an engine on another host, which connects to it itself
-(``python -m shmclient_engine --connect tcp://HOST:PORT``). Every message is one
-multipart message whose first frame is its kind:
-
-    engine → frontend   HELLO <pid> [<nonce>]  the engine process is up
-    frontend → engine   AUTH <nonce> <proof>   remote only (shmclient.auth): the
-    engine → frontend   AUTH <proof>           challenge-response, before START
-    frontend → engine   START <config> <transport> <channel spec> <frontend GPU UUIDs>
-    engine → frontend   READY <ReadyInfo>      channel attached, core built
-    engine → frontend   ENGINE_CORE_DEAD <error text>   (one frame kind, flushed before exit)
-    frontend → engine   SHUTDOWN
-    both ways           HEARTBEAT              remote engines only, after READY
-
-A remote engine has no pid the frontend can watch and no parent it can poll, so both
-sides send HEARTBEAT every ``EngineConfig.heartbeat_interval_s`` and take the peer for
-dead after ``heartbeat_timeout_s`` of silence (any message counts; ``Heartbeat`` keeps
-the clock).
+"""The control plane's messages between a frontend and its engine process: a tagged union
+of msgspec structs (``Hello``, ``Auth``, ``Start``, ``Ready``, ``EngineCoreDead``,
+``Shutdown``, ``Heartbeat``; each one zmq frame, a msgpack map whose ``type`` is its
+kind), the one ``encode`` / ``decode`` pair, ``send`` / ``recv`` on a socket and the
+heartbeat clock. Middle layer: imports zmq, msgspec, ``auth`` (its sizes), ``errors``,
+``messages`` (the protocol version) and ``control_sockets``; never channels, clients,
+``waiting`` or an engine. Every field is checked as it is decoded (types and bounds);
+anything that is not one of these messages raises ``ControlMessageError`` naming what
+is wrong. Only data-free, rare traffic travels here (~80 µs a message does not matter):
+requests, outputs and utility calls go over the channel, in the ring's order. Who sends
+what, and when: docs/design.md, "The control plane".
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 import time
+from typing import Annotated, Literal, Union
 
 import msgspec
 import zmq
+from msgspec import Meta
 
-HELLO = b"HELLO"
-START = b"START"
-READY = b"READY"
-ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
-SHUTDOWN = b"SHUTDOWN"
-HEARTBEAT = b"HEARTBEAT"
-#: Remote start-up only: the challenge-response of ``shmclient.auth``, before START.
-AUTH = b"AUTH"
+from . import auth
+from .control_sockets import MAX_MESSAGE_BYTES
+from .errors import AuthenticationError, ConfigError, ProtocolError, ShmClientError
+from .messages import PROTOCOL_VERSION
+
+__all__ = [
+    "Auth", "ControlMessageError", "ERROR_TYPES", "EngineCoreDead", "Hello", "Heartbeat",
+    "HeartbeatClock", "Message", "Ready", "Shutdown", "Start", "decode", "encode", "recv",
+    "send",
+]
+
+#: The longest error text an ``EngineCoreDead`` carries (the engine cuts a longer one).
+MAX_ERROR_CHARS = 64 * 1024
+
+Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+Count = Annotated[int, Meta(ge=0, le=2**62)]
+Positive = Annotated[int, Meta(ge=1, le=2**62)]
+Nonce = Annotated[bytes, Meta(max_length=auth.NONCE_BYTES)]
+Proof = Annotated[bytes, Meta(min_length=auth.PROOF_BYTES, max_length=auth.PROOF_BYTES)]
+GpuUuids = Annotated[list[Annotated[str, Meta(max_length=128)]], Meta(max_length=1024)]
+
+#: The start-up errors an engine may name in ``EngineCoreDead.error_type``, and the class
+#: the frontend raises for each; any other error travels as text only.
+ERROR_TYPES: dict[str, type[ShmClientError]] = {
+    "ConfigError": ConfigError,
+    "AuthenticationError": AuthenticationError,
+}
+ErrorType = Literal["ConfigError", "AuthenticationError"]
 
 
-class ReadyInfo(msgspec.Struct, frozen=True):
-    """What the engine reports once it can serve: its real capacity and its pid."""
+class ControlMessageError(ProtocolError):
+    """A control message that does not decode, is of a kind nobody sends, has a field
+    out of its bounds, or comes where the protocol has no place for it; the message says
+    which. Raised by ``decode`` / ``recv`` and by the two ends' handshakes."""
 
-    pid: int
-    num_gpu_blocks: int
-    block_size: int
-    max_model_len: int
-    protocol_version: int
+    @classmethod
+    def unexpected(cls, msg: Message, where: str) -> ControlMessageError:
+        return cls(f"unexpected {type(msg).__name__} control message {where}")
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    """engine → frontend, first: the engine process is up. ``nonce``: a remote engine's
+    challenge (``auth``), empty otherwise."""
+
+    pid: Pid
+    protocol_version: Count
+    nonce: Nonce = b""
+
+
+class Auth(msgspec.Struct, frozen=True, tag=True):
+    """Remote start-up only, both ways before ``Start``: the frontend's ``nonce`` and
+    proof, then the engine's proof (``nonce`` empty)."""
+
+    proof: Proof
+    nonce: Nonce = b""
+
+
+class Start(msgspec.Struct, frozen=True, tag=True):
+    """frontend → engine: what to build and where the channel is. ``config`` (an
+    ``EngineConfig``) and ``channel`` (the spec of ``transport``) stay msgpack here: the
+    engine decodes them, typed, only after the frontend has authenticated."""
+
+    config: msgspec.Raw
+    transport: Literal["shm", "zmq"]
+    channel: msgspec.Raw
+    #: GPUs the frontend sees (UUIDs), so the engine knows where CUDA IPC can go.
+    gpu_uuids: GpuUuids = []
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True):
+    """engine → frontend: channel attached, core built; its real capacity and its pid."""
+
+    pid: Pid
+    num_gpu_blocks: Count
+    block_size: Positive
+    max_model_len: Positive
     #: GPUs the engine sees (UUIDs), so the frontend knows where CUDA IPC can go.
-    gpu_uuids: list[str] = []
+    gpu_uuids: GpuUuids = []
 
 
-def make_address(tag: str = "ctl") -> str:
-    """A fresh abstract-namespace ipc address (Linux): nothing to unlink afterwards, but
-    any process of any uid may connect to it: the clients use ``IpcDir`` instead."""
-    return f"ipc://@shmc-{os.getpid()}-{secrets.token_hex(8)}-{tag}"
+class EngineCoreDead(msgspec.Struct, frozen=True, tag=True):
+    """engine → frontend, flushed before it exits: a fatal error. ``error_type`` names an
+    ``ERROR_TYPES`` class for an error the frontend raises typed (``message`` is then
+    that error's own text); None for any other (``message`` starts with its type)."""
+
+    message: Annotated[str, Meta(max_length=MAX_ERROR_CHARS)]
+    error_type: ErrorType | None = None
+
+    @classmethod
+    def of(cls, e: BaseException) -> EngineCoreDead:
+        """The report of ``e``: typed when ``e`` is one of ``ERROR_TYPES``."""
+        for name, kind in ERROR_TYPES.items():
+            if isinstance(e, kind):
+                return cls(message=str(e)[:MAX_ERROR_CHARS], error_type=name)  # type: ignore[arg-type]
+        return cls(message=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
+
+    def text(self) -> str:
+        """``<type>: <message>``, as the engine would print the error."""
+        return f"{self.error_type}: {self.message}" if self.error_type else self.message
 
 
-#: Env variable: the directory the private ipc directories are made in (default: the
-#: system's temporary directory).
-IPC_DIR_ENV = "SHMCLIENT_IPC_DIR"
-_IPC_PREFIX = "shmc-ipc-"
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    """frontend → engine: stop now."""
 
 
-class IpcDir:
-    """A private (0700) directory for the ipc sockets of one client's engine start-up:
-    only processes of this uid (and root) can connect to a socket in it, where any uid
-    could reach an abstract socket. ``remove()`` unlinks the sockets and the directory
-    (the frontend calls it as soon as the engine has connected: connections already made
-    stay up). The name carries the creator's pid, and a new ``IpcDir`` removes the
-    directories of creators that are gone (killed between start and connect), so
-    nothing is left behind for long. Never blocks."""
-
-    def __init__(self) -> None:
-        import tempfile
-
-        base = os.environ.get(IPC_DIR_ENV) or tempfile.gettempdir()
-        _sweep(base)
-        self.path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=base)
-        os.chmod(self.path, 0o700)
-        self._names: list[str] = []
-
-    def address(self, tag: str) -> str:
-        """``ipc://<dir>/<tag>`` (a zmq ipc address; the socket is made when bound)."""
-        self._names.append(tag)
-        return f"ipc://{self.path}/{tag}"
-
-    def remove(self) -> None:
-        """Unlink every socket in the directory and the directory (idempotent)."""
-        path, self.path = self.path, ""
-        if not path:
-            return
-        _remove_dir(path)
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """Both ways, remote engines only, from ``Start`` on: still here."""
 
 
-def remove_orphaned_dir(address: str, creator_pid: int) -> bool:
-    """For an engine whose frontend (``creator_pid``) is gone: remove the private ipc
-    directory of ``address`` if it is that frontend's (its name carries the pid), so that
-    a frontend killed before it could remove it leaves nothing. True if removed."""
-    path = os.path.dirname(address[len("ipc://"):]) if address.startswith("ipc://") else ""
-    if not os.path.basename(path).startswith(f"{_IPC_PREFIX}{creator_pid}-"):
-        return False
-    if os.path.exists(f"/proc/{creator_pid}"):
-        return False
-    _remove_dir(path)
-    return True
+Message = Union[Hello, Auth, Start, Ready, EngineCoreDead, Shutdown, Heartbeat]
+_KINDS = tuple(t.__name__ for t in Message.__args__)  # type: ignore[attr-defined]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
 
 
-def _remove_dir(path: str) -> None:
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frames: list[bytes]) -> Message:
+    """One received control message (its zmq frames). Raises ``ControlMessageError``
+    naming what is wrong with anything else."""
+    if len(frames) != 1:
+        raise ControlMessageError(
+            f"a control message of {len(frames)} frames (expected 1): the peer does not "
+            f"speak control protocol {PROTOCOL_VERSION} (another shmclient version?)")
+    frame = frames[0]
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise ControlMessageError(
+            f"a control message of {len(frame)} bytes (at most {MAX_MESSAGE_BYTES})")
     try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for name in names:
-        try:
-            os.unlink(os.path.join(path, name))
-        except OSError:
-            pass
+        return _decoder.decode(frame)
+    except msgspec.DecodeError as e:
+        raise ControlMessageError(_what_is_wrong(frame, e)) from None
+
+
+def _what_is_wrong(frame: bytes, error: msgspec.DecodeError) -> str:
     try:
-        os.rmdir(path)
-    except OSError:
-        pass
+        obj = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return (f"a control message that is not msgpack ({error}): the peer does not speak "
+                f"control protocol {PROTOCOL_VERSION} (another shmclient version?)")
+    if not isinstance(obj, dict):
+        return f"a control message that is a msgpack {type(obj).__name__}, not a map"
+    kind = obj.get("type")
+    if kind not in _KINDS:
+        return (f"a control message of unknown kind {str(kind)[:64]!r} (known: "
+                f"{', '.join(_KINDS)})")
+    return f"a {kind} control message with an invalid field: {error}"
 
 
-def _sweep(base: str) -> None:
-    """Remove private ipc directories of this uid whose creator process is gone."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return
-    me = os.getuid()
-    for name in names:
-        if not name.startswith(_IPC_PREFIX):
-            continue
-        pid = name[len(_IPC_PREFIX):].partition("-")[0]
-        path = os.path.join(base, name)
-        try:
-            if not pid.isdigit() or os.stat(path).st_uid != me or os.path.exists(f"/proc/{pid}"):
-                continue
-        except OSError:
-            continue
-        _remove_dir(path)
+def send(sock: zmq.Socket, msg: Message, flags: int = 0) -> None:
+    """Send one message (``flags``: ``zmq.NOBLOCK`` to raise ``zmq.Again`` rather than
+    wait when the socket cannot take it)."""
+    sock.send(_encoder.encode(msg), flags)
 
 
-def tcp_address(host: str, port: int = 0) -> str:
-    """``tcp://host:port`` to bind (``*`` and ``0.0.0.0`` are every interface; port 0: a
-    free port, read back with ``bound_address``)."""
-    return f"tcp://{host}:{port}"
-
-
-def bound_address(sock: zmq.Socket) -> str:
-    """The address a socket is bound on, with the port the OS picked."""
-    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def reachable(address: str, via: str) -> str:
-    """``address`` as a peer that reached us at ``via`` can connect to it: a wildcard
-    host (``0.0.0.0``, ``*``, ``[::]``) is replaced by the host of ``via``."""
-    scheme, _, rest = address.partition("://")
-    if scheme != "tcp":
-        return address
-    host, _, port = rest.rpartition(":")
-    if host in ("0.0.0.0", "*", "[::]"):
-        host = via.partition("://")[2].rpartition(":")[0]
-    return f"tcp://{host}:{port}"
-
-
-def frontend_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
-    """The frontend's control socket, bound on ``address`` (raises ``zmq.ZMQError`` when
-    it cannot be bound, e.g. the port is taken). Never blocks."""
-    sock = ctx.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.bind(address)
-    except BaseException:
-        sock.close(linger=0)  # else the context's term() waits for it forever
-        raise
-    return sock
-
-
-def engine_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PAIR)
-    # The dead signal must get out before the process exits.
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
-    return sock
-
-
-def recv(sock: zmq.Socket, timeout_s: float) -> list[bytes] | None:
-    """One control message, or None if none arrives within ``timeout_s``."""
+def recv(sock: zmq.Socket, timeout_s: float) -> Message | None:
+    """One control message, or None if none arrives within ``timeout_s`` (blocks up to
+    that). Raises ``ControlMessageError`` for one that arrived but is not a message
+    (it has been taken off the socket)."""
     if sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
-        return sock.recv_multipart()
+        return decode(sock.recv_multipart())
     return None
 
 
-class Heartbeat:
+_HEARTBEAT = encode(Heartbeat())
+
+
+class HeartbeatClock:
     """The clock of one side's heartbeats: when to send the next, and whether the peer
     has been silent too long. Not thread-safe (the one thread that owns the control
     socket uses it); never blocks."""
@@ -213,7 +202,7 @@ class Heartbeat:
         self._next_tx = now
 
     def heard(self) -> None:
-        """A message came from the peer."""
+        """A message came from the peer (any message: a bad one too)."""
         self._last_rx = time.monotonic()
 
     def silence_s(self) -> float:
@@ -224,14 +213,14 @@ class Heartbeat:
         return self.silence_s() > self.timeout_s
 
     def beat(self, sock: zmq.Socket) -> None:
-        """Send HEARTBEAT if one is due (never blocks: dropped when the socket cannot
+        """Send ``Heartbeat`` if one is due (never blocks: dropped when the socket cannot
         take it, e.g. no peer connected)."""
         now = time.monotonic()
         if now < self._next_tx:
             return
         self._next_tx = now + self.interval_s
         try:
-            sock.send(HEARTBEAT, zmq.NOBLOCK)
+            sock.send(_HEARTBEAT, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-#: Bumped on an incompatible change of the wire format; checked in the ready handshake.
-PROTOCOL_VERSION = 1
+#: Bumped on an incompatible change of the wire format; checked at the engine's ``Hello``.
+PROTOCOL_VERSION = 2
 
 
 class EngineCoreRequestType(enum.Enum):

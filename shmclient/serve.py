@@ -1,25 +1,16 @@
-"""The engine process's side of the protocol: ``main`` / ``run_process`` attach the channel
-the frontend created, build the core (an ``EngineCore``, the Protocol an engine implements
-to be served, from ``serve_loop``), answer READY and run the loop.
-
-Protocol layer, engine side: imports shmclient's config, channel, control, messages,
-errors and ``waiting`` (it blocks only through it); never a client module and never an
-engine: the core comes from the ``make_core`` it is given. An engine module's
-``python -m <engine_module>`` calls ``main(make_core=...)`` (``shmclient_engine`` does).
-The loop:
-
-    drain every request available → one step → write the outputs → repeat;
-    with nothing to do, wait on the request ring (after its spin budget).
-
-It exits when the frontend says SHUTDOWN, closes its end of the channel, or dies (the
-parent pid changes: checked at every waiting slice and every 0.1 s while busy). An
-exception in the loop is sent as ENGINE_CORE_DEAD with its text and the process exits
-with status 1; a ``ConfigError`` at start-up is the frontend's to raise (no traceback
-here). Exit is prompt: the core, the channel and the control socket are closed, then
-``os._exit`` skips the interpreter's teardown. A remote engine's handshake and
-heartbeats are ``serve_remote``'s.
-
-The loop and what it does with a bad message: ``serve_loop``.
+"""The engine process's side of the protocol: ``main`` / ``run_process`` say ``Hello``,
+take ``Start``, attach the channel the frontend created, build the core (an
+``EngineCore``, the Protocol an engine implements to be served, from ``serve_loop``),
+answer ``Ready`` and run the loop until the frontend says ``Shutdown``, closes its end or
+dies; a fatal error is reported as ``EngineCoreDead`` (typed for a ``ConfigError`` or
+``AuthenticationError``, which the frontend raises as such; no traceback here for those)
+and the process exits with status 1, promptly (``exit_now``). Protocol layer, engine
+side: imports shmclient's config, channel, control, control_sockets, messages, errors and
+``waiting`` (it blocks only through it); never a client module and never an engine: the
+core comes from the ``make_core`` it is given (an engine module's ``python -m
+<engine_module>`` calls ``main(make_core=...)``, as ``shmclient_engine`` does). The loop
+and what it does with a bad message: ``serve_loop``; a remote engine's handshake and
+heartbeats: ``serve_remote``.
 """
 
 from __future__ import annotations
@@ -30,15 +21,16 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, TypeVar
 
 import msgspec
 import zmq
 
-from . import auth, control
+from . import auth, control, control_sockets
 from .channel import ShmChannel, ShmChannelSpec
 from .channel_zmq import ZmqChannel, ZmqChannelSpec
 from .config import EngineConfig
+from .control import ControlMessageError
 from .errors import AuthenticationError, ConfigError, PeerDeadError
 from .messages import PROTOCOL_VERSION
 from .serve_loop import Channel, EngineCore, EngineProc, MakeCore
@@ -48,26 +40,52 @@ from .tensors_cuda import local_gpu_uuids
 __all__ = ["EngineCore", "EngineProc", "MakeCore", "exit_now", "main", "run_process"]
 
 _SLICE_S = 0.1
+T = TypeVar("T")
 
 log = logging.getLogger("shmclient_engine")
 
-def _send_dead(ctl: zmq.Socket, text: str, block: bool = True) -> None:
+
+def _send_dead(ctl: zmq.Socket, error: BaseException, block: bool = True) -> None:
     try:
-        ctl.send_multipart([control.ENGINE_CORE_DEAD, text.encode(errors="replace")],
-                           0 if block else zmq.NOBLOCK)
+        control.send(ctl, control.EngineCoreDead.of(error), 0 if block else zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
 
 
+def _wait_for_start(ctl: zmq.Socket, parent_pid: int) -> control.Start | None:
+    """A local engine: ``Hello``, then ``Start`` (None: the frontend died first). Raises
+    ``ControlMessageError`` for anything else but ``Shutdown`` (``PeerDeadError``)."""
+    control.send(ctl, control.Hello(pid=os.getpid(), protocol_version=PROTOCOL_VERSION))
+    while True:
+        if os.getppid() != parent_pid:
+            return None
+        msg = control.recv(ctl, _SLICE_S)
+        if isinstance(msg, control.Start):
+            return msg
+        if isinstance(msg, control.Shutdown):
+            raise PeerDeadError("the frontend said Shutdown before Start")
+        if msg is not None:
+            raise ControlMessageError.unexpected(msg, "from the frontend before Start")
+
+
+def _decode(raw: msgspec.Raw, typ: type[T], field: str) -> T:
+    """A field of ``Start`` the engine decodes itself: typed, or ``ControlMessageError``."""
+    try:
+        return msgspec.msgpack.decode(raw, type=typ)
+    except msgspec.DecodeError as e:
+        raise ControlMessageError(f"a Start control message with an invalid {field}: {e}") from None
+
+
 def run_process(argv: list[str], *, make_core: MakeCore,
                 on_config: Callable[[EngineConfig], None] | None = None) -> int:
-    """The engine process's life from HELLO to cleanup; returns the exit status (0: the
-    frontend said SHUTDOWN, closed its end or died; 1: a fatal error, reported as
-    ENGINE_CORE_DEAD; 143: SIGTERM). Blocks for the engine's whole life; raises nothing.
+    """The engine process's life from ``Hello`` to cleanup; returns the exit status (0: the
+    frontend said ``Shutdown``, closed its end or died; 1: a fatal error, reported as
+    ``EngineCoreDead``, a control message that is not the protocol's included; 143:
+    SIGTERM). Blocks for the engine's whole life; raises nothing.
 
     ``argv``: ``[control address, frontend pid]``, or ``["--connect", address,
     ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
-    sent START in time). ``make_core(config, supports_wait=True)``
+    sent ``Start`` in time). ``make_core(config, supports_wait=True)``
     builds the core (an ``EngineCore``). ``on_config(config)``, if
     given, runs once the config has arrived, before the core is built (an exception there
     is reported as a start-up failure; ``SystemExit`` exits with its code)."""
@@ -86,26 +104,22 @@ def run_process(argv: list[str], *, make_core: MakeCore,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = zmq.Context()
-    ctl = control.engine_socket(ctx, address)
+    ctl = control_sockets.engine_socket(ctx, address)
     proc: EngineProc | None = None
     link: FrontendLink | None = None
     channel: Channel | None = None
     code = 0
     try:
         if parent_pid is None:
-            msg = _connect_and_hello(ctl, address, wait_s, secret)
-            if msg is None:
-                log.error("no frontend sent START at %s within %g s: exiting", address, wait_s)
+            start = _connect_and_hello(ctl, address, wait_s, secret)
+            if start is None:
+                log.error("no frontend sent Start at %s within %g s: exiting", address, wait_s)
                 return 1
         else:
-            ctl.send_multipart([control.HELLO, str(os.getpid()).encode()])
-            msg = None
-            while msg is None:
-                if os.getppid() != parent_pid:
-                    return 0
-                msg = control.recv(ctl, _SLICE_S)
-        _, raw_config, transport, raw_spec, raw_gpus = msg
-        config = msgspec.msgpack.decode(raw_config, type=EngineConfig)
+            start = _wait_for_start(ctl, parent_pid)
+            if start is None:
+                return 0
+        config = _decode(start.config, EngineConfig, "config")
         if parent_pid is None:
             refused = [m for m in config.utility_modules if m not in allowed_modules]
             if refused:
@@ -123,31 +137,30 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             import torch
 
             torch.set_num_threads(max(1, config.cpu_threads))
-        if transport == b"shm":
-            channel = ShmChannel.attach(msgspec.msgpack.decode(raw_spec, type=ShmChannelSpec))
+        if start.transport == "shm":
+            channel = ShmChannel.attach(_decode(start.channel, ShmChannelSpec, "channel"))
             if parent_pid is not None:
                 channel.set_peer_pid(parent_pid)
         else:
-            spec = msgspec.msgpack.decode(raw_spec, type=ZmqChannelSpec)
-            spec = ZmqChannelSpec(input_address=control.reachable(spec.input_address, address),
-                                  output_address=control.reachable(spec.output_address, address))
+            spec = _decode(start.channel, ZmqChannelSpec, "channel")
+            reachable = control_sockets.reachable
+            spec = ZmqChannelSpec(input_address=reachable(spec.input_address, address),
+                                  output_address=reachable(spec.output_address, address))
             channel = ZmqChannel.attach(ctx, spec)
         if channel.set_peer_gpus is not None:
-            channel.set_peer_gpus(msgspec.msgpack.decode(raw_gpus, type=list[str]))
+            channel.set_peer_gpus(list(start.gpu_uuids))
         proc = EngineProc(ctl, parent_pid, config, channel, make_core, link=link)
-        info = control.ReadyInfo(
+        ready = control.Ready(
             pid=os.getpid(),
             num_gpu_blocks=proc.core.num_gpu_blocks,
             block_size=proc.core.block_size,
             max_model_len=proc.core.max_model_len,
-            protocol_version=PROTOCOL_VERSION,
             gpu_uuids=local_gpu_uuids(),
         )
-        ready = [control.READY, msgspec.msgpack.encode(info)]
         if link is not None:
             link.send(ready)
         else:
-            ctl.send_multipart(ready)
+            control.send(ctl, ready)
         proc.run()
     except PeerDeadError:
         code = 0  # the frontend closed its end or went away: a normal exit
@@ -160,7 +173,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             traceback.print_exc()
         if link is not None:
             link.close()
-        _send_dead(ctl, f"{type(e).__name__}: {e}", block=link is None)
+        _send_dead(ctl, e, block=link is None)
         code = 1
     finally:
         if link is not None:
@@ -176,7 +189,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
         ctx.term()
         if parent_pid is not None and os.getppid() != parent_pid:
             # the frontend died, maybe before it removed its private socket directory
-            control.remove_orphaned_dir(address, parent_pid)
+            control_sockets.remove_orphaned_dir(address, parent_pid)
     return code
 
 

@@ -1,15 +1,14 @@
 """The engine loop around one core: take requests, step, write outputs; answer what it
-cannot take.
-
-Protocol layer, engine side: imports shmclient's channel, messages, errors and ``waiting``
-(it blocks only through it); never a client and never an engine (the core is an
-``EngineCore``, built by whoever calls). One bad message never stops the loop: a request
-the core refuses, or one that does not decode (the channel hands it up as
-``BadMessage``), finishes at once with ``FinishReason.ERROR`` and the reason in
+cannot take. Protocol layer, engine side: imports shmclient's channel, control, messages,
+errors and ``waiting`` (it blocks only through it); never a client and never an engine
+(the core is an ``EngineCore``, built by whoever calls). One bad message never stops the
+loop: a request the core refuses, or one that does not decode (the channel hands it up
+as ``BadMessage``), finishes at once with ``FinishReason.ERROR`` and the reason in
 ``stop_reason``; a utility call that does not decode fails with the decoder's message; an
-abort that does not decode is dropped with a log line. Those outputs are queued and sent
-by the loop, never from inside ``handle`` (which runs while ``send`` waits for room).
-Only a broken channel (``ProtocolError``) is fatal.
+abort that does not decode, or a control message that is not ``Shutdown``, is dropped
+with a log line. Those outputs are queued and sent by the loop, never from inside
+``handle`` (which runs while ``send`` waits for room). Only a broken channel
+(``ProtocolError``) is fatal.
 """
 
 from __future__ import annotations
@@ -98,17 +97,30 @@ class EngineProc:
 
     # -- liveness ---------------------------------------------------------------------
     def alive(self) -> bool:
-        """Checked by every blocking wait: frontend alive and no SHUTDOWN received."""
+        """Checked by every blocking wait: frontend alive and no ``Shutdown`` received."""
         if self.link is not None:
             if self.link.stopped:
                 self._stop = True
         elif os.getppid() != self.parent_pid:
             self._stop = True
-        elif self.ctl.poll(0, zmq.POLLIN):
-            msg = self.ctl.recv_multipart()
-            if msg and msg[0] == control.SHUTDOWN:
-                self._stop = True
+        else:
+            while self.ctl.poll(0, zmq.POLLIN):
+                self._take_control(self.ctl.recv_multipart())
         return not self._stop
+
+    def _take_control(self, frames: list[bytes]) -> None:
+        """A local engine's control message: ``Shutdown`` stops the loop; one that is not
+        a message, or not one a frontend sends after ``Start``, is logged and dropped."""
+        try:
+            msg = control.decode(frames)
+        except control.ControlMessageError as e:
+            log.warning("dropped a bad control message from the frontend: %s", e)
+            return
+        if isinstance(msg, control.Shutdown):
+            self._stop = True
+        else:
+            log.warning("dropped an %s",
+                        control.ControlMessageError.unexpected(msg, "from the frontend after Start"))
 
     # -- requests ---------------------------------------------------------------------
     def handle(self, rtype: int, obj: Any) -> None:

@@ -1,14 +1,13 @@
-"""The engine side of a remote engine's control link: its command line, the HELLO / AUTH /
-START handshake with a frontend over tcp, and the heartbeat thread that owns the socket
-from START on.
-
-Protocol layer, engine side: imports ``shmclient.auth``, ``control`` and ``errors``;
-never a client, ``waiting`` or an engine. A remote engine (``--connect``) has no parent to
-watch: it connects to the frontend's control socket (retrying until the frontend listens,
-up to ``--ready-timeout`` seconds, for START), proves it knows the shared secret, and from
-START on a ``FrontendLink`` thread sends a heartbeat every
-``EngineConfig.heartbeat_interval_s`` and stops the engine on SHUTDOWN or after
-``heartbeat_timeout_s`` without a word from the frontend.
+"""The engine side of a remote engine's control link: its command line, the ``Hello`` /
+``Auth`` / ``Start`` handshake with a frontend over tcp, and the heartbeat thread that
+owns the socket from ``Start`` on. Protocol layer, engine side: imports ``auth``,
+``control``, ``messages`` and ``errors``; never a client, ``waiting`` or an engine. A
+remote engine (``--connect``) has no parent to watch: it connects to the frontend's
+control socket (retrying until the frontend listens, up to
+``--ready-timeout`` seconds, for ``Start``), proves it knows the shared secret, and from
+``Start`` on a ``FrontendLink`` thread beats every ``EngineConfig.heartbeat_interval_s``
+and stops the engine on ``Shutdown`` or after ``heartbeat_timeout_s`` without a word
+from the frontend.
 """
 
 from __future__ import annotations
@@ -21,7 +20,9 @@ import time
 import zmq
 
 from . import auth, control
-from .errors import AuthenticationError
+from .control import ControlMessageError
+from .errors import AuthenticationError, PeerDeadError
+from .messages import PROTOCOL_VERSION
 
 __all__ = ["FrontendLink", "connect_and_hello", "parse_argv"]
 
@@ -31,8 +32,8 @@ log = logging.getLogger("shmclient_engine")
 
 
 class FrontendLink:
-    """A remote engine's control socket from START on (see the module docstring): a
-    thread reads it (SHUTDOWN, heartbeats) and beats every interval; the main thread
+    """A remote engine's control socket from ``Start`` on (see the module docstring): a
+    thread reads it (``Shutdown``, heartbeats) and beats every interval; the main thread
     sends through ``send``. The socket is used under one lock by both; never blocks for
     longer than one non-blocking socket call."""
 
@@ -40,7 +41,7 @@ class FrontendLink:
         self.ctl = ctl
         #: Why the engine must stop (None while the frontend is there).
         self.stop_reason: str | None = None
-        self._hb = control.Heartbeat(interval_s, timeout_s)
+        self._hb = control.HeartbeatClock(interval_s, timeout_s)
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shmclient-engine-link",
@@ -51,12 +52,12 @@ class FrontendLink:
     def stopped(self) -> bool:
         return self.stop_reason is not None
 
-    def send(self, frames: list[bytes]) -> bool:
+    def send(self, msg: control.Message) -> bool:
         """Queue one message for the frontend; False when the socket cannot take it (no
         frontend connected). Never blocks."""
         with self._lock:
             try:
-                self.ctl.send_multipart(frames, zmq.NOBLOCK)
+                control.send(self.ctl, msg, zmq.NOBLOCK)
                 return True
             except zmq.ZMQError:
                 return False
@@ -66,10 +67,8 @@ class FrontendLink:
         while not self._done.wait(hb.poll_s()):
             with self._lock:
                 while self.ctl.poll(0, zmq.POLLIN):
-                    msg = self.ctl.recv_multipart()
                     hb.heard()
-                    if msg and msg[0] == control.SHUTDOWN:
-                        self.stop_reason = "the frontend said SHUTDOWN"
+                    self._take(self.ctl.recv_multipart())
                 if self.stop_reason is None:
                     hb.beat(self.ctl)
                     if hb.expired():
@@ -78,6 +77,20 @@ class FrontendLink:
                         log.warning("remote engine stops: %s", self.stop_reason)
             if self.stop_reason is not None:
                 return
+
+    def _take(self, frames: list[bytes]) -> None:
+        """One message from the frontend: ``Shutdown`` stops the engine; one that is not a
+        message, or not one a frontend sends after ``Start``, is logged and dropped."""
+        try:
+            msg = control.decode(frames)
+        except ControlMessageError as e:
+            log.warning("remote engine: dropped a bad control message: %s", e)
+            return
+        if isinstance(msg, control.Shutdown):
+            self.stop_reason = "the frontend said Shutdown"
+        elif not isinstance(msg, control.Heartbeat):
+            log.warning("remote engine: dropped an %s",
+                        ControlMessageError.unexpected(msg, "after Start"))
 
     def close(self) -> None:
         """Stop the thread (waits for it, at most one interval and a bit)."""
@@ -122,18 +135,21 @@ def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]
 
 
 def connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float,
-                       secret: bytes | None = None) -> list[bytes] | None:
-    """Remote engine: say HELLO once the frontend listens, then wait for START; None if
-    either takes longer than ``wait_s`` in all. With a ``secret``, the frontend's AUTH
-    challenge is answered first; ``AuthenticationError`` for a frontend that cannot prove
-    it knows the secret (or sends START without trying): nothing it sent is decoded, no
-    module it names is imported."""
+                      secret: bytes | None = None) -> control.Start | None:
+    """Remote engine: say ``Hello`` once the frontend listens, then wait for ``Start``;
+    None if either takes longer than ``wait_s`` in all (blocks up to that). With a
+    ``secret``, the frontend's ``Auth`` challenge is answered first. Raises
+    ``AuthenticationError`` for a frontend that cannot prove it knows the secret (or
+    sends ``Start`` without trying): nothing of its config is decoded, no module it names
+    is imported; ``ControlMessageError`` for a message that is not the protocol's;
+    ``PeerDeadError`` when the frontend says ``Shutdown`` first."""
     deadline = time.monotonic() + wait_s
     nonce_e = auth.nonce() if secret is not None else b""
-    hello = [control.HELLO, str(os.getpid()).encode(), nonce_e]
+    hello = control.encode(control.Hello(pid=os.getpid(), protocol_version=PROTOCOL_VERSION,
+                                         nonce=nonce_e))
     while True:
         try:
-            ctl.send_multipart(hello, zmq.NOBLOCK)
+            ctl.send(hello, zmq.NOBLOCK)
             break
         except zmq.Again:
             left = deadline - time.monotonic()
@@ -142,23 +158,31 @@ def connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float,
             ctl.poll(int(min(_SLICE_S, left) * 1000) + 1, zmq.POLLOUT)
     authenticated = secret is None
     while True:
-        msg = control.recv(ctl, min(_SLICE_S, max(0.0, deadline - time.monotonic())))
-        if msg is not None and msg[0] == control.AUTH and not authenticated:
-            if len(msg) != 3 or len(msg[1]) != auth.NONCE_BYTES or not auth.verify(
-                    secret, b"frontend", nonce_e, msg[1], msg[2]):
+        try:
+            msg = control.recv(ctl, min(_SLICE_S, max(0.0, deadline - time.monotonic())))
+        except ControlMessageError as e:
+            raise ControlMessageError(
+                f"the frontend at {address} broke the start-up protocol: {e}") from None
+        if msg is None:
+            if time.monotonic() >= deadline:
+                return None
+        elif isinstance(msg, control.Auth) and not authenticated:
+            if len(msg.nonce) != auth.NONCE_BYTES or not auth.verify(
+                    secret, b"frontend", nonce_e, msg.nonce, msg.proof):
                 raise AuthenticationError(
                     f"the frontend at {address} could not prove it knows the shared secret: "
                     "it is not the frontend this engine was started for, or its "
                     f"{auth.SECRET_FILE_ENV} / {auth.SECRET_ENV} differs")
             authenticated = True
-            ctl.send_multipart([control.AUTH, auth.proof(secret, b"engine", msg[1], nonce_e)])
-            continue
-        if msg is not None and msg[0] == control.START:
+            control.send(ctl, control.Auth(proof=auth.proof(secret, b"engine", msg.nonce, nonce_e)))
+        elif isinstance(msg, control.Start):
             if not authenticated:
                 raise AuthenticationError(
-                    f"the frontend at {address} sent START without authenticating (it has "
+                    f"the frontend at {address} sent Start without authenticating (it has "
                     f"no shared secret): give it the same {auth.SECRET_FILE_ENV} or "
                     f"{auth.SECRET_ENV} as this engine")
             return msg
-        if msg is None and time.monotonic() >= deadline:
-            return None
+        elif isinstance(msg, control.Shutdown):
+            raise PeerDeadError(f"the frontend at {address} said Shutdown before Start")
+        elif not isinstance(msg, control.Heartbeat):
+            raise ControlMessageError.unexpected(msg, f"from the frontend at {address} before Start")

@@ -212,7 +212,7 @@ def test_a_remote_engine_without_a_frontend_gives_up_after_its_ready_timeout():
 
 
 def test_wildcard_data_addresses_are_reached_at_the_host_of_connect():
-    from shmclient.control import reachable
+    from shmclient.control_sockets import reachable
 
     via = "tcp://10.1.2.3:5000"
     assert reachable("tcp://0.0.0.0:41000", via) == "tcp://10.1.2.3:41000"

@@ -475,7 +475,7 @@ def test_control_and_data_sockets_refuse_another_uid(transport, monkeypatch):
 def test_stale_private_ipc_directory_of_a_dead_creator_is_removed(tmp_path, monkeypatch):
     import os
 
-    from shmclient import control
+    from shmclient import control_sockets as control
 
     monkeypatch.setenv(control.IPC_DIR_ENV, str(tmp_path))
     stale = tmp_path / f"shmc-ipc-{2**22 + 12345}-abc"
@@ -666,7 +666,7 @@ def test_rogue_engine_without_the_secret_gets_nothing_of_the_client(secret_env):
 
     secret_env.setenv("SHMCLIENT_SECRET", "s")
     port = free_port()
-    got: list[list[bytes]] = []
+    got: list[control.Message] = []
 
     def rogue(offer_nonce: bool):
         ctx = zmq.Context()
@@ -674,17 +674,17 @@ def test_rogue_engine_without_the_secret_gets_nothing_of_the_client(secret_env):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{HOST}:{port}")
         try:
-            hello = [control.HELLO, b"4242"] + ([b"n" * 32] if offer_nonce else [])
-            sock.send_multipart(hello)
+            control.send(sock, control.Hello(pid=4242, protocol_version=control.PROTOCOL_VERSION,
+                                             nonce=b"n" * 32 if offer_nonce else b""))
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                if not sock.poll(200):
+                msg = control.recv(sock, 0.2)
+                if msg is None:
                     continue
-                msg = sock.recv_multipart()
                 got.append(msg)
-                if msg[0] == control.AUTH:
-                    sock.send_multipart([control.AUTH, b"x" * 32])  # a guess
-                if msg[0] == control.SHUTDOWN:
+                if isinstance(msg, control.Auth):
+                    control.send(sock, control.Auth(proof=b"x" * 32))  # a guess
+                if isinstance(msg, control.Shutdown):
                     break
         finally:
             sock.close(0)
@@ -700,7 +700,7 @@ def test_rogue_engine_without_the_secret_gets_nothing_of_the_client(secret_env):
         finally:
             t.join(30)
         assert not t.is_alive()
-        assert all(m[0] != control.START for m in got), [m[0] for m in got]
+        assert not any(isinstance(m, control.Start) for m in got), got
 
 
 def test_remote_start_up_without_a_secret_is_refused_unless_opted_in(secret_env, caplog):
