@@ -17,7 +17,6 @@ import concurrent.futures
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -35,9 +34,9 @@ from .client import (
     check_utility_call,
     shutdown_timeout,
 )
-from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
+from .errors import (ClientClosedError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerDeadError, PeerNotConsumingError,
-                     PeerNotProducingError, ProtocolError, ShmClientError, UtilityCallError)
+                     PeerNotProducingError, ProtocolError, UtilityCallError)
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
