@@ -34,7 +34,8 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 import shmclient.vllm as plugin  # noqa: E402
 from shmclient_bench import vllm as bench_vllm  # noqa: E402
-from shmclient.vllm.frontend import ShmAsyncMPClient, ShmSyncMPClient  # noqa: E402
+from shmclient.vllm.frontend import ShmSyncMPClient
+from shmclient.vllm.frontend_async import ShmAsyncMPClient  # noqa: E402
 from shmclient.stats import TensorStatistics  # noqa: E402
 from shmclient.vllm.oob import TENSOR_MIN_BYTES  # noqa: E402
 

@@ -24,7 +24,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import DPLBAsyncMPClient  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
-from shmclient.vllm.frontend import ShmDPLBAsyncMPClient  # noqa: E402
+from shmclient.vllm.frontend_async import ShmDPLBAsyncMPClient  # noqa: E402
 
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the kill test
 from .conftest import sweep_orphaned_vllm_segments  # noqa: E402

@@ -187,7 +187,7 @@ def _install_frontend() -> None:
             warnings.warn(f"shmclient.vllm: {reason}; vLLM's own transport is used", RuntimeWarning, stacklevel=2)
             return stock_make_async(vllm_config, executor_class, log_stats, client_addresses,
                                     client_count, client_index, renderer=renderer)
-        from .frontend import ShmAsyncMPClient, ShmDPLBAsyncMPClient
+        from .frontend_async import ShmAsyncMPClient, ShmDPLBAsyncMPClient
 
         parallel = vllm_config.parallel_config
         dp = parallel.data_parallel_size

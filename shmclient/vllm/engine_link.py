@@ -116,7 +116,7 @@ class _EngineLink:
     def prewake(self) -> None:
         """Early wake-up: if the frontend's output task is parked, wake it now, before
         this step's outputs are built and encoded, so that its wake-up overlaps that work
-        (it then spins for the outputs; see shmclient.vllm.frontend). One load when it is
+        (it then spins for the outputs; see shmclient.vllm.frontend_async). One load when it is
         not parked; never blocks."""
         flag = self._parked_flag
         if flag is not None and flag[0]:

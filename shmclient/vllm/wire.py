@@ -83,7 +83,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
     channel: ShmChannelSpec
     frontend_pid: int
     output_mode: str  # "thread" or "inline", see shmclient.vllm.engine
-    #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend), "" for none
+    #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend_async), "" for none
     parked: str = ""
     #: whether tensors go through the channel's arenas (else as vLLM's own frames)
     arenas: bool = True
