@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import os
 import re
 import secrets
@@ -38,12 +37,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from typing import Any, Sequence
 
 import psutil
 
-from . import clients, report
+from . import clients, machine, plots, report, results_files, sections, stats
 from .load import THRESHOLD_CORES, LoadMonitor
 
 SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fairness", "dp", "vllm",
@@ -453,7 +451,7 @@ def _external(
     cmd = [sys.executable, "-m", "shmclient_bench", "--run-section", name, "--section-json", path]
     if quick:
         cmd.append("--quick")
-    got: dict[str, Any] = {}
+    got: sections.SectionOutput[Any] | None = None
     rc: int | None = None
     proc: subprocess.Popen | None = None
     try:
@@ -475,11 +473,7 @@ def _external(
             res["errors"].append(msg)
             progress(msg)
             return
-        try:
-            with open(path, encoding="utf-8") as f:
-                got = json.load(f)
-        except (OSError, ValueError):
-            got = {}
+        got = sections.read_output(name, path)
     finally:
         if proc is not None:
             if proc.poll() is None:
@@ -490,51 +484,23 @@ def _external(
             os.unlink(path)
         except OSError:
             pass
-    if rc != 0 or "result" not in got:
-        err = got.get("error") or f"the child process exited with status {rc}"
+    if rc != 0 or got is None or got.result is None:
+        err = (got.error if got is not None else None) or f"the child process exited with status {rc}"
         res["errors"].append(f"{name}: {err}")
-        if got.get("traceback"):
-            res.setdefault("tracebacks", {})[name] = got["traceback"]
+        if got is not None and got.traceback:
+            res.setdefault("tracebacks", {})[name] = got.traceback
         progress(f"{name}: failed: {err}")
         return
-    res[name] = got["result"]
-    if isinstance(got["result"], dict) and isinstance(got["result"].get("skipped"), str):
-        res["skipped"].append(f"{name}: {got['result']['skipped']}")
+    res[name] = got.result
+    if got.skipped is not None:
+        res["skipped"].append(f"{name}: {got.skipped}")
     res.setdefault("section_load", {})[name] = blk.as_dict()
-    if got.get("table"):
-        res.setdefault("tables", {})[name] = got["table"]
-    if got.get("note"):
-        res["notes"].append(got["note"])
+    if got.table:
+        res.setdefault("tables", {})[name] = got.table
+    if got.note:
+        res["notes"].append(got.note)
     noisy = f" [noisy: other processes used {blk.other_cores:.2f} cores]" if blk.noisy else ""
     progress(f"{name}: done in {time.perf_counter() - t0:.1f} s{noisy}")
-
-
-def _run_section(name: str, quick: bool, path: str) -> int:
-    """In the child: run ``bench.<name>.run(quick)``, write {result, table} or {error,
-    traceback} as JSON to ``path``. SIGTERM (the parent stopping the section) raises
-    KeyboardInterrupt, so the section's own clean-up runs; nothing is written then."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    out: dict[str, Any] = {}
-    rc = 0
-    try:
-        mod = importlib.import_module(f"shmclient_bench.{name}")
-        out["result"] = mod.run(quick)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        rc = 1
-    else:
-        render = getattr(mod, "report", None) or getattr(mod, "table", None) or getattr(mod, "format_table", None)
-        if callable(render):
-            try:
-                text = render(out["result"])
-                if isinstance(text, str):
-                    out["table"] = text
-            except Exception as e:
-                out["note"] = f"{name}: shmclient_bench.{name}'s table failed: {type(e).__name__}: {e}"
-    report.write_json(path, out)
-    return rc
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -595,7 +561,7 @@ def _main(argv: Sequence[str] | None, signals: _Signals) -> int:
     args._argv = list(argv) if argv is not None else sys.argv[1:]
     if args.run_section:
         signals.restore()
-        return _run_section(args.run_section, args.quick, args.section_json)
+        return sections.run_child(args.run_section, args.quick, args.section_json)
     prog = parser.prog
     d = DEFAULTS["quick" if args.quick else "full"]
     if not args.noisy_above > 0:
@@ -699,7 +665,7 @@ def _run(
         tempfile.tempdir = run_tmp
         os.environ["TMPDIR"] = run_tmp
         progress(f"results folder: {out}")
-        res["machine"] = report.machine_facts()
+        res["machine"] = machine.machine_facts()
         try:
             from shmclient.config import EngineConfig
 
@@ -718,7 +684,7 @@ def _run(
                 res["notes"] += got.pop("notes", [])
                 res.update({k: v for k, v in got.items() if v or k.endswith("_meta")})
                 if res.get("latency"):
-                    res["latency_ratios"] = report.latency_ratios(res["latency"])
+                    res["latency_ratios"] = stats.latency_ratios(res["latency"])
         for name in EXTERNAL:
             if name in args.only:
                 section = name
@@ -760,7 +726,7 @@ def _run(
     except OSError:
         pass
     res["load"] = monitor.summary()
-    res["run_label"] = report.run_label(res)
+    res["run_label"] = plots.run_label(res)
     files = _write_files(res, out, args.no_plots)
 
     if interrupted:
@@ -801,36 +767,36 @@ def _write_files(res: dict[str, Any], out: str, no_plots: bool) -> dict[str, Any
     samples = res.get("latency_samples_ns") or {}
     files: dict[str, Any] = {}
     if samples:
-        files["samples"] = report.write_json(os.path.join(out, "samples.json"),
-                                             report.samples_file(samples))
+        files["samples"] = results_files.write_json(os.path.join(out, "samples.json"),
+                                                    results_files.samples_file(samples))
     if not no_plots:
         label = res.get("run_label")
-        plots = []
+        drawn = []
         by_model: dict[str, dict[str, Any]] = {}
         for cfg, s in samples.items():
             by_model.setdefault(cfg.partition("@")[2] or "mock", {})[cfg] = s
         for model, group in by_model.items():
-            r = report.plot_latency_cdf(
+            r = plots.plot_latency_cdf(
                 group,
                 os.path.join(out, f"latency_cdf_{model}.png"),
                 f"Round trip, max_tokens=1, {model} model",
                 label=label,
             )
-            plots.append(r)
+            drawn.append(r)
         if res.get("tensors") is not None:
-            plots.append(
-                report.plot_transfer(
-                    report.transfer_series(res["tensors"]),
+            drawn.append(
+                plots.plot_transfer(
+                    res["tensors"].points(),
                     os.path.join(out, "tensor_transfer.png"),
                     label=label,
                 )
             )
-        notes = sorted({p for p in plots if p.startswith("plots skipped")})
+        notes = sorted({p for p in drawn if p.startswith("plots skipped")})
         res["skipped"] += [n for n in notes if n not in res["skipped"]]
-        files["plots"] = [p for p in plots if not p.startswith("plots skipped")]
+        files["plots"] = [p for p in drawn if not p.startswith("plots skipped")]
     files["results"] = os.path.join(out, "results.json")
     res["files"] = files
-    report.write_json(files["results"], {k: v for k, v in res.items() if k != "latency_samples_ns"})
+    results_files.write_json(files["results"], {k: v for k, v in res.items() if k != "latency_samples_ns"})
     return files
 
 

@@ -30,7 +30,7 @@ import psutil
 from shmclient import EngineCoreRequest, SamplingParams, make_client
 
 from .load import NullMonitor
-from .report import summarize
+from .stats import summarize
 
 #: Client kinds, in the order they are reported.
 KINDS = ("inproc", "sync-shm", "sync-zmq", "async-shm", "async-zmq")

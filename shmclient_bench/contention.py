@@ -212,7 +212,7 @@ def report(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .report import section_main
+    from .sections import section_main
 
     return section_main(argv, __doc__, run, report, "fewer round trips per cell (~1 min)")
 

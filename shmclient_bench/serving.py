@@ -45,7 +45,7 @@ import psutil
 
 from .load import THRESHOLD_CORES, LoadMonitor, run_cpu_s
 from .report import NOT_JUDGED
-from .report import table as _text_table
+from .tables import table as _text_table
 from .vllm import CONFIG
 
 PLUGIN_LINE = "shmclient.vllm: AsyncMPClient moves engine-core requests and outputs over shared-memory rings"
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(format_table(results))
     if args.out:
-        from .report import write_json
+        from .results_files import write_json
 
         print(f"wrote {write_json(os.path.join(args.out, 'serving.json'), results)}")
     return 0 if "skipped" not in results else 1

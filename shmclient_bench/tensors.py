@@ -1,7 +1,8 @@
 """Benchmark of tensor transfer between two processes: shared-memory arena vs pyzmq.
 
 Run ``python -m shmclient_bench.tensors [--quick] [--json PATH]``; ``run(quick)`` returns the
-figures as a dict for a top-level ``python -m shmclient_bench``. For each size (4 KiB … 256 MiB;
+figures as a typed ``TensorSweep`` (``shmclient_bench.tensor_results``) for a top-level
+``python -m shmclient_bench``. For each size (4 KiB … 256 MiB;
 ``--quick`` stops at 64 MiB) it times a CPU tensor from "about to encode" in one process
 to "decoded into a torch.Tensor" in the other (both clocks are CLOCK_MONOTONIC of the
 same host), one transfer at a time, warm-up excluded:
@@ -23,7 +24,6 @@ Not a test: it asserts nothing, it reports medians and p99s.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -32,6 +32,7 @@ import struct
 import sys
 import time
 
+import msgspec
 import numpy as np
 import torch
 
@@ -41,6 +42,8 @@ from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 from shmclient.shm import Segment
 from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+
+from .tensor_results import Copies, TensorHost, TensorSweep, Timing
 
 CTX = mp.get_context("spawn")
 KiB, MiB = 1 << 10, 1 << 20
@@ -64,14 +67,14 @@ def _reps(size: int, quick: bool) -> int:
     return max(5, n // 3) if quick else n
 
 
-def _summary(samples: list[float]) -> dict:
+def _summary(samples: list[float]) -> Timing:
     s = sorted(samples)
-    return {
-        "median_us": statistics.median(s) * 1e6,
-        "p99_us": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
-        "min_us": s[0] * 1e6,
-        "n": len(s),
-    }
+    return Timing(
+        median_us=statistics.median(s) * 1e6,
+        p99_us=s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+        min_us=s[0] * 1e6,
+        n=len(s),
+    )
 
 
 # -- receivers (child processes) ---------------------------------------------------------
@@ -136,7 +139,7 @@ def _source(size: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8))
 
 
-def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
+def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict[int, Timing]:
     arena = Segment.create(max(sizes) + MiB)
     data = RingProducer.create(1 * MiB)
     back = RingConsumer.create(1 * MiB)
@@ -175,7 +178,7 @@ def _bench_shm(sizes: list[int], quick: bool, view_from: int) -> dict:
     return out
 
 
-def _bench_zmq(sizes: list[int], quick: bool) -> dict:
+def _bench_zmq(sizes: list[int], quick: bool) -> dict[int, Timing]:
     import tempfile
 
     import zmq
@@ -222,7 +225,7 @@ def _bench_zmq(sizes: list[int], quick: bool) -> dict:
     return out
 
 
-def _bench_memcpy(sizes: list[int], quick: bool) -> dict:
+def _bench_memcpy(sizes: list[int], quick: bool) -> dict[int, Copies]:
     out: dict = {}
     for size in sizes:
         _say(f"memcpy, {_fmt_size(size)}")
@@ -242,11 +245,11 @@ def _bench_memcpy(sizes: list[int], quick: bool) -> dict:
                 if i >= 2:
                     samples.append(time.perf_counter() - t0)
             res[name] = _summary(samples)
-        out[size] = res
+        out[size] = Copies(**res)
     return out
 
 
-def _bench_cuda(sizes: list[int], quick: bool) -> dict:
+def _bench_cuda(sizes: list[int], quick: bool) -> dict[int, Timing]:
     """Hand-off of CUDA tensors by IPC handle: a fresh allocation each time (the handle
     is opened), and slices of one allocation the receiver keeps open (cached)."""
     arena = Segment.create(4 * MiB)
@@ -290,37 +293,29 @@ def _bench_cuda(sizes: list[int], quick: bool) -> dict:
 # -- entry points ------------------------------------------------------------------------
 
 
-def run(quick: bool = False) -> dict:
-    """All measurements as a dict (sizes as string keys, times in microseconds)."""
+def run(quick: bool = False) -> TensorSweep:
+    """All measurements (times in microseconds, by size in bytes)."""
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
     sizes = QUICK_SIZES if quick else SIZES
-    result = {
-        "host": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "load_avg_1m": os.getloadavg()[0],
-            "machine": platform.machine(),
-        },
-        "quick": quick,
-        "memcpy": _bench_memcpy(sizes, quick),
-        "shm_view": _bench_shm(sizes, quick, view_from=0),
-        "shm_copy": _bench_shm(sizes, quick, view_from=1 << 62),
-        "zmq": _bench_zmq(sizes, quick),
-    }
-    if torch.cuda.is_available():
-        result["cuda_ipc"] = _bench_cuda(sizes, quick)
-    result["host"]["load_avg_1m_after"] = os.getloadavg()[0]
-    return _stringify(result)
-
-
-def _stringify(d):
-    if isinstance(d, dict):
-        return {str(k): _stringify(v) for k, v in d.items()}
-    return d
+    load_before = os.getloadavg()[0]
+    memcpy = _bench_memcpy(sizes, quick)
+    shm_view = _bench_shm(sizes, quick, view_from=0)
+    shm_copy = _bench_shm(sizes, quick, view_from=1 << 62)
+    zmq = _bench_zmq(sizes, quick)
+    cuda_ipc = _bench_cuda(sizes, quick) if torch.cuda.is_available() else None
+    host = TensorHost(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cpus=os.cpu_count(),
+        torch_threads=torch.get_num_threads(),
+        load_avg_1m=load_before,
+        machine=platform.machine(),
+        load_avg_1m_after=os.getloadavg()[0],
+    )
+    return TensorSweep(host=host, quick=quick, memcpy=memcpy, shm_view=shm_view,
+                       shm_copy=shm_copy, zmq=zmq, cuda_ipc=cuda_ipc)
 
 
 def _fmt_size(n: int) -> str:
@@ -334,36 +329,34 @@ def _vs(t: float, base: float) -> str:
     return f"{t / base:.2f}x slower" if t >= base else f"{base / t:.2f}x faster"
 
 
-def table(result: dict) -> str:
+def table(result: TensorSweep) -> str:
     """A plain-text table of medians (p99) in microseconds."""
-    mem, view, copy, zq = (result[k] for k in ("memcpy", "shm_view", "shm_copy", "zmq"))
     lines = [
         "CPU tensor, process A -> torch.Tensor in process B; median (p99) in us; memcpy = "
         "np.copyto into a preallocated buffer, copy_ = torch.Tensor.copy_ (multi-threaded)",
         f"{'size':>8} | {'memcpy':>9} | {'copy_':>9} | {'shm view':>19} | {'shm copy':>19} | "
         f"{'zmq copy=False':>19} | {'view vs memcpy':>14} | {'view vs copy_':>14}",
     ]
-    for key in mem:
-        size = int(key)
-        m = mem[key]["np_copyto"]["median_us"]
 
-        def cell(x):
-            return f"{x['median_us']:9.1f} ({x['p99_us']:7.1f})"
+    def cell(x: Timing) -> str:
+        return f"{x.median_us:9.1f} ({x.p99_us:7.1f})"
 
+    for size, copies in result.memcpy.items():
+        m, c = copies.np_copyto.median_us, copies.torch_copy_.median_us
+        view = result.shm_view[size]
         lines.append(
-            f"{_fmt_size(size):>8} | {m:9.1f} | {mem[key]['torch_copy_']['median_us']:9.1f} | "
-            f"{cell(view[key])} | {cell(copy[key])} | {cell(zq[key])} | "
-            f"{_vs(view[key]['median_us'], m):>14} | "
-            f"{_vs(view[key]['median_us'], mem[key]['torch_copy_']['median_us']):>14}"
+            f"{_fmt_size(size):>8} | {m:9.1f} | {c:9.1f} | "
+            f"{cell(view)} | {cell(result.shm_copy[size])} | {cell(result.zmq[size])} | "
+            f"{_vs(view.median_us, m):>14} | {_vs(view.median_us, c):>14}"
         )
-    if "cuda_ipc" in result:
+    if result.cuda_ipc is not None:
         lines.append("CUDA tensor hand-off by IPC handle (fresh allocation each time); median (p99) in us")
-        for key, x in result["cuda_ipc"].items():
-            lines.append(f"{_fmt_size(int(key)):>8} | {x['median_us']:9.1f} ({x['p99_us']:7.1f})")
-    h = result["host"]
+        for size, x in result.cuda_ipc.items():
+            lines.append(f"{_fmt_size(size):>8} | {cell(x)}")
+    h = result.host
     lines.append(
-        f"host: {h['cpus']} CPUs, torch {h['torch']} ({h['torch_threads']} threads), "
-        f"load average {h['load_avg_1m']:.1f} -> {h['load_avg_1m_after']:.1f}"
+        f"host: {h.cpus} CPUs, torch {h.torch} ({h.torch_threads} threads), "
+        f"load average {h.load_avg_1m:.1f} -> {h.load_avg_1m_after:.1f}"
     )
     return "\n".join(lines)
 
@@ -376,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.quick)
     print(table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        with open(args.json, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(result), indent=1))
     return 0
 
 

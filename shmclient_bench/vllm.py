@@ -517,10 +517,10 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     ax.set_title("vLLM output hop: stock ZMQ vs shmclient rings")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
-    from . import report
+    from . import plots
 
     # Footer: what a point is, the date, the machine and the load before the run.
-    report._label_figure(fig, report.footer_label(results.get("load_before")), HOP_POINTS)
+    plots.label_figure(fig, plots.footer_label(results.get("load_before")), HOP_POINTS)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

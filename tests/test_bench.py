@@ -15,13 +15,16 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
+import msgspec
 import numpy as np
 import psutil
 import pytest
 
 from shmclient_bench import __main__ as bench_main
-from shmclient_bench import clients, report
+from shmclient_bench import clients, machine, plots, report, results_files, sections, stats, tables
+from shmclient_bench.tensor_results import Copies, TensorHost, TensorSweep, Timing, TransferPoint
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -48,7 +51,7 @@ def _mp_available() -> bool:
 
 def test_summarize_known_samples():
     # 1..100 µs given in ns; numpy's linear interpolation between order statistics.
-    s = report.summarize([i * 1000 for i in range(100, 0, -1)])
+    s = stats.summarize([i * 1000 for i in range(100, 0, -1)])
     assert s["n"] == 100 and s["unit"] == "us"
     assert s["min"] == pytest.approx(1.0)
     assert s["max"] == pytest.approx(100.0)
@@ -61,19 +64,19 @@ def test_summarize_known_samples():
 
 
 def test_summarize_single_empty_and_units():
-    one = report.summarize([2500])
+    one = stats.summarize([2500])
     assert one["n"] == 1 and one["p50"] == one["p99.9"] == one["min"] == pytest.approx(2.5)
     assert one["std"] == 0.0
-    ns = report.summarize([10, 20, 30], unit="ns")
+    ns = stats.summarize([10, 20, 30], unit="ns")
     assert ns["p50"] == 20.0 and ns["unit"] == "ns"
-    empty = report.summarize([])
+    empty = stats.summarize([])
     assert empty["n"] == 0 and empty["p50"] is None and empty["mean"] is None
 
 
 def test_overhead_ratio_and_latency_ratios():
-    assert report.overhead_ratio(30.0, 110.0, 10.0) == pytest.approx(0.2)
-    assert report.overhead_ratio(30.0, 10.0, 10.0) is None  # zmq adds nothing
-    assert report.overhead_ratio(None, 110.0, 10.0) is None
+    assert stats.overhead_ratio(30.0, 110.0, 10.0) == pytest.approx(0.2)
+    assert stats.overhead_ratio(30.0, 10.0, 10.0) is None  # zmq adds nothing
+    assert stats.overhead_ratio(None, 110.0, 10.0) is None
 
     def entry(p50: float) -> dict:
         return {"summary": {"p50": p50}}
@@ -88,7 +91,7 @@ def test_overhead_ratio_and_latency_ratios():
         "sync-shm@tiny": entry(510.0),
         "sync-zmq@tiny": entry(600.0),
     }
-    r = report.latency_ratios(lat)
+    r = stats.latency_ratios(lat)
     assert set(r) == {"sync", "async", "sync@tiny"}
     assert r["sync"]["ratio"] == pytest.approx(0.10) and r["sync"]["met"] is True
     assert r["async"]["ratio"] == pytest.approx(0.10) and r["async"]["met"] is True
@@ -98,10 +101,10 @@ def test_overhead_ratio_and_latency_ratios():
 
 
 def test_baseline_of():
-    assert report.baseline_of("sync-shm") == "sync-zmq"
-    assert report.baseline_of("async-shm@tiny") == "async-zmq@tiny"
-    assert report.baseline_of("inproc") == "sync-zmq"
-    assert report.baseline_of("async-zmq") == "async-zmq"
+    assert stats.baseline_of("sync-shm") == "sync-zmq"
+    assert stats.baseline_of("async-shm@tiny") == "async-zmq@tiny"
+    assert stats.baseline_of("inproc") == "sync-zmq"
+    assert stats.baseline_of("async-zmq") == "async-zmq"
 
 
 # -- configurations and options --------------------------------------------------------
@@ -138,7 +141,7 @@ def test_cli_rejects_bad_options(capsys):
 
 
 def test_machine_facts_keys():
-    f = report.machine_facts()
+    f = machine.machine_facts()
     for k in ("date", "cpu_model", "cpu_count_logical", "python", "packages", "gpu"):
         assert k in f
     for p in ("torch", "numpy", "msgspec", "pyzmq", "psutil"):
@@ -148,7 +151,7 @@ def test_machine_facts_keys():
 
 
 def test_write_json_is_strict_json(tmp_path):
-    path = report.write_json(
+    path = results_files.write_json(
         str(tmp_path / "x.json"), {"a": np.float64(1.5), "b": {1, 2}, "c": float("nan"), 3: (1,)}
     )
     with open(path) as f:
@@ -159,7 +162,7 @@ def test_write_json_is_strict_json(tmp_path):
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib not installed")
 def test_plot_latency_cdf_writes_png(tmp_path):
     rng = np.random.default_rng(0)
-    out = report.plot_latency_cdf(
+    out = plots.plot_latency_cdf(
         {"a": rng.integers(10_000, 50_000, 200), "b": rng.integers(50_000, 200_000, 200)},
         str(tmp_path / "cdf.png"),
     )
@@ -168,35 +171,100 @@ def test_plot_latency_cdf_writes_png(tmp_path):
         assert f.read(8) == PNG_MAGIC
 
 
+def _sweep(cuda: bool = False) -> TensorSweep:
+    """A made-up tensor sweep over 4 KiB and 64 KiB: every time is the size in KiB times
+    the way's factor, in µs."""
+    sizes = (4096, 65536)
+
+    def t(size: int, factor: float) -> Timing:
+        return Timing(median_us=size / 1024 * factor, p99_us=size / 1024 * factor * 2,
+                      min_us=1.0, n=3)
+
+    copies = {z: Copies(np_copyto=t(z, 0.1), torch_copy_=t(z, 0.2), torch_clone=t(z, 0.3))
+              for z in sizes}
+    host = TensorHost(python="3.11", torch="2.5", cpus=2, torch_threads=2, load_avg_1m=0.5,
+                      machine="x86_64", load_avg_1m_after=0.75)
+    return TensorSweep(host=host, quick=True, memcpy=copies,
+                       shm_view={z: t(z, 1.0) for z in sizes},
+                       shm_copy={z: t(z, 2.0) for z in sizes},
+                       zmq={z: t(z, 3.0) for z in sizes},
+                       cuda_ipc={z: t(z, 4.0) for z in sizes} if cuda else None)
+
+
+def test_the_transfer_points_come_from_the_typed_sweep():
+    pts = _sweep().points()
+    assert all(isinstance(p, TransferPoint) for p in pts)
+    assert [p.series for p in pts[::2]] == [
+        "memcpy np_copyto", "memcpy torch_copy_", "memcpy torch_clone", "shm_view", "shm_copy", "zmq"]
+    assert pts[6:8] == [TransferPoint("shm_view", 4096, 4.0), TransferPoint("shm_view", 65536, 64.0)]
+    assert _sweep(cuda=True).points()[-1] == TransferPoint("cuda_ipc", 65536, 256.0)
+
+
+def test_the_sweep_keeps_its_json_layout():
+    """results.json holds the sweep as it always has: sizes as string keys, one dict per
+    timing, the memcpy variants by name, no cuda_ipc without CUDA."""
+    data = json.loads(msgspec.json.encode(_sweep()))
+    assert list(data) == ["host", "quick", "memcpy", "shm_view", "shm_copy", "zmq"]
+    assert data["memcpy"]["65536"]["torch_copy_"] == {"median_us": 12.8, "p99_us": 25.6,
+                                                      "min_us": 1.0, "n": 3}
+    assert data["zmq"]["4096"]["median_us"] == 12.0
+    assert data["host"]["load_avg_1m_after"] == 0.75
+    assert "cuda_ipc" in json.loads(msgspec.json.encode(_sweep(cuda=True)))
+
+
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib not installed")
-def test_transfer_series_and_plot(tmp_path):
-    data = {
-        "shm": [{"size_bytes": 1 << k, "p50_us": 2.0 * (k + 1)} for k in range(10, 14)],
-        "zmq": [{"nbytes": 1 << k, "p50_ns": 9000.0 * (k + 1)} for k in range(10, 14)],
-    }
-    series = report.transfer_series(data)
-    assert set(series) == {"shm", "zmq"}
-    assert series["zmq"][0] == (1024.0, pytest.approx(99.0))
-    nested = {
-        "host": {"cpus": 2},
-        "memcpy": {"4096": {"np_copyto": {"median_us": 1.0}}, "65536": {"np_copyto": {"median_us": 3.0}}},
-        "shm_view": {"4096": {"median_us": 5.0, "p99_us": 9.0, "n": 3}},
-    }
-    assert report.transfer_series(nested) == {
-        "memcpy np_copyto": [(4096.0, 1.0), (65536.0, 3.0)],
-        "shm_view": [(4096.0, 5.0)],
-    }
-    out = report.plot_transfer(series, str(tmp_path / "t.png"), label="2026-12-01 · box · quiet")
+def test_transfer_plot_draws_the_typed_points(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[str, list, list]] = []
+    real = Axes.plot
+
+    def plot(self, xs, ys, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(xs), list(ys)))
+        return real(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", plot)
+    out = plots.plot_transfer(_sweep().points(), str(tmp_path / "t.png"), label="2026-12-01 · box · quiet")
     with open(out, "rb") as f:
         assert f.read(8) == PNG_MAGIC
-    assert report.plot_transfer({}, str(tmp_path / "none.png")).startswith("plots skipped")
+    assert [d[0] for d in drawn] == [
+        "memcpy np_copyto", "memcpy torch_copy_", "memcpy torch_clone", "shm_view", "shm_copy", "zmq"]
+    assert drawn[5] == ("zmq", [4096, 65536], [12.0, 192.0])
+    assert plots.plot_transfer([], str(tmp_path / "none.png")).startswith("plots skipped")
+
+
+def test_a_sections_output_comes_back_typed(tmp_path, monkeypatch):
+    """The child writes the section's result and its table; the run reads the result back
+    into the section's type. A table that fails leaves a note and the result."""
+    fake = types.ModuleType("shmclient_bench.fake")
+    fake.run = lambda quick: _sweep()
+    fake.table = lambda r: f"{len(r.points())} points"
+    monkeypatch.setitem(sys.modules, "shmclient_bench.fake", fake)
+    monkeypatch.setitem(sections.RENDERERS, "fake", "table")
+    monkeypatch.setitem(sections.RESULT_TYPES, "fake", TensorSweep)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert sections.run_child("fake", True, str(tmp_path / "a.json")) == 0
+        fake.table = lambda r: r["memcpy"]  # a table that treats the result as a dict
+        assert sections.run_child("fake", True, str(tmp_path / "b.json")) == 0
+        fake.run = lambda quick: 1 / 0
+        assert sections.run_child("fake", True, str(tmp_path / "c.json")) == 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    a = sections.read_output("fake", str(tmp_path / "a.json"))
+    assert a.result == _sweep() and a.table == "12 points" and a.note is None
+    b = sections.read_output("fake", str(tmp_path / "b.json"))
+    assert b.result == _sweep() and b.table is None and "table failed: TypeError" in b.note
+    c = sections.read_output("fake", str(tmp_path / "c.json"))
+    assert c.result is None and c.error.startswith("ZeroDivisionError") and "1 / 0" in c.traceback
+    assert sections.read_output("fake", str(tmp_path / "missing.json")) is None
 
 
 def test_plots_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "_pyplot", lambda: None)
-    note = report.plot_latency_cdf({"a": [1000, 2000]}, str(tmp_path / "x.png"))
+    monkeypatch.setattr(plots, "_pyplot", lambda: None)
+    note = plots.plot_latency_cdf({"a": [1000, 2000]}, str(tmp_path / "x.png"))
     assert note.startswith("plots skipped") and "matplotlib" in note
-    assert report.plot_transfer({"a": [(1.0, 1.0)]}, str(tmp_path / "y.png")) == note
+    assert plots.plot_transfer([TransferPoint("a", 1, 1.0)], str(tmp_path / "y.png")) == note
     assert not os.listdir(tmp_path)
 
 
@@ -206,7 +274,7 @@ def test_format_report_renders_every_section():
         "machine": {"date": "d", "cpu_count_logical": 2, "cpu_model": "m", "python": "3"},
         "latency_meta": {"rounds": 2, "warmup": 1},
         "latency": {
-            c: {"summary": report.summarize([v * 1000] * 5)}
+            c: {"summary": stats.summarize([v * 1000] * 5)}
             for c, v in (("inproc", 10), ("sync-shm", 20), ("sync-zmq", 110))
         },
         "streaming_meta": {"tokens": 4, "rounds": 1},
@@ -216,31 +284,42 @@ def test_format_report_renders_every_section():
                     "outputs_per_s": 10.0,
                     "batches": 4,
                     "wall_us_per_batch": 1.0,
-                    "gap_us": report.summarize([1000]),
+                    "gap_us": stats.summarize([1000]),
                     "client_cpu_us_per_batch": 2.0,
                 }
             }
         },
         "idle_meta": {"settle_s": 1, "window_s": 1},
         "idle_cpu": {"sync-shm": {"client_pct": 0.1, "engine_pct": 0.2, "source": "psutil"}},
-        "tensors": {"points": [{"size_bytes": 10, "p50_us": 1.0}]},
-        "ring": {"shm": {"p50_us": 2.0}},
+        "tensors": _sweep(),
+        "ring": {"round_trip": {"64 B": {"ring_p50_us": 2.0}}},
+        "tables": {"tensors": "the sweep's table", "ring": "the ring's table"},
         "skipped": ["something: why"],
     }
-    res["latency_ratios"] = report.latency_ratios(res["latency"])
+    res["latency_ratios"] = stats.latency_ratios(res["latency"])
     text = report.format_report(res)
     for needle in ("sync-shm", "0.10", "(shm - inproc) / (zmq - inproc)", "Idle CPU", "Streaming",
-                   "Tensor transfer", "ring", "something: why", "5.50x faster", "baseline"):
+                   "Tensor transfer sweep (shmclient_bench.tensors):\nthe sweep's table",
+                   "Raw ring ping-pong vs pyzmq ipc (shmclient_bench.ring):\nthe ring's table",
+                   "something: why", "5.50x faster", "baseline"):
         assert needle in text, needle
     assert not text.startswith("NOISY")
 
 
+def test_a_section_without_its_table_says_so_and_guesses_nothing():
+    res = {"machine": {}, "ring": {"round_trip": {"64 B": {"ring_p50_us": 2.0}}},
+           "notes": ["ring: shmclient_bench.ring's table failed: KeyError: 'throughput'"]}
+    text = report.format_report(res)
+    assert "Raw ring ping-pong vs pyzmq ipc (shmclient_bench.ring):\n" + report.NO_TABLE in text
+    assert "ring_p50_us" not in text and "2.0" not in text
+
+
 def test_ratio_words_say_which_way_is_better():
-    assert report.faster(20.0, 110.0) == "5.50x faster"
-    assert report.faster(120.0, 100.0) == "1.20x slower"
-    assert report.faster(None, 1.0) == "-" and report.faster(1.0, 1.0) == "same"
-    assert report._compare(150.0, 100.0, False, ("more", "fewer")) == "1.50x more"
-    assert report._compare(50.0, 100.0, True, ("less", "more")) == "2.00x less"
+    assert tables.faster(20.0, 110.0) == "5.50x faster"
+    assert tables.faster(120.0, 100.0) == "1.20x slower"
+    assert tables.faster(None, 1.0) == "-" and tables.faster(1.0, 1.0) == "same"
+    assert tables.compare(150.0, 100.0, False, ("more", "fewer")) == "1.50x more"
+    assert tables.compare(50.0, 100.0, True, ("less", "more")) == "2.00x less"
 
 
 def test_noisy_run_says_so_in_the_first_line_and_plots_carry_a_label():
@@ -252,16 +331,16 @@ def test_noisy_run_says_so_in_the_first_line_and_plots_carry_a_label():
     text = report.format_report(res)
     first = text.splitlines()[0]
     assert first.startswith("NOISY RUN") and "2 of 5 blocks" in first and "0.90 cores" in first
-    label = report.run_label(res)
+    label = plots.run_label(res)
     for needle in ("2026-12-01 10:00:00", "box", "2 CPUs", "load average 0.50 -> 1.50", "NOISY"):
         assert needle in label, needle
     load["noisy"] = False
     assert "quiet (other processes 0.40 cores)" in report.format_report(res).splitlines()[0]
-    assert "quiet" in report.run_label(res)
+    assert "quiet" in plots.run_label(res)
 
 
 def test_fmt_bytes():
-    assert [report.fmt_bytes(n) for n in (512, 4096, 65536, 1 << 20, 1536 << 10, 1 << 30)] == [
+    assert [plots.fmt_bytes(n) for n in (512, 4096, 65536, 1 << 20, 1536 << 10, 1 << 30)] == [
         "512 B", "4 KiB", "64 KiB", "1 MiB", "1.5 MiB", "1 GiB"]
 
 

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from shmclient_bench import report
+from shmclient_bench import plots, report, results_files, stats
 from shmclient_bench import __main__ as bench
+from shmclient_bench.tensor_results import TransferPoint
 
 
 def test_set_with_an_unknown_field_names_the_closest_one(capsys):
@@ -38,7 +39,7 @@ def _results(noisy: bool) -> dict:
         "load": {"noisy": noisy, "noisy_blocks": int(noisy), "blocks_judged": 1,
                  "max_other_cores": 1.5 if noisy else 0.0, "threshold_cores": 0.3},
         "latency": lat,
-        "latency_ratios": report.latency_ratios(lat),  # 0.8: far from the 0.10 target
+        "latency_ratios": stats.latency_ratios(lat),  # 0.8: far from the 0.10 target
         "idle_cpu": {"sync-shm": {"client_pct": 5.0, "engine_pct": 0.5, "noisy": False}},
     }
 
@@ -71,10 +72,10 @@ def test_samples_json_says_its_unit_and_old_files_still_read(tmp_path):
         data = json.load(f)
     assert data["unit"] == "ns" and "round trip" in data["what"]
     assert data["inproc"] == [1000, 2500]  # the configurations stay top-level keys
-    assert report.read_samples(files["samples"]) == {"inproc": [1000, 2500], "sync-shm": [3000]}
+    assert results_files.read_samples(files["samples"]) == {"inproc": [1000, 2500], "sync-shm": [3000]}
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"inproc": [7, 8]}))  # a run before the unit was written
-    assert report.read_samples(str(old)) == {"inproc": [7, 8]}
+    assert results_files.read_samples(str(old)) == {"inproc": [7, 8]}
 
 
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -106,11 +107,11 @@ def _check_footer(texts: list[str], point: str) -> None:
 def test_every_plot_has_a_footer_with_date_machine_load_and_what_a_point_is(tmp_path, footers):
     from shmclient_bench import vllm
 
-    path = report.plot_latency_cdf({"inproc": [1000, 2000, 3000]}, str(tmp_path / "cdf.png"))
+    path = plots.plot_latency_cdf({"inproc": [1000, 2000, 3000]}, str(tmp_path / "cdf.png"))
     assert path.endswith("cdf.png")
     _check_footer(footers[-1], "each point: one request's round trip")
-    series = {"shm_view": [(4096.0, 3.0), (65536.0, 5.0)]}
-    report.plot_transfer(series, str(tmp_path / "t.png"))
+    points = [TransferPoint("shm_view", 4096, 3.0), TransferPoint("shm_view", 65536, 5.0)]
+    plots.plot_transfer(points, str(tmp_path / "t.png"))
     _check_footer(footers[-1], "each point: the median transfer time")
     results = {"configs": {"sync-stock": {"hops_sample_us": [40.0, 50.0, 60.0]},
                            "sync-shm": {"hops_sample_us": [10.0, 12.0]}},
@@ -119,6 +120,6 @@ def test_every_plot_has_a_footer_with_date_machine_load_and_what_a_point_is(tmp_
     _check_footer(footers[-1], "each point: one output batch")
     assert "load average 0.25" in "\n".join(footers[-1])
     # A run's own label (run_label) is used where there is one.
-    report.plot_latency_cdf({"inproc": [1000]}, str(tmp_path / "c2.png"),
+    plots.plot_latency_cdf({"inproc": [1000]}, str(tmp_path / "c2.png"),
                             label="2026-12-01 22:00:00 · host · 2 CPUs · load average 0.10 -> 0.20")
     assert "2026-12-01 22:00:00 · host · 2 CPUs" in "\n".join(footers[-1])
