@@ -305,17 +305,21 @@ def run(quick: bool = False) -> TensorSweep:
     shm_copy = _bench_shm(sizes, quick, view_from=1 << 62)
     zmq = _bench_zmq(sizes, quick)
     cuda_ipc = _bench_cuda(sizes, quick) if torch.cuda.is_available() else None
-    host = TensorHost(
+    return TensorSweep(host=_host(load_before), quick=quick, memcpy=memcpy, shm_view=shm_view,
+                       shm_copy=shm_copy, zmq=zmq, cuda_ipc=cuda_ipc)
+
+
+def _host(load_before: float) -> TensorHost:
+    """This machine, with the load average before the sweep and now (after it)."""
+    return TensorHost(
         python=platform.python_version(),
-        torch=torch.__version__,
+        torch=str(torch.__version__),  # a TorchVersion, which JSON does not know
         cpus=os.cpu_count(),
         torch_threads=torch.get_num_threads(),
         load_avg_1m=load_before,
         machine=platform.machine(),
         load_avg_1m_after=os.getloadavg()[0],
     )
-    return TensorSweep(host=host, quick=quick, memcpy=memcpy, shm_view=shm_view,
-                       shm_copy=shm_copy, zmq=zmq, cuda_ipc=cuda_ipc)
 
 
 def _fmt_size(n: int) -> str:

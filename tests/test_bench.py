@@ -212,6 +212,13 @@ def test_the_sweep_keeps_its_json_layout():
     assert "cuda_ipc" in json.loads(msgspec.json.encode(_sweep(cuda=True)))
 
 
+def test_the_sweeps_host_encodes_as_json():
+    from shmclient_bench import tensors
+
+    host = json.loads(sections.ENCODER.encode(tensors._host(0.5)))
+    assert host["torch"] == str(tensors.torch.__version__) and host["load_avg_1m"] == 0.5
+
+
 @pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib not installed")
 def test_transfer_plot_draws_the_typed_points(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
