@@ -28,10 +28,8 @@ import argparse
 import datetime
 import importlib
 import os
-import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +39,7 @@ from typing import Any, Sequence
 
 import psutil
 
-from . import clients, machine, plots, report, results_files, sections, stats
+from . import clients, machine, plots, report, results_files, sections, stats, stopping
 from .load import THRESHOLD_CORES, LoadMonitor
 
 SECTIONS = ("latency", "streaming", "idle", "tensors", "ring", "contention", "fairness", "dp", "vllm",
@@ -278,138 +276,6 @@ class Progress:
             self._ticker = None
 
 
-# -- interruption ----------------------------------------------------------------------
-
-_SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^(?:sem\.)?shmc\w*-(\d+)-")
-
-
-class _Signals:
-    """SIGINT and SIGTERM raise KeyboardInterrupt once, in the main thread; later ones
-    are only counted, so that the clean-up they started is not cut short."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self.later = 0
-        #: While True a signal is only recorded (the run is cleaning up and saving).
-        self.hold = False
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.received is not None:
-            self.later += 1
-            return
-        self.received = signal.Signals(signum).name
-        if not self.hold:
-            raise KeyboardInterrupt(self.received)
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handler)
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def sweep_shm(pids: set[int]) -> list[str]:
-    """Remove /dev/shm entries (segments and semaphores) that shmclient named after a
-    process in ``pids`` that is no longer running, or after this process. Returns the
-    names removed."""
-    removed = []
-    me = os.getpid()
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return removed
-    for n in names:
-        m = _SHM_NAME.match(n)
-        if m is None:
-            continue
-        pid = int(m.group(1))
-        if pid in pids and (pid == me or not _alive(pid)):
-            try:
-                os.unlink(os.path.join(_SHM_DIR, n))
-                removed.append(n)
-            except OSError:
-                pass
-    return removed
-
-
-def _group_pids(pid: int) -> set[int]:
-    try:
-        p = psutil.Process(pid)
-        return {pid, *(c.pid for c in p.children(recursive=True))}
-    except psutil.Error:
-        return set()
-
-
-def _stop_group(proc: subprocess.Popen, pids: set[int], grace_s: float = 5.0) -> None:
-    """Stop a child that leads its own process group, and everything in that group:
-    SIGTERM first (its clean-up runs), SIGKILL for whatever is left after ``grace_s``."""
-    pids.update(_group_pids(proc.pid))
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    rest = []
-    for pid in pids - {proc.pid}:
-        try:
-            rest.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    if rest:
-        psutil.wait_procs(rest, timeout=grace_s / 2)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for p in rest:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    proc.wait()
-    psutil.wait_procs(rest, timeout=2)
-
-
-def _stop_descendants(before: set[int], grace_s: float = 5.0) -> set[int]:
-    """Terminate, then kill, every descendant of this process not in ``before``; returns
-    their pids."""
-    try:
-        kids = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    except psutil.Error:
-        return set()
-    pids = {p.pid for p in kids}
-    for p in kids:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(kids, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=2)
-    return pids
-
-
 # -- the external sections -----------------------------------------------------------
 
 
@@ -464,11 +330,11 @@ def _external(
                 try:
                     rc = proc.wait(0.5)
                 except subprocess.TimeoutExpired:
-                    pids.update(_group_pids(proc.pid))
+                    pids.update(stopping.group_pids(proc.pid))
                     if time.monotonic() > deadline:
                         break
         if rc is None:
-            _stop_group(proc, pids)
+            stopping.stop_group(proc, pids)
             msg = f"{name}: shmclient_bench.{name}.run() did not finish within {timeout_s:g} s; killed"
             res["errors"].append(msg)
             progress(msg)
@@ -477,9 +343,9 @@ def _external(
     finally:
         if proc is not None:
             if proc.poll() is None:
-                _stop_group(proc, pids)
+                stopping.stop_group(proc, pids)
             # The group's processes may not have lived to unlink what they created.
-            sweep_shm(pids | {proc.pid})
+            stopping.sweep_shm(pids | {proc.pid})
         try:
             os.unlink(path)
         except OSError:
@@ -539,7 +405,7 @@ def _prog() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """The benchmark's command line (``python -m shmclient_bench``, ``shmclient-bench``): returns
     the exit status (0 done, 1 a section failed, 2 bad arguments, 130 interrupted)."""
-    signals = _Signals()
+    signals = stopping.Signals()
     signals.install()
     try:
         return _main(argv, signals)
@@ -554,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals.restore()
 
 
-def _main(argv: Sequence[str] | None, signals: _Signals) -> int:
+def _main(argv: Sequence[str] | None, signals: stopping.Signals) -> int:
     parser = build_parser()
     parser.prog = _prog()
     args = parser.parse_args(argv)
@@ -631,7 +497,7 @@ def _run(
     specs: list[clients.ConfigSpec],
     opts: clients.Options,
     out: str,
-    signals: _Signals,
+    signals: stopping.Signals,
 ) -> int:
     t_start = time.perf_counter()
     try:
@@ -705,8 +571,8 @@ def _run(
         signals.hold = True  # a signal from here on is recorded, the clean-up runs on
         try:
             if interrupted:
-                stopped = _stop_descendants(kids_before)
-                sweep_shm(monitor.seen_pids | section_pids | stopped | {os.getpid()})
+                stopped = stopping.stop_descendants(kids_before)
+                stopping.sweep_shm(monitor.seen_pids | section_pids | stopped | {os.getpid()})
             tempfile.tempdir = old_tempdir
             if old_env is None:
                 os.environ.pop("TMPDIR", None)
