@@ -328,11 +328,11 @@ def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to the group, SIGKILL to whatever is left after ``grace_s``, every process
     waited for (the group's orphans too), what shmclient named after them in /dev/shm
     removed."""
-    from .__main__ import _group_pids, _stop_group, sweep_shm
+    from .stopping import group_pids, stop_group, sweep_shm
 
     with _signals_held():
-        pids = _group_pids(proc.pid) | _group_members(proc.pid)
-        _stop_group(proc, pids, grace_s)
+        pids = group_pids(proc.pid) | _group_members(proc.pid)
+        stop_group(proc, pids, grace_s)
         sweep_shm(pids)
 
 

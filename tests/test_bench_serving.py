@@ -1,6 +1,7 @@
 """The bench's ``serving`` section: ratios, spread, verdicts and targets on made-up results
-(no vLLM needed), and, with vLLM (``-m vllm``), the model folder's tokenizer. No test
-starts a server: a pair of them takes minutes."""
+(no vLLM needed), stopping a server's process group (a stand-in group), and, with vLLM
+(``-m vllm``), the model folder's tokenizer. No test starts a server: a pair of them
+takes minutes."""
 
 from __future__ import annotations
 
@@ -248,3 +249,39 @@ def test_the_bench_serves_several_api_servers_by_vllm_serve():
     results = _results([_pair({}, {})])
     results["params"].update(data_parallel_size=2, api_servers=2)
     assert "(2 engine cores, data parallelism; 2 API servers, vllm serve)" in serving.format_table(results)
+
+
+def test_stop_ends_the_whole_process_group_of_a_server(tmp_path):
+    """What the tests' and the benchmark's servers are stopped with: a parent that ignores
+    SIGTERM and a child of it, in their own session as ``_spawn`` starts them; both are
+    gone afterwards (SIGKILL after the grace) and waited for."""
+    import os
+    import select
+    import signal
+
+    fifo = str(tmp_path / "pids")
+    os.mkfifo(fifo)
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({fifo!r}, 'w').write(str(child.pid)); time.sleep(600)")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # before the writer: it never blocks
+    proc = serving._spawn([sys.executable, "-c", script], dict(os.environ), str(tmp_path / "server.log"))
+    try:
+        text = b""
+        while not text.endswith(b"\n") and select.select([reader], [], [], 60)[0]:
+            chunk = os.read(reader, 64)
+            if not chunk:  # the writer closed: the pid is complete
+                break
+            text += chunk
+        child = int(text)
+    finally:
+        os.close(reader)
+    serving._stop(proc, grace_s=0.5)
+    assert proc.poll() == -signal.SIGKILL
+    try:
+        os.kill(child, 0)
+    except ProcessLookupError:
+        pass
+    else:  # a zombie of a reaped group would be gone; a live one is a failure
+        with open(f"/proc/{child}/stat") as f:
+            assert f.read().split()[2] == "Z", f"child {child} still runs"
