@@ -28,7 +28,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .errors import InvalidRequestError
-from .messages import EngineCoreOutputs, EngineCoreRequest, LoRARequest
+from .messages import UTILITY_METHODS, EngineCoreOutputs, EngineCoreRequest, LoRARequest
 from .validate import check_abort_ids, check_request, check_utility_call
 
 __all__ = [
@@ -43,30 +43,6 @@ __all__ = [
     "make_client",
 ]
 
-#: The engine methods a frontend may call by name (``call_utility``).
-UTILITY_METHODS = (
-    "echo",
-    "profile",
-    "reset_prefix_cache",
-    "reset_mm_cache",
-    "reset_encoder_cache",
-    "sleep",
-    "wake_up",
-    "is_sleeping",
-    "pause_scheduler",
-    "resume_scheduler",
-    "is_scheduler_paused",
-    "execute_dummy_batch",
-    "collective_rpc",
-    "save_sharded_state",
-    "get_supported_tasks",
-    "add_lora",
-    "remove_lora",
-    "list_loras",
-    "pin_lora",
-    "set_weight_version",
-    "get_weight_version",
-)
 
 #: What ``shutdown(timeout=None)`` waits for a clean engine exit before SIGTERM (as
 #: vLLM, None means this default, never "forever").

@@ -188,3 +188,30 @@ class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     call_id: int
     method: str
     args: tuple[Any, ...] = ()
+
+
+#: The engine methods a frontend may call by name (``call_utility``): part of the wire
+#: contract (an engine serves these names; ``shmclient.client`` re-exports the tuple).
+UTILITY_METHODS = (
+    "echo",
+    "profile",
+    "reset_prefix_cache",
+    "reset_mm_cache",
+    "reset_encoder_cache",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "pause_scheduler",
+    "resume_scheduler",
+    "is_scheduler_paused",
+    "execute_dummy_batch",
+    "collective_rpc",
+    "save_sharded_state",
+    "get_supported_tasks",
+    "add_lora",
+    "remove_lora",
+    "list_loras",
+    "pin_lora",
+    "set_weight_version",
+    "get_weight_version",
+)
