@@ -9,10 +9,14 @@ one). ``section_main`` is the command line of a section module run on its own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import shutil
 import signal
+import tempfile
 import traceback
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Iterator, Sequence, TypeVar
 
 import msgspec
 import numpy as np
@@ -109,6 +113,27 @@ def read_output(name: str, path: str) -> SectionOutput[Any] | None:
         return None
 
 
+@contextlib.contextmanager
+def private_tmpdir(prefix: str = "bench-section-") -> Iterator[str]:
+    """A temporary folder of its own for what a section and its children put in one
+    (vLLM's ipc sockets, its compile and distributed files): ``TMPDIR`` and
+    ``tempfile.tempdir`` point at it meanwhile, and it is removed afterwards, whatever
+    happens, with both restored."""
+    old_tempdir, old_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    path = tempfile.mkdtemp(prefix=prefix)
+    tempfile.tempdir = path
+    os.environ["TMPDIR"] = path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = old_tempdir
+        if old_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = old_env
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def section_main(argv: Sequence[str] | None, doc: str, run: Any, render: Any, quick_help: str) -> int:
     """The command line of a section module run on its own (``python -m
     shmclient_bench.<section> [--quick] [--json PATH]``): runs ``run(quick)``, prints
@@ -119,7 +144,8 @@ def section_main(argv: Sequence[str] | None, doc: str, run: Any, render: Any, qu
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
     args = ap.parse_args(argv)
-    res = run(args.quick)
+    with private_tmpdir():
+        res = run(args.quick)
     print(render(res))
     if args.json:
         with open(args.json, "wb") as f:

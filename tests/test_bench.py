@@ -751,3 +751,29 @@ def test_the_vllm_dp_table_judges_hop_ttft_and_tpot_against_stock():
     slow = _dp_table({"engines": 2, "configs": {"async-stock": cfg(1000, 10, 9), "async-shm": cfg(250, 9, 9.5)}})
     assert slow[-1].endswith("target NOT met")
     assert _dp_table(None) == []
+
+
+def test_a_section_run_alone_keeps_its_temporary_files_in_a_folder_it_removes(capsys):
+    """``python -m shmclient_bench.<section>``: what the section (and vLLM's ipc sockets
+    under it) puts in the temporary folder goes in a folder of its own, removed at the end;
+    TMPDIR is as before."""
+    import tempfile
+
+    from shmclient_bench import sections
+
+    before = os.environ.get("TMPDIR")
+    seen: dict[str, str] = {}
+
+    def run(quick: bool) -> dict:
+        seen["tmp"] = os.environ["TMPDIR"]
+        seen["gettempdir"] = tempfile.gettempdir()
+        with open(os.path.join(tempfile.gettempdir(), "socket-like"), "w") as f:
+            f.write("x")
+        return {"ok": quick}
+
+    assert sections.section_main(["--quick"], "doc line\n", run, lambda res: str(res), "quick") == 0
+    assert seen["tmp"] == seen["gettempdir"] and seen["tmp"] != before
+    assert os.path.basename(seen["tmp"]).startswith("bench-section-")
+    assert not os.path.exists(seen["tmp"])
+    assert os.environ.get("TMPDIR") == before
+    assert "{'ok': True}" in capsys.readouterr().out
