@@ -30,20 +30,12 @@ from shmclient_bench import serving  # noqa: E402
 
 from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
-from .test_vllm_serve_multi import LONG, generated, running, wait_until  # noqa: E402
+from .test_vllm_serve_multi import check_abort, model  # noqa: E402,F401 - model: the model folder fixture
 
 DP_FLAGS = ["--data-parallel-size", "2", "--api-server-count", "1", "--gpu-memory-utilization", "0.08"]
 DP_LINE = "shmclient.vllm: DPLBAsyncMPClient (2 engines) moves engine-core requests and outputs"
 PROMPTS = [f"def f{i}(x):\n    return" for i in range(8)]
 STREAMS = [f"import os\nclass C{i}:" for i in range(16)]
-
-
-@pytest.fixture(scope="module")
-def model():
-    folder = tempfile.mkdtemp(prefix="shmc-serve-model-")
-    serving.build_model(folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,30 +106,10 @@ def test_dp_server_sixteen_concurrent_streams_identical(servers, model):
 
 def test_dp_server_aborts_a_request_whose_client_went_away(servers, model):
     """A streaming client goes away after its first chunk: the API server aborts the
-    request on the engine that runs it (vLLM's running-requests gauge back to 0, its
-    generated-tokens count stopped short of the request's length: with ignore_eos only an
-    abort stops it early). Stock first: the check itself is checked there."""
+    request on the engine that runs it (``check_abort``). Stock first: the check itself is
+    checked there."""
     for transport in ("stock", "plugin"):
-        port = servers[transport]
-        assert wait_until(lambda: running(port) in (None, 0.0), 30, "no request running before")
-        before = generated(port)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": model, "prompt": "abort me", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-             "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        for line in resp:
-            if line.startswith(b"data: "):
-                break  # the first chunk is there: the request runs on one of the engines
-        conn.close()  # the client goes away: vLLM aborts the request on its engine
-        wait_until(lambda: running(port) == 0.0, 30, f"{transport}: the abandoned request is aborted")
-        counts = [generated(port)]
-        while len(counts) < 3 or counts[-1] != counts[-2]:  # the count settles
-            assert len(counts) < 50, counts
-            time.sleep(0.2)
-            counts.append(generated(port))
-        assert 0 < counts[-1] - before < LONG, (transport, before, counts)
+        check_abort(servers[transport], model, transport)
     assert completion(servers["plugin"], model, PROMPTS[0], 6) == completion(servers["stock"], model, PROMPTS[0], 6)
 
 

@@ -392,29 +392,33 @@ def test_sixteen_concurrent_streams_identical_on_every_api_server(stock, plugin,
 
 def test_a_disconnected_stream_is_aborted(stock, plugin, model):
     """A streaming client goes away after its first chunk: its API server aborts the
-    request on the engine (the running-requests gauge back to 0, the generated-tokens
-    count stopped short of the request's ``LONG``: with ignore_eos only an abort stops
-    it early), and the server answers as stock afterwards. Stock first: the check itself
-    is checked there."""
+    request on the engine (``check_abort``), and the server answers as stock afterwards.
+    Stock first: the check itself is checked there."""
     for server in (stock, plugin):
-        port = server.port
-        assert wait_until(lambda: running(port) in (None, 0.0), 30, "no request running before")
-        before = generated(port)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"model": model, "prompt": "abort me", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
-             "stream": True}), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        for line in resp:
-            if line.startswith(b"data: "):
-                break  # the first chunk is there: the request runs on an engine
-        conn.close()  # the client goes away
-        wait_until(lambda: running(port) == 0.0, 30, f"{server.transport}: the abandoned request is aborted")
-        counts = [generated(port)]
-        while len(counts) < 3 or counts[-1] != counts[-2]:  # the count settles
-            assert len(counts) < 50, counts
-            time.sleep(0.2)
-            counts.append(generated(port))
-        assert 0 < counts[-1] - before < LONG, (server.transport, before, counts)
-        assert completion(port, model, PROMPTS[0], 6) == completion(stock.port, model, PROMPTS[0], 6)
+        check_abort(server.port, model, server.transport)
+    assert completion(plugin.port, model, PROMPTS[0], 6) == completion(stock.port, model, PROMPTS[0], 6)
+
+
+def check_abort(port: int, model: str, what: str) -> None:
+    """Start a ``LONG`` stream, take its first chunk and go away: vLLM's running-requests
+    gauge goes back to 0 and its generated-tokens count stops short of ``LONG`` (with
+    ignore_eos only an abort stops it early)."""
+    assert wait_until(lambda: running(port) in (None, 0.0), 30, "no request running before")
+    before = generated(port)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": model, "prompt": "abort me", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+         "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    for line in resp:
+        if line.startswith(b"data: "):
+            break  # the first chunk is there: the request runs on an engine
+    conn.close()  # the client goes away
+    wait_until(lambda: running(port) == 0.0, 30, f"{what}: the abandoned request is aborted")
+    counts = [generated(port)]
+    while len(counts) < 3 or counts[-1] != counts[-2]:  # the count settles
+        assert len(counts) < 50, counts
+        time.sleep(0.2)
+        counts.append(generated(port))
+    assert 0 < counts[-1] - before < LONG, (what, before, counts)

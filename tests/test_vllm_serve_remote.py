@@ -26,7 +26,7 @@ from shmclient_bench import serving  # noqa: E402
 
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
 from .test_vllm_serve import completion, streamed  # noqa: E402
-from .test_vllm_serve_multi import generated, metric  # noqa: E402
+from .test_vllm_serve_multi import generated, metric, model  # noqa: E402,F401 - model: the model folder fixture
 
 PROMPTS = [f"def f{i}(x):\n    return" for i in range(6)]
 STREAMS = [f"import os\nclass C{i}:" for i in range(16)]
@@ -60,14 +60,6 @@ def start_other_node(model: str, transport: str, rpc_port: int, tmp: str):
     base = [f for f in serving.SERVER_FLAGS if f != "--disable-log-stats"]
     return serving._spawn([serving.sys.executable, *cmd, "--headless", "--data-parallel-start-rank", "1",
                            *base, *dp_flags(rpc_port)], env, os.path.join(tmp, "other-node.log"))
-
-
-@pytest.fixture(scope="module")
-def model():
-    folder = tempfile.mkdtemp(prefix="shmc-serve-model-")
-    serving.build_model(folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
