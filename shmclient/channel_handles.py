@@ -14,9 +14,8 @@ named anywhere, so nothing outlives the processes that hold it, whatever kills t
 
 from __future__ import annotations
 
-from .channel_spec import ShmChannelSpec
+from .channel_spec import ShmChannelSpec, capacity_error
 from .errors import ShmCapacityError
-from .ring_resources import HEADER_BYTES as RING_HEADER_BYTES
 from .ring_resources import RingHandles
 from .shm import Segment
 
@@ -46,10 +45,7 @@ class ChannelHandles:
                 made.append(seg)
         except ShmCapacityError as e:
             _release(made)
-            total = 2 * (ring_capacity + RING_HEADER_BYTES)
-            raise ShmCapacityError(
-                f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
-                f"of {ring_capacity} bytes) and they could not be reserved: {e}") from e
+            raise capacity_error(ring_capacity, arena_bytes, e) from e
         except BaseException:
             _release(made)
             raise

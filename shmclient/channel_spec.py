@@ -78,12 +78,7 @@ def create_parts(*, ring_capacity: int, arena_bytes: int, spin_us: float, wake_f
         made.append(arena_out)
     except ShmCapacityError as e:
         _remove(made)
-        total = 2 * (ring_capacity + RING_HEADER_BYTES)
-        raise ShmCapacityError(
-            f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
-            f"of {ring_capacity} bytes; its two tensor arenas of {arena_bytes} bytes are "
-            f"reserved later, on their first tensor) and they could not be reserved: {e}"
-        ) from e
+        raise capacity_error(ring_capacity, arena_bytes, e) from e
     except BaseException:
         _remove(made)
         raise
@@ -96,6 +91,15 @@ def create_parts(*, ring_capacity: int, arena_bytes: int, spin_us: float, wake_f
         enable_cuda_ipc=enable_cuda_ipc,
     )
     return ChannelParts(req, out, arena_req, arena_out, made), spec
+
+
+def capacity_error(ring_capacity: int, arena_bytes: int, e: ShmCapacityError) -> ShmCapacityError:
+    """The error of a channel whose rings could not be reserved: the bytes it needs."""
+    total = 2 * (ring_capacity + RING_HEADER_BYTES)
+    return ShmCapacityError(
+        f"a shared-memory channel needs {total} bytes ({total / (1 << 20):.0f} MiB: two rings "
+        f"of {ring_capacity} bytes; its two tensor arenas of {arena_bytes} bytes are "
+        f"reserved later, on their first tensor) and they could not be reserved: {e}")
 
 
 def attach_parts(spec: ShmChannelSpec) -> ChannelParts:
