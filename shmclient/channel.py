@@ -127,6 +127,8 @@ class ShmChannel:
     wait_registered = None
     #: Everything the peer wrote before it died is in the ring already.
     late_after_peer_death = False
+    #: A reader re-arms the wake pipe after reading (``waiting.protocols``).
+    arm_after_read = True
 
     def peer_attached(self) -> None:
         """Owner: the peer has attached; release the handles, so nothing else can attach."""

@@ -52,6 +52,8 @@ class ZmqChannel:
     #: What the peer sent just before it died may still be on its way (the sockets' IO
     #: threads): whoever reads what a dead engine left waits a short grace for it.
     late_after_peer_death = True
+    #: ZMQ_FD is edge-triggered: a reader arms it (reads ZMQ_EVENTS) before it reads.
+    arm_after_read = False
     peer_attached = None
     set_peer_pid = None
     set_peer_gpus = None

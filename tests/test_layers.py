@@ -380,8 +380,9 @@ def test_optional_channel_capabilities_are_attributes_not_types():
     from shmclient.channel import ShmChannel
     from shmclient.channel_zmq import ZmqChannel
 
-    assert set(waiting.CAPABILITIES) | {"late_after_peer_death"} == set(waiting.ChannelCapabilities.__annotations__)
+    assert set(waiting.CAPABILITIES) | set(waiting.FLAGS) == set(waiting.ChannelCapabilities.__annotations__)
     assert ZmqChannel.late_after_peer_death and not ShmChannel.late_after_peer_death
+    assert ShmChannel.arm_after_read and not ZmqChannel.arm_after_read
     for name in waiting.CAPABILITIES:
         assert hasattr(ShmChannel, name) and hasattr(ZmqChannel, name), name
     assert [n for n in waiting.CAPABILITIES if getattr(ZmqChannel, n) is not None] == ["wait_registered"]

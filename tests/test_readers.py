@@ -225,7 +225,9 @@ def test_thread_reader_raises_at_once_after_close(channel):
 # -- the loop reader --------------------------------------------------------------------
 
 
-async def test_loop_callback_dispatches_with_no_task_waiting(channel):
+@pytest.mark.parametrize("arm_after_read", [False, True])
+async def test_loop_callback_dispatches_with_no_task_waiting(channel, arm_after_read):
+    channel.arm_after_read = arm_after_read
     owner = Owner()
     reader = owner.loop_reader(channel)
     loop = asyncio.get_running_loop()
@@ -305,6 +307,108 @@ async def test_loop_reader_remains_of_a_ring_are_read_at_once(channel):
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(reader.wait(lambda: False, None), 5.0)
     assert owner.got == [1, 2]
+
+
+async def _turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_loop_callback_of_a_channel_that_arms_after_reading_wakes_once_per_publish(channel):
+    """A ring's wake pipe turns readable again when re-armed while a record is unread:
+    the callback reads first, then re-arms, so each publish costs one wake-up (arming
+    first cost two, the second finding nothing)."""
+    channel.arm_after_read = True
+    owner = Owner()
+    reader = owner.loop_reader(channel)
+    reader.bind(asyncio.get_running_loop())
+    try:
+        for i in range(10):
+            channel.put(i)
+            await asyncio.wait_for(_loop_until(lambda: len(owner.got) == i + 1), 5.0)
+            await _turns()  # a second wake-up, if one is due, runs in these turns
+        assert owner.got == list(range(10))
+        assert (reader.wakes, reader.empty_wakes) == (10, 0)
+    finally:
+        reader.unwatch_hook()()
+
+
+class FakeEarlyWake:
+    """The peer's early wake-up: ``announce()`` is the peer saying it will publish;
+    ``publish`` is what it publishes during the reader's spin (None: nothing comes)."""
+
+    def __init__(self, channel, publish=None) -> None:
+        self.channel = channel
+        self.publish = publish
+        self.armed = self.announced = False
+        self.calls: list = []
+
+    def arm(self) -> None:
+        self.armed = True
+        self.calls.append("arm")
+
+    def disarm(self) -> None:
+        self.armed = False
+        self.calls.append("disarm")
+
+    def announce(self) -> None:
+        self.announced = True
+        os.write(self.channel._w, b"x")  # the wake byte, ahead of any record
+
+    def fired(self) -> float:
+        if not (self.armed and self.announced):
+            return 0.0
+        self.announced = False
+        if self.publish is not None:
+            self.channel.put(self.publish)  # arrives during the spin
+        return 1.0
+
+    def after(self, paid: bool) -> None:
+        self.calls.append(("after", paid))
+
+
+@pytest.mark.parametrize("publish", ["x", None])
+async def test_loop_reader_spins_for_an_announced_publish_while_a_task_is_parked(channel, publish):
+    channel.arm_after_read = True
+    owner = Owner()
+    reader = owner.loop_reader(channel)
+    reader.early = early = FakeEarlyWake(channel, publish)
+    reader.bind(asyncio.get_running_loop())
+    try:
+        task = asyncio.ensure_future(reader.wait(lambda: "x" in owner.got, None))
+        await _loop_until(lambda: len(reader.parking.waiters) == 1)
+        assert early.calls == ["arm"]
+        early.announce()
+        await asyncio.wait_for(_loop_until(lambda: reader.wakes == 1), 5.0)
+        if publish is None:  # nothing came within the spin: the task stays parked
+            await _turns()
+            assert early.calls == ["arm", ("after", False)] and not task.done()
+            assert reader.empty_wakes == 1
+            channel.put("x")
+        await asyncio.wait_for(task, 5.0)
+        assert owner.got == ["x"]
+        assert early.calls[-1] == "disarm"
+        if publish is not None:  # the spin read it: one wake-up, none empty
+            assert early.calls == ["arm", ("after", True), "disarm"]
+            assert (reader.wakes, reader.empty_wakes) == (1, 0)
+    finally:
+        reader.unwatch_hook()()
+
+
+async def test_loop_reader_asks_no_early_wake_without_a_parked_task(channel):
+    channel.arm_after_read = True
+    owner = Owner()
+    reader = owner.loop_reader(channel)
+    reader.early = early = FakeEarlyWake(channel, "x")
+    early.armed = True
+    reader.bind(asyncio.get_running_loop())
+    try:
+        early.announce()
+        await asyncio.wait_for(_loop_until(lambda: reader.wakes == 1), 5.0)
+        await _turns()
+        assert early.announced and owner.got == [] and reader.empty_wakes == 1
+    finally:
+        reader.unwatch_hook()()
 
 
 async def test_parking_deadline_releases_one_wake_releases_all():

@@ -42,15 +42,18 @@ from typing import Any, Callable, TypeVar
 from ..errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
 from .protocols import (
     CAPABILITIES,
+    FLAGS,
     AsyncSender,
     Channel,
     ChannelCapabilities,
+    EarlyWake,
+    Flag,
     Receiver,
     RecordReceiver,
     Sender,
 )
 
-__all__ = ["CAPABILITIES", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities",
+__all__ = ["CAPABILITIES", "FLAGS", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities", "EarlyWake", "Flag",
            "LoopReader", "Parking", "Receiver", "RecordReceiver", "Sender", "ThreadReader",
            "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
 

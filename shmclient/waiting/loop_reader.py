@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ..doorbell import Spin
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from . import recv_spin
-from .protocols import Channel
+from .protocols import Channel, EarlyWake
 
 __all__ = ["LoopReader", "Parking"]
 
@@ -96,8 +96,17 @@ class LoopReader:
     to close the channel), ``closed()`` (nothing more is read), ``dead()`` (the peer is
     gone: waiters read what it left, within ``REMAINS_GRACE_S`` for a channel with
     ``late_after_peer_death``, then raise ``dead_error()``), ``broken(e)`` (the channel
-    raised ProtocolError: the owner marks the peer dead) and ``spin_s`` (the most a task
-    spins before it parks; 0: never).
+    raised ProtocolError: the owner marks the peer dead), ``spin_s`` (the most a task
+    spins before it parks; 0: never) and, for a peer that announces its publishes,
+    ``early`` (``EarlyWake``: armed while a task is parked; a wake-up that found nothing
+    spins for the announced publish).
+
+    The callback reads before it re-arms the descriptor on a channel with
+    ``arm_after_read`` (the ring's wake pipe: re-arming writes a byte for any record
+    still unread, so arming first would wake the loop once more for the record being
+    read); it arms first on any other (an edge-triggered socket descriptor signals
+    only what arrives after it was armed). ``wakes`` and ``empty_wakes`` count the
+    callbacks and those that found nothing.
     """
 
     #: Most messages one read in the loop decodes (a backlog of thousands would hold the
@@ -114,7 +123,8 @@ class LoopReader:
     def __init__(self, channel: Channel, dispatch: Dispatch, *, lead: threading.Lock,
                  closed: Callable[[], bool], dead: Callable[[], bool],
                  dead_error: Callable[[], BaseException],
-                 broken: Callable[[ProtocolError], Any], spin_s: float) -> None:
+                 broken: Callable[[ProtocolError], Any], spin_s: float,
+                 early: EarlyWake | None = None) -> None:
         self.channel = channel
         self.lead = lead
         self.parking = Parking()
@@ -125,6 +135,9 @@ class LoopReader:
         self._dead_error = dead_error
         self._broken = broken
         self._grace = self.REMAINS_GRACE_S if channel.late_after_peer_death else 0.0
+        self._arm_after_read = bool(getattr(channel, "arm_after_read", False))
+        self.early = early
+        self.wakes = self.empty_wakes = 0
         self._watch = _Watch()
         self._again = _weak(self.on_readable)
         self._last_turn = 0.0
@@ -156,17 +169,27 @@ class LoopReader:
         try:
             if self._closed():
                 return
+            self.wakes += 1
             channel = self.channel
-            channel.arm_recv()  # then try: a publish after this makes the fd readable again
-            try:
-                got = channel.try_recv(self.READ_LIMIT)
-            except (PeerDeadError, ClientClosedError):
-                got = []
-            except ProtocolError as e:
-                self._broken(e)
-                got = []
+            after = self._arm_after_read
+            if not after:
+                channel.arm_recv()  # then try: a publish after this signals the fd again
+            got = self._take(0.0)
+            early = self.early
+            if not got and early is not None and self.parking.waiters:
+                spin = early.fired()
+                if spin > 0.0:  # the peer announced a publish: spin for it
+                    got = self._take(spin)
+                    early.after(bool(got))
+            if after:
+                try:
+                    channel.arm_recv()  # a record still unread makes the fd readable again
+                except (ClientClosedError, OSError):
+                    pass
             if got:
                 self._deliver(got)
+            else:
+                self.empty_wakes += 1
             if channel.peer_closed:
                 # The peer closed its end (it is exiting): stop watching a descriptor
                 # that now stays readable; its owner reports the death.
@@ -174,33 +197,41 @@ class LoopReader:
         finally:
             lead.release()
 
-    def read_now(self, spin: float) -> None:
+    def _take(self, spin: float) -> list[tuple[int, Any]]:
+        """What is there (spinning up to ``spin`` seconds for it); [] once the peer is
+        gone or the channel broke (``broken`` told). Caller holds ``lead``."""
+        try:
+            return recv_spin(self.channel, spin, self.READ_LIMIT)
+        except (PeerDeadError, ClientClosedError):
+            return []  # a dead peer: its owner's report wakes the waiters
+        except ProtocolError as e:
+            self._broken(e)
+            return []
+
+    def read_now(self, spin: float) -> int:
         """Read and dispatch what is there, spinning up to ``spin`` seconds for it,
-        unless someone else holds the channel or the peer is gone."""
+        unless someone else holds the channel or the peer is gone; how many messages
+        that brought."""
         lead = self.lead
         if not lead.acquire(False):
-            return
+            return 0
         try:
             if self._closed() or self._dead():
-                return
-            try:
-                got = recv_spin(self.channel, spin, self.READ_LIMIT)
-            except (PeerDeadError, ClientClosedError):
-                got = []  # a dead peer: its owner's report wakes the waiters
-            except ProtocolError as e:
-                self._broken(e)
-                got = []
+                return 0
+            got = self._take(spin)
             if got:
                 self._deliver(got)
+            return len(got)
         finally:
             lead.release()
 
     def _deliver(self, got: list[tuple[int, Any]]) -> None:
         self._dispatch(got)
         self.parking.wake()
-        if len(got) >= self.READ_LIMIT and self._watch.loop is not None:
+        if len(got) >= self.READ_LIMIT and not self._arm_after_read and self._watch.loop is not None:
             # More may be waiting: read on after the loop's other tasks ran (an
-            # edge-triggered socket descriptor would not signal them again).
+            # edge-triggered socket descriptor would not signal them again; the ring's
+            # wake pipe does, once re-armed).
             self._watch.loop.call_soon(self._again)
 
     # -- waiting ----------------------------------------------------------------------
@@ -237,11 +268,24 @@ class LoopReader:
             if deadline is not None and loop.time() >= deadline:
                 raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
             parked = perf_counter()
-            await self.parking.park(loop, deadline)
+            await self.park(loop, deadline)
             self._last_turn = now = perf_counter()
             spin.after_block(now - parked)  # how the wait ended steers the next spin
             if ready():
                 return
+
+    async def park(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        """Park the running task in ``parking`` (see ``Parking.park``), with the peer's
+        early wake-up armed meanwhile where it has one."""
+        early = self.early
+        if early is None:
+            await self.parking.park(loop, deadline)
+            return
+        early.arm()
+        try:
+            await self.parking.park(loop, deadline)
+        finally:
+            early.disarm()
 
     async def read_remains(self) -> None:
         """Once the peer is gone: dispatch what it wrote before it died and nobody has

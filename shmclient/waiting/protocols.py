@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["AsyncSender", "CAPABILITIES", "Channel", "ChannelCapabilities", "Receiver",
-           "RecordReceiver", "Sender"]
+__all__ = ["AsyncSender", "CAPABILITIES", "FLAGS", "Channel", "ChannelCapabilities", "EarlyWake", "Flag",
+           "Receiver", "RecordReceiver", "Sender"]
 
 @runtime_checkable
 class Receiver(Protocol):
@@ -79,8 +79,11 @@ class ChannelCapabilities(Protocol):
     * ``set_peer_pid(pid)``, ``set_peer_gpus(uuids)``: who the peer is (tensor handles);
     * ``flush_releases()``: send the peer the releases of its tensor blocks now.
 
-    And one flag: ``late_after_peer_death``, whether what the peer sent just before it
-    died may still arrive after its death was noticed (ZMQ's IO threads; not a ring)."""
+    And two flags: ``late_after_peer_death``, whether what the peer sent just before it
+    died may still arrive after its death was noticed (ZMQ's IO threads; not a ring), and
+    ``arm_after_read``, whether a reader re-arms ``recv_fd()`` after reading rather than
+    before (the ring's wake pipe, readable again at once for a record still unread; not
+    an edge-triggered socket descriptor)."""
 
     handle_fds: Callable[[], tuple[int, ...]] | None
     wait_registered: Callable[[float], None] | None
@@ -89,8 +92,39 @@ class ChannelCapabilities(Protocol):
     set_peer_gpus: Callable[[list[str]], None] | None
     flush_releases: Callable[[], None] | None
     late_after_peer_death: bool
+    arm_after_read: bool
+
+
+class EarlyWake(Protocol):
+    """A peer that may wake a parked reader just before it publishes (the vLLM plug-in's
+    engine, as its scheduler starts a step's outputs), so that the reader's wake-up and
+    the peer's encoding overlap. ``LoopReader`` arms it while a task is parked and asks,
+    on a wake-up that found nothing, how long to spin for the announced publish."""
+
+    def arm(self) -> None:
+        """A task parks: let the peer wake it early, if that pays now."""
+
+    def disarm(self) -> None:
+        """The task is awake: no early wake-up wanted."""
+
+    def fired(self) -> float:
+        """On a wake-up that found nothing: seconds to spin for the publish the peer
+        announced (0.0: it announced none). Disarms."""
+
+    def after(self, paid: bool) -> None:
+        """How that spin ended: the publish came within it, or not."""
+
+
+class Flag(Protocol):
+    """What ``ThreadReader`` needs of its ``dead`` flag (a ``threading.Event`` does)."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
 
 
 #: The optional capabilities' names (``ChannelCapabilities``).
 CAPABILITIES = ("handle_fds", "wait_registered", "peer_attached", "set_peer_pid", "set_peer_gpus",
                 "flush_releases")
+#: The flags every channel sets (``ChannelCapabilities``).
+FLAGS = ("late_after_peer_death", "arm_after_read")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from . import recv
-from .protocols import Channel
+from .protocols import Channel, Flag
 
 __all__ = ["ThreadReader", "take_remains"]
 
@@ -75,7 +75,7 @@ class ThreadReader:
     LEAD_WAIT_S = 2.0
 
     def __init__(self, channel: Channel, dispatch: Dispatch, *, lead: threading.Lock,
-                 dead: threading.Event, alive: Callable[[], bool], closed: Callable[[], bool],
+                 dead: Flag, alive: Callable[[], bool], closed: Callable[[], bool],
                  dead_error: Callable[[], BaseException],
                  broken: Callable[[ProtocolError], BaseException]) -> None:
         self.channel = channel
