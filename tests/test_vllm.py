@@ -546,8 +546,9 @@ def test_async_reader_wakes_once_per_batch_and_early(async_pair, gate):
     from shmclient import _ring
 
     loop, _, shm = async_pair
-    reader = shm.engine_core._reader
-    wakes, empty, early = reader.wakes, reader.empty_wakes, reader.prewake_hits + reader.prewake_misses
+    reader = shm.engine_core._reader.loop_reader
+    prewake = shm.engine_core._reader.early
+    wakes, empty, early = reader.wakes, reader.empty_wakes, prewake.hits + prewake.misses
     old = _ring.gate.mode
     _ring.gate.mode = gate  # the frontend's own gate (the engine's keeps its own)
     try:
@@ -557,9 +558,9 @@ def test_async_reader_wakes_once_per_batch_and_early(async_pair, gate):
     assert reader.wakes - wakes >= 20
     assert reader.empty_wakes - empty <= (reader.wakes - wakes) // 4
     if gate == "always":
-        assert reader.prewake_hits + reader.prewake_misses > early
+        assert prewake.hits + prewake.misses > early
     else:
-        assert reader.prewake_hits + reader.prewake_misses == early
+        assert prewake.hits + prewake.misses == early
 
 
 def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):

@@ -10,9 +10,9 @@ are encoded by vLLM's encoder into the request ring, outputs read from the outpu
 vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only. The async clients are
 in ``frontend_async``.
 
-``ShmSyncMPClient`` reads the ring in the caller's thread (``get_output`` and a
-``call_utility`` waiting for its reply), through ``waiting.recv``: no reader thread, no
-queue hand-off. Sends wait (``waiting.send``) while the request ring is full, at most
+``ShmSyncMPClient`` reads the ring in the caller's threads (``get_output`` and a
+``call_utility`` waiting for its reply) through ``waiting.ThreadReader``, with vLLM's
+dispatch: no reader thread, no queue hand-off. Sends wait (``waiting.send``) while the request ring is full, at most
 ``SEND_TIMEOUT_S``, then PeerNotConsumingError. ``get_output`` blocks like vLLM's (until an
 output, or EngineDeadError within about 0.1 s of the engine's death).
 """
@@ -31,7 +31,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
+from ..errors import ClientClosedError, PeerDeadError
 from . import wire
 from .link import _close_links, _engine_pids, _Link, _start_with_links
 
@@ -110,28 +110,44 @@ class _LinkIO:
         self._link_finalizer()
 
 
+class _EngineDead:
+    """The ``dead`` flag ``waiting.ThreadReader`` reads, over vLLM's: its engine monitor
+    marks a dead engine in ``resources.engine_dead`` (an attribute, no event to wait on).
+    The plug-in takes the channel's word as final: when the channel says the engine is
+    gone (it closed its end), ``wait`` marks it dead at once."""
+
+    __slots__ = ("resources", "closing")
+
+    def __init__(self, resources) -> None:
+        self.resources = resources
+        self.closing = False  # shutdown: readers leave the channel
+
+    def is_set(self) -> bool:
+        return self.closing or self.resources.engine_dead
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.resources.engine_dead = True
+        return True
+
+
 class ShmSyncMPClient(_LinkIO, SyncMPClient):
     """vLLM's SyncMPClient with requests and outputs on shared-memory rings."""
 
     def __init__(self, vllm_config, executor_class, log_stats: bool, renderer=None) -> None:
         self._pending: collections.deque = collections.deque()
-        self._read_lock = threading.Lock()
+        self._lead = threading.Lock()
         self._init_link(
             False, lambda: SyncMPClient.__init__(self, vllm_config, executor_class, log_stats, renderer=renderer)
         )
+        self._dead_flag = _EngineDead(self.resources)
+        self._reader = waiting.ThreadReader(
+            self._link.channel, self._dispatch, lead=self._lead, dead=self._dead_flag,
+            alive=self._alive_check, closed=self._is_closed, dead_error=self._reader_dead_error,
+            broken=self._broken)
 
-    # -- reading (in the caller's thread)
-    def _pump(self, timeout: float) -> None:
-        """Read what the ring holds (waiting up to ``timeout``); utility replies resolve
-        their futures, outputs queue for get_output. Caller holds _read_lock."""
-        try:
-            messages = waiting.recv(self._link.channel, timeout=timeout, alive=self._alive)
-        except PeerNotProducingError:
-            return
-        except (PeerDeadError, ClientClosedError):
-            self.resources.engine_dead = True
-            self._fail_utilities()
-            raise EngineDeadError(suppress_context=True) from None
+    # -- reading (in the callers' threads, by turns) ----------------------------------
+    def _dispatch(self, messages) -> None:
+        """Utility replies resolve their futures, outputs queue for get_output."""
         link = self._link
         for rtype, outputs in messages:
             if link.on_control(rtype, outputs):
@@ -143,6 +159,24 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
             else:
                 self._pending.append(outputs)
 
+    def _alive_check(self) -> bool:
+        return not self._dead_flag.is_set()
+
+    def _is_closed(self) -> bool:
+        return self._dead_flag.closing
+
+    def _reader_dead_error(self) -> EngineDeadError:
+        self.resources.engine_dead = True
+        self._fail_utilities()
+        return EngineDeadError(suppress_context=True)
+
+    def _broken(self, e: Exception) -> EngineDeadError:
+        """The output ring is broken: nothing more from it can be trusted."""
+        from . import log
+
+        log.error("shmclient.vllm: the output ring from the engine is broken: %s", e)
+        return self._reader_dead_error()
+
     def _fail_utilities(self) -> None:
         for call_id in list(self.utility_results):
             future = self.utility_results.pop(call_id, None)
@@ -150,13 +184,15 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
                 future.set_exception(EngineDeadError())
 
     def get_output(self) -> EngineCoreOutputs:
-        while not self._pending:
-            if self.resources.engine_dead:
-                raise EngineDeadError()
-            with self._read_lock:
-                if not self._pending:
-                    self._pump(1.0)
-        outputs = self._pending.popleft()
+        pending = self._pending
+        while True:
+            try:
+                outputs = pending.popleft()  # another thread may have taken the one we saw
+                break
+            except IndexError:
+                pass
+            # Once the engine died, what it wrote before comes first, then EngineDeadError.
+            self._reader.wait(pending.__len__, None)
         if isinstance(outputs, Exception):
             raise self._format_exception(outputs) from None
         if outputs.wave_complete is not None:
@@ -173,23 +209,18 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         future: Future = Future()
         self.utility_results[call_id] = future
         self._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
-        while not future.done():
-            if self._read_lock.acquire(timeout=0.05):
-                try:
-                    if not future.done():
-                        self._pump(0.05)
-                finally:
-                    self._read_lock.release()
-            else:  # another thread is reading and resolves our future
-                try:
-                    return future.result(timeout=0.05)
-                except TimeoutError:
-                    if self.resources.engine_dead:
-                        self._fail_utilities()
+        self._reader.wait(future.done, None)
         return future.result()
 
     def shutdown(self, timeout: float | None = None) -> None:
         try:
             super().shutdown(timeout)
         finally:
-            self._close_link()
+            # Readers leave the channel (they look between slices of 0.1 s) before it closes.
+            self._dead_flag.closing = True
+            got = self._lead.acquire(timeout=2.0)
+            try:
+                self._close_link()
+            finally:
+                if got:
+                    self._lead.release()

@@ -32,7 +32,7 @@ from ..errors import ClientClosedError, PeerDeadError, WouldBlock
 from . import wire
 from .frontend import SEND_TIMEOUT_S, _LinkIO
 from .link import _Link
-from .reader import _AsyncReader, _Inbox, _own_reader
+from .reader import _EngineReader, _Inbox, _own_reader, park_all
 
 __all__ = ["ShmAsyncMPClient", "ShmDPLBAsyncMPClient"]
 
@@ -45,7 +45,7 @@ class _AsyncRings(_LinkIO):
     def _init_async(self, construct, engine_indexes: "tuple[int, ...]" = (0,),
                     frontend_specs: "list[wire.FrontendSpec] | None" = None) -> None:
         self._ring_tasks: list[asyncio.Task] = []
-        self._readers: list[_AsyncReader] = []
+        self._readers: list[_EngineReader] = []
         if not hasattr(self, "_remote"):
             self._remote: frozenset[bytes] = frozenset()
         #: Per engine index: messages waiting for room in its request ring, oldest
@@ -62,7 +62,7 @@ class _AsyncRings(_LinkIO):
             self._ensure_output_queue_task()
 
     @property
-    def _reader(self) -> "_AsyncReader | None":
+    def _reader(self) -> "_EngineReader | None":
         return self._readers[0] if self._readers else None
 
     def _ensure_output_queue_task(self) -> None:
@@ -74,8 +74,10 @@ class _AsyncRings(_LinkIO):
             return  # (not before _init_link has set up the channels)
         # vLLM's per-output hook of its DP clients (request counts for load balancing)
         handler = getattr(type(self), "process_engine_outputs", None)
+        loop = asyncio.get_running_loop()
         for link in self._links.values():
-            reader = _AsyncReader(weakref.ref(self), link, self.outputs_queue, self.utility_results, handler)
+            reader = _EngineReader(weakref.ref(self), link, self.outputs_queue, self.utility_results, handler)
+            reader.loop_reader.bind(loop)
             self._readers.append(reader)
         for reader in self._readers:
             self._ring_tasks.append(asyncio.create_task(
@@ -83,33 +85,28 @@ class _AsyncRings(_LinkIO):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next output batch. Reads the rings in this task: what is there is returned
-        at once; else, with one engine, spins on its ring for at most the spin budget
-        (holding the loop); else parks until a wake pipe's callback has read something. Raises
-        EngineDeadError (or the output reader's error) as vLLM's does."""
+        at once; else, with one engine, its reader spins on the ring for at most the spin
+        budget (holding the loop), then parks until the wake pipe's callback has read
+        something. Raises EngineDeadError (or the output reader's error) as vLLM's does."""
         self._ensure_output_queue_task()
         readers = self._readers
         inbox = self.outputs_queue
         items = inbox.items
         if not items and readers:
-            for reader in readers:
-                reader.read_now()
-            # Several engines: no spin. It would be a Python loop over their rings holding
-            # the loop and the GIL; their wake-ups (and each engine's early one) serve.
-            if not items and len(readers) == 1 and not self._remote and readers[0].spin_for_output():
+            if len(readers) == 1 and not self._remote:
+                await readers[0].loop_reader.wait(items.__len__, None)
+            else:
+                # Several engines: no spin. It would be a Python loop over their rings
+                # holding the loop and the GIL; their wake-ups (and each engine's early
+                # one) serve.
                 for reader in readers:
-                    reader.read_now()
-        while not items:
-            waiter = asyncio.get_running_loop().create_future()
-            inbox.waiter = waiter
-            for reader in readers:
-                if reader.arm_prewake():
-                    reader.link.parked_flag[0] = 1  # its engine may now wake us before it publishes
-            try:
-                await waiter
-            finally:
-                inbox.waiter = None
-                for reader in readers:
-                    reader.link.parked_flag[0] = 0
+                    reader.loop_reader.read_now(0.0)
+                while not items:
+                    if any(reader.stopped for reader in readers):
+                        raise EngineDeadError()  # its error was taken by an earlier call
+                    await park_all(readers, inbox.parking)
+        while not items:  # no ring reader yet: vLLM's socket task (ENGINE_CORE_DEAD) only
+            await inbox.parking.park(asyncio.get_running_loop(), None)
         outputs = items.popleft()
         if isinstance(outputs, Exception):
             raise self._format_exception(outputs) from None
@@ -208,7 +205,7 @@ class _AsyncRings(_LinkIO):
 
     def _fail_readers_soon(self) -> None:
         for task, reader in zip(self._ring_tasks, self._readers):
-            _on_its_loop(task, reader._fail, EngineDeadError())
+            _on_its_loop(task, reader.fail, EngineDeadError())
 
 
 class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):

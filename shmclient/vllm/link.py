@@ -141,7 +141,7 @@ class _Link:
                     self.parked = Segment.attach(frontend_spec.parked)
                 notify_attached(frontend_spec.attached_pipe)
             elif wake_fd and settings.prewake:
-                # One byte the engine reads: 1 while get_output_async is parked (see _AsyncReader).
+                # One byte the engine reads: 1 while get_output_async is parked (reader._EarlyWake).
                 self.parked = Segment.create(PAGE_BYTES, prefix="shmc-vllm-parked")
             # The engine learns which process this is from the first record.
             self.channel.send_nowait(wire.HELLO, msgspec.msgpack.encode(os.getpid()))

@@ -1,11 +1,12 @@
 """How the plug-in's async clients read their engines' output rings on the event loop.
 
 Imports vLLM's client module (its utility-reply helper) and exceptions, the ring's spin
-gate, ``shmclient.doorbell`` and the plug-in's ``link``; no waiting module (nothing here
-blocks). ``_AsyncReader`` reads one output ring on the loop's thread, from
-``get_output_async`` (the fast path) and from the wake pipe's reader callback, and
-dispatches as vLLM's output task does into one ``_Inbox`` shared by every engine's
-reader; ``_own_reader`` is the task that owns the callback and the engine's pidfd.
+gate, ``shmclient.waiting`` and the plug-in's ``link``; no ring end. Each engine's ring is
+read by ``waiting.LoopReader`` with the plug-in's options: ``_EngineReader`` passes it
+vLLM's dispatch (what vLLM's output task does with a batch, into one ``_Inbox`` shared by
+every engine's reader, whose ``Parking`` they share) and the engine's early wake-up
+(``_EarlyWake``, over the one-byte "parked" flag); ``_own_reader`` is the task that owns
+the reader's callback and the engine's pidfd.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from time import monotonic, perf_counter
+import threading
+from time import monotonic
 
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .. import _ring
+from .. import _ring, waiting
 from ..channel import BadMessage
 from ..doorbell import Spin
-from ..errors import ClientClosedError, PeerDeadError
 from .link import _env_float, _Link
 
 #: How long (µs) get_output_async may spin on the output ring, holding the event loop,
@@ -33,23 +34,19 @@ ASYNC_SPIN_US = 50.0
 
 class _Inbox:
     """Stands in for vLLM's ``outputs_queue`` (an asyncio.Queue): outputs and errors in
-    order, and at most one parked ``get_output_async``, woken by ``put_nowait`` or by the
-    ring reader. Used from the loop's thread only (as vLLM's queue is)."""
+    order; ``put_nowait`` (vLLM's socket task, a failing reader) wakes the tasks parked in
+    ``parking``, which the ring readers wake after each read. Loop thread only (as vLLM's
+    queue)."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "parking")
 
     def __init__(self) -> None:
         self.items: collections.deque = collections.deque()
-        self.waiter: asyncio.Future | None = None
+        self.parking = waiting.Parking()
 
     def put_nowait(self, item) -> None:
         self.items.append(item)
-        self.wake()
-
-    def wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self.parking.wake()
 
     def empty(self) -> bool:
         return not self.items
@@ -58,52 +55,84 @@ class _Inbox:
         return len(self.items)
 
 
-class _AsyncReader:
-    """Reads the output ring on the event loop's thread, from ``get_output_async`` (the
-    fast path) and from the wake pipe's reader callback (a parked waiter, utility replies
-    nobody awaits as outputs). Dispatches as vLLM's output task does."""
+class _EarlyWake:
+    """The engine's early wake-up of a parked task (``waiting.EarlyWake``): while armed,
+    the "parked" flag is 1; the engine clears it and writes the wake byte as its scheduler
+    starts a step's outputs, so the task's wake-up overlaps the engine's encoding. It pays
+    only by a spin for the publish: armed only where the spin gate lets this process spin
+    now, and backed off (probing now and then) when those spins miss."""
+
+    def __init__(self, link: _Link, spin_s: float) -> None:
+        self.link = link
+        self.spin = Spin(spin_s)
+        self.armed = False
+        self.hits = self.misses = 0
+
+    def arm(self) -> None:
+        spin = self.spin
+        if not _ring.gate.allows(monotonic()):
+            self.armed = False  # spinning does not pay on this host now: one wake per batch
+        elif spin.budget <= 0.0:
+            spin.after(False, 0.0)  # backed off: counts towards the next probe
+            self.armed = False
+        else:
+            self.armed = True
+            self.link.parked_flag[0] = 1
+
+    def disarm(self) -> None:
+        self.link.parked_flag[0] = 0
+
+    def fired(self) -> float:
+        if self.armed and not self.link.parked_flag[0]:  # the engine cleared it: its early wake
+            self.armed = False
+            return self.spin.base
+        return 0.0
+
+    def after(self, paid: bool) -> None:
+        self.spin.after(paid, 0.0)
+        if paid:
+            self.hits += 1
+        else:
+            self.misses += 1
+
+
+class _EngineReader:
+    """One engine's output ring, read on the loop's thread by a ``waiting.LoopReader``
+    (from ``get_output_async``, and from the wake pipe's callback: a parked task, utility
+    replies nobody awaits as outputs). Dispatches as vLLM's output task does. A failure
+    (the engine's death, a broken channel, an output that does not decode) stops it and
+    queues the error, after what the engine wrote before dying."""
 
     def __init__(self, client_ref, link: _Link, inbox: _Inbox, utility_results, handler=None) -> None:
         self.client_ref = client_ref
         self.link = link
-        self.channel = link.channel
         #: vLLM's per-output hook of the client class (its DP clients'), or None
         self.handler = handler
         self.inbox = inbox
         self.utility_results = utility_results
         self.stopped = False
         self.failed: asyncio.Future | None = None  # set by the owning task
-        self.parked_at: float | None = None
-        self.spin = Spin(_env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6)
-        # Whether the engine's early wake-up pays: spins after it that end in the
-        # outputs. Backs off (and probes now and then) like the rings' own spins.
-        self.prewake = Spin(self.spin.base if link.parked is not None else 0.0)
-        self.armed = False
-        self.prewake_hits = self.prewake_misses = 0
-        self.wakes = self.empty_wakes = 0  # callbacks; those that found nothing to do
+        spin_s = _env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6
+        self.early = _EarlyWake(link, spin_s) if link.parked is not None else None
+        self.loop_reader = waiting.LoopReader(
+            link.channel, self._dispatch_batch, lead=threading.Lock(), closed=self._stopped,
+            dead=_never, dead_error=EngineDeadError, broken=self.fail, spin_s=spin_s, early=self.early)
+        self.loop_reader.parking = inbox.parking
 
-    def read_now(self) -> int:
-        """Decode and dispatch every message the ring holds now; never blocks. On a dead
-        or closed channel the error goes to the inbox (once) and the callback stops."""
-        if self.stopped:
-            return 0
-        try:
-            messages = self.channel.try_recv()
-        except (PeerDeadError, ClientClosedError):
-            self._fail(EngineDeadError())
-            return 0
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            self._fail(e)
-            return 0
+    def _stopped(self) -> bool:
+        return self.stopped
+
+    def _dispatch_batch(self, got) -> None:
         link = self.link
-        for rtype, outputs in messages:
+        for rtype, outputs in got:
+            if self.stopped:
+                break
             if link.on_control(rtype, outputs):
                 continue
             if isinstance(outputs, BadMessage):  # as vLLM's output task: the error ends it
-                self._fail(RuntimeError(f"an engine output did not decode: {outputs.error}"))
+                self.fail(RuntimeError(f"an engine output did not decode: {outputs.error}"))
                 break
             self._dispatch(outputs)
-        return len(messages)
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         from vllm.v1.engine import FT_STATUS_CALL_ID
@@ -124,86 +153,36 @@ class _AsyncReader:
             if outputs.outputs or outputs.scheduler_stats:
                 self.inbox.items.append(outputs)
 
-    def spin_for_output(self) -> bool:
-        """Spin (holding the loop) until a record is there, for at most the adaptive
-        budget, never more than the configured spin; True if one came."""
-        spin = self.spin
-        budget = min(spin.budget, spin.base)
-        if budget <= 0.0:
-            spin.after(False, 0.0)  # counts towards the next probe
-            return False
-        if self._spin_until(budget):
-            spin.after(True, 0.0)
-            return True
-        self.parked_at = perf_counter()
-        return False
-
-    def arm_prewake(self) -> bool:
-        """Whether to let the engine wake this parked task early (see ``on_readable``)."""
-        prewake = self.prewake
-        if not _ring.gate.allows(monotonic()):
-            # the early wake-up pays only by a spin for the publish, and the spin gate
-            # says spinning does not pay on this host now: one wake per batch instead
-            self.armed = False
-        elif prewake.budget <= 0.0:
-            prewake.after(False, 0.0)  # backed off: counts towards the next probe
-            self.armed = False
-        else:
-            self.armed = True
-        return self.armed
-
-    def _spin_until(self, budget: float) -> bool:
-        # The ring's own spin: it stops at once where the spin gate says spinning does
-        # not pay on this host now (shmclient/_spin_gate.h), and never sleeps here.
-        channel = self.channel
-        if channel.readable():
-            return True
-        if budget <= 0.0:
-            return False
-        return channel.wait_recv(0.0, spin=budget) and channel.readable()
-
-    def on_readable(self) -> None:
-        # Read before re-arming: re-arming first would write a byte for the record that
-        # woke us while it is still unread, and wake us once more for nothing. Read,
-        # then re-arm: a record published in between is seen by the re-arm (it writes
-        # the byte itself), so no wake-up is lost.
-        self.wakes += 1
-        n = self.read_now()
-        try:
-            self.channel.arm_recv()
-        except (ClientClosedError, OSError):
-            pass
-        inbox = self.inbox
-        waiter = inbox.waiter
-        if not n and waiter is not None and not inbox.items and self.armed and not self.link.parked_flag[0]:
-            # The engine cleared our parked flag: its early wake-up, it is about to
-            # publish. Spin for it for at most the configured spin; else the publish
-            # wakes us again.
-            self.armed = False
-            if self._spin_until(self.prewake.base):
-                n = self.read_now()
-                self.prewake.after(True, 0.0)
-                self.prewake_hits += 1
-            else:
-                self.prewake.after(False, 0.0)
-                self.prewake_misses += 1
-        elif not n:
-            self.empty_wakes += 1
-        if n and waiter is not None:
-            inbox.wake()
-            parked_at = self.parked_at
-            if parked_at is not None:
-                # Woken just after the spin gave up: the spin policy stretches or backs off.
-                self.spin.after_block(perf_counter() - parked_at)
-                self.parked_at = None
-
-    def _fail(self, e: BaseException) -> None:
+    def fail(self, e: BaseException, remains: bool = False) -> None:
+        """Stop reading and queue ``e`` (once); with ``remains``, what the ring still
+        holds (the engine's last outputs) is dispatched first. Loop thread only."""
         if self.stopped:
             return
+        if remains:
+            while self.loop_reader.read_now(0.0):
+                pass
         self.stopped = True
+        self.loop_reader.unwatch_hook()()
         if self.failed is not None and not self.failed.done():
             self.failed.set_result(None)
         self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
+
+
+def _never() -> bool:
+    return False
+
+
+async def park_all(readers: "list[_EngineReader]", parking: waiting.Parking) -> None:
+    """Park the running task until a reader (or vLLM's socket task) brings something,
+    each engine's early wake-up armed meanwhile."""
+    early = [r.early for r in readers if r.early is not None]
+    for e in early:
+        e.arm()
+    try:
+        await parking.park(asyncio.get_running_loop(), None)
+    finally:
+        for e in early:
+            e.disarm()
 
 
 def _run_to_end(coro) -> None:
@@ -217,11 +196,12 @@ def _run_to_end(coro) -> None:
     raise RuntimeError("shmclient.vllm: vLLM's output hook awaited; this vLLM's DP client is not supported")
 
 
-def _watch_engine(loop: asyncio.AbstractEventLoop, reader: _AsyncReader) -> int | None:
+def _watch_engine(loop: asyncio.AbstractEventLoop, reader: _EngineReader) -> int | None:
     """Watch the engine's process (a pidfd, readable once it has exited): when it dies,
-    the client is dead and the reader fails at once. vLLM's own engine monitor notices
-    too, but with several engines it first waits for the others to stop (seconds) before
-    failing the client. None where the kernel has no pidfd (vLLM's monitor then)."""
+    the client is dead and the reader fails at once (after the engine's last outputs).
+    vLLM's own engine monitor notices too, but with several engines it first waits for
+    the others to stop (seconds) before failing the client. None where the kernel has no
+    pidfd (vLLM's monitor then)."""
     pid = reader.link.engine_pid
     if pid is None or not hasattr(os, "pidfd_open"):
         return None
@@ -235,21 +215,21 @@ def _watch_engine(loop: asyncio.AbstractEventLoop, reader: _AsyncReader) -> int 
         client = reader.client_ref()
         if client is not None:
             client.resources.engine_dead = True
-        reader._fail(EngineDeadError())
+        reader.fail(EngineDeadError(), remains=True)
 
     loop.add_reader(pidfd, exited)
     return pidfd
 
 
-async def _own_reader(reader: _AsyncReader) -> None:
-    """Own the wake pipe's reader callback: in place until the reader fails or the task
-    is cancelled (shutdown); then fail pending utility calls, remove the callback and
-    close the channel, on the loop."""
+async def _own_reader(reader: _EngineReader) -> None:
+    """Own the reader's callback: in place until the reader fails or the task is
+    cancelled (shutdown); then fail pending utility calls, stop watching and close the
+    channel, on the loop."""
     loop = asyncio.get_running_loop()
-    fd = reader.channel.recv_fd()
     reader.failed = failed = loop.create_future()
-    inbox = reader.inbox
-    loop.add_reader(fd, reader.on_readable)
+    loop_reader = reader.loop_reader
+    if loop_reader.loop is None:
+        loop_reader.bind(loop)
     pidfd: int | None = None
 
     def watch() -> None:  # now, or once the engine's HELLO has named it (a launcher's engine)
@@ -261,11 +241,10 @@ async def _own_reader(reader: _AsyncReader) -> None:
     watch()
     try:
         if not reader.stopped:
-            reader.on_readable()  # whatever arrived before the callback was in place
+            loop_reader.on_readable()  # whatever arrived before the callback was in place
             await failed  # the error is in the inbox already
     except asyncio.CancelledError:
-        reader.stopped = True
-        inbox.put_nowait(EngineDeadError())
+        reader.fail(EngineDeadError())
     finally:
         failed.cancel()
         utility_results = reader.utility_results
@@ -273,7 +252,7 @@ async def _own_reader(reader: _AsyncReader) -> None:
             future = utility_results.pop(call_id, None)
             if future is not None and not future.done():
                 future.set_exception(EngineDeadError())
-        loop.remove_reader(fd)
+        loop_reader.unwatch_hook()()
         reader.link.on_engine_pid = None
         if pidfd is not None:
             loop.remove_reader(pidfd)
