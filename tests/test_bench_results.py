@@ -1,0 +1,126 @@
+"""The sections' typed results: each comes back from a section's output file as its own
+type (``shmclient_bench.sections``), encodes to the JSON layout results.json holds,
+renders the same table from its JSON form, and a skipped section reads back as skipped.
+Made-up figures only: nothing here measures."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from shmclient.stats import RingStatistics
+from shmclient_bench import contention, dp, fairness, ring, sections
+from shmclient_bench.contention_results import Cell, Contention, RoundTrips
+from shmclient_bench.dp_results import (BalanceAlternating, BalancePinned, DpBench, Overhead, Rate,
+                                        RequestRate, Settings)
+from shmclient_bench.fairness_results import Fairness, Lateness
+from shmclient_bench.ring_results import RingBench, RoundTrip, Stream, Throughput, WakePipe
+from shmclient_bench.section_results import SectionHost, Skipped, typed
+
+
+def ring_bench() -> RingBench:
+    trip = RoundTrip(ring_p50_us=2.0, ring_p99_us=4.0, zmq_p50_us=20.0, zmq_p99_us=30.0,
+                     ratio_p50=10.0, ratio_p99=7.5, round_trips=100)
+    return RingBench(
+        machine=SectionHost(cpus=2, load_1m=0.25, python="3.11.7"), quick=True, spin_us=30.0,
+        round_trip={"64 B": trip, "1 MiB": trip},
+        throughput=Throughput(ring_64B_msgs_per_s=2e6, ring_64B_batched64_msgs_per_s=4e6,
+                              zmq_64B_msgs_per_s=5e5, ring_1MiB_GBps_zero_copy=40.0,
+                              ring_1MiB_GBps_copy_out=20.0, zmq_1MiB_GBps=4.0),
+        stream_64B=Stream(messages=1000, msgs_per_s=1.5e6, send_p50_us=0.1, send_p99_us=1.0,
+                          send_p9999_us=10.0, send_max_us=100.0, waits_on_full=3, received=1000),
+        idle_consumer_cpu_percent=0.5,
+        wake_pipe=WakePipe(without_pipe_ns=70.0, with_pipe_ns=80.0, extra_ns_per_batch=10.0),
+        ring_stats_after_round_trips=RingStatistics(*range(1, 17)),
+    )
+
+
+def contention_result() -> Contention:
+    def cell(shm: float, zmq: float) -> Cell:
+        s, z = RoundTrips(shm, shm * 3, 800), RoundTrips(zmq, zmq * 2, 800)
+        return Cell(sync_shm=s, sync_zmq=z, async_shm=s, async_zmq=z, wall_s=1.5,
+                    sync_target_met=shm <= zmq, async_target_met=False)
+    return Contention(cells={"busy_0": cell(50.0, 200.0), "quota_1cpu": cell(90.0, 80.0)},
+                      notes=["a note"], machine=SectionHost(cpus=2, load_1m=1.0),
+                      all_targets_met=False)
+
+
+def fairness_result() -> Fairness:
+    def late(p50: float, batches: int | None = None) -> Lateness:
+        return Lateness(p50_us=p50, p99_us=p50 * 2, max_us=p50 * 10, n=1500, output_batches=batches)
+    return Fairness(tick_ms=1.0, step_ms=0.5, loop_alone=late(100.0), shm_idle=late(103.0),
+                    shm_busy=late(286.0, 900), zmq_idle=late(135.0), zmq_busy=late(458.0, 800),
+                    machine=SectionHost(cpus=2, load_1m=0.5))
+
+
+def dp_bench() -> DpBench:
+    return DpBench(
+        settings=Settings(requests=64, max_tokens=16, rounds=2, step_delay_s=0.005, max_num_seqs=8),
+        throughput={"async_1_engine": Rate(92.0, 1472.0, (91.0, 93.0)),
+                    "dp_lb_2_engines": Rate(184.0, 2944.0, (180.0, 188.0))},
+        speedup_2_vs_1_engine=2.0, dp_layer_cost=1.01,
+        balance_pinned=BalancePinned(pinned_to_rank_0=1 / 3, request_share=(0.5, 0.5),
+                                     token_share=(0.5, 0.5), round_robin_request_share=(2 / 3, 1 / 3),
+                                     elapsed_s=1.0),
+        balance_alternating=BalanceAlternating(long_tokens=64, short_tokens=2, request_share=(0.5, 0.5),
+                                               token_share=(0.49, 0.51),
+                                               round_robin_token_share=(64 / 66, 2 / 66), elapsed_s=1.0),
+        overhead_no_delay=Overhead(requests=1024, async_1_engine=RequestRate(27851.0, (27851.0,)),
+                                   dp_lb_1_engine=RequestRate(27149.0, (27149.0,)),
+                                   us_per_request_added=0.9),
+        machine=SectionHost(cpus=2, load_1m=0.5),
+    )
+
+
+#: (section, its module, a made-up result, lines its table must hold)
+CASES = [
+    ("ring", ring, ring_bench, ["      64 B |       2.0       4.0 |      20.0      30.0 |        10.0x   7.5x",
+                                "idle consumer: 0.50 % of a core"]),
+    ("contention", contention, contention_result, ["note: a note"]),
+    ("fairness", fairness, fairness_result, ["              shm busy |     286     572     2860"]),
+    ("dp", dp, dp_bench, ["2 engines vs 1: 2.00x; DP layer over AsyncMPClient, 1 engine: 1.01x",
+                          "  alternating 64 and 2 tokens: tokens 0.49 / 0.51 (round robin, and vLLM's "
+                          "score alone: 0.97 / 0.03), requests 0.50 / 0.50"]),
+]
+
+
+@pytest.mark.parametrize("name, module, make, lines", CASES, ids=[c[0] for c in CASES])
+def test_a_sections_result_comes_back_as_its_type_and_renders_the_same(tmp_path, name, module, make, lines):
+    result = make()
+    table = module.report(result)
+    for line in lines:
+        assert line in table.splitlines(), table
+    path = tmp_path / "out.json"
+    path.write_bytes(sections.ENCODER.encode(sections.SectionOutput(result=result, table=table)))
+    got = sections.read_output(name, str(path))
+    assert type(got.result) is sections.RESULT_TYPES[name] and got.result == result
+    assert got.skipped is None and got.table == table
+    # Its JSON form (the section's entry of results.json) renders the same table.
+    as_json = json.loads(msgspec.json.encode(result))
+    assert module.report(as_json) == table
+
+
+def test_the_ring_and_contention_results_keep_their_json_layout():
+    data = json.loads(msgspec.json.encode(ring_bench()))
+    assert data["round_trip"]["64 B"]["zmq_p50_us"] == 20.0
+    assert data["ring_stats_after_round_trips"]["capacity"] == 1
+    assert data["machine"] == {"cpus": 2, "load_1m": 0.25, "python": "3.11.7"}
+    cell = json.loads(msgspec.json.encode(contention_result()))["cells"]["busy_0"]
+    assert list(cell) == ["sync-shm", "sync-zmq", "async-shm", "async-zmq", "wall_s",
+                          "sync_target_met", "async_target_met"]
+    fair = json.loads(msgspec.json.encode(fairness_result()))
+    assert "output_batches" not in fair["shm_idle"] and fair["shm_busy"]["output_batches"] == 900
+
+
+def test_a_result_of_the_wrong_shape_is_refused_not_guessed():
+    with pytest.raises(msgspec.ValidationError):
+        dp.report({"settings": {"requests": 8}})
+    with pytest.raises(msgspec.ValidationError):
+        typed({"round_trip": {}}, RingBench)
+    assert typed(ring_bench(), RingBench) is not None
+
+
+def test_skipped_encodes_with_its_status():
+    assert json.loads(msgspec.json.encode(Skipped("no vLLM"))) == {"status": "skipped", "reason": "no vLLM"}
