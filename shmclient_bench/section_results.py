@@ -39,4 +39,4 @@ def typed(value: object, cls: type[T]) -> T:
     """``value`` as the section result type ``cls``: itself when it is one already, else
     read from its JSON form (the section's entry of a results.json, say); raises
     ``msgspec.ValidationError`` when it does not fit."""
-    return value if isinstance(value, cls) else msgspec.convert(value, cls)  # type: ignore[return-value]
+    return value if isinstance(value, cls) else msgspec.convert(value, cls, str_keys=True)  # type: ignore[return-value]

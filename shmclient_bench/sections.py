@@ -28,7 +28,9 @@ from .dp_results import DpBench
 from .fairness_results import Fairness
 from .ring_results import RingBench
 from .section_results import Skipped
+from .serving_results import ServingResult
 from .tensor_results import TensorSweep
+from .vllm_results import VllmResult
 
 T = TypeVar("T")
 
@@ -50,6 +52,8 @@ RESULT_TYPES: dict[str, Any] = {
     "contention": Contention,
     "fairness": Fairness,
     "dp": DpBench,
+    "vllm": VllmResult,
+    "serving": ServingResult,
 }
 
 

