@@ -26,9 +26,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .clients import ConfigSpec, Session
+from .client_configs import ConfigSpec
 from .contention_results import Cell, Contention, RoundTrips
 from .section_results import SectionHost, typed
+from .session import Session
 
 BUSY = "while True: pass"
 KINDS = ("sync-shm", "sync-zmq", "async-shm", "async-zmq")
