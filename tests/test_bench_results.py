@@ -121,7 +121,8 @@ def test_a_result_of_the_wrong_shape_is_refused_not_guessed():
         dp.report({"settings": {"requests": 8}})
     with pytest.raises(msgspec.ValidationError):
         typed({"round_trip": {}}, RingBench)
-    assert typed(ring_bench(), RingBench) is not None
+    made = ring_bench()
+    assert typed(made, RingBench) is made
 
 
 def test_every_section_run_in_a_child_has_a_result_type():
@@ -178,3 +179,44 @@ def test_the_vllm_section_is_skipped_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
     got = vllm.run(True)
     assert isinstance(got, Skipped) and got.reason.startswith("vLLM is not installed")
+
+
+def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
+    """``_child`` with the engines replaced by made-up timings: each configuration's two
+    passes (a full run) merged, summed up per part as percentiles in a VllmComparison."""
+    import types
+
+    from shmclient_bench import vllm_engines
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.0-made-up"
+    plugins = types.ModuleType("vllm.plugins")
+    plugins.load_general_plugins = lambda: None
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.plugins", plugins)
+    monkeypatch.setenv("SHMCLIENT_VLLM", "0")  # _child sets it; restored afterwards
+    calls: list[tuple[str, str]] = []
+
+    def timing(kind: str):
+        def bench(model, transport, rounds, tokens, engine_kw=None):
+            calls.append((kind, transport))
+            t = vllm_engines._Timing()
+            t.hops += [100e-6, 300e-6]  # s
+            t.record(1, 0.0, 0.010, 0.010 + 0.002 * (tokens - 1), tokens)
+            t.record(16, 0.0, 0.030, 0.030 + 0.004 * (tokens - 1), tokens)
+            return t
+        return bench
+
+    monkeypatch.setattr(vllm_engines, "_bench_sync", timing("sync"))
+    monkeypatch.setattr(vllm_engines, "_bench_async", timing("async"))
+    monkeypatch.setattr(vllm_engines, "_pinned_busy", lambda n: [])
+    got = vllm_engines._child(False, ("quiet", "dp"))
+    assert got.vllm_version == "0.0-made-up" and got.passes == 2 and got.busy is None
+    assert len(calls) == 2 * (len(vllm_engines.CONFIGS) + len(vllm_engines.DP_CONFIGS))
+    assert list(got.configs) == [f"{k}-{t}" for k, t in vllm_engines.CONFIGS]
+    shm = got.configs["sync-shm"]
+    assert shm.hop_us.n == 4 and shm.hop_us.p50 == pytest.approx(200.0)  # both passes, in µs
+    assert shm.ttft_ms[1].p50 == pytest.approx(10.0) and shm.tpot_ms[16].p50 == pytest.approx(4.0)
+    assert got.dp.engines == vllm_engines.DP and set(got.dp.configs) == {"async-stock", "async-shm"}
+    back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
+    assert back == got and vllm.format_table(back).startswith("vLLM 0.0-made-up, tiny dummy Llama")
