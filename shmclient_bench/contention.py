@@ -1,8 +1,8 @@
 """Round trips on a busy host: shm against zmq, sync and async clients, over a matrix of
 host states, in one run.
 
-Run ``python -m shmclient_bench.contention [--quick]``; ``run(quick)`` returns a JSON-able
-dict. The states: 0, 1, 2, 3 busy processes (and, on a bigger host, as many as there are
+Run ``python -m shmclient_bench.contention [--quick]``; ``run(quick)`` returns a
+``Contention`` (``shmclient_bench.contention_results``). The states: 0, 1, 2, 3 busy processes (and, on a bigger host, as many as there are
 CPUs and one more), each a plain ``while True: pass`` process running for the whole cell;
 and a 1-CPU CPU quota (``cpu.cfs_quota_us`` = period on cgroup v1, ``cpu.max`` on v2) over
 this process and every engine, when this runs as root with that controller (otherwise
@@ -26,7 +26,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .clients import ConfigSpec, Session
+from .client_configs import ConfigSpec
+from .contention_results import Cell, Contention, RoundTrips
+from .section_results import SectionHost, typed
+from .session import Session
 
 BUSY = "while True: pass"
 KINDS = ("sync-shm", "sync-zmq", "async-shm", "async-zmq")
@@ -135,7 +138,7 @@ def _pct(ns: list[int], q: float) -> float:
     return float(np.percentile(np.asarray(ns, dtype=np.float64), q)) / 1e3
 
 
-def _cell(sessions: dict[str, Session], n: int, rounds: int, warm: int) -> dict[str, Any]:
+def _cell(sessions: dict[str, Session], n: int, rounds: int, warm: int) -> Cell:
     lat: dict[str, list[int]] = {k: [] for k in sessions}
     for k, s in sessions.items():
         s.latency_block(warm, 0)
@@ -144,43 +147,43 @@ def _cell(sessions: dict[str, Session], n: int, rounds: int, warm: int) -> dict[
         order = list(sessions) if r % 2 == 0 else list(reversed(sessions))
         for k in order:
             lat[k] += sessions[k].latency_block(n, 0)
-    out: dict[str, Any] = {
-        k: {"p50_us": _pct(v, 50), "p99_us": _pct(v, 99), "n": len(v)} for k, v in lat.items()
-    }
-    out["wall_s"] = time.perf_counter() - t0
-    for mode in ("sync", "async"):
-        shm, zmq = out[f"{mode}-shm"], out[f"{mode}-zmq"]
-        out[f"{mode}_target_met"] = bool(
-            shm["p50_us"] <= zmq["p50_us"] and shm["p99_us"] <= P99_SLACK * zmq["p99_us"]
-        )
-    return out
+    wall_s = time.perf_counter() - t0
+    trips = {k: RoundTrips(p50_us=_pct(v, 50), p99_us=_pct(v, 99), n=len(v)) for k, v in lat.items()}
+
+    def met(mode: str) -> bool:
+        shm, zmq = trips[f"{mode}-shm"], trips[f"{mode}-zmq"]
+        return bool(shm.p50_us <= zmq.p50_us and shm.p99_us <= P99_SLACK * zmq.p99_us)
+
+    return Cell(sync_shm=trips["sync-shm"], sync_zmq=trips["sync-zmq"], async_shm=trips["async-shm"],
+                async_zmq=trips["async-zmq"], wall_s=wall_s, sync_target_met=met("sync"),
+                async_target_met=met("async"))
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False) -> Contention:
     n, rounds, warm = (200, 4, 50) if quick else (500, 6, 100)
     ncpu = os.cpu_count() or 1
-    res: dict[str, Any] = {"cells": {}, "notes": [], "machine": {"cpus": ncpu}}
+    cells: dict[str, Cell] = {}
+    notes: list[str] = []
     sessions: dict[str, Session] = {}
     try:
         for k in KINDS:
             sessions[k] = Session(ConfigSpec(k, "mock"))
         for b in busy_counts(ncpu):
             with busy(b):
-                res["cells"][f"busy_{b}"] = _cell(sessions, n, rounds, warm)
+                cells[f"busy_{b}"] = _cell(sessions, n, rounds, warm)
         pids = [os.getpid()] + [s.engine_pid for s in sessions.values() if s.engine_pid]
         try:
             with cpu_quota(pids, 1.0):
-                res["cells"]["quota_1cpu"] = _cell(sessions, n, rounds, warm)
+                cells["quota_1cpu"] = _cell(sessions, n, rounds, warm)
         except (OSError, RuntimeError) as e:
-            res["notes"].append(f"1-CPU quota cell skipped: {e}")
+            notes.append(f"1-CPU quota cell skipped: {e}")
     finally:
         for s in sessions.values():
             s.close()
-    res["machine"]["load_1m"] = os.getloadavg()[0]
-    res["all_targets_met"] = all(
-        c[f"{m}_target_met"] for c in res["cells"].values() for m in ("sync", "async")
+    return Contention(
+        cells=cells, notes=notes, machine=SectionHost(cpus=ncpu, load_1m=os.getloadavg()[0]),
+        all_targets_met=all(c.target_met(m) for c in cells.values() for m in ("sync", "async")),
     )
-    return res
 
 
 def _label(cell: str) -> str:
@@ -189,7 +192,9 @@ def _label(cell: str) -> str:
     return f"{cell.split('_')[1]} busy"
 
 
-def report(res: dict) -> str:
+def report(res: Contention | dict[str, Any]) -> str:
+    """The section's table; ``res`` a ``Contention`` or its JSON form."""
+    res = typed(res, Contention)
     lines = [
         "round trip of a 1-token request (µs), mock model, shm vs zmq in the same run; target: "
         f"shm p50 <= zmq p50 and shm p99 <= {P99_SLACK} x zmq p99",
@@ -197,17 +202,17 @@ def report(res: dict) -> str:
         f"{'host':>12} | {'sync shm p50':>12} {'p99':>8} | {'zmq p50':>8} {'p99':>8} | {'target':>6} |"
         f" {'async shm p50':>13} {'p99':>8} | {'zmq p50':>8} {'p99':>8} | {'target':>6}",
     ]
-    for cell, c in res.get("cells", {}).items():
+    for cell, c in res.cells.items():
         row = f"{_label(cell):>12} |"
         for mode, w in (("sync", 12), ("async", 13)):
-            s, z = c[f"{mode}-shm"], c[f"{mode}-zmq"]
-            ok = "met" if c[f"{mode}_target_met"] else "NOT met"
+            s, z = c.pair(mode)
+            ok = "met" if c.target_met(mode) else "NOT met"
             row += (
-                f" {s['p50_us']:{w}.1f} {s['p99_us']:8.1f} | {z['p50_us']:8.1f} {z['p99_us']:8.1f} |"
+                f" {s.p50_us:{w}.1f} {s.p99_us:8.1f} | {z.p50_us:8.1f} {z.p99_us:8.1f} |"
                 f" {ok:>6}" + (" |" if mode == "sync" else "")
             )
         lines.append(row)
-    lines += [f"note: {x}" for x in res.get("notes", [])]
+    lines += [f"note: {x}" for x in res.notes]
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Data parallelism: requests/s with one and two engines, and the balance under a skewed
 load, with the mock model and a fixed per-step delay that stands in for a GPU step.
 
-Run ``python -m shmclient_bench.dp [--quick]``; ``run(quick)`` returns a JSON-able dict.
+Run ``python -m shmclient_bench.dp [--quick]``; ``run(quick)`` returns a ``DpBench``
+(``shmclient_bench.dp_results``).
 Each engine runs at most ``max_num_seqs`` requests at once and sleeps ``step_delay_s``
 per step, as a saturated GPU would take its step time whatever the host does; the
 sleeping engines leave the CPUs to the frontend, so that the scaling from one engine to
@@ -28,6 +29,10 @@ from typing import Any
 
 from shmclient import EngineCoreRequest, SamplingParams, make_async_mp_client
 from shmclient.config import EngineConfig
+
+from .dp_results import (BalanceAlternating, BalancePinned, DpBench, Overhead, Rate, RequestRate,
+                         Settings)
+from .section_results import SectionHost, typed
 
 STEP_DELAY_S = 0.005
 MAX_NUM_SEQS = 8
@@ -64,24 +69,23 @@ async def _burst(client: Any, reqs: list[EngineCoreRequest]) -> dict[str, Any]:
     return {"elapsed_s": time.perf_counter() - t0, "requests": requests, "tokens": tokens}
 
 
-def _shares(counts: dict[int, int], n: int) -> list[float]:
+def _shares(counts: dict[int, int]) -> tuple[float, float]:
+    """The shares of rank 0 and rank 1 in ``counts``."""
     total = sum(counts.values()) or 1
-    return [counts.get(i, 0) / total for i in range(n)]
+    return counts.get(0, 0) / total, counts.get(1, 0) / total
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False) -> DpBench:
     n_req, tokens, rounds = (64, 16, 2) if quick else (256, 32, 3)
     configs = {
         "async_1_engine": (_config(1), False),
         "dp_lb_1_engine": (_config(1), True),
         "dp_lb_2_engines": (_config(2), True),
     }
-    res: dict[str, Any] = {
-        "settings": {"requests": n_req, "max_tokens": tokens, "rounds": rounds,
-                     "step_delay_s": STEP_DELAY_S, "max_num_seqs": MAX_NUM_SEQS},
-    }
+    settings = Settings(requests=n_req, max_tokens=tokens, rounds=rounds, step_delay_s=STEP_DELAY_S,
+                        max_num_seqs=MAX_NUM_SEQS)
 
-    async def main() -> None:
+    async def main() -> tuple[dict[str, Rate], BalancePinned, BalanceAlternating]:
         from shmclient.client_dp import DPLBAsyncMPClient
 
         clients: dict[str, Any] = {}
@@ -97,41 +101,37 @@ def run(quick: bool = False) -> dict:
                     got = await _burst(clients[name],
                                        [_req(f"t{r}-{name}-{i}", tokens) for i in range(n_req)])
                     rates[name].append(n_req / got["elapsed_s"])
-            res["throughput"] = {
-                k: {"requests_per_s": statistics.median(v), "tokens_per_s": statistics.median(v) * tokens,
-                    "rounds": v}
+            throughput = {
+                k: Rate(requests_per_s=statistics.median(v), tokens_per_s=statistics.median(v) * tokens,
+                        rounds=tuple(v))
                 for k, v in rates.items()
             }
-            t = res["throughput"]
-            res["speedup_2_vs_1_engine"] = (t["dp_lb_2_engines"]["requests_per_s"]
-                                            / t["async_1_engine"]["requests_per_s"])
-            res["dp_layer_cost"] = (t["dp_lb_1_engine"]["requests_per_s"]
-                                    / t["async_1_engine"]["requests_per_s"])
             lb = clients["dp_lb_2_engines"]
             pinned = [_req(f"pin-{i}", tokens, rank=0 if i % 3 == 0 else None) for i in range(n_req)]
             got = await _burst(lb, pinned)
             share0 = sum(1 for r in pinned if r.data_parallel_rank == 0) / n_req
-            res["balance_pinned"] = {
-                "pinned_to_rank_0": share0,
-                "request_share": _shares(got["requests"], 2),
-                "token_share": _shares(got["tokens"], 2),
-                "round_robin_request_share": [share0 + (1 - share0) / 2, (1 - share0) / 2],
-                "elapsed_s": got["elapsed_s"],
-            }
+            balance_pinned = BalancePinned(
+                pinned_to_rank_0=share0,
+                request_share=_shares(got["requests"]),
+                token_share=_shares(got["tokens"]),
+                round_robin_request_share=(share0 + (1 - share0) / 2, (1 - share0) / 2),
+                elapsed_s=got["elapsed_s"],
+            )
             alt = [_req(f"alt-{i}", tokens * 4 if i % 2 == 0 else 2) for i in range(n_req)]
             got = await _burst(lb, alt)
-            res["balance_alternating"] = {
-                "long_tokens": tokens * 4, "short_tokens": 2,
-                "request_share": _shares(got["requests"], 2),
-                "token_share": _shares(got["tokens"], 2),
-                "round_robin_token_share": [(tokens * 4) / (tokens * 4 + 2), 2 / (tokens * 4 + 2)],
-                "elapsed_s": got["elapsed_s"],
-            }
+            balance_alternating = BalanceAlternating(
+                long_tokens=tokens * 4, short_tokens=2,
+                request_share=_shares(got["requests"]),
+                token_share=_shares(got["tokens"]),
+                round_robin_token_share=((tokens * 4) / (tokens * 4 + 2), 2 / (tokens * 4 + 2)),
+                elapsed_s=got["elapsed_s"],
+            )
+            return throughput, balance_pinned, balance_alternating
         finally:
             for c in clients.values():
                 c.shutdown()
 
-    async def overhead() -> None:
+    async def overhead() -> Overhead:
         """The DP layer's own cost: 1-token requests, no step delay, one engine."""
         from shmclient.client_dp import DPLBAsyncMPClient
 
@@ -148,54 +148,63 @@ def run(quick: bool = False) -> dict:
                     got = await _burst(clients[name],
                                        [_req(f"o{r}-{name}-{i}", 1) for i in range(n_req * 16)])
                     rates[name].append(n_req * 16 / got["elapsed_s"])
-            res["overhead_no_delay"] = {
-                "requests": n_req * 16,
-                **{k: {"requests_per_s": statistics.median(v), "rounds": v} for k, v in rates.items()},
-            }
-            o = res["overhead_no_delay"]
-            o["us_per_request_added"] = 1e6 * (1 / o["dp_lb_1_engine"]["requests_per_s"]
-                                               - 1 / o["async_1_engine"]["requests_per_s"])
+            plain, dp = (RequestRate(requests_per_s=statistics.median(rates[k]), rounds=tuple(rates[k]))
+                         for k in ("async_1_engine", "dp_lb_1_engine"))
+            return Overhead(requests=n_req * 16, async_1_engine=plain, dp_lb_1_engine=dp,
+                            us_per_request_added=1e6 * (1 / dp.requests_per_s - 1 / plain.requests_per_s))
         finally:
             for c in clients.values():
                 c.shutdown()
 
-    asyncio.run(main())
-    asyncio.run(overhead())
-    res["machine"] = {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]}
-    return res
+    throughput, balance_pinned, balance_alternating = asyncio.run(main())
+    added = asyncio.run(overhead())
+    return DpBench(
+        settings=settings,
+        throughput=throughput,
+        speedup_2_vs_1_engine=(throughput["dp_lb_2_engines"].requests_per_s
+                               / throughput["async_1_engine"].requests_per_s),
+        dp_layer_cost=(throughput["dp_lb_1_engine"].requests_per_s
+                       / throughput["async_1_engine"].requests_per_s),
+        balance_pinned=balance_pinned,
+        balance_alternating=balance_alternating,
+        overhead_no_delay=added,
+        machine=SectionHost(cpus=os.cpu_count(), load_1m=os.getloadavg()[0]),
+    )
 
 
-def report(res: dict) -> str:
-    s = res["settings"]
+def report(res: DpBench | dict[str, Any]) -> str:
+    """The section's table; ``res`` a ``DpBench`` or its JSON form."""
+    res = typed(res, DpBench)
+    s = res.settings
     lines = [
-        f"{s['requests']} requests x {s['max_tokens']} tokens at once, mock model, "
-        f"{s['step_delay_s'] * 1e3:g} ms per step, max_num_seqs={s['max_num_seqs']} per engine",
+        f"{s.requests} requests x {s.max_tokens} tokens at once, mock model, "
+        f"{s.step_delay_s * 1e3:g} ms per step, max_num_seqs={s.max_num_seqs} per engine",
         "",
         f"{'client':>16} | {'requests/s':>10} {'tokens/s':>9}",
     ]
-    for name, t in res["throughput"].items():
-        lines.append(f"{name:>16} | {t['requests_per_s']:10.1f} {t['tokens_per_s']:9.0f}")
-    lines.append(f"2 engines vs 1: {res['speedup_2_vs_1_engine']:.2f}x; "
-                 f"DP layer over AsyncMPClient, 1 engine: {res['dp_layer_cost']:.2f}x")
-    o = res.get("overhead_no_delay")
+    for name, t in res.throughput.items():
+        lines.append(f"{name:>16} | {t.requests_per_s:10.1f} {t.tokens_per_s:9.0f}")
+    lines.append(f"2 engines vs 1: {res.speedup_2_vs_1_engine:.2f}x; "
+                 f"DP layer over AsyncMPClient, 1 engine: {res.dp_layer_cost:.2f}x")
+    o = res.overhead_no_delay
     if o:
         lines.append(
-            f"no step delay, {o['requests']} 1-token requests, 1 engine: AsyncMPClient "
-            f"{o['async_1_engine']['requests_per_s']:.0f}/s, DPLBAsyncMPClient "
-            f"{o['dp_lb_1_engine']['requests_per_s']:.0f}/s "
-            f"({o['us_per_request_added']:+.1f} us per request)")
-    p, a = res["balance_pinned"], res["balance_alternating"]
+            f"no step delay, {o.requests} 1-token requests, 1 engine: AsyncMPClient "
+            f"{o.async_1_engine.requests_per_s:.0f}/s, DPLBAsyncMPClient "
+            f"{o.dp_lb_1_engine.requests_per_s:.0f}/s "
+            f"({o.us_per_request_added:+.1f} us per request)")
+    p, a = res.balance_pinned, res.balance_alternating
     lines.append("")
     lines.append("balance, 2 engines (share of rank 0 / rank 1):")
-    lines.append(f"  pinned ({p['pinned_to_rank_0']:.0%} name rank 0): requests "
-                 f"{p['request_share'][0]:.2f} / {p['request_share'][1]:.2f} "
-                 f"(round robin {p['round_robin_request_share'][0]:.2f} / "
-                 f"{p['round_robin_request_share'][1]:.2f})")
-    lines.append(f"  alternating {a['long_tokens']} and {a['short_tokens']} tokens: tokens "
-                 f"{a['token_share'][0]:.2f} / {a['token_share'][1]:.2f} "
-                 f"(round robin, and vLLM's score alone: {a['round_robin_token_share'][0]:.2f} / "
-                 f"{a['round_robin_token_share'][1]:.2f}), requests "
-                 f"{a['request_share'][0]:.2f} / {a['request_share'][1]:.2f}")
+    lines.append(f"  pinned ({p.pinned_to_rank_0:.0%} name rank 0): requests "
+                 f"{p.request_share[0]:.2f} / {p.request_share[1]:.2f} "
+                 f"(round robin {p.round_robin_request_share[0]:.2f} / "
+                 f"{p.round_robin_request_share[1]:.2f})")
+    lines.append(f"  alternating {a.long_tokens} and {a.short_tokens} tokens: tokens "
+                 f"{a.token_share[0]:.2f} / {a.token_share[1]:.2f} "
+                 f"(round robin, and vLLM's score alone: {a.round_robin_token_share[0]:.2f} / "
+                 f"{a.round_robin_token_share[1]:.2f}), requests "
+                 f"{a.request_share[0]:.2f} / {a.request_share[1]:.2f}")
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 """Event-loop fairness of AsyncMPClient: how late a concurrent task's 1 ms sleep wakes up
 while the client waits for output, with the engine idle and busy, shm against zmq.
 
-Run ``python -m shmclient_bench.fairness [--quick]``; ``run(quick)`` returns a JSON-able
-dict. One event loop per configuration runs a "ticker" task (``await asyncio.sleep(1 ms)``
+Run ``python -m shmclient_bench.fairness [--quick]``; ``run(quick)`` returns a
+``Fairness`` (``shmclient_bench.fairness_results``). One event loop per configuration runs a "ticker" task (``await asyncio.sleep(1 ms)``
 in a loop, recording how late each wake-up is) beside the client:
 
 * ``loop alone``: no client at all, the floor of this host's timer and scheduler;
@@ -22,9 +22,15 @@ import asyncio
 import os
 import statistics
 import sys
+from typing import Any
+
+import msgspec
 
 from shmclient import AsyncMPClient, EngineCoreRequest, SamplingParams
 from shmclient.config import EngineConfig
+
+from .fairness_results import Fairness, Lateness
+from .section_results import SectionHost, typed
 
 TICK_S = 0.001
 STEP_S = 0.0005
@@ -74,7 +80,7 @@ async def _streams(client: AsyncMPClient, stop: asyncio.Event) -> int:
     return outputs
 
 
-async def _measure(transport: str | None, mode: str, n: int) -> dict:
+async def _measure(transport: str | None, mode: str, n: int) -> Lateness:
     if transport is None:
         late = await _ticks(n)
         return _summary(late)
@@ -96,36 +102,33 @@ async def _measure(transport: str | None, mode: str, n: int) -> dict:
             late = await _ticks(n)
             stop.set()
             batches = await streams
-            out = _summary(late)
-            out["output_batches"] = batches
+            out = msgspec.structs.replace(_summary(late), output_batches=batches)
     return out
 
 
-def _summary(late: list[float]) -> dict:
-    return {"p50_us": statistics.median(late), "p99_us": _pct(late, 0.99), "max_us": max(late),
-            "n": len(late)}
+def _summary(late: list[float]) -> Lateness:
+    return Lateness(p50_us=statistics.median(late), p99_us=_pct(late, 0.99), max_us=max(late),
+                    n=len(late))
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False) -> Fairness:
     n = 1500 if quick else 5000
-    res: dict = {"tick_ms": TICK_S * 1e3, "step_ms": STEP_S * 1e3}
-    res["loop_alone"] = asyncio.run(_measure(None, "", n))
-    for transport in ("shm", "zmq"):
-        for mode in ("idle", "busy"):
-            res[f"{transport}_{mode}"] = asyncio.run(_measure(transport, mode, n))
-    res["machine"] = {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]}
-    return res
+    loop_alone = asyncio.run(_measure(None, "", n))
+    got = {f"{t}_{m}": asyncio.run(_measure(t, m, n)) for t in ("shm", "zmq") for m in ("idle", "busy")}
+    return Fairness(tick_ms=TICK_S * 1e3, step_ms=STEP_S * 1e3, loop_alone=loop_alone,
+                    shm_idle=got["shm_idle"], shm_busy=got["shm_busy"], zmq_idle=got["zmq_idle"],
+                    zmq_busy=got["zmq_busy"],
+                    machine=SectionHost(cpus=os.cpu_count(), load_1m=os.getloadavg()[0]))
 
 
-def report(res: dict) -> str:
-    lines = [f"a concurrent task's {res['tick_ms']:g} ms sleep: how late it wakes (µs), AsyncMPClient"
-             f" (busy: engine step {res['step_ms']:g} ms)",
+def report(res: Fairness | dict[str, Any]) -> str:
+    """The section's table; ``res`` a ``Fairness`` or its JSON form."""
+    res = typed(res, Fairness)
+    lines = [f"a concurrent task's {res.tick_ms:g} ms sleep: how late it wakes (µs), AsyncMPClient"
+             f" (busy: engine step {res.step_ms:g} ms)",
              "", f"{'while the client':>22} | {'p50':>7} {'p99':>7} {'max':>8}"]
-    rows = [("loop alone (no client)", "loop_alone")] + [
-        (f"{t} {m}", f"{t}_{m}") for t in ("shm", "zmq") for m in ("idle", "busy")]
-    for label, key in rows:
-        r = res[key]
-        lines.append(f"{label:>22} | {r['p50_us']:7.0f} {r['p99_us']:7.0f} {r['max_us']:8.0f}")
+    for label, r in res.rows():
+        lines.append(f"{label:>22} | {r.p50_us:7.0f} {r.p99_us:7.0f} {r.max_us:8.0f}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Benchmark of the shared-memory ring against pyzmq ipc:// PUSH/PULL, two processes.
 
 Run ``python -m shmclient_bench.ring [--quick] [--json PATH]``; ``run(quick)`` returns the figures
-as a dict for a top-level ``python -m shmclient_bench``. Measures, in one run:
+as a ``RingBench`` (``shmclient_bench.ring_results``) for a top-level ``python -m
+shmclient_bench``. Measures, in one run:
 
 * ping-pong round trip p50 / p99 (µs) for 64 B, 4 KiB, 1 MiB, 16 MiB records, through
   the ring (default 4 MiB ring, so 16 MiB travels in fragments) and through two zmq
@@ -17,212 +18,32 @@ as a dict for a top-level ``python -m shmclient_bench``. Measures, in one run:
 * the cost per publish of a ring with a wake pipe (for event-loop consumers): one byte per
   read at most, so a producer that runs ahead of its consumer pays it once.
 
-Not a test: it asserts nothing, it reports.
+What the child processes run is in ``ring_peers``. Not a test: it asserts nothing, it
+reports.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
-import msgspec
 import psutil
 import zmq
 
 from shmclient import waiting
-from shmclient.errors import WouldBlock
-from shmclient.ring import Ring, RingSpec
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
-CTX = mp.get_context("spawn")
-STOP = 255
-KiB, MiB = 1 << 10, 1 << 20
-SIZES = [64, 4 * KiB, 1 * MiB, 16 * MiB]
-SPIN_US = 30.0
-
-
-def _enc(r: Ring) -> bytes:
-    return msgspec.msgpack.encode(r.spec)
-
-
-def _dec(b: bytes) -> RingSpec:
-    return msgspec.msgpack.decode(b, type=RingSpec)
-
-
-def _parent_alive(ppid: int):
-    return lambda: os.getppid() == ppid
-
-
-def _pct(sorted_ns: list[int], q: float) -> float:
-    return sorted_ns[min(len(sorted_ns) - 1, int(len(sorted_ns) * q))] / 1e3
-
-
-def _send(tx: RingProducer, rtype: int, payload, alive) -> None:
-    """Send as a producer that keeps up with its consumer does: the ring's non-blocking
-    ``send_nowait`` (one C call when there is room), and only when the ring is full, a
-    wait for room through ``shmclient.waiting`` (which resumes a fragmented message)."""
-    try:
-        tx.send_nowait(rtype, payload)
-    except WouldBlock:
-        waiting.send(tx, rtype, payload, alive=alive)
-
-
-def _send_batch(tx: RingProducer, recs: list, alive) -> None:
-    """Every record of ``recs``, as many at a time as fit, each group written and
-    published together (``send_batch_nowait``: one doorbell); when not even one fits,
-    the next waits for room through ``shmclient.waiting``."""
-    i = 0
-    while i < len(recs):
-        try:
-            i += tx.send_batch_nowait(recs[i:] if i else recs)
-        except WouldBlock:
-            waiting.send(tx, *recs[i], alive=alive)
-            i += 1
-
-
-# ---------------------------------------------------------------- child processes
-
-
-def _ring_echo(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
-    rx = RingConsumer.attach(_dec(spec_in), spin_us=SPIN_US)
-    tx = RingProducer.attach(_dec(spec_out), spin_us=SPIN_US)
-    alive = _parent_alive(ppid)
-    stop = []
-
-    def echo(rtype: int, view: memoryview) -> None:
-        if rtype == STOP:
-            stop.append(1)
-        else:
-            _send(tx, rtype, view, alive)
-
-    try:
-        while not stop:
-            waiting.recv_into(rx, echo, timeout=None, alive=alive)
-    finally:
-        rx.close()
-        tx.close()
-
-
-#: No receive in the zmq baseline waits longer than this: a lost peer fails the section.
-ZMQ_RECV_TIMEOUT_MS = 30_000
-
-
-def _zmq_echo(addr_in: str, addr_out: str) -> None:
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(addr_in)
-    push.connect(addr_out)
-    try:
-        while True:
-            frame = pull.recv(copy=False)
-            if len(frame) == 0:
-                return
-            push.send(frame, copy=False)
-    finally:
-        pull.close(linger=0)
-        push.close(linger=0)
-        ctx.term()
-
-
-def _ring_flood(spec: bytes, size: int, count: int, batch: int, ppid: int) -> None:
-    tx = RingProducer.attach(_dec(spec), spin_us=SPIN_US)
-    alive = _parent_alive(ppid)
-    msg = b"\xab" * size
-    try:
-        if batch > 1:
-            recs = [(1, msg)] * batch
-            for _ in range(count // batch):
-                _send_batch(tx, recs, alive)
-        else:
-            for _ in range(count):
-                _send(tx, 1, msg, alive)
-        waiting.send(tx, STOP, b"", alive=alive)
-    finally:
-        tx.close()
-
-
-def _ring_stream(spec: bytes, count: int, ppid: int, back) -> None:
-    """Send ``count`` 64-byte messages flat out, timing every send call; report the
-    percentiles of those times (and the stream's rate) through ``back``."""
-    import numpy as np
-
-    tx = RingProducer.attach(_dec(spec), spin_us=SPIN_US)
-    alive = _parent_alive(ppid)
-    msg = b"\x5a" * 64
-    took = np.empty(count, dtype=np.int64)
-    now = time.perf_counter_ns
-    try:
-        t_start = now()
-        for i in range(count):
-            t = now()
-            _send(tx, 1, msg, alive)
-            took[i] = now() - t
-        t_end = now()
-        waits = tx.statistics().waits_on_full
-        waiting.send(tx, STOP, b"", alive=alive)
-    finally:
-        tx.close()
-    took.sort()
-    per = lambda q: float(took[min(count - 1, int(q * count))]) / 1e3  # noqa: E731
-    back.send(
-        {
-            "messages": count,
-            "msgs_per_s": count / ((t_end - t_start) / 1e9),
-            "send_p50_us": per(0.5),
-            "send_p99_us": per(0.99),
-            "send_p9999_us": per(0.9999),
-            "send_max_us": float(took[-1]) / 1e3,
-            "waits_on_full": waits,
-        }
-    )
-    back.close()
-
-
-def _zmq_flood(addr: str, size: int, count: int) -> None:
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(addr)
-    msg = b"\xab" * size
-    copy = size < 64 * KiB
-    try:
-        for _ in range(count):
-            push.send(msg, copy=copy)
-        push.send(b"")
-    finally:
-        push.close(linger=-1)
-        ctx.term()
-
-
-def _ring_idle(spec_in: bytes, spec_out: bytes, ppid: int) -> None:
-    rx = RingConsumer.attach(_dec(spec_in), spin_us=SPIN_US)
-    tx = RingProducer.attach(_dec(spec_out))
-    try:
-        waiting.send(tx, 1, b"blocking now")
-        waiting.recv(rx, alive=_parent_alive(ppid))  # spins SPIN_US, then sleeps on the futex
-    finally:
-        rx.close()
-        tx.close()
-
-
-def _start(target, *args) -> mp.Process:
-    p = CTX.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
-
-
-def _finish(p: mp.Process) -> None:
-    p.join(60)
-    if p.is_alive():
-        p.kill()
-        p.join(5)
+from .ring_peers import (CTX, KiB, MiB, SIZES, SPIN_US, STOP, ZMQ_RECV_TIMEOUT_MS, _enc, _finish, _pct,
+                         _ring_echo, _ring_flood, _ring_idle, _ring_stream, _send, _start, _zmq_echo,
+                         _zmq_flood)
+from .ring_results import RingBench, RoundTrip, Stream, Throughput, WakePipe
+from .section_results import SectionHost, typed
 
 
 # ---------------------------------------------------------------- measurements
@@ -272,7 +93,7 @@ def ring_round_trips(quick: bool) -> dict:
             res[size] = {"p50_us": _pct(lat, 0.5), "p99_us": _pct(lat, 0.99), "n": n}
         waiting.send(out_ring, STOP, b"")
         _finish(child)
-        res["stats"] = msgspec.structs.asdict(in_ring.statistics())
+        res["stats"] = in_ring.statistics()
     finally:
         if child.is_alive():
             child.kill()
@@ -372,10 +193,11 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
     return (count - 1) / ((t1 - t0) / 1e9)
 
 
-def ring_stream(count: int) -> dict:
+def ring_stream(count: int) -> Stream:
     """A stream of ``count`` 64 B messages through the default 4 MiB ring, the consumer
     copying each out: the time each send took in the producer (percentiles and
-    max), where a stall (reclaiming space, a full ring) would show."""
+    max), where a stall (reclaiming space, a full ring) would show. Raises RuntimeError
+    when the producer does not report its figures."""
     r = RingConsumer.create(spin_us=SPIN_US)
     mine, theirs = CTX.Pipe()
     child = _start(_ring_stream, _enc(r), count, os.getpid(), theirs)
@@ -389,7 +211,7 @@ def ring_stream(count: int) -> dict:
                     done = True
                     break
                 got += 1
-        out = mine.recv() if mine.poll(60) else {}
+        out = mine.recv() if mine.poll(60) else None
         _finish(child)
     finally:
         if child.is_alive():
@@ -397,8 +219,9 @@ def ring_stream(count: int) -> dict:
             child.join(5)
         mine.close()
         r.close()
-    out["received"] = got
-    return out
+    if out is None:
+        raise RuntimeError(f"the stream's producer sent {got} messages but never reported its send times")
+    return Stream(**out, received=got)
 
 
 def idle_cpu(seconds: float) -> float:
@@ -424,7 +247,7 @@ def idle_cpu(seconds: float) -> float:
     return 100.0 * used / (t1 - t0)
 
 
-def wake_pipe_cost(n: int, reps: int = 9) -> dict:
+def wake_pipe_cost(n: int, reps: int = 9) -> WakePipe:
     """CPU ns per published batch, in-process, with and without the wake pipe.
 
     The two rings are measured alternately, ``reps`` times each, and the medians are
@@ -452,25 +275,25 @@ def wake_pipe_cost(n: int, reps: int = 9) -> dict:
             p.close()
             c.close()
     without, with_ = statistics.median(per[False]), statistics.median(per[True])
-    return {"without_pipe_ns": without, "with_pipe_ns": with_, "extra_ns_per_batch": with_ - without}
+    return WakePipe(without_pipe_ns=without, with_pipe_ns=with_, extra_ns_per_batch=with_ - without)
 
 
-def run(quick: bool = False) -> dict:
-    """Every figure of this benchmark, as a JSON-able dict."""
+def run(quick: bool = False) -> RingBench:
+    """Every figure of this benchmark."""
     tmp = tempfile.mkdtemp(prefix="shmc-bench-")
     try:
         ring_rt = ring_round_trips(quick)
         zmq_rt = zmq_round_trips(quick, tmp)
         n64 = 100_000 if quick else 400_000
         nmb = 500 if quick else 3_000
-        tput = {
-            "ring_64B_msgs_per_s": ring_one_way(64, n64, zero_copy=False),
-            "ring_64B_batched64_msgs_per_s": ring_one_way(64, n64, batch=64, zero_copy=False),
-            "zmq_64B_msgs_per_s": zmq_one_way(64, n64, tmp),
-            "ring_1MiB_GBps_zero_copy": ring_one_way(MiB, nmb) * MiB / 1e9,
-            "ring_1MiB_GBps_copy_out": ring_one_way(MiB, nmb, zero_copy=False) * MiB / 1e9,
-            "zmq_1MiB_GBps": zmq_one_way(MiB, nmb, tmp) * MiB / 1e9,
-        }
+        tput = Throughput(
+            ring_64B_msgs_per_s=ring_one_way(64, n64, zero_copy=False),
+            ring_64B_batched64_msgs_per_s=ring_one_way(64, n64, batch=64, zero_copy=False),
+            zmq_64B_msgs_per_s=zmq_one_way(64, n64, tmp),
+            ring_1MiB_GBps_zero_copy=ring_one_way(MiB, nmb) * MiB / 1e9,
+            ring_1MiB_GBps_copy_out=ring_one_way(MiB, nmb, zero_copy=False) * MiB / 1e9,
+            zmq_1MiB_GBps=zmq_one_way(MiB, nmb, tmp) * MiB / 1e9,
+        )
         stream = ring_stream(200_000 if quick else 1_000_000)
         idle = idle_cpu(1.0 if quick else 2.0)
         wake = wake_pipe_cost(5_000 if quick else 20_000)
@@ -481,68 +304,65 @@ def run(quick: bool = False) -> dict:
     rt = {}
     for size in SIZES:
         r, z = ring_rt[size], zmq_rt[size]
-        rt[_label(size)] = {
-            "ring_p50_us": r["p50_us"],
-            "ring_p99_us": r["p99_us"],
-            "zmq_p50_us": z["p50_us"],
-            "zmq_p99_us": z["p99_us"],
-            "ratio_p50": z["p50_us"] / r["p50_us"],
-            "ratio_p99": z["p99_us"] / r["p99_us"],
-            "round_trips": r["n"],
-        }
-    return {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_1m": os.getloadavg()[0]},
-        "quick": quick,
-        "spin_us": SPIN_US,
-        "round_trip": rt,
-        "throughput": tput,
-        "stream_64B": stream,
-        "idle_consumer_cpu_percent": idle,
-        "wake_pipe": wake,
-        "ring_stats_after_round_trips": ring_rt["stats"],
-    }
+        rt[_label(size)] = RoundTrip(
+            ring_p50_us=r["p50_us"],
+            ring_p99_us=r["p99_us"],
+            zmq_p50_us=z["p50_us"],
+            zmq_p99_us=z["p99_us"],
+            ratio_p50=z["p50_us"] / r["p50_us"],
+            ratio_p99=z["p99_us"] / r["p99_us"],
+            round_trips=r["n"],
+        )
+    return RingBench(
+        machine=SectionHost(cpus=os.cpu_count(), load_1m=os.getloadavg()[0],
+                            python=platform.python_version()),
+        quick=quick,
+        spin_us=SPIN_US,
+        round_trip=rt,
+        throughput=tput,
+        stream_64B=stream,
+        idle_consumer_cpu_percent=idle,
+        wake_pipe=wake,
+        ring_stats_after_round_trips=ring_rt["stats"],
+    )
 
 
 def _label(size: int) -> str:
     return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB" if size >= KiB else f"{size} B"
 
 
-def report(res: dict) -> str:
-    lines = [f"ring vs pyzmq ipc PUSH/PULL   (cpus={res['machine']['cpus']}, load={res['machine']['load_1m']:.2f})", ""]
+def report(res: RingBench | dict[str, Any]) -> str:
+    """The section's table; ``res`` a ``RingBench`` or its JSON form."""
+    res = typed(res, RingBench)
+    lines = [f"ring vs pyzmq ipc PUSH/PULL   (cpus={res.machine.cpus}, load={res.machine.load_1m:.2f})", ""]
     lines.append(f"{'round trip':>10} | {'ring p50':>9} {'p99':>9} | {'zmq p50':>9} {'p99':>9} | {'zmq/ring p50':>12} {'p99':>6}")
-    for label, r in res["round_trip"].items():
+    for label, r in res.round_trip.items():
         lines.append(
-            f"{label:>10} | {r['ring_p50_us']:9.1f} {r['ring_p99_us']:9.1f} | {r['zmq_p50_us']:9.1f} "
-            f"{r['zmq_p99_us']:9.1f} | {r['ratio_p50']:11.1f}x {r['ratio_p99']:5.1f}x"
+            f"{label:>10} | {r.ring_p50_us:9.1f} {r.ring_p99_us:9.1f} | {r.zmq_p50_us:9.1f} "
+            f"{r.zmq_p99_us:9.1f} | {r.ratio_p50:11.1f}x {r.ratio_p99:5.1f}x"
         )
-    t = res["throughput"]
+    t, st, wake = res.throughput, res.stream_64B, res.wake_pipe
     lines += [
         "",
-        f"one way 64 B : ring {t['ring_64B_msgs_per_s'] / 1e6:.2f} M msg/s "
-        f"(batches of 64: {t['ring_64B_batched64_msgs_per_s'] / 1e6:.2f}), zmq {t['zmq_64B_msgs_per_s'] / 1e6:.2f} M msg/s",
-        f"one way 1 MiB: ring {t['ring_1MiB_GBps_zero_copy']:.1f} GB/s zero-copy read, "
-        f"{t['ring_1MiB_GBps_copy_out']:.1f} GB/s copied out; zmq {t['zmq_1MiB_GBps']:.1f} GB/s",
-        f"stream of {res['stream_64B']['messages']:,} x 64 B: {res['stream_64B']['msgs_per_s'] / 1e6:.2f} M msg/s; "
-        f"time per send p50 {res['stream_64B']['send_p50_us']:.2f} / p99 {res['stream_64B']['send_p99_us']:.2f} / "
-        f"p99.99 {res['stream_64B']['send_p9999_us']:.1f} / max {res['stream_64B']['send_max_us']:.0f} us",
-        f"idle consumer: {res['idle_consumer_cpu_percent']:.2f} % of a core",
-        f"wake pipe: +{res['wake_pipe']['extra_ns_per_batch']:.0f} ns per batch "
-        f"({res['wake_pipe']['without_pipe_ns']:.0f} -> {res['wake_pipe']['with_pipe_ns']:.0f} ns per try_send)",
+        f"one way 64 B : ring {t.ring_64B_msgs_per_s / 1e6:.2f} M msg/s "
+        f"(batches of 64: {t.ring_64B_batched64_msgs_per_s / 1e6:.2f}), zmq {t.zmq_64B_msgs_per_s / 1e6:.2f} M msg/s",
+        f"one way 1 MiB: ring {t.ring_1MiB_GBps_zero_copy:.1f} GB/s zero-copy read, "
+        f"{t.ring_1MiB_GBps_copy_out:.1f} GB/s copied out; zmq {t.zmq_1MiB_GBps:.1f} GB/s",
+        f"stream of {st.messages:,} x 64 B: {st.msgs_per_s / 1e6:.2f} M msg/s; "
+        f"time per send p50 {st.send_p50_us:.2f} / p99 {st.send_p99_us:.2f} / "
+        f"p99.99 {st.send_p9999_us:.1f} / max {st.send_max_us:.0f} us",
+        f"idle consumer: {res.idle_consumer_cpu_percent:.2f} % of a core",
+        f"wake pipe: +{wake.extra_ns_per_batch:.0f} ns per batch "
+        f"({wake.without_pipe_ns:.0f} -> {wake.with_pipe_ns:.0f} ns per try_send)",
     ]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer iterations (~10 s)")
-    ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
-    args = ap.parse_args(argv)
-    res = run(args.quick)
-    print(report(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+def main(argv: list[str] | None = None) -> int:
+    from .sections import section_main
+
+    return section_main(argv, __doc__, run, report, "fewer iterations (~10 s)")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

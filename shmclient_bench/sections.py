@@ -3,8 +3,10 @@
 The child (``run_child``) runs ``shmclient_bench.<name>.run(quick)``, renders the result
 with the section's own table function (``RENDERERS``) and writes both, or the error, as
 JSON with ``msgspec.json``. The run reads the file back (``read_output``) into the
-section's result type (``RESULT_TYPES``; the plain JSON value for a section without
-one). ``section_main`` is the command line of a section module run on its own.
+section's result type (``RESULT_TYPES``: every section has one; a section that can be
+skipped, the union of its figures and ``section_results.Skipped``). ``section_main`` is
+the command line of a section module run on its own. Imports the result types only,
+never a section's measuring code (the run's own process reads the outputs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ from typing import Any, Generic, Iterator, Sequence, TypeVar
 import msgspec
 import numpy as np
 
+from .contention_results import Contention
+from .dp_results import DpBench
+from .fairness_results import Fairness
+from .ring_results import RingBench
+from .section_results import Skipped
+from .serving_results import ServingResult
 from .tensor_results import TensorSweep
+from .vllm_results import VllmResult
 
 T = TypeVar("T")
 
@@ -36,8 +45,16 @@ RENDERERS = {
     "serving": "format_table",
 }
 
-#: The typed result of a section, where it has one.
-RESULT_TYPES: dict[str, Any] = {"tensors": TensorSweep}
+#: The typed result of each section.
+RESULT_TYPES: dict[str, Any] = {
+    "tensors": TensorSweep,
+    "ring": RingBench,
+    "contention": Contention,
+    "fairness": Fairness,
+    "dp": DpBench,
+    "vllm": VllmResult,
+    "serving": ServingResult,
+}
 
 
 def _numpy(o: Any) -> Any:
@@ -66,9 +83,8 @@ class SectionOutput(msgspec.Struct, Generic[T], frozen=True, omit_defaults=True)
     @property
     def skipped(self) -> str | None:
         """Why the section measured nothing (vLLM missing, say), when it says so: the
-        sections that need vLLM return ``{"skipped": why}`` then."""
-        r = self.result
-        return r["skipped"] if isinstance(r, dict) and isinstance(r.get("skipped"), str) else None
+        sections that need vLLM return a ``Skipped`` then."""
+        return self.result.reason if isinstance(self.result, Skipped) else None
 
 
 def result_type(name: str) -> Any:

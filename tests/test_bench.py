@@ -739,16 +739,19 @@ def test_the_vllm_sections_busy_processes_are_pinned_one_to_each_cpu():
 
 def test_the_vllm_dp_table_judges_hop_ttft_and_tpot_against_stock():
     from shmclient_bench.vllm import _dp_table
+    from shmclient_bench.vllm_results import ConfigFigures, DataParallel, Percentiles
 
-    def cfg(hop: float, ttft: float, tpot: float) -> dict:
-        return {"hop_us": {"p50": hop, "p90": hop, "p99": hop},
-                "ttft_ms": {"1": {"p50": ttft}, "16": {"p50": ttft}},
-                "tpot_ms": {"1": {"p50": tpot}, "16": {"p50": tpot}}}
+    def cfg(hop: float, ttft: float, tpot: float) -> ConfigFigures:
+        return ConfigFigures(hop_us=Percentiles(n=1, p50=hop, p90=hop, p99=hop),
+                             ttft_ms={1: Percentiles(n=1, p50=ttft), 16: Percentiles(n=1, p50=ttft)},
+                             tpot_ms={1: Percentiles(n=1, p50=tpot), 16: Percentiles(n=1, p50=tpot)},
+                             hops_sample_us=[])
 
-    met = _dp_table({"engines": 2, "configs": {"async-stock": cfg(1000, 10, 9), "async-shm": cfg(250, 9, 9)}})
+    met = _dp_table(DataParallel(engines=2, configs={"async-stock": cfg(1000, 10, 9), "async-shm": cfg(250, 9, 9)}))
     assert met[-1] == ("async: shm / stock: hop p50 0.25x, TTFT p50 0.90x / 0.90x, TPOT p50 1.00x (1 stream) "
                        "/ 1.00x (16): target met")
-    slow = _dp_table({"engines": 2, "configs": {"async-stock": cfg(1000, 10, 9), "async-shm": cfg(250, 9, 9.5)}})
+    slow = _dp_table(DataParallel(engines=2, configs={"async-stock": cfg(1000, 10, 9),
+                                                      "async-shm": cfg(250, 9, 9.5)}))
     assert slow[-1].endswith("target NOT met")
     assert _dp_table(None) == []
 

@@ -113,9 +113,15 @@ def test_every_plot_has_a_footer_with_date_machine_load_and_what_a_point_is(tmp_
     points = [TransferPoint("shm_view", 4096, 3.0), TransferPoint("shm_view", 65536, 5.0)]
     plots.plot_transfer(points, str(tmp_path / "t.png"))
     _check_footer(footers[-1], "each point: the median transfer time")
-    results = {"configs": {"sync-stock": {"hops_sample_us": [40.0, 50.0, 60.0]},
-                           "sync-shm": {"hops_sample_us": [10.0, 12.0]}},
-               "load_before": [0.25, 0.2, 0.1]}
+    from shmclient_bench.vllm_results import ConfigFigures, Percentiles, VllmComparison
+
+    def figures(hops: list[float]) -> ConfigFigures:
+        return ConfigFigures(hop_us=Percentiles(n=len(hops)), ttft_ms={}, tpot_ms={}, hops_sample_us=hops)
+
+    results = VllmComparison(
+        vllm_version="0", rounds=1, tokens=2, streams=[1], model={}, passes=1,
+        configs={"sync-stock": figures([40.0, 50.0, 60.0]), "sync-shm": figures([10.0, 12.0])},
+        load_before=(0.25, 0.2, 0.1), load_after=(0.25, 0.2, 0.1))
     assert vllm.plot(results, str(tmp_path / "vllm_hop_cdf.png"))
     _check_footer(footers[-1], "each point: one output batch")
     assert "load average 0.25" in "\n".join(footers[-1])

@@ -5,29 +5,35 @@ takes minutes."""
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 
+import msgspec
 import pytest
 
 from shmclient_bench import __main__ as bench_main
-from shmclient_bench import serving
+from shmclient_bench import sections, serving
 from shmclient_bench.report import NOT_JUDGED
+from shmclient_bench.section_results import Skipped
+from shmclient_bench.serving_results import Pair, Params, RunFigures, ServingComparison, TokenizerFacts
 
 RATES = ["inf", "20"]
 
 
-def _run(**over: float) -> dict[str, float]:
+def _run(**over: float) -> RunFigures:
     """One benchmark run's figures: every metric 10.0 unless given."""
     figures = {name: 10.0 for _, name, _, _ in serving.METRICS}
     figures.update(over)
-    return figures
+    return RunFigures(**figures, completed=64, failed=0, duration_s=3.0, server_cpu_s=0.64)
 
 
-def _pair(stock: dict[str, float], plugin: dict[str, float], noisy: bool | None = False) -> dict:
-    """A pair with the same figures at both rates."""
-    return {"noisy": noisy, "runs": {"stock": {r: _run(**stock) for r in RATES},
-                                     "plugin": {r: _run(**plugin) for r in RATES}}}
+def _pair(stock: dict[str, float], plugin: dict[str, float], noisy: bool | None = False,
+          runs: dict | None = None) -> Pair:
+    """A pair with the same figures at both rates (``runs``: these runs instead)."""
+    if runs is None:
+        runs = {"stock": {r: _run(**stock) for r in RATES}, "plugin": {r: _run(**plugin) for r in RATES}}
+    return Pair(index=0, order=["stock", "plugin"], runs=runs, server_start_s={}, load=None, noisy=noisy)
 
 
 def _summary(summaries: list[serving.Summary], metric: str, rate: str = "inf") -> serving.Summary:
@@ -73,7 +79,7 @@ def test_summary_has_each_pairs_ratio_their_median_and_spread():
 
 
 def test_summary_skips_a_missing_figure():
-    pairs = [_pair({}, {"p99_itl_ms": 5.0}), {"noisy": False, "runs": {"stock": {}, "plugin": {}}}]
+    pairs = [_pair({}, {"p99_itl_ms": 5.0}), _pair({}, {}, runs={"stock": {}, "plugin": {}})]
     got = _summary(serving.summarize(pairs, RATES), "p99_itl_ms")
     assert got.ratios == [0.5, None]
     assert got.ratio_median == 0.5 and got.verdict == "plug-in better"
@@ -120,13 +126,16 @@ def test_targets_not_judged_with_too_few_quiet_pairs():
     assert serving.judge_targets([_pair({}, {})], RATES, min_quiet=1)[0].verdict == "met"
 
 
-def _results(pairs: list[dict]) -> dict:
-    return {
-        "vllm_version": "0.0", "tokenizer": {"vocab_size": 1024}, "pairs": pairs, "notes": ["a note"],
-        "params": {"input_len_tokens": 128, "output_len_tokens": 64, "num_prompts": 200, "rates": RATES},
-        "summary": [vars(s) for s in serving.summarize(pairs, RATES)],
-        "targets": [vars(t) for t in serving.judge_targets(pairs, RATES)],
-    }
+def _results(pairs: list[Pair], dp: int = 1, api_servers: int = 1) -> ServingComparison:
+    params = Params(pairs=len(pairs), num_prompts=200, warmup_prompts=16, input_len_tokens=128,
+                    output_len_tokens=64, seed=0, rates=RATES, noisy_above_cores=0.25, quick=False,
+                    data_parallel_size=dp, api_servers=api_servers, server_command=["python"])
+    tokenizer = TokenizerFacts(kind="byte-level BPE", vocab_size=1024, special_tokens=[serving.EOS],
+                               trained_on="some stdlib modules", python="3", tokenizer_json_sha256_16="0" * 16)
+    return ServingComparison(
+        vllm_version="0.0", units=serving.UNITS, notes=["a note"], pairs=pairs, params=params,
+        tokenizer=tokenizer, summary=serving.summarize(pairs, RATES),
+        targets=serving.judge_targets(pairs, RATES), load={})
 
 
 def test_table_prints_ratios_noisy_marks_verdicts_and_targets():
@@ -150,8 +159,25 @@ def test_table_prints_ratios_noisy_marks_verdicts_and_targets():
 def test_skipped_without_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
     got = serving.run(quick=True)
-    assert set(got) == {"skipped"} and "vLLM is not importable" in got["skipped"]
+    assert isinstance(got, Skipped) and "vLLM is not importable" in got.reason
     assert serving.format_table(got).startswith("serving: skipped: vLLM is not importable")
+
+
+def test_the_sections_results_come_back_typed_and_a_skip_as_skipped(tmp_path):
+    """Through the output file the run reads: the figures as a ServingComparison, the same
+    table from their JSON form; a skipped section as Skipped, which SectionOutput.skipped
+    reports."""
+    result = _results([_pair({}, {"median_tpot_ms": 8.0}), _pair({}, {}, noisy=True)])
+    path = tmp_path / "out.json"
+    for value in (result, Skipped("vLLM is not importable (none here)")):
+        table = serving.format_table(value)
+        path.write_bytes(sections.ENCODER.encode(sections.SectionOutput(result=value, table=table)))
+        got = sections.read_output("serving", str(path))
+        assert got.result == value and type(got.result) is type(value) and got.table == table
+        assert serving.format_table(json.loads(msgspec.json.encode(value))) == table
+    assert got.skipped == "vLLM is not importable (none here)"
+    data = json.loads(msgspec.json.encode(result))
+    assert data["status"] == "measured" and data["pairs"][0]["runs"]["plugin"]["20"]["median_tpot_ms"] == 8.0
 
 
 def test_section_is_registered_with_its_own_time_limit():
@@ -170,7 +196,7 @@ def test_model_folder_tokenizer_loads_and_round_trips():
 
     with tempfile.TemporaryDirectory(prefix="shmc-serving-test-") as folder:
         facts = serving.build_model(folder)
-        assert facts["vocab_size"] == serving.CONFIG["vocab_size"] == 1024
+        assert facts.vocab_size == serving.CONFIG["vocab_size"] == 1024
         tok = AutoTokenizer.from_pretrained(folder)
         assert len(tok) == tok.vocab_size == 1024
         assert tok.eos_token == serving.EOS and tok.all_special_ids == [tok.eos_token_id]
@@ -182,7 +208,7 @@ def test_model_folder_tokenizer_loads_and_round_trips():
         assert len(tok.encode("import os\nimport sys\n")) < len("import os\nimport sys\n")  # merges learnt
         # the same training text gives the same tokenizer
         with tempfile.TemporaryDirectory(prefix="shmc-serving-test-") as again:
-            assert serving.build_model(again)["tokenizer_json_sha256_16"] == facts["tokenizer_json_sha256_16"]
+            assert serving.build_model(again).tokenizer_json_sha256_16 == facts.tokenizer_json_sha256_16
         # what the server and vLLM's serving benchmark load: the random dataset's prompts
         vtok = get_tokenizer(folder)
         samples = RandomDataset(random_seed=0).sample(vtok, 4, input_len=serving.INPUT_LEN,
@@ -246,8 +272,7 @@ def test_the_bench_serves_several_api_servers_by_vllm_serve():
     assert "--gpu-memory-utilization" in flags
     assert lines == plugin_lines(2, 2)
     assert serving.api_server_count(flags) == 2
-    results = _results([_pair({}, {})])
-    results["params"].update(data_parallel_size=2, api_servers=2)
+    results = _results([_pair({}, {})], dp=2, api_servers=2)
     assert "(2 engine cores, data parallelism; 2 API servers, vllm serve)" in serving.format_table(results)
 
 
