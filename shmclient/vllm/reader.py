@@ -85,7 +85,8 @@ class _EarlyWake:
     def fired(self) -> float:
         if self.armed and not self.link.parked_flag[0]:  # the engine cleared it: its early wake
             self.armed = False
-            return self.spin.base
+            # Armed before the host turned busy (a task parked for long): no spin now.
+            return self.spin.base if _ring.gate.allows(monotonic()) else 0.0
         return 0.0
 
     def after(self, paid: bool) -> None:
