@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -27,6 +27,11 @@ from .errors import AuthenticationError, ConfigError, EngineDeadError, PeerNotPr
 from .messages import PROTOCOL_VERSION
 from .tensors_cuda import local_gpu_uuids
 
+if TYPE_CHECKING:
+    from .channel_spec import ShmChannelSpec
+    from .channel_zmq import ZmqChannelSpec
+    from .config import EngineConfig
+
 __all__ = ["DEFAULT_READY_TIMEOUT_S", "Handshake", "READY_TIMEOUT_ENV", "ready_timeout_s"]
 
 READY_TIMEOUT_ENV = "SHMCLIENT_ENGINE_READY_TIMEOUT_S"
@@ -37,7 +42,7 @@ _POLL_S = 0.1
 _REPORTED_EXIT_S = 5.0
 
 
-def ready_timeout_s(config: Any) -> float:
+def ready_timeout_s(config: EngineConfig) -> float:
     """The ready timeout: EngineConfig.engine_ready_timeout_s, else the env variable.
     Raises ``ConfigError`` for a variable that is not a number."""
     value = getattr(config, "engine_ready_timeout_s", None)
@@ -57,7 +62,7 @@ class Handshake:
     for a remote engine, which ``clock`` then watches by its heartbeats from its
     ``Hello`` on); ``secret``: a remote start-up's shared secret (None: none asked)."""
 
-    def __init__(self, ctl: zmq.Socket, config: Any, spec: Any, *, address: str,
+    def __init__(self, ctl: zmq.Socket, config: EngineConfig, spec: ShmChannelSpec | ZmqChannelSpec, *, address: str,
                  proc: subprocess.Popen | None, secret: bytes | None,
                  clock: control.HeartbeatClock | None) -> None:
         self.ctl = ctl

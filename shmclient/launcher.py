@@ -18,7 +18,7 @@ import os
 import subprocess
 import threading
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -29,12 +29,17 @@ from .errors import ConfigError
 from .handshake import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, Handshake, ready_timeout_s
 from .monitor import REMOTE_LINGER_MS, EngineMonitor, send_shutdown
 
+if TYPE_CHECKING:
+    from .channel_spec import ShmChannelSpec
+    from .channel_zmq import ZmqChannelSpec
+    from .config import EngineConfig
+
 __all__ = ["DEFAULT_READY_TIMEOUT_S", "EngineResources", "READY_TIMEOUT_ENV",
            "ready_timeout_s", "remote_control_port", "weak_callback"]
 
 logger = logging.getLogger("shmclient")
 
-def remote_control_port(config: Any) -> int:
+def remote_control_port(config: EngineConfig) -> int:
     """The control port of a remote rank: ``data_parallel_rpc_port + rank - local``
     (the first remote rank on the port itself), or 0 (a free port) when the port is 0."""
     base = getattr(config, "data_parallel_rpc_port", 0)
@@ -80,7 +85,7 @@ class EngineResources:
         self.proc = None
 
     # -- start ------------------------------------------------------------------------
-    def start(self, config: Any, *, wake_fd: bool) -> control.Ready:
+    def start(self, config: EngineConfig, *, wake_fd: bool) -> control.Ready:
         """Create the channel, spawn the engine (or, for a remote rank, wait for one to
         connect) and wait for its ``Ready``. Raises ``ConfigError`` (``engine_module``
         cannot be run, an address that cannot be bound, or the engine's own
@@ -153,7 +158,8 @@ class EngineResources:
         self.monitor.start()
         return info
 
-    def _handshake(self, config: Any, spec: Any, timeout: float) -> control.Ready:
+    def _handshake(self, config: EngineConfig, spec: ShmChannelSpec | ZmqChannelSpec,
+                   timeout: float) -> control.Ready:
         assert self.ctl is not None and (self.proc is not None or self.remote)
         # A remote engine watches the frontend by its heartbeats from Start on (its
         # model may load for minutes); its own beats say it is still loading.
