@@ -727,6 +727,24 @@ SWITCH_OFF = textwrap.dedent(
 )
 
 
+def test_sync_client_shut_down_while_it_is_being_built_closes_its_channels():
+    """vLLM's engine monitor may call shutdown() on a client whose construction has not
+    finished (an engine that died just after its handshake): the channels still close,
+    with no AttributeError from the reader that does not exist yet."""
+    import threading
+    import types
+
+    from shmclient.vllm.frontend import ShmSyncMPClient
+
+    client = ShmSyncMPClient.__new__(ShmSyncMPClient)
+    closed: list[bool] = []
+    client._lead = threading.Lock()
+    client._link_finalizer = lambda: closed.append(True)
+    client._finalizer = types.SimpleNamespace(detach=lambda: None)  # vLLM's: nothing to stop yet
+    client.shutdown()
+    assert closed == [True]
+
+
 def test_switch_off_changes_nothing():
     env = {k: v for k, v in os.environ.items() if k != "SHMCLIENT_VLLM"}
     out = subprocess.run([sys.executable, "-c", SWITCH_OFF], env=env, capture_output=True, text=True, timeout=120)

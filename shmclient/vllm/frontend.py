@@ -216,8 +216,11 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         try:
             super().shutdown(timeout)
         finally:
-            # Readers leave the channel (they look between slices of 0.1 s) before it closes.
-            self._dead_flag.closing = True
+            # Readers leave the channel (they look between slices of 0.1 s) before it closes
+            # (vLLM's engine monitor may shut down a client still being built: no flag yet).
+            flag = getattr(self, "_dead_flag", None)
+            if flag is not None:
+                flag.closing = True
             got = self._lead.acquire(timeout=2.0)
             try:
                 self._close_link()
