@@ -141,7 +141,8 @@ def vllm_comparison() -> VllmComparison:
         t = Percentiles(n=10, p50=tpot, p90=tpot, p99=tpot, mean=tpot)
         return ConfigFigures(hop_us=p, ttft_ms={1: t, 16: t}, tpot_ms={1: t, 16: t},
                              hops_sample_us=[hop, hop * 2])
-    quiet = {"sync-stock": figures(200.0, 5.0), "sync-shm": figures(40.0, 5.0)}
+    quiet = {"sync-stock": figures(200.0, 5.0), "sync-shm": figures(40.0, 5.0),
+             "async-stock": figures(200.0, 5.0), "async-shm": figures(56.0, 5.0)}
     return VllmComparison(vllm_version="0.11", rounds=2, tokens=32, streams=[1, 16], model={"model_type": "llama"},
                           configs=quiet, passes=1, load_before=(1.25, 1.0, 0.5), load_after=(1.5, 1.0, 0.5),
                           busy=BusyHost(processes=2, configs=quiet))
@@ -163,7 +164,8 @@ def test_the_vllm_sections_result_and_its_skip_come_back_typed(tmp_path):
     measured = vllm.format_table(vllm_comparison()).splitlines()
     assert "| sync-shm | 40 | 80 | 120 | 5.00 / 5.00 | 5.00 / 5.00 |" in measured
     assert "sync: shm output hop p50 = 0.20 x stock (target <= 0.25)" in measured
-    assert measured[-1] == "sync: shm / stock: hop p50 0.20x, TPOT p50 1.00x (1 stream) / 1.00x (16): target met"
+    assert "async: shm output hop p50 = 0.28 x stock (target <= 0.3)" in measured
+    assert "sync: shm / stock: hop p50 0.20x, TPOT p50 1.00x (1 stream) / 1.00x (16): target met" in measured
     data = json.loads(msgspec.json.encode(vllm_comparison()))
     assert data["status"] == "measured" and set(data["configs"]["sync-shm"]["ttft_ms"]) == {"1", "16"}
     assert "dp" not in data
