@@ -66,9 +66,11 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmResult:
         cmd = [sys.executable, "-m", "shmclient_bench.vllm", "--child", out] + (["--quick"] if quick else [])
         cmd += ["--parts", ",".join(parts)]
         # Its own process group: on a timeout the engines and busy processes it started
-        # go with it.
+        # go with it. vLLM's ipc sockets and temporary files go into this folder, removed
+        # with it (else every engine left a socket or two in /tmp).
+        env = dict(os.environ, TMPDIR=d, VLLM_RPC_BASE_PATH=d)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
         try:
             _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -780,3 +780,29 @@ def test_a_section_run_alone_keeps_its_temporary_files_in_a_folder_it_removes(ca
     assert not os.path.exists(seen["tmp"])
     assert os.environ.get("TMPDIR") == before
     assert "{'ok': True}" in capsys.readouterr().out
+
+
+def test_the_vllm_sections_child_keeps_vllms_files_out_of_the_shared_tmp(monkeypatch):
+    """The vllm section's child (and the engines it starts) put vLLM's ipc sockets and
+    temporary files in the section's own folder, removed with it: run on its own, it
+    left one or two sockets per engine in the host's temporary folder."""
+    import tempfile
+
+    from shmclient_bench import vllm as vllm_section
+
+    real_popen = subprocess.Popen
+    child = ("import os, sys, tempfile\n"
+             "d = tempfile.gettempdir()\n"
+             "open(os.path.join(d, 'engine.sock'), 'w').close()\n"
+             "sys.stderr.write(d + '|' + os.environ.get('VLLM_RPC_BASE_PATH', ''))\n")
+
+    def popen(cmd, **kw):  # the section's own child, standing in for vLLM's engines
+        return real_popen([sys.executable, "-c", child], **kw)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setattr(vllm_section.subprocess, "Popen", popen)
+    result = vllm_section.run(True, ("quiet",))
+    tmp, rpc = result.reason.rsplit(": ", 1)[1].split("|")
+    assert tmp == rpc and tmp != tempfile.gettempdir()
+    assert os.path.dirname(tmp) == tempfile.gettempdir()
+    assert not os.path.exists(tmp)
