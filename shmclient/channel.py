@@ -8,14 +8,9 @@ payload)`` pairs and receives them decoded (a message that does not decode comes
 ``BadMessage`` in its place, see ``framing``; a broken channel raises
 ``ProtocolError``). ``ShmChannel`` is a request ring (frontend → engine) and an output
 ring (engine → frontend) plus one tensor arena per direction; ``channel_zmq.ZmqChannel``
-has the same interface over vLLM's socket layout (the baseline transport).
-
-Nothing here blocks. ``send_nowait`` / ``recv_nowait`` go ahead or raise ``WouldBlock``;
-the wait handle (``wait_send`` / ``wait_recv`` for a thread, ``send_fd`` / ``recv_fd``
-with ``arm_send`` / ``arm_recv`` for an event loop) is what ``shmclient.waiting``, the
-one module that blocks, waits on. Out-of-band tensor blocks are released by the receiver;
-the releases ride back on the opposite ring as ``REC_RELEASE`` records, sent ahead of the
-next message and with every receive call (never in the middle of a fragmented message).
+has the same interface over vLLM's socket layout (the baseline transport). Nothing here
+blocks. Its contract (the wait handle, tensor releases): docs/design.md, "Module notes",
+``shmclient.channel``.
 """
 
 from __future__ import annotations

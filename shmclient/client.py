@@ -8,16 +8,8 @@ every client has (``make_client``, capacity, ``shutdown``, ``dp_engines_running`
 ``abort_requests``, ``call_utility`` and the named utilities, each a one-line
 ``call_utility``) for ``InprocClient`` and ``SyncMPClient``. ``AsyncMPClient`` has the
 ``*_async`` forms only, written out in its class body. The checks every client runs
-before anything travels are ``shmclient.validate``'s (re-exported here).
-
-Errors a client raises are all ``ShmClientError`` subclasses, each also the builtin that
-vLLM code catches: ``InvalidRequestError`` (``ValueError``) for a request, abort or call
-refused at the door or by the engine, ``EngineDeadError`` (``RuntimeError``) once the
-engine is gone or the client was shut down (``ClientClosedError`` is a subclass),
-``UtilityCallError`` for a utility that failed in the engine, ``SerializationError``
-(``TypeError``) for a value that cannot cross, ``ConfigError`` (``ValueError``) for a
-configuration the engine cannot run, ``PeerNotProducingError`` (``TimeoutError``) for a
-timed-out wait.
+before anything travels are ``shmclient.validate``'s (re-exported here). The errors a
+client raises: docs/design.md, "Module notes", ``shmclient.client``.
 """
 
 from __future__ import annotations

@@ -7,16 +7,9 @@ whenever something arrives, so utility replies and outputs are handled in the lo
 with no caller waiting; ``get_output_async`` spins on the ring for at most ``spin_us``
 (adaptive), then parks; ``send_async`` parks on the request ring's space pipe while it is
 full. A client that merges several engines' outputs (``client_dp``) has them forwarded
-(``forward_outputs``) into its own stream instead.
-
-The API is the ``*_async`` forms only (no inherited blocking method that raises):
-``add_request_async``, ``get_output_async``, ``abort_requests_async``,
-``call_utility_async`` and one per named utility, written out (as vLLM's AsyncMPClient)
-so that type checkers and IDEs see them; a test keeps the list in step with
-``UTILITY_METHODS``. Start-up and shutdown block for up to seconds, so from a running
-loop use ``await AsyncMPClient.create(config)`` and ``await shutdown_async()`` (or
-``async with``), which run them in a thread. The client binds to the first running loop
-that uses it.
+(``forward_outputs``) into its own stream instead. Its contract (the API, start-up and
+shutdown from a running loop, which loop it binds to): docs/design.md, "Module notes",
+``shmclient.client_async``.
 """
 
 from __future__ import annotations

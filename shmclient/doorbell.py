@@ -2,9 +2,8 @@
 
 Lowest layer, beside ``ring`` (its only user): imports only the standard library. The
 spin itself and the futex sleep are C (``shmclient._ring``); this module decides how long
-the next spin may be, from how the last waits ended.
-
-Nothing here blocks and nothing here knows records, layouts or roles.
+the next spin may be, from how the last waits ended. Nothing here blocks and nothing
+here knows records, layouts or roles.
 """
 
 from __future__ import annotations

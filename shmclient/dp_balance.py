@@ -1,16 +1,9 @@
 """The data-parallel load balancer's decisions: which engine gets a request, and what a
-request weighs. Plain functions of the numbers the client keeps, so they are tested
-without engines.
+request weighs.
 
-Middle layer: imports ``messages`` only; never a client, a channel or asyncio. The score
-is vLLM's (``DPLBAsyncMPClient``): for engine ``i`` with ``w``/``r``/``kv`` its latest
-``SchedulerStats`` (waiting, running, KV use)::
-
-    load_i = max(inflight_i, w + r) + w * 6 * max(0, kv - 0.5)
-
-``inflight_i`` is the client's exact count of its unfinished requests there (it moves at
-once, between stats reports). Equal loads go to the engine with less ``work_i`` (the
-prompt plus ``max_tokens`` tokens of those requests), then to a rotating start.
+Middle layer: imports ``messages`` only; never a client, a channel or asyncio. Plain
+functions of the numbers the client keeps, so they are tested without engines. The score
+and how ties are broken: docs/design.md, "Module notes", ``shmclient.dp_balance``.
 """
 
 from __future__ import annotations

@@ -7,15 +7,8 @@ requests, ``REC_OUTPUTS``, ``REC_RELEASE``) and the struct each one carries, the
 ``Framing`` a ``ShmChannel`` takes as a parameter and ``NativeFraming`` (shmclient's
 own), the typed decoders per record type, and ``BadMessage``: a message that arrived
 intact but did not decode, handed up in its place so that it fails alone. Nothing here
-blocks.
-
-Isolation: a message that arrives intact but does not decode (a typed-decoder
-``ValidationError``, malformed msgpack, nesting too deep, a tensor that cannot be opened)
-fails alone: it is handed up as ``(rtype, BadMessage)`` in its place in the stream, and
-whoever reads decides (the engine answers it with an error, the client logs it). Only a
-broken channel (a record of unknown type, a release record that does not parse) raises
-``ProtocolError``, which is fatal; the messages decoded before it in the same call are
-returned first and the error is raised by the next call.
+blocks. Its contract (which failures are isolated, which are fatal): docs/design.md,
+"Module notes", ``shmclient.framing``.
 """
 
 from __future__ import annotations

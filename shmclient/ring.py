@@ -14,32 +14,8 @@ each end tries without waiting (``try_*`` / ``*_nowait``) and offers one single 
 them are ``shmclient.waiting``'s. The per-message path (write and publish, see and read
 and release, the spin, the futex sleep and wake) is C, in ``shmclient/_ring.c``, whose
 module docstring carries the layout and the memory-ordering argument for x86-64 and
-aarch64.
-
-State is two byte positions in the header: the producer's published head and the
-consumer's released tail, each on its own cache line, stored with release and loaded
-with acquire order. Free space is ``tail + capacity - write position``: nothing is
-reclaimed lazily. Taking a batch and recording that it was taken is one C call, so no
-Python exception (a KeyboardInterrupt) can split them. A message longer than
-``max_record`` goes in fragments, each published as it is written, so the consumer
-frees each one while the next is written; a send that runs out of room half-way resumes
-where it stopped when the same payload is sent again, never from the first fragment.
-
-Nothing is named: the segment is a memfd and the async wake-up a pipe, each reached by
-the peer through ``/proc/<pid>/fd`` (or an inherited fd), see ``shm``. A SIGKILL of
-either side at any moment leaves nothing behind in /dev/shm or /tmp.
-
-Threads: each ring end takes a local lock around every send and receive (or goes
-without it on the lock-free fast path, which the GIL orders), held only for that one
-non-blocking call, so several threads of one process may share an end while the ring
-itself stays single-producer single-consumer. The single waits take no lock: another
-thread may send or receive while one sleeps in them. A receive handler that uses its own
-ring raises RuntimeError (the C end refuses re-entry) instead of corrupting it.
-
-The peer is not trusted: the C end checks every value it reads from the mapping and a
-violation closes this end with ``RingCorruptError`` (a ``ProtocolError``) naming what was
-wrong. A process made by ``os.fork()`` cannot use its parent's ends: every call raises
-``ForkedError`` and the parent's ring is left as it was.
+aarch64. Its contract (state, fragments, naming, threads, trust of the peer, fork):
+docs/design.md, "Module notes", ``shmclient.ring``.
 """
 
 from __future__ import annotations

@@ -7,12 +7,8 @@ owns reading: ``try_recv``, ``recv_nowait`` (copied out) and ``recv_into`` (in p
 never wait for data, and the one wait for it is ``wait_readable`` (``wait_recv``), a
 single spin then sleep; these are the wait handle through which ``shmclient.waiting``
 receives with a deadline and a liveness check, or ``fileno`` / ``drain_wake_fd`` for an
-event loop.
-
-Each receive first tries one C call without the lock (the GIL orders it against other
-threads' calls); only when there is nothing to read, or another thread's slow path holds
-the end (``held``), does it take the lock. Taking records and releasing their space
-happen inside that one call, so no exception can land between them.
+event loop. Its contract (threads, the lock): docs/design.md, "Module notes",
+``shmclient.ring_consumer``.
 """
 
 from __future__ import annotations

@@ -2,28 +2,10 @@
 
 Lowest layer: imports only ``capacity`` (the memory-limit check), ``errors`` and the
 standard library; never the ring, tensors, codec, ``waiting``, asyncio, clients or the
-engine. It owns the life-cycle rules every segment in shmclient follows:
-
-* a segment is a ``memfd_create`` file: it has no name in /dev/shm or anywhere else, so
-  nothing can outlive the processes that map it, whatever kills them and whenever;
-* the backing memory is reserved at creation with ``posix_fallocate`` (or, for a
-  segment created with ``reserve=False`` such as a tensor arena, by ``reserve()`` before
-  its first use), after a check against every memory limit of the process (its memory
-  cgroup, v1 or v2, and the host's MemAvailable, with ``SHMCLIENT_MEMORY_MARGIN_BYTES``
-  to spare, see ``capacity``): a reservation that does not fit fails here with a ``ShmCapacityError``
-  naming the bytes and the limit, never with SIGBUS or the OOM killer later;
-* once sized, a segment is sealed (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``): no
-  holder of an fd of it can truncate it under a peer's mapping;
-* its *handle* is a string ``memfd:<pid>:<fd>:<inode>``: the creator's pid, the fd number
-  in the creator and the inode. A peer opens it through ``/proc/<pid>/fd/<fd>`` (or uses
-  the same fd if it inherited it, e.g. with ``subprocess.Popen(pass_fds=...)``) and checks
-  the inode, so a recycled pid or fd number is refused. The creator keeps the fd open
-  until ``release_handle()`` (the equivalent of unlinking a name): after that the handle
-  no longer opens, and the memory lives exactly as long as some mapping of it;
-* ``close()`` unmaps. Only the creator holds a handle; the peer closes its fd as soon as
-  it has mapped the segment.
-
-Nothing here blocks.
+engine. It owns the life-cycle rules every segment in shmclient follows: a ``memfd``
+with no name, memory reserved after a check against the process's limits, sealed sizes,
+a handle checked by inode, and closing. Nothing here blocks. Its contract (those rules
+in full): docs/design.md, "Module notes", ``shmclient.shm``.
 """
 
 from __future__ import annotations

@@ -4,31 +4,8 @@ Transport layer, used only by ``tensors_sender`` and ``tensors_receiver`` (impor
 the first CUDA tensor): imports torch, ``dtypes``, ``errors``, ``tensors_handles`` and
 the standard library; never clients, asyncio, ``waiting``, the engine or the codec. It
 owns the keep-alive table of sent CUDA tensors, the GPU-UUID device mapping and the
-decision "IPC handle or host copy".
-
-What torch 2.x does for us (``torch.multiprocessing.reductions.reduce_tensor`` →
-``UntypedStorage._share_cuda_``): it exports a ``cudaIpcMemHandle`` for the whole
-caching-allocator segment holding the storage, plus the storage's offset in it; it wraps
-the storage in a ref-counted "sent data" record whose counter lives in a shared-memory
-file, so the producer's allocator does not reuse the block while a consumer holds it
-(blocks whose counter is not yet zero wait in a limbo list, emptied by
-``torch.cuda.ipc_collect()`` or on allocation failure); and it creates an interprocess
-CUDA event recorded on the producer's *current stream* of that device at share time
-(after 1000 live events it synchronizes that stream instead). On the consumer,
-``rebuild_cuda_tensor`` makes the consumer's current stream wait on that event, opens the
-handle once per allocation (a C++ cache of mapped pointers, and a Python cache of live
-storages keyed by handle and offset, both weak) and decrements the counter when its
-storage dies, after synchronizing its stream. So: writes the producer issued on its
-current stream before sending are complete before the consumer's kernels read; work on
-other streams must be synchronized by the producer first.
-
-On top, this module: keeps every sent tensor alive in a table until the receiver releases
-its id (same channel as the shm blocks), sends the GPU's UUID instead of a device index
-and maps it to the receiver's own index (``CUDA_VISIBLE_DEVICES`` may order GPUs
-differently per process; no context is created on any other GPU), counts how often a
-handle had to be opened, and falls back to a host copy (logged once per reason) when IPC
-is disabled or the peer does not see that GPU. Nothing here blocks except torch's own
-stream synchronization in a storage's destructor.
+decision "IPC handle or host copy". Its contract (what torch does, streams, life cycle,
+fallbacks): docs/design.md, "Module notes", ``shmclient.tensors_cuda``.
 """
 
 from __future__ import annotations

@@ -5,30 +5,9 @@ up in ``sys.modules``, never imported: a tensor can only exist if torch is loade
 same functions guard the engine (``shmclient_engine.request.check_request`` calls
 ``check_request``), so a request either client refuses is one the engine would refuse,
 with the same words. Every failure is an ``InvalidRequestError`` (a ``ValueError``)
-naming the request and the field. Nothing here blocks or changes its argument.
-
-Rules, in the wire schema's field order (``messages.EngineCoreRequest``):
-
-* ``request_id``: a non-empty ``str``.
-* exactly one of ``prompt_token_ids`` (a ``list`` of non-bool ``int`` in
-  ``[0, vocab_size)``) and ``prompt_embeds`` (a floating-point 2-D ``torch.Tensor``
-  ``[num_tokens, hidden_size]``); an empty list counts as absent; 1 to ``max_model_len``
-  tokens.
-* at most one of ``sampling_params`` (a ``SamplingParams``) and ``pooling_params`` (a
-  ``PoolingParams`` whose task is in ``POOLING_TASKS``).
-* ``SamplingParams``: ``max_tokens`` int >= 1; ``temperature`` finite >= 0; ``top_p`` in
-  (0, 1]; ``top_k`` int >= -1; ``seed`` None or int in [-2**63, 2**64);
-  ``stop_token_ids`` a list of 64-bit ints; ``ignore_eos`` a bool.
-* ``eos_token_id`` None or in the vocabulary; ``arrival_time`` finite >= 0;
-  ``lora_request`` None or a ``LoRARequest`` (str name and path, int id >= 1);
-  ``cache_salt`` None or str; ``data_parallel_rank`` None or int >= 0;
-  ``client_index``, ``current_wave`` int >= 0; ``priority`` a 64-bit int.
-
-"Int" always means ``type(x) is int``: bools, floats, numpy integers and other
-look-alikes are refused (the engine's typed decoder refuses them too).
-
-The common case costs about 2 µs for a 100-token request with sampling parameters (the
-ids are checked for type and range in one C pass, ``msgspec.convert``).
+naming the request and the field. Nothing here blocks or changes its argument. Its
+contract (the rules per field, what "int" means, the cost): docs/design.md, "Module
+notes", ``shmclient.validate``.
 """
 
 from __future__ import annotations

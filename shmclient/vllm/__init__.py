@@ -4,25 +4,11 @@ Top of the plug-in: imports vLLM only inside ``register()`` and the client facto
 in the ``frontend`` and ``engine`` modules they load), so ``import shmclient.vllm`` works
 without vLLM. vLLM calls ``register`` (entry point ``shmclient`` in group
 ``vllm.general_plugins``) in every process it starts; it changes nothing unless
-``SHMCLIENT_VLLM=1`` is in the frontend's environment. Then:
-
-* frontend: ``EngineCoreClient.make_client`` / ``make_async_mp_client`` return
-  ``ShmSyncMPClient`` / ``ShmAsyncMPClient`` (``frontend``) for one engine this process
-  starts, and ``ShmDPLBAsyncMPClient`` for data parallelism with internal load balancing
-  (one pair of rings per engine of this node; engines on other nodes keep vLLM's ZMQ
-  sockets), once ``versions`` has found the installed vLLM to be one the plug-in knows;
-  anything else (external or hybrid load balancing, a node without engines) gets vLLM's
-  own client, with one WARNING saying why.
-* ``vllm serve`` with several API servers: the parent makes the rings of every (API
-  server, engine) pair (``launch``); each API server's client attaches to its own.
-* engine core: the targets of ``EngineCoreProc``'s two IO threads read requests from and
-  write outputs to the channel (``engine``) when the process was handed one.
-
-What travels is vLLM's own messages through vLLM's own ``MsgpackEncoder`` /
-``MsgpackDecoder`` in a ``ShmChannel`` whose framing is ``wire.VllmFraming``; tensors of
-64 KiB and more go out of band through the channel's arenas (``oob``). The handshake,
-ENGINE_CORE_DEAD and shutdown stay vLLM's, on ZMQ and signals. Where the rings are read
-and written, and the figures behind those choices: docs/design.md.
+``SHMCLIENT_VLLM=1`` is in the frontend's environment. Then it replaces vLLM's clients
+(``frontend``), lets the ``vllm serve`` parent with several API servers make the rings
+(``launch``) and moves the engine core's IO threads onto the channel (``engine``). What
+each replaces and when, and what travels: docs/design.md, "Module notes",
+``shmclient.vllm``.
 """
 
 from __future__ import annotations

@@ -3,32 +3,9 @@
 Imports vLLM (its engine module), ``shmclient.waiting`` and the plug-in's ``wire``,
 ``engine_link`` (this engine's channels) and ``engine_outputs`` (its output side); nothing
 of the frontend, no ring end. ``install()`` wraps two methods of ``EngineCoreProc``, the
-targets of its two IO threads:
-
-* ``process_input_sockets``: still connects vLLM's DEALER sockets to the frontends and
-  sends the ready response on each (vLLM's handshake is unchanged), then reads the
-  request rings (``waiting.recv``; one thread a frontend when there are several) instead
-  of the sockets and handles each request as vLLM's thread does (``_handle_request``: the
-  same pre-processing, aborts also to ``aborts_queue``; one request at a time). A request
-  that does not decode fails alone (vLLM's request-scoped error for an ADD).
-* ``process_output_sockets``: ``engine_outputs._serve_outputs``. Output mode ``inline``
-  (the default): ``output_queue`` is replaced (before the busy loop starts) by an object
-  whose ``put_nowait`` encodes a small ``EngineCoreOutputs`` and writes it in the putting
-  thread (the busy loop, or a utility's completion callback), skipping the hand-off to the
-  IO thread; a big batch (more than ``SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS`` outputs) and
-  what follows it until it is written go to the IO thread, as in vLLM. Output mode
-  ``thread``: the IO thread takes each output from ``output_queue`` and writes it.
-
-Both wrappers fall back to vLLM's own method when this process was not handed a channel
-(the environment variable ``SHMCLIENT_VLLM_SPEC`` holds none for its engine index). With
-data parallelism the DP coordinator's messages stay on vLLM's ZMQ sockets: its requests
-(waves) are read by a thread of their own (``_Coordinator``), and outputs for it (client
-index -1) go out from the output thread. The engine watches its frontends: each request
-wait checks every 0.1 s that its frontend is still there; when the frontend that started
-the engine is gone (or the launcher that did), the engine asks for its own shutdown the
-way vLLM's SIGTERM handler does, and outputs nobody can read are dropped. Idle, each
-request reader wakes every 0.1 s also to send its frontend the releases of request
-tensors the busy loop has dropped.
+targets of its two IO threads, ``process_input_sockets`` and ``process_output_sockets``.
+Its contract (what each wrapper does, output modes, fallback, the DP coordinator,
+watching the frontends): docs/design.md, "Module notes", ``shmclient.vllm.engine``.
 """
 
 from __future__ import annotations

@@ -8,13 +8,8 @@ subclass vLLM's own, so construction (engine launch, handshake, ready response),
 engine monitor, ``shutdown`` and every utility method are vLLM's. What changes: requests
 are encoded by vLLM's encoder into the request ring, outputs read from the output ring;
 vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only. The async clients are
-in ``frontend_async``.
-
-``ShmSyncMPClient`` reads the ring in the caller's threads (``get_output`` and a
-``call_utility`` waiting for its reply) through ``waiting.ThreadReader``, with vLLM's
-dispatch: no reader thread, no queue hand-off. Sends wait (``waiting.send``) while the request ring is full, at most
-``SEND_TIMEOUT_S``, then PeerNotConsumingError. ``get_output`` blocks like vLLM's (until an
-output, or EngineDeadError within about 0.1 s of the engine's death).
+in ``frontend_async``. Its contract (threads, full rings, the engine's death):
+docs/design.md, "Module notes", ``shmclient.vllm.frontend``.
 """
 
 from __future__ import annotations

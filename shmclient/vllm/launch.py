@@ -12,13 +12,8 @@ API servers start: each engine takes its M channels from ``SHMCLIENT_VLLM_SPEC``
 API server its N from ``SHMCLIENT_VLLM_FRONTEND_SPEC``. Both sides attach through this
 process's /proc/<pid>/fd and write one byte to its "attached" pipe; a thread here
 releases every handle once all 2 x M x N have (the handles also go when this process
-ends, whatever ends it: nothing is named).
-
-Engines on other nodes (``vllm serve --headless`` there) get no channel: every API
-server talks to them over vLLM's ZMQ sockets, as stock. A launch the rings cannot carry
-keeps vLLM's transport for every process, with one WARNING naming the reason: data
-parallelism with external or hybrid load balancing, a node that starts no engine, the
-ray backend, elastic EP, vLLM's Rust frontend.
+ends, whatever ends it: nothing is named). Which launches keep vLLM's transport:
+docs/design.md, "Module notes", ``shmclient.vllm.launch``.
 """
 
 from __future__ import annotations

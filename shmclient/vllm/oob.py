@@ -3,29 +3,9 @@
 Middle layer of the plug-in: imports ``shmclient.tensors`` (arena sender and receiver,
 CUDA IPC through ``tensors_cuda``), torch and vLLM's ``serial_utils`` interfaces
 (``OOBTensorConsumer``); never the frontend or engine modules. ``wire.VllmFraming`` builds
-these objects on a channel's arenas; the channel carries the releases back.
-
-vLLM's ``MsgpackEncoder`` offers every CUDA tensor, and every CPU tensor of at least its
-inline limit (256 B), to an ``oob_tensor_consumer``; the decoder hands the placeholder
-back to an ``oob_tensor_provider``. ``ArenaTensors`` is that consumer: a CPU tensor of at
-least ``threshold`` bytes is copied once into the sender's arena (or, when the arena is
-full, a one-off memfd segment) and travels as ``{"shmc": handle}``; a smaller one is
-declined and goes as vLLM's own extra frame through the ring. A CUDA tensor goes by IPC
-handle when IPC is on and the peer sees its GPU; otherwise a host copy goes through the
-arena. ``ArenaProvider`` turns the handle back into a tensor: a zero-copy view of the
-arena from ``tensors.VIEW_FROM`` up, whose block is released when the last tensor using
-it dies (``ShmTensorReceiver``); any other placeholder goes to vLLM's own provider.
-
-Lifetime: a block is reused only after the receiver's release came back over the other
-ring (``ShmTensorSender.on_release``), so it is never rewritten while the peer may still
-read it. Releases not yet carried back keep their blocks; a full arena costs a one-off
-segment, never a wait. Nothing here blocks.
-
-Threshold (``SHMCLIENT_VLLM_TENSOR_MIN_BYTES``, default 64 KiB): where the arena's one copy
-and fixed cost (~5 µs: allocation, handle, release) meet the frame path's three copies,
-between 64 and 128 KiB (``python -m shmclient_bench.vllm --tensors``; figures in
-docs/measurements.md). From 64 KiB the arena also keeps large payloads out of the ring,
-where they would queue the outputs behind them.
+these objects on a channel's arenas; the channel carries the releases back. Its contract
+(what goes out of band, life cycle of a block, the threshold): docs/design.md, "Module
+notes", ``shmclient.vllm.oob``.
 """
 
 from __future__ import annotations

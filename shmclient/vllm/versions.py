@@ -6,17 +6,9 @@ functions (``TOUCHED``). For each it keeps a fingerprint: of the whole function 
 syntax tree without docstrings, so comments and formatting do not count) where the
 plug-in replaces or mirrors what it does, of its parameters only where the plug-in just
 calls it or passes arguments through. ``KNOWN`` holds the fingerprints of every vLLM
-release the plug-in was written against and tested with, by release line.
-
-At registration the frontend computes the running vLLM's fingerprints from its source
-files (~0.1 s, once per process) and compares: if every one matches a known line, the
-plug-in takes over (logging at INFO when the version's number is not one it knows, e.g.
-a patch, dev or vendor build); otherwise vLLM keeps its own transport and one WARNING
-names what differs. ``python -m shmclient.vllm.versions [WHEEL_OR_SITE_PACKAGES ...]``
-prints the fingerprints of an installed vLLM or of a downloaded wheel. A new release is
-added to ``KNOWN`` after the plug-in's tests pass on it, or, for a release no CPU build
-of which exists yet (0.33.0), after each function that differs was read and its change
-ported, the fingerprints taken from the release's own wheel; the README says which.
+release the plug-in was written against and tested with, by release line. Its life cycle
+(when the check runs, what follows, how a release is added): docs/design.md, "Module
+notes", ``shmclient.vllm.versions``.
 """
 
 from __future__ import annotations

@@ -8,24 +8,9 @@ as one ring record (fragmented by the ring when it is larger than one record): i
 is the message's kind (vLLM's request-type byte towards the engine, ``OUTPUTS`` towards
 the frontend); a message of one frame is that frame; a message of several has ``MULTI``
 or-ed into its type and its frames packed behind a header (``pack`` / ``unpack``: a
-count, then each frame's length, every value checked when read).
-
-``VllmFraming`` is the channel's framing parameter for the plug-in: vLLM's own encoder and
-decoders, with the channel's tensor arenas as their out-of-band path (``oob``). Besides
-vLLM's messages, one ``GPUS`` record (engine → frontend, before READY) says which GPUs
-the engine sees; tensor releases are the channel's own records.
-
-Each side's first record is a ``HELLO`` naming its pid: the engine learns which process
-is its frontend (and watches it), the frontend which process is its engine.
-
-Who starts the engines creates the channels and hands their specs to them in the
-environment variable ``SHMCLIENT_VLLM_SPEC`` (hex of a msgpack list of ``EngineSpec``,
-each naming its engine's index and the index of the frontend it serves); vLLM starts its
-engines with ``multiprocessing`` (spawn or fork), and both pass the environment as it is
-at ``Process.start()``. That is the frontend itself when it starts its engines (one API
-server), or the ``vllm serve`` parent with several API servers, which also hands each API
-server its channels, one per engine, in ``SHMCLIENT_VLLM_FRONTEND_SPEC`` (a list of
-``FrontendSpec``).
+count, then each frame's length, every value checked when read). Its contract (the
+framing, ``GPUS`` and ``HELLO`` records, the spec variables): docs/design.md, "Module
+notes", ``shmclient.vllm.wire``.
 """
 
 from __future__ import annotations

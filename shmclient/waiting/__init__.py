@@ -9,28 +9,9 @@ and comes here to wait; both clients and the engine loop do. This module holds t
 waits (``send``, ``recv``, ``recv_into``, ``recv_spin``, ``wait_fd``, ``send_async``);
 ``thread_reader.ThreadReader`` (threads share one channel, leader and followers) and
 ``loop_reader.LoopReader`` (an event loop's reader callback, parking with deadlines) are
-written over them, each with the client's ``dispatch`` passed in.
-
-Beside ``send_nowait`` / ``recv_nowait``, a wait handle is four calls (a bare ring end has
-those of its direction that a thread needs: ``wait_send`` and ``abandon``, or
-``wait_recv``; the descriptors are the channel's):
-
-* ``wait_recv(timeout, spin=None, first=True)`` / ``wait_send(...)``: block this thread,
-  once, until the channel may have something to read / room to write, or ``timeout``
-  seconds passed (True / False). A ring end (and the shared-memory channel over it) spins
-  for its adaptive budget, then sleeps on the ring's futex; zmq polls its socket.
-* ``recv_fd()`` / ``send_fd()``: a file descriptor for ``loop.add_reader``, readable when
-  the channel may have something to read / room to write after ``arm_recv()`` /
-  ``arm_send()``. Arm, try again, and only then park: a wake-up is never lost between
-  the try and the park (see ``_ring.c``'s docstring for the ring's argument).
-* ``abandon(payload)``: a send of ``payload`` gave up (timeout, dead peer, cancelled)
-  possibly half-way through a fragmented message; other messages may go first now.
-
-Every wait here has a timeout (PeerNotProducingError / PeerNotConsumingError, both
-``TimeoutError``) and a liveness check: it sleeps in slices of ``LIVENESS_S`` and calls
-``alive()`` between slices; a peer that is not alive ends the wait with PeerDeadError
-(after one last try, so what it wrote before going is not lost). Signals: a thread's wait
-returns to Python on EINTR, so a handler's exception comes out of it.
+written over them, each with the client's ``dispatch`` passed in. Its contract (the wait
+handle, timeouts, liveness, signals): docs/design.md, "Module notes",
+``shmclient.waiting``.
 """
 
 from __future__ import annotations
