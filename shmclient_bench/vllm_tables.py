@@ -51,18 +51,19 @@ def _p50_ratios(shm: ConfigFigures, stock: ConfigFigures, metric: str) -> list[f
     return [_p50(a[k]) / max(_p50(b[k]), 1e-9) for k in (1, 16)]
 
 
+def _part_head(title: str, configs: dict[str, ConfigFigures]) -> list[str]:
+    """A part's table after the quiet one: a blank line, its title, the header, a row per
+    configuration."""
+    return ["", title, *_HEAD, *(_row(name, r) for name, r in configs.items())]
+
+
 def _busy_table(busy: BusyHost | None) -> list[str]:
     """The busy-host cell: target shm hop p50 <= stock's, TPOT p50 no worse than stock's."""
     if not busy or not busy.configs:
         return []
-    lines = [
-        "",
-        f"with {busy.processes} busy processes, one pinned to each CPU (target: shm hop p50 <= stock's, "
-        "TPOT p50 <= stock's)",
-        *_HEAD,
-    ]
     cfg = busy.configs
-    lines += [_row(name, r) for name, r in cfg.items()]
+    lines = _part_head(f"with {busy.processes} busy processes, one pinned to each CPU (target: shm hop p50 "
+                       "<= stock's, TPOT p50 <= stock's)", cfg)
     for kind in ("sync", "async"):
         st, sh = cfg.get(f"{kind}-stock"), cfg.get(f"{kind}-shm")
         if not st or not sh:
@@ -81,14 +82,9 @@ def _dp_table(dp: DataParallel | None) -> list[str]:
     """Data parallelism: target shm hop p50 <= 0.3x stock's, TTFT and TPOT p50 no worse."""
     if not dp or not dp.configs:
         return []
-    lines = [
-        "",
-        f"AsyncLLM with {dp.engines} engine cores (data parallelism; target: shm hop p50 <= 0.3x stock's, "
-        "TTFT and TPOT p50 <= stock's)",
-        *_HEAD,
-    ]
     cfg = dp.configs
-    lines += [_row(name, r) for name, r in cfg.items()]
+    lines = _part_head(f"AsyncLLM with {dp.engines} engine cores (data parallelism; target: shm hop p50 "
+                       "<= 0.3x stock's, TTFT and TPOT p50 <= stock's)", cfg)
     st, sh = cfg.get("async-stock"), cfg.get("async-shm")
     if st and sh:
         hop = _p50(sh.hop_us) / max(_p50(st.hop_us), 1e-9)
