@@ -165,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.child, "wb") as f:
             f.write(msgspec.json.encode(_child(args.quick, parts)))
         return 0
-    results = run(args.quick, parts)
+    # SIGTERM (a timeout, a job's stop) unwinds like Ctrl-C: the child's process group is
+    # killed and the section's temporary folder (vLLM's sockets) removed.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        results = run(args.quick, parts)
+    except KeyboardInterrupt:
+        print("vllm: interrupted; the engines stopped, nothing saved", file=sys.stderr)
+        return 130
     print(format_table(results))
     if args.out:
         from .results_files import write_json

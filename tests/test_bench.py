@@ -806,3 +806,50 @@ def test_the_vllm_sections_child_keeps_vllms_files_out_of_the_shared_tmp(monkeyp
     assert tmp == rpc and tmp != tempfile.gettempdir()
     assert os.path.dirname(tmp) == tempfile.gettempdir()
     assert not os.path.exists(tmp)
+
+
+def test_the_vllm_section_run_alone_cleans_up_on_sigterm(tmp_path):
+    """``python -m shmclient_bench.vllm`` stopped by SIGTERM (a timeout, a job's stop)
+    kills its child's process group and removes its temporary folder with vLLM's sockets
+    in it: it used to die at once and leave both."""
+    stub = tmp_path / "stub"
+    (stub / "vllm").mkdir(parents=True)
+    # The child blocks where it would start vLLM's engines; the parent's import returns.
+    (stub / "vllm" / "__init__.py").write_text(
+        "import os, signal, sys\n"
+        "if '--child' in sys.argv:\n"
+        "    with open(os.environ['SHMC_TEST_MARK'] + '.tmp', 'w') as f:\n"
+        "        f.write(f'{os.getpid()} {os.environ[\"TMPDIR\"]}')\n"
+        "    os.rename(os.environ['SHMC_TEST_MARK'] + '.tmp', os.environ['SHMC_TEST_MARK'])\n"
+        "    signal.pause()\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    mark = tmp_path / "child"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), os.getcwd()]), TMPDIR=str(tmp),
+               SHMC_TEST_MARK=str(mark))
+    parent = subprocess.Popen([sys.executable, "-m", "shmclient_bench.vllm", "--quick", "--parts", "quiet"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert parent.poll() is None, parent.stderr.read()
+            assert time.monotonic() < deadline, "the section's child never started"
+            time.sleep(0.01)  # polling for a file another process writes
+        child_pid, section_tmp = mark.read_text().split(" ", 1)
+        child_pid = int(child_pid)
+        assert os.path.dirname(section_tmp) == str(tmp) and os.path.isdir(section_tmp)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 130
+        assert "interrupted" in parent.stderr.read()
+        assert not os.path.exists(section_tmp)
+        assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child_pid is not None:
+            try:
+                os.killpg(child_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
