@@ -111,21 +111,32 @@ def local_ranks(parallel) -> "list[int]":
     return list(range(first, first + parallel.data_parallel_size_local))
 
 
+def local_only(parallel) -> bool:
+    """Whether a frontend talks to the engine cores of its own node only: hybrid load
+    balancing (an API server per node over that node's ranks) and external (one ``vllm
+    serve`` per DP rank, the load balancer in front of them). vLLM's own test, spelled
+    out: ``ParallelConfig.local_engines_only`` is not in every release."""
+    return bool(parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb)
+
+
 def _not_on_rings(parallel, client_addresses, frontend_specs=None) -> "str | None":
     """Why an async client with this parallel config keeps vLLM's transport, or None
-    when the rings can carry it: one engine, or data parallelism with internal load
-    balancing where this frontend starts the engines of this node (the engines on other
-    nodes then keep vLLM's ZMQ sockets), or the same started by the ``vllm serve`` parent
-    of several API servers that made this one's channels (``frontend_specs``: the
-    channels it was handed)."""
+    when the rings can carry it: one engine, or data parallelism where this frontend
+    starts the engines of this node: internal load balancing (the engines on other nodes
+    then keep vLLM's ZMQ sockets), hybrid load balancing (this node's engines are all it
+    talks to), or the same started by the ``vllm serve`` parent of several API servers
+    that made this one's channels (``frontend_specs``: the channels it was handed).
+    External load balancing (vLLM's one-engine DP client, which vLLM runs for
+    mixture-of-experts models only) is not carried: its data parallelism did not run on
+    a CPU host to be tested."""
     dp = parallel.data_parallel_size
     if dp > 1:
-        if parallel.data_parallel_external_lb or parallel.data_parallel_hybrid_lb:
-            return f"data_parallel_size={dp} with external or hybrid load balancing is not on the rings yet"
+        if parallel.data_parallel_external_lb:
+            return f"data_parallel_size={dp} with external load balancing is not on the rings yet"
         if parallel.data_parallel_backend != "mp" or getattr(parallel, "enable_elastic_ep", False):
             return (f"data_parallel_size={dp} with the {parallel.data_parallel_backend!r} backend or elastic EP "
                     "is not on the rings yet")
-        if parallel.data_parallel_size_local < 1 or parallel.data_parallel_rank != 0:
+        if parallel.data_parallel_size_local < 1 or (parallel.data_parallel_rank != 0 and not local_only(parallel)):
             return (f"data_parallel_size={dp} with no engine core started by this frontend on this node "
                     f"({parallel.data_parallel_size_local} local from rank {parallel.data_parallel_rank})")
     if client_addresses:
@@ -180,8 +191,12 @@ def _install_frontend() -> None:
         where = f"API server {client_index} of {client_count}" if specs else ""
         if dp > 1:
             local = local_ranks(parallel)
-            remote = [rank for rank in range(dp) if rank not in local]
+            # Hybrid load balancing: the other nodes' ranks have API servers of their own.
+            remote = [] if local_only(parallel) else [rank for rank in range(dp) if rank not in local]
             what = [where] if where else []
+            if local_only(parallel):
+                what.insert(0, f"hybrid load balancing: engine{'s' if len(local) > 1 else ''} {_ranks(local)} "
+                               "of this node on the rings")
             if remote:
                 what.insert(0, f"engine{'s' if len(local) > 1 else ''} {_ranks(local)} on the rings, "
                                + (f"engines {_ranks(remote)} on other nodes" if len(remote) > 1

@@ -222,8 +222,8 @@ class ShmAsyncMPClient(_AsyncRings, AsyncMPClient):
 
 
 class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
-    """vLLM's DPLBAsyncMPClient (data parallelism, internal load balancing) with one
-    pair of rings per engine core of this node (made here, or by the launcher:
+    """vLLM's DPLBAsyncMPClient (data parallelism, internal or hybrid load balancing)
+    with one pair of rings per engine core of this node (made here, or by the launcher:
     ``frontend_specs``; ``local``: their DP ranks, default all). Engine selection, the DP
     coordinator's request counts and waves, aborts routed to the owning engine and
     utilities to every engine are vLLM's; what travels between this frontend and its
@@ -234,10 +234,15 @@ class ShmDPLBAsyncMPClient(_AsyncRings, DPLBAsyncMPClient):
                  client_count: int = 1, client_index: int = 0, renderer=None,
                  frontend_specs: "list[wire.FrontendSpec] | None" = None,
                  local: "list[int] | None" = None) -> None:
-        dp_size = vllm_config.parallel_config.data_parallel_size
+        from . import local_only
+
+        parallel = vllm_config.parallel_config
+        dp_size = parallel.data_parallel_size
         local = list(range(dp_size)) if local is None else local
         #: Engines on other nodes (vLLM's identities): their messages go over vLLM's sockets.
-        self._remote = frozenset(rank.to_bytes(2, "little") for rank in range(dp_size) if rank not in local)
+        #: With hybrid load balancing there are none: those nodes have API servers of their own.
+        self._remote = frozenset() if local_only(parallel) else frozenset(
+            rank.to_bytes(2, "little") for rank in range(dp_size) if rank not in local)
         self._init_async(
             lambda: DPLBAsyncMPClient.__init__(
                 self, vllm_config, executor_class, log_stats, client_addresses, client_count, client_index,
