@@ -3,8 +3,9 @@ server per node over that node's engine cores). Each API server talks to the eng
 of its own node only, so with the plug-in all of them go over the rings, and the answers
 are stock vLLM's.
 
-Two nodes are simulated on this host, each a ``vllm serve`` with one API server and two
-DP ranks, joined over tcp on the loopback address as two machines would be. Run with
+Two nodes are simulated on this host, each a ``vllm serve`` with two API servers and two
+DP ranks (vLLM's default there), joined over tcp on the loopback address as two machines
+would be. Run with
 ``python -m pytest -m vllm``; skipped when vLLM is not importable. Stock's servers run
 first, then the plug-in's (~1.5 min each here).
 """
@@ -43,15 +44,19 @@ MODES = {
     "hybrid": (4, [["--data-parallel-size-local", "2", "--data-parallel-hybrid-lb", "--data-parallel-start-rank", "0"],
                    ["--data-parallel-size-local", "2", "--data-parallel-hybrid-lb", "--data-parallel-start-rank", "2"]],
                "shmclient.vllm: DPLBAsyncMPClient (4 engines, hybrid load balancing: engines {ranks} of this node "
-               "on the rings) moves engine-core requests and outputs over shared-memory rings"),
+               "on the rings, API server {index} of 2) moves engine-core requests and outputs over shared-memory "
+               "rings"),
 }
+#: API servers a node (vLLM's default with hybrid load balancing: one per local engine).
+API_SERVERS = 2
 #: Which engines (vLLM's per-engine label) each node has, per mode.
 ENGINES = {"hybrid": [["0", "1"], ["2", "3"]]}
 
 
 def _shared_flags(dp: int, rpc_port: int) -> list[str]:
     return ["--data-parallel-size", str(dp), "--data-parallel-address", "127.0.0.1",
-            "--data-parallel-rpc-port", str(rpc_port), "--gpu-memory-utilization", "0.08", "--api-server-count", "1"]
+            "--data-parallel-rpc-port", str(rpc_port), "--gpu-memory-utilization", "0.08",
+            "--api-server-count", str(API_SERVERS)]
 
 
 def _healthy(port: int, proc, log: str, deadline: float) -> None:
@@ -96,15 +101,23 @@ class Nodes:
             head = os.path.join(self.tmp, "n0")
             os.makedirs(head)
             ranks = ", ".join(map(str, range(local)))
-            proc, self.port = serving.start_server(model, transport, head, os.path.join(head, "server.log"),
-                                                   [*_shared_flags(dp, rpc_port), *first], line.format(ranks=ranks),
-                                                   launcher="serve", log_stats=True)
+            proc, self.port = serving.start_server(
+                model, transport, head, os.path.join(head, "server.log"), [*_shared_flags(dp, rpc_port), *first],
+                [line.format(ranks=ranks, index=i) for i in range(API_SERVERS)], launcher="serve", log_stats=True)
             self.procs.insert(0, proc)
             _healthy(self.other_port, other_proc, self.other_log, time.monotonic() + serving.HEALTH_TIMEOUT_S)
-            with open(self.other_log, encoding="utf-8", errors="replace") as f:
-                other_text = f.read()
-            want = line.format(ranks=", ".join(map(str, range(local, dp))))
-            assert (want in other_text) == (transport == "plugin"), serving._tail(self.other_log)
+            ranks = ", ".join(map(str, range(local, dp)))
+            deadline = time.monotonic() + serving.HEALTH_TIMEOUT_S
+            while True:  # every API server of the second node up (one answers health first)
+                with open(self.other_log, encoding="utf-8", errors="replace") as f:
+                    other_text = f.read()
+                if other_text.count(serving.READY_LINE) >= API_SERVERS:
+                    break
+                assert time.monotonic() < deadline and other_proc.poll() is None, serving._tail(self.other_log)
+                time.sleep(0.5)  # polling the second node's log
+            for i in range(API_SERVERS):
+                want = line.format(ranks=ranks, index=i)
+                assert (want in other_text) == (transport == "plugin"), serving._tail(self.other_log)
         except BaseException:
             self.close()
             raise
