@@ -9,7 +9,9 @@ for sync ``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
 ``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop), and for async
 ``shm-noprewake`` (no early wake-up of the parked frontend, ``SHMCLIENT_VLLM_PREWAKE=0``).
 Then (parts ``busy`` and ``dp``) stock against ``shm`` again with ``BUSY`` busy processes
-pinned one to a CPU, and ``AsyncLLM`` with ``DP`` engine cores (data parallelism).
+pinned one to a CPU, in pairs of passes (``--busy-pairs``; its verdict is taken on the
+median over the pairs of each pair's ratio), and ``AsyncLLM`` with ``DP`` engine cores
+(data parallelism).
 
 Figures per configuration:
 
@@ -41,22 +43,23 @@ from typing import Any
 import msgspec
 
 from .section_results import Skipped
-from .vllm_engines import (BUSY, BUSY_CONFIGS, CHILD_TIMEOUT_S, CONFIG, CONFIGS, DP, DP_CONFIGS, DP_KW,
+from .vllm_engines import (BUSY, BUSY_CONFIGS, BUSY_PAIRS, CHILD_TIMEOUT_S, CONFIG, CONFIGS, DP, DP_CONFIGS, DP_KW,
                            ENGINE_KW, PARTS, STREAMS, _child, _pinned_busy)
 from .vllm_results import VllmComparison, VllmResult
 from .vllm_tables import HOP_POINTS, _busy_table, _config_table, _dp_table, format_table, plot
 
 #: What this module's users import from it (the engines' constants and the tables live
 #: in vllm_engines and vllm_tables).
-__all__ = ["BUSY", "BUSY_CONFIGS", "CHILD_TIMEOUT_S", "CONFIG", "CONFIGS", "DP", "DP_CONFIGS", "DP_KW",
+__all__ = ["BUSY", "BUSY_CONFIGS", "BUSY_PAIRS", "CHILD_TIMEOUT_S", "CONFIG", "CONFIGS", "DP", "DP_CONFIGS", "DP_KW",
            "ENGINE_KW", "HOP_POINTS", "PARTS", "STREAMS", "_busy_table", "_config_table", "_dp_table",
            "_pinned_busy", "format_table", "main", "plot", "run", "tensor_threshold"]
 
 
-def run(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmResult:
+def run(quick: bool, parts: tuple[str, ...] = PARTS, busy_pairs: int | None = None) -> VllmResult:
     """The section's results, measured in a child process; ``Skipped`` when vLLM is not
     installed or the child fails. ``parts``: "quiet" (every configuration
-    on the host as it is) and "busy" (stock and the plug-in with BUSY busy processes)."""
+    on the host as it is), "busy" (stock and the plug-in with BUSY busy processes, in
+    ``busy_pairs`` pairs: ``BUSY_PAIRS`` by default) and "dp"."""
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -65,6 +68,10 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmResult:
         out = os.path.join(d, "result.json")
         cmd = [sys.executable, "-m", "shmclient_bench.vllm", "--child", out] + (["--quick"] if quick else [])
         cmd += ["--parts", ",".join(parts)]
+        pairs = BUSY_PAIRS[quick] if busy_pairs is None else busy_pairs
+        cmd += ["--busy-pairs", str(pairs)]
+        # Each busy pair beyond the default adds four engines' passes.
+        timeout = CHILD_TIMEOUT_S + 300 * max(0, pairs - BUSY_PAIRS[False])
         # Its own process group: on a timeout the engines and busy processes it started
         # go with it. vLLM's ipc sockets and temporary files go into this folder, removed
         # with it (else every engine left a socket or two in /tmp).
@@ -72,9 +79,9 @@ def run(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmResult:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=env)
         try:
-            _, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+            _, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return Skipped(f"the vLLM benchmark did not finish within {CHILD_TIMEOUT_S} s")
+            return Skipped(f"the vLLM benchmark did not finish within {timeout} s")
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -149,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="quiet (every configuration as the host is), busy (stock and shm with "
                          f"{BUSY} busy processes), dp (AsyncLLM with {DP} engine cores, stock and shm), "
                          "comma-separated (default: all)")
+    ap.add_argument("--busy-pairs", type=int, metavar="N",
+                    help=f"pairs of passes of the busy part ({BUSY_PAIRS[False]}; quick {BUSY_PAIRS[True]})")
     ap.add_argument("--tensors", action="store_true",
                     help="only measure the tensor path (ring frames vs arena) by size")
     args = ap.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if not parts or any(p not in PARTS for p in parts):
         ap.error(f"--parts takes {', '.join(PARTS)} (comma-separated), got {args.parts!r}")
+    if args.busy_pairs is not None and args.busy_pairs < 1:
+        ap.error(f"--busy-pairs takes a count of 1 or more, got {args.busy_pairs}")
     if args.tensors:
         r = tensor_threshold()
         print("| tensor bytes | ring frames us | arena us |\n|---|---|---|")
@@ -163,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         with open(args.child, "wb") as f:
-            f.write(msgspec.json.encode(_child(args.quick, parts)))
+            f.write(msgspec.json.encode(_child(args.quick, parts, args.busy_pairs)))
         return 0
     # SIGTERM (a timeout, a job's stop) unwinds like Ctrl-C: the child's process group is
     # killed and the section's temporary folder (vLLM's sockets) removed.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        results = run(args.quick, parts)
+        results = run(args.quick, parts, args.busy_pairs)
     except KeyboardInterrupt:
         print("vllm: interrupted; the engines stopped, nothing saved", file=sys.stderr)
         return 130

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Any
 
+import msgspec
+
 from .vllm_results import BusyHost, ConfigFigures, DataParallel, Percentiles, VllmComparison
 
 CONFIG = {
@@ -58,6 +60,8 @@ CONFIGS = (
 #: random per engine), which no transport does.
 BUSY_CONFIGS = (("sync", "stock"), ("sync", "shm"), ("async", "stock"), ("async", "shm"))
 BUSY = 2
+#: Pairs of passes of the busy part, by ``quick``.
+BUSY_PAIRS = {False: 3, True: 1}
 #: Measured again with data parallelism: AsyncLLM with DP engine cores (internal load
 #: balancing), stock against the plug-in.
 DP = 2
@@ -65,7 +69,9 @@ DP_KW = dict(data_parallel_size=DP, gpu_memory_utilization=0.08)
 DP_CONFIGS = (("async", "stock"), ("async", "shm"))
 PARTS = ("quiet", "busy", "dp")
 STREAMS = (1, 16)
-CHILD_TIMEOUT_S = 2400
+#: The whole child: the quiet part's 12 engine starts, the busy part's 12 (3 pairs) and
+#: the dp part's 4, about a minute each on a 2-vCPU host, with room to spare.
+CHILD_TIMEOUT_S = 3000
 
 
 def _percentiles(values: list[float], scale: float) -> Percentiles:
@@ -246,13 +252,17 @@ def _bench_async(model: str, transport: str, rounds: int, tokens: int,
     return timing
 
 
-def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmComparison:
+def _child(quick: bool, parts: tuple[str, ...] = PARTS, busy_pairs: int | None = None) -> VllmComparison:
+    """Every part of ``parts``, one engine at a time; the busy part in ``busy_pairs`` pairs
+    (``BUSY_PAIRS``: 1 quick, 3 in a full run)."""
     import vllm
     from vllm.plugins import load_general_plugins
 
     os.environ["SHMCLIENT_VLLM"] = "1"  # plug-ins load once per process: load with it on
     load_general_plugins()
     rounds, tokens = (2, 32) if quick else (5, 64)
+    if busy_pairs is None:
+        busy_pairs = BUSY_PAIRS[quick]
     model = tempfile.mkdtemp(prefix="shmc-vllm-bench-")
     quiet: dict[str, _Timing] = {}
     busy: dict[str, _Timing] = {}
@@ -274,23 +284,29 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmComparison:
             quiet[name] = _merge(quiet.get(name), part)
             print(f"shmclient_bench.vllm: {name} done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         load_after = os.getloadavg()
-        order = list(BUSY_CONFIGS) if quick else list(BUSY_CONFIGS) + list(reversed(BUSY_CONFIGS))
-        if "busy" not in parts:
-            order = []
-        for kind, transport in order:
-            fn = _bench_sync if kind == "sync" else _bench_async
-            hogs = _pinned_busy(BUSY)
-            try:
-                t0 = time.monotonic()
-                part = fn(model, transport, rounds, tokens)
-            finally:
-                for h in hogs:
-                    h.kill()
-                    h.wait()
-            name = f"{kind}-{transport}"
-            busy[name] = _merge(busy.get(name), part)
-            print(f"shmclient_bench.vllm: {name} with {BUSY} busy processes done in "
-                  f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        # The busy part in pairs: one pass of every configuration a pair, the order reversed
+        # from one pair to the next. With a busy process on every CPU each engine start
+        # lands on its own step time (stock's TPOT moved by a third between engines), so
+        # the verdict is taken on the ratio within each pair, over several pairs.
+        pairs: list[dict[str, ConfigFigures]] = []
+        for p in range(busy_pairs if "busy" in parts else 0):
+            pair: dict[str, ConfigFigures] = {}
+            for kind, transport in (BUSY_CONFIGS if p % 2 == 0 else tuple(reversed(BUSY_CONFIGS))):
+                fn = _bench_sync if kind == "sync" else _bench_async
+                hogs = _pinned_busy(BUSY)
+                try:
+                    t0 = time.monotonic()
+                    part = fn(model, transport, rounds, tokens)
+                finally:
+                    for h in hogs:
+                        h.kill()
+                        h.wait()
+                name = f"{kind}-{transport}"
+                pair[name] = msgspec.structs.replace(_summarise(part), hops_sample_us=[])
+                busy[name] = _merge(busy.get(name), part)
+                print(f"shmclient_bench.vllm: {name} with {BUSY} busy processes (pair {p + 1} of "
+                      f"{busy_pairs}) done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            pairs.append({name: pair[name] for name in (f"{k}-{t}" for k, t in BUSY_CONFIGS)})
         order = list(DP_CONFIGS) if quick else list(DP_CONFIGS) + list(reversed(DP_CONFIGS))
         if "dp" not in parts:
             order = []
@@ -313,7 +329,8 @@ def _child(quick: bool, parts: tuple[str, ...] = PARTS) -> VllmComparison:
         passes=1 if quick else 2,
         load_before=load_before,
         load_after=load_after,
-        busy=BusyHost(processes=BUSY, configs={n: _summarise(t) for n, t in busy.items()}) if busy else None,
+        busy=BusyHost(processes=BUSY, configs={n: _summarise(t) for n, t in busy.items()}, pairs=pairs)
+        if busy else None,
         dp=DataParallel(engines=DP, configs={n: _summarise(t) for n, t in dp.items()}) if dp else None,
     )
 

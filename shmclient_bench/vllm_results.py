@@ -37,11 +37,15 @@ class ConfigFigures(msgspec.Struct, frozen=True):
     hops_sample_us: list[float]
 
 
-class BusyHost(msgspec.Struct, frozen=True):
-    """Stock and the plug-in with ``processes`` busy processes, one pinned to each CPU."""
+class BusyHost(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Stock and the plug-in with ``processes`` busy processes, one pinned to each CPU:
+    ``configs`` over every pass, ``pairs`` each pair of passes on its own (one pass of
+    every configuration, the order reversed from one pair to the next; without their hop
+    samples), from which the per-pair ratios and their spread are taken."""
 
     processes: int
     configs: dict[str, ConfigFigures]
+    pairs: list[dict[str, ConfigFigures]] = []
 
 
 class DataParallel(msgspec.Struct, frozen=True):

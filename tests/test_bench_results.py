@@ -222,3 +222,88 @@ def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
     assert got.dp.engines == vllm_engines.DP and set(got.dp.configs) == {"async-stock", "async-shm"}
     back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
     assert back == got and vllm.format_table(back).startswith("vLLM 0.0-made-up, tiny dummy Llama")
+
+
+def _busy_figures(hop: float, tpot1: float, tpot16: float) -> ConfigFigures:
+    def p(v: float) -> Percentiles:
+        return Percentiles(n=10, p50=v, p90=v, p99=v, mean=v)
+    return ConfigFigures(hop_us=p(hop), ttft_ms={1: p(5.0), 16: p(5.0)}, tpot_ms={1: p(tpot1), 16: p(tpot16)},
+                         hops_sample_us=[])
+
+
+def _busy_pair(hop: float, tpot1: float, tpot16: float) -> dict[str, ConfigFigures]:
+    """One pair: stock at hop 100 µs and TPOT 10 ms; shm at the given ratios of them."""
+    stock, shm = _busy_figures(100.0, 10.0, 10.0), _busy_figures(100.0 * hop, 10.0 * tpot1, 10.0 * tpot16)
+    return {"sync-stock": stock, "sync-shm": shm, "async-stock": stock, "async-shm": shm}
+
+
+def _busy_line(pairs: list[dict[str, ConfigFigures]]) -> str:
+    merged = _busy_pair(1.0, 1.0, 1.0)  # the merged passes: the verdict must not come from these
+    lines = vllm._busy_table(BusyHost(processes=2, configs=merged, pairs=pairs))
+    return next(line for line in lines if line.startswith("sync:"))
+
+
+def test_the_busy_cell_is_judged_on_the_median_of_the_pairs_ratios():
+    """Each pair's shm / stock ratio, the median over the pairs against the target, and
+    where a median is above 1: "no difference shown" when the pairs lie on both sides of
+    1, "above 1 in every pair" when none is at or below it."""
+    met = _busy_line([_busy_pair(0.6, 0.9, 1.2), _busy_pair(0.5, 1.1, 0.95), _busy_pair(0.7, 0.95, 0.9)])
+    assert met == ("sync: shm / stock, median over 3 pairs: hop p50 0.60x, TPOT p50 0.95x (1 stream) / 0.95x (16) "
+                   "(pairs: hop 0.50-0.70, TPOT 1 0.90-1.10, TPOT 16 0.90-1.20): target met")
+    mixed = _busy_line([_busy_pair(0.6, 0.9, 1.0), _busy_pair(0.6, 1.2, 1.0), _busy_pair(0.6, 1.1, 1.0)])
+    assert mixed.endswith("target NOT met: TPOT (1 stream) no difference shown (pairs 0.90-1.20)")
+    slower = _busy_line([_busy_pair(1.3, 1.05, 1.0), _busy_pair(1.2, 1.1, 1.0)])
+    assert "median over 2 pairs: hop p50 1.25x, TPOT p50 1.08x" in slower
+    assert slower.endswith("target NOT met: hop above 1 in every pair (1.20-1.30); "
+                           "TPOT (1 stream) above 1 in every pair (1.05-1.10)")
+    # Without pairs (a result written before they were kept) the merged passes decide.
+    old = vllm._busy_table(BusyHost(processes=2, configs=_busy_pair(0.5, 1.2, 0.9)))
+    assert "sync: shm / stock: hop p50 0.50x, TPOT p50 1.20x (1 stream) / 0.90x (16): target NOT met: " \
+           "TPOT (1 stream) above 1 in every pair (1.20-1.20)" in old
+
+
+def test_the_vllm_childs_busy_part_runs_in_pairs_of_alternating_order(monkeypatch):
+    """``_child`` with made-up timings: the busy part runs ``busy_pairs`` pairs, each one
+    pass of every configuration, the order reversed from one pair to the next; each
+    pair's figures are kept (without hop samples) beside the merged ones, and survive
+    the JSON round trip."""
+    import types
+
+    from shmclient_bench import vllm_engines
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.0-made-up"
+    plugins = types.ModuleType("vllm.plugins")
+    plugins.load_general_plugins = lambda: None
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.plugins", plugins)
+    monkeypatch.setenv("SHMCLIENT_VLLM", "0")
+    calls: list[str] = []
+    hogs: list[int] = []
+
+    def bench(kind: str):
+        def run(model, transport, rounds, tokens, engine_kw=None):
+            calls.append(f"{kind}-{transport}")
+            t = vllm_engines._Timing()
+            hop = 100e-6 * len(calls)  # a different hop for every pass
+            t.hops += [hop]
+            t.record(1, 0.0, 0.010, 0.010 + 0.002 * (tokens - 1), tokens)
+            t.record(16, 0.0, 0.030, 0.030 + 0.004 * (tokens - 1), tokens)
+            return t
+        return run
+
+    monkeypatch.setattr(vllm_engines, "_bench_sync", bench("sync"))
+    monkeypatch.setattr(vllm_engines, "_bench_async", bench("async"))
+    monkeypatch.setattr(vllm_engines, "_pinned_busy", lambda n: hogs.append(n) or [])
+    got = vllm_engines._child(True, ("busy",), busy_pairs=3)
+    forward = [f"{k}-{t}" for k, t in vllm_engines.BUSY_CONFIGS]
+    assert calls == forward + forward[::-1] + forward
+    assert hogs == [vllm_engines.BUSY] * 12 and got.configs == {}
+    assert len(got.busy.pairs) == 3 and all(list(p) == forward for p in got.busy.pairs)
+    # The second pair's sync-stock was the 8th pass: hop 800 µs.
+    assert got.busy.pairs[1]["sync-stock"].hop_us.p50 == pytest.approx(800.0)
+    assert got.busy.pairs[1]["sync-stock"].hops_sample_us == []
+    assert got.busy.configs["sync-stock"].hop_us.n == 3  # merged over the three passes
+    back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
+    assert back == got
+    assert vllm_engines._child(True, ("busy",)).busy.pairs.__len__() == vllm_engines.BUSY_PAIRS[True]
