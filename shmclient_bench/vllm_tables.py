@@ -19,11 +19,22 @@ def format_table(results: VllmResult | dict[str, Any]) -> str:
     results = typed(results, VllmResult)
     if isinstance(results, Skipped):
         return f"vllm: skipped: {results.reason}"
-    lines = _config_table(results) if results.configs else [
-        f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
-        f"{results.rounds} rounds x {results.passes} passes"]
+    lines = _config_table(results) if results.configs else [_title(results)]
     lines += _busy_table(results.busy) + _dp_table(results.dp)
     return "\n".join(lines)
+
+
+def _title(results: VllmComparison) -> str:
+    """What ran: rounds and passes of the quiet and DP parts, pairs of the busy part."""
+    ran = []
+    if results.configs or (results.dp and results.dp.configs):
+        ran.append(f"{results.rounds} rounds x {results.passes} passes")
+    if results.busy and results.busy.configs:
+        pairs = len(results.busy.pairs)
+        ran.append(f"busy part {results.rounds} rounds x " + (f"{pairs} pairs of passes" if pairs else
+                                                               f"{results.passes} passes"))
+    return (f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
+            + "; ".join(ran))
 
 
 def _p50(p: Percentiles) -> float:
@@ -142,9 +153,7 @@ HOP_TARGETS = {"sync": 0.25, "async": 0.3}
 
 def _config_table(results: VllmComparison) -> list[str]:
     lines = [
-        f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
-        f"{results.rounds} rounds x {results.passes} passes; load average "
-        f"{results.load_before[0]:.2f} before, {results.load_after[0]:.2f} after",
+        f"{_title(results)}; load average {results.load_before[0]:.2f} before, {results.load_after[0]:.2f} after",
         *_HEAD,
     ]
     lines += [_row(name, r) for name, r in results.configs.items()]

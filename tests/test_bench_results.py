@@ -183,9 +183,10 @@ def test_the_vllm_section_is_skipped_without_vllm(monkeypatch):
     assert isinstance(got, Skipped) and got.reason.startswith("vLLM is not installed")
 
 
-def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
-    """``_child`` with the engines replaced by made-up timings: each configuration's two
-    passes (a full run) merged, summed up per part as percentiles in a VllmComparison."""
+def _made_up_vllm_engines(monkeypatch, hops):
+    """``vllm_engines`` with a made-up vLLM module and its passes replaced by made-up
+    timings: ``hops(n)`` gives the n-th pass's hop samples (s). Returns the module and the
+    list each pass appends its "kind-transport" to."""
     import types
 
     from shmclient_bench import vllm_engines
@@ -197,13 +198,13 @@ def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setitem(sys.modules, "vllm.plugins", plugins)
     monkeypatch.setenv("SHMCLIENT_VLLM", "0")  # _child sets it; restored afterwards
-    calls: list[tuple[str, str]] = []
+    calls: list[str] = []
 
     def timing(kind: str):
         def bench(model, transport, rounds, tokens, engine_kw=None):
-            calls.append((kind, transport))
+            calls.append(f"{kind}-{transport}")
             t = vllm_engines._Timing()
-            t.hops += [100e-6, 300e-6]  # s
+            t.hops += hops(len(calls))
             t.record(1, 0.0, 0.010, 0.010 + 0.002 * (tokens - 1), tokens)
             t.record(16, 0.0, 0.030, 0.030 + 0.004 * (tokens - 1), tokens)
             return t
@@ -211,6 +212,13 @@ def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
 
     monkeypatch.setattr(vllm_engines, "_bench_sync", timing("sync"))
     monkeypatch.setattr(vllm_engines, "_bench_async", timing("async"))
+    return vllm_engines, calls
+
+
+def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
+    """``_child`` with the engines replaced by made-up timings: each configuration's two
+    passes (a full run) merged, summed up per part as percentiles in a VllmComparison."""
+    vllm_engines, calls = _made_up_vllm_engines(monkeypatch, lambda n: [100e-6, 300e-6])
     monkeypatch.setattr(vllm_engines, "_pinned_busy", lambda n: [])
     got = vllm_engines._child(False, ("quiet", "dp"))
     assert got.vllm_version == "0.0-made-up" and got.passes == 2 and got.busy is None
@@ -221,7 +229,8 @@ def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
     assert shm.ttft_ms[1].p50 == pytest.approx(10.0) and shm.tpot_ms[16].p50 == pytest.approx(4.0)
     assert got.dp.engines == vllm_engines.DP and set(got.dp.configs) == {"async-stock", "async-shm"}
     back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
-    assert back == got and vllm.format_table(back).startswith("vLLM 0.0-made-up, tiny dummy Llama")
+    assert back == got and vllm.format_table(back).startswith(
+        "vLLM 0.0-made-up, tiny dummy Llama, 64 tokens a request, 5 rounds x 2 passes; load average")
 
 
 def _busy_figures(hop: float, tpot1: float, tpot16: float) -> ConfigFigures:
@@ -267,33 +276,8 @@ def test_the_vllm_childs_busy_part_runs_in_pairs_of_alternating_order(monkeypatc
     pass of every configuration, the order reversed from one pair to the next; each
     pair's figures are kept (without hop samples) beside the merged ones, and survive
     the JSON round trip."""
-    import types
-
-    from shmclient_bench import vllm_engines
-
-    fake = types.ModuleType("vllm")
-    fake.__version__ = "0.0-made-up"
-    plugins = types.ModuleType("vllm.plugins")
-    plugins.load_general_plugins = lambda: None
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setitem(sys.modules, "vllm.plugins", plugins)
-    monkeypatch.setenv("SHMCLIENT_VLLM", "0")
-    calls: list[str] = []
+    vllm_engines, calls = _made_up_vllm_engines(monkeypatch, lambda n: [100e-6 * n])  # a hop per pass
     hogs: list[int] = []
-
-    def bench(kind: str):
-        def run(model, transport, rounds, tokens, engine_kw=None):
-            calls.append(f"{kind}-{transport}")
-            t = vllm_engines._Timing()
-            hop = 100e-6 * len(calls)  # a different hop for every pass
-            t.hops += [hop]
-            t.record(1, 0.0, 0.010, 0.010 + 0.002 * (tokens - 1), tokens)
-            t.record(16, 0.0, 0.030, 0.030 + 0.004 * (tokens - 1), tokens)
-            return t
-        return run
-
-    monkeypatch.setattr(vllm_engines, "_bench_sync", bench("sync"))
-    monkeypatch.setattr(vllm_engines, "_bench_async", bench("async"))
     monkeypatch.setattr(vllm_engines, "_pinned_busy", lambda n: hogs.append(n) or [])
     got = vllm_engines._child(True, ("busy",), busy_pairs=3)
     forward = [f"{k}-{t}" for k, t in vllm_engines.BUSY_CONFIGS]
@@ -306,4 +290,6 @@ def test_the_vllm_childs_busy_part_runs_in_pairs_of_alternating_order(monkeypatc
     assert got.busy.configs["sync-stock"].hop_us.n == 3  # merged over the three passes
     back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
     assert back == got
+    assert vllm.format_table(back).splitlines()[0] == \
+        "vLLM 0.0-made-up, tiny dummy Llama, 32 tokens a request, busy part 2 rounds x 3 pairs of passes"
     assert vllm_engines._child(True, ("busy",)).busy.pairs.__len__() == vllm_engines.BUSY_PAIRS[True]
