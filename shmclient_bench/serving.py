@@ -17,9 +17,9 @@ Per metric and rate: each pair's ratio plug-in / stock, their median, spread (mi
 and a verdict; targets are judged on the median over quiet pairs. ``run(quick)`` ->
 ``ServingComparison``, or ``Skipped`` without vLLM (``shmclient_bench.serving_results``);
 ``python -m shmclient_bench.serving [--quick] [--out DIR]`` prints the table and writes
-``serving.json`` to DIR. This module holds the model folder, the benchmark's client and
-the section's run; starting and stopping servers is ``serving_servers``, the ratios,
-targets and table ``serving_figures``.
+``serving.json`` to DIR, every server's and client's log to DIR/logs. This module holds
+the model folder, the benchmark's client and the section's run; starting and stopping
+servers is ``serving_servers``, the ratios, targets and table ``serving_figures``.
 """
 
 from __future__ import annotations
@@ -120,10 +120,11 @@ def build_model(folder: str) -> TokenizerFacts:
 
 # -- benchmark runs ----------------------------------------------------------------------
 
-def bench_server(spec: dict[str, Any], tmp: str) -> dict[str, RunFigures]:
+def bench_server(spec: dict[str, Any], tmp: str, log: str | None = None) -> dict[str, RunFigures]:
     """vLLM's serving benchmark against one server, in a child process (``--client``):
-    its figures by rate."""
-    spec_path, out_path, log = (os.path.join(tmp, n) for n in ("client.json", "client-out.json", "client.log"))
+    its figures by rate. ``log``: the client's log file (default ``client.log`` in ``tmp``)."""
+    spec_path, out_path = (os.path.join(tmp, n) for n in ("client.json", "client-out.json"))
+    log = log or os.path.join(tmp, "client.log")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,11 +193,14 @@ def _client(spec_path: str, out_path: str) -> None:
 
 def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         prompts: int | None = None, noisy_above: float | None = None, dp: int = 1,
-        api_servers: int = 1) -> ServingResult:
+        api_servers: int = 1, logs: str | None = None) -> ServingResult:
     """The section's results; ``Skipped`` without vLLM. ``noisy_above`` defaults to
     ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
     ``dp``: engine cores (data parallelism, internal load balancing); ``api_servers``:
-    API server processes in front of them (more than one: ``vllm serve``)."""
+    API server processes in front of them (more than one: ``vllm serve``). ``logs``: a
+    folder (created if missing) that keeps each server's and each benchmark client's log,
+    ``server-PAIR-TRANSPORT.log`` and ``client-PAIR-TRANSPORT.log``, for a pair that
+    needs explaining; without it they go with the run's temporary folder."""
     try:
         import vllm
     except ImportError as e:
@@ -218,6 +222,8 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
                                     "--port", "PORT", *SERVER_FLAGS, *flags])
     done: list[Pair] = []
     tmp = tempfile.mkdtemp(prefix="shmc-serving-")
+    where = logs or tmp
+    os.makedirs(where, exist_ok=True)
     try:
         model = os.path.join(tmp, "model")
         tokenizer = build_model(model)
@@ -228,7 +234,7 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
             with monitor.block(f"serving pair {i}") as blk:
                 for transport in order:
                     t0 = time.monotonic()
-                    proc, port = start_server(model, transport, tmp, os.path.join(tmp, f"server-{i}-{transport}.log"),
+                    proc, port = start_server(model, transport, tmp, os.path.join(where, f"server-{i}-{transport}.log"),
                                               flags, lines, launcher)
                     try:
                         started[transport] = time.monotonic() - t0
@@ -236,7 +242,7 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
                               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
                         runs[transport] = bench_server(
                             {"model": model, "port": port, "server_pid": proc.pid, "rates": rates,
-                             "prompts": prompts}, tmp)
+                             "prompts": prompts}, tmp, os.path.join(where, f"client-{i}-{transport}.log"))
                     finally:
                         _stop(proc)
             done.append(Pair(index=i, order=list(order), runs=runs, server_start_s=started, load=blk,
@@ -260,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shmclient_bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"{QUICK['pairs']} pairs of {QUICK['prompts']} "
                     f"prompts a run (full: {FULL['pairs']} of {FULL['prompts']})")
-    ap.add_argument("--out", help="folder for serving.json (created; must not exist)")
+    ap.add_argument("--out", help="folder for serving.json and the servers' and clients' logs (logs/; "
+                    "created; must not exist)")
     ap.add_argument("--rate", type=float, default=DEFAULT_RATE,
                     help=f"the fixed request rate besides inf, req/s ({DEFAULT_RATE:g})")
     ap.add_argument("--pairs", type=int, help="pairs of servers, stock and plug-in")
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above, args.dp,
-                      args.api_servers)
+                      args.api_servers, os.path.join(args.out, "logs") if args.out else None)
     except KeyboardInterrupt:
         print("serving: interrupted; every server stopped, nothing saved", file=sys.stderr)
         return 130

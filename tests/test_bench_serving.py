@@ -6,6 +6,7 @@ takes minutes."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 
@@ -178,6 +179,48 @@ def test_the_sections_results_come_back_typed_and_a_skip_as_skipped(tmp_path):
     assert got.skipped == "vLLM is not importable (none here)"
     data = json.loads(msgspec.json.encode(result))
     assert data["status"] == "measured" and data["pairs"][0]["runs"]["plugin"]["20"]["median_tpot_ms"] == 8.0
+
+
+def test_a_run_keeps_each_servers_and_clients_log_where_asked(monkeypatch, tmp_path):
+    """``run(..., logs=DIR)`` with the servers and the client replaced: every server's and
+    client's log lands in DIR, named by pair and transport; without ``logs`` none is kept."""
+    import subprocess
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.0-made-up"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(serving, "_become_subreaper", lambda: None)
+    monkeypatch.setattr(serving, "build_model", lambda folder: TokenizerFacts(
+        kind="made-up", vocab_size=1, special_tokens=[], trained_on="", python="", tokenizer_json_sha256_16=""))
+    procs = []
+
+    def start_server(model, transport, tmp, log, *args):
+        with open(log, "w") as f:
+            f.write(f"{transport} server\n")
+        procs.append(subprocess.Popen([sys.executable, "-c", "pass"]))
+        procs[-1].wait()
+        return procs[-1], 1
+
+    def bench_server(spec, tmp, log=None):
+        with open(log, "w") as f:
+            f.write("client\n")
+        return {r: _run() for r in spec["rates"]}
+
+    monkeypatch.setattr(serving, "start_server", start_server)
+    monkeypatch.setattr(serving, "bench_server", bench_server)
+    logs = tmp_path / "logs"
+    got = serving.run(True, pairs=2, logs=str(logs))
+    assert [p.order for p in got.pairs] == [["stock", "plugin"], ["plugin", "stock"]]
+    assert sorted(p.name for p in logs.iterdir()) == [
+        f"{kind}-{i}-{t}.log" for kind in ("client", "server") for i in (0, 1) for t in ("plugin", "stock")]
+    assert (logs / "server-1-plugin.log").read_text() == "plugin server\n"
+    procs.clear()
+    written: list[str] = []
+    monkeypatch.setattr(serving, "bench_server", lambda spec, tmp, log=None: written.append(log) or
+                        bench_server(spec, tmp, log))
+    serving.run(True, pairs=1)
+    assert len(written) == 2 and not any(os.path.exists(p) for p in written)  # gone with the run's folder
 
 
 def test_section_is_registered_with_its_own_time_limit():
