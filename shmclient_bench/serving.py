@@ -223,7 +223,8 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
     done: list[Pair] = []
     tmp = tempfile.mkdtemp(prefix="shmc-serving-")
     where = logs or tmp
-    os.makedirs(where, exist_ok=True)
+    if logs:
+        os.makedirs(logs, exist_ok=True)
     try:
         model = os.path.join(tmp, "model")
         tokenizer = build_model(model)
