@@ -33,8 +33,8 @@ def _title(results: VllmComparison) -> str:
         pairs = len(results.busy.pairs)
         ran.append(f"busy part {results.rounds} rounds x " + (f"{pairs} pairs of passes" if pairs else
                                                                f"{results.passes} passes"))
-    return (f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request, "
-            + "; ".join(ran))
+    head = f"vLLM {results.vllm_version}, tiny dummy Llama, {results.tokens} tokens a request"
+    return head + (", " + "; ".join(ran) if ran else "")
 
 
 def _p50(p: Percentiles) -> float:

@@ -293,3 +293,12 @@ def test_the_vllm_childs_busy_part_runs_in_pairs_of_alternating_order(monkeypatc
     assert vllm.format_table(back).splitlines()[0] == \
         "vLLM 0.0-made-up, tiny dummy Llama, 32 tokens a request, busy part 2 rounds x 3 pairs of passes"
     assert vllm_engines._child(True, ("busy",)).busy.pairs.__len__() == vllm_engines.BUSY_PAIRS[True]
+
+
+def test_the_vllm_title_of_a_run_with_no_part_ends_with_the_request_size():
+    """No configuration measured (every part skipped): the title names the version and the
+    request size, without a dangling separator."""
+    empty = VllmComparison(vllm_version="0.0-made-up", rounds=2, tokens=32, streams=[1], model={},
+                           configs={}, passes=2, load_before=(), load_after=())
+    assert vllm.format_table(empty).splitlines()[0] == \
+        "vLLM 0.0-made-up, tiny dummy Llama, 32 tokens a request"
