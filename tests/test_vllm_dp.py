@@ -125,8 +125,8 @@ def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracke
     victim and the streams on the killed engine raise EngineDeadError soon after the
     kill; a stream on the other engine either raises it at the same moment or had
     completed (all its tokens) before the death was seen: the kernel tells only once the
-    process has exited, which takes ~0.1 s here and can take seconds on a busy host,
-    while the survivor keeps decoding."""
+    process has exited (0.05-0.1 s on a 2-vCPU VM, longer on a busy host), while the
+    survivor keeps decoding."""
     loop = asyncio.new_event_loop()
     shm_before = set(os.listdir("/dev/shm"))
     engine = make_dp(model_dir, shm=True)
