@@ -297,14 +297,16 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
     streams) once each of 8 streams has its first chunk, hundreds of tokens before its
     end: the parent sees it, stops every other process and exits with 1 in bounded time,
     nothing listens any more; no stream hangs; none completes that the killed process
-    served; nothing of the plug-in's is left in /dev/shm or in the server's TMPDIR.
+    served (for the engine core: over the rings, see below); nothing of the plug-in's is
+    left in /dev/shm or in the server's TMPDIR.
 
     With data parallelism the engine cores of a dense model are independent (vLLM runs
     each like a lone engine, no step in lockstep): the survivor's streams may still
     complete while the parent stops the API servers. Half the streams are pinned to DP1
-    (vLLM's X-data-parallel-rank header): over the rings those cannot complete. The kill waits on the streams themselves: waiting on the API
-    servers' sockets (or on vLLM's gauges) reacted late on a busy host, after every
-    stream had ended (all 8 completed, in runs of both kinds of kill)."""
+    (vLLM's X-data-parallel-rank header): over the rings those cannot complete. The kill
+    waits on the streams themselves: waiting on the API servers' sockets (or on vLLM's
+    gauges) reacted late on a busy host, after every stream had ended (all 8 completed,
+    in runs of both kinds of kill)."""
     tmp = tempfile.mkdtemp(prefix=f"shmc-serve-kill-{kill_layout}-")
     shm_before = set(os.listdir("/dev/shm"))
     proc = None
