@@ -1604,6 +1604,12 @@ static PyObject *gateobj_allows(GateObj *self, PyObject *arg) {
     return PyBool_FromLong(gate_allows(self->g, now));
 }
 
+static PyObject *gateobj_free_cpu(GateObj *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    return PyBool_FromLong(gate_free_cpu(self->g, now));
+}
+
 static PyObject *gateobj_state(GateObj *self, PyObject *unused) {
     Gate *g = self->g;
     return Py_BuildValue("{sssOslslsdsdsdsKsKsKsK}", "mode", gate_modes[g->mode], "host_ok",
@@ -1639,6 +1645,10 @@ static PyMethodDef gate_methods[] = {
      "the hypervisor's or an interrupt's time."},
     {"clean", (PyCFunction)gateobj_clean, METH_NOARGS, "A spin ended without losing its CPU."},
     {"allows", (PyCFunction)gateobj_allows, METH_O, "allows(now) -> whether a waiter may spin."},
+    {"free_cpu", (PyCFunction)gateobj_free_cpu, METH_O,
+     "free_cpu(now) -> whether a thread woken now finds a CPU beside the runnable ones (the host "
+     "read again when its last reading is older than the sample interval; True in mode 'always'). "
+     "Counts no spin."},
     {"state", (PyCFunction)gateobj_state, METH_NOARGS, "The last readings and the counters."},
     {NULL}};
 

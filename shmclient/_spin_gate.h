@@ -28,8 +28,8 @@ SHMCLIENT_SPIN (environment, read at import): "adaptive" (default: the gate abov
 "always" (no gate: spin as configured; for dedicated, pinned cores) or "never".
 
 The decisions are plain functions of the observations (gate_host, gate_gap,
-gate_preempted, gate_clean, gate_allows) so that tests can feed them sequences; gate_spin_ok() is the
-one that reads the host. */
+gate_preempted, gate_clean, gate_allows) so that tests can feed them sequences; gate_spin_ok() and
+gate_free_cpu() are the ones that read the host. */
 
 #ifndef SHMCLIENT_SPIN_GATE_H
 #define SHMCLIENT_SPIN_GATE_H
@@ -246,19 +246,37 @@ static long read_affinity(void) {
     return CPU_COUNT(&set);
 }
 
+/* Read the host when the last reading is older than GATE_SAMPLE_S. */
+static void gate_refresh(Gate *g, double now) {
+    if (now < g->next_sample) return;
+    if (now >= g->next_quota) {
+        g->quota_cpus = read_quota_cpus();
+        affinity_cpus = read_affinity();
+        g->next_quota = now + GATE_QUOTA_S;
+    }
+    long cpus = online_cpus;
+    if (affinity_cpus > 0 && affinity_cpus < online_cpus) cpus = 0; /* pinned */
+    gate_host(g, now, read_nr_running(), cpus, g->quota_cpus);
+    g->samples++;
+}
+
+/* Whether a peer woken now would find a CPU of its own: the gate's reading of the host
+   (read again when old) leaves one beside the runnable threads (this one included; the
+   sleeping peer is not among them), the quota is not below GATE_MIN_QUOTA, and no
+   preemption hold-off runs; always in mode "always" (cores the user dedicated). For a
+   caller that chooses between waking its peer at once and handing that to a thread of
+   its own that runs while it blocks; counts no spin. */
+static int gate_free_cpu(Gate *g, double now) {
+    if (g->mode == GATE_ALWAYS) return 1;
+    gate_refresh(g, now);
+    if (now < g->hold_until) return 0;
+    if (g->quota_cpus > 0 && g->quota_cpus < GATE_MIN_QUOTA) return 0;
+    return g->cpus <= 0 || g->nr_running < 0 || g->nr_running < g->cpus;
+}
+
 /* Whether a waiter may spin now, reading the host when its last reading is old. */
 static int gate_spin_ok(Gate *g, double now) {
-    if (g->mode == GATE_ADAPTIVE && now >= g->next_sample) {
-        if (now >= g->next_quota) {
-            g->quota_cpus = read_quota_cpus();
-            affinity_cpus = read_affinity();
-            g->next_quota = now + GATE_QUOTA_S;
-        }
-        long cpus = online_cpus;
-        if (affinity_cpus > 0 && affinity_cpus < online_cpus) cpus = 0; /* pinned */
-        gate_host(g, now, read_nr_running(), cpus, g->quota_cpus);
-        g->samples++;
-    }
+    if (g->mode == GATE_ADAPTIVE) gate_refresh(g, now);
     int ok = gate_allows(g, now);
     if (ok) g->spins_allowed++;
     else g->spins_denied++;

@@ -51,6 +51,7 @@ CONFIGS = (
     ("sync", "shm-thread"),
     ("async", "stock"),
     ("async", "shm"),
+    ("async", "shm-adaptive"),
     ("async", "shm-noprewake"),
 )
 #: Measured again with BUSY plain busy-loop processes running (the contention matrix's
@@ -130,8 +131,8 @@ def _summarise(t: _Timing) -> ConfigFigures:
 
 def _set_switch(transport: str) -> None:
     os.environ["SHMCLIENT_VLLM"] = "0" if transport == "stock" else "1"
-    if transport == "shm-thread":
-        os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = "thread"
+    if transport in ("shm-thread", "shm-adaptive"):
+        os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = transport[4:]
     else:
         os.environ.pop("SHMCLIENT_VLLM_ENGINE_OUTPUT", None)
     if transport == "shm-noprewake":

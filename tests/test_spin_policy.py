@@ -114,6 +114,52 @@ def test_a_gap_is_a_preemption_only_with_an_involuntary_switch_in_it():
     assert not g.allows(0.2) and g.state()["preemptions"] == 1
 
 
+def test_free_cpu_follows_the_readings_and_the_hold_off_and_counts_no_spin():
+    # free_cpu(now): whether a peer woken now finds a CPU (the engine's choice between
+    # writing its outputs itself and handing them to its output thread)
+    g = _ring.SpinGate()
+    g.host(0.0, 1, 2, 0.0)  # us alone: the peer gets the other CPU
+    assert g.free_cpu(0.0)
+    g.host(0.001, 2, 2, 0.0)  # as many runnable threads as CPUs: the woken peer would wait
+    assert not g.free_cpu(0.001) and g.allows(0.001)  # (a spinning peer already has its CPU)
+    g.host(0.002, 3, 4, 0.0)
+    assert g.free_cpu(0.002)
+    g.host(0.003, 1, 16, 1.0)  # a quota of one CPU
+    assert not g.free_cpu(0.003)
+    g.host(0.004, 1, 0, 0.0)  # pinned: the host's run queue says nothing about our CPUs
+    assert g.free_cpu(0.004)
+    g.host(0.005, 1, 2, 0.0)
+    g.preempted(0.005)
+    assert not g.free_cpu(0.005)  # a spin just lost its CPU
+    g.host(0.005 + HOLD_MIN / 2, 1, 2, 0.0)
+    assert not g.free_cpu(0.005 + HOLD_MIN / 2)  # a free-looking reading does not cut it short
+    later = 0.005 + HOLD_MIN * 1.01
+    g.host(later, 1, 2, 0.0)
+    assert g.free_cpu(later)
+    assert g.state()["spins_allowed"] == g.state()["spins_denied"] == 0
+
+
+def test_free_cpu_reads_the_host_again_when_its_reading_is_old():
+    g = _ring.SpinGate()
+    g.host(0.0, 99, 2, 0.0)
+    assert not g.free_cpu(0.001)  # within the sample interval: the reading stands
+    samples = g.state()["samples"]
+    g.free_cpu(10.0)
+    st = g.state()
+    assert st["samples"] == samples + 1 and st["nr_running"] != 99
+
+
+def test_free_cpu_modes():
+    always = _ring.SpinGate("always")
+    always.host(0.0, 50, 2, 0.5)
+    assert always.free_cpu(0.0)  # cores the user dedicated
+    never = _ring.SpinGate("never")  # no spinning, but the readings still say whether a CPU is free
+    never.host(0.0, 50, 2, 0.0)
+    assert not never.free_cpu(0.0)
+    never.host(0.0, 1, 2, 0.0)
+    assert never.free_cpu(0.0)
+
+
 def test_unknown_run_queue_does_not_close_the_gate():
     g = _ring.SpinGate()
     g.host(0.0, -1, 2, 0.0)  # /proc/loadavg unreadable

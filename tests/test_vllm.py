@@ -276,12 +276,15 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
             seg.release_handle()
 
 
-def test_output_thread_mode_identical(model_dir, stock_llm, monkeypatch):
-    """SHMCLIENT_VLLM_ENGINE_OUTPUT=thread: outputs written by vLLM's output IO thread."""
-    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "thread")
+@pytest.mark.parametrize("mode", ["thread", "adaptive"])
+def test_output_modes_identical(model_dir, stock_llm, monkeypatch, mode):
+    """SHMCLIENT_VLLM_ENGINE_OUTPUT=thread: outputs written by vLLM's output IO thread;
+    adaptive: small batches by the busy loop while the host has a CPU free, else by the
+    output thread (the default, inline, is every other test's)."""
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", mode)
     llm = make_llm(model_dir, shm=True)
     try:
-        assert llm.llm_engine.engine_core._link.output_mode == "thread"
+        assert llm.llm_engine.engine_core._link.output_mode == mode
         assert run(llm, PROMPTS, 12) == run(stock_llm, PROMPTS, 12)
         assert llm.reset_prefix_cache() is True
     finally:
@@ -308,7 +311,8 @@ def test_big_batches_through_the_output_thread_identical(model_dir, stock_llm, m
 
 def test_bad_output_mode_is_refused(model_dir, monkeypatch):
     monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "fast")
-    with pytest.raises(ValueError, match="SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got 'fast'"):
+    with pytest.raises(ValueError, match="SHMCLIENT_VLLM_ENGINE_OUTPUT must be one of 'adaptive', 'inline', "
+                                         "'thread', got 'fast'"):
         make_llm(model_dir, shm=True)
 
 

@@ -1,6 +1,7 @@
 """The vLLM engine's inline output path (no vLLM needed): small batches are written by the
 thread that puts them, big ones by the output thread, and nothing overtakes what is
-queued."""
+queued; in adaptive mode, batches go to the output thread too while the host has no CPU
+free."""
 
 from __future__ import annotations
 
@@ -124,3 +125,54 @@ def test_outputs_go_to_the_ring_of_the_frontend_they_belong_to(caplog):
     assert [tag for tag, _ in links[1].sent] == [b"a1", b"big1"]
     assert "outputs for frontend 2 dropped" in caplog.text
     assert [d.sent for d in dead] == [[b"DEAD"], [b"DEAD"]]
+
+
+class FakeGate:
+    """Answers free_cpu from a list, and records the times it was asked at."""
+
+    def __init__(self, answers: list[bool]) -> None:
+        self.answers = list(answers)
+        self.asked: list[float] = []
+
+    def free_cpu(self, now: float) -> bool:
+        self.asked.append(now)
+        return self.answers.pop(0)
+
+
+def test_adaptive_writes_inline_only_while_the_gate_finds_a_cpu_free():
+    link = FakeLink()
+    gate = FakeGate([True, False, True, True])
+    out = _InlineOutputs([link], engine_index=0, inline_max=4, adaptive=True, gate=gate)
+    me = threading.current_thread().name
+
+    out.put_nowait(batch(b"a", 1))   # a CPU free: written at once
+    out.put_nowait(batch(b"b", 1))   # none: to the output thread
+    out.put_nowait(batch(b"c", 1))   # free again, but b is not written yet: queued behind it
+    assert link.sent == [(b"a", me)]
+    out.put_nowait(b"DEAD")
+    thread = threading.Thread(target=out.serve_queued, args=([DeadSocket()],), name="output-thread")
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert link.sent[1:] == [(b"b", "output-thread"), (b"c", "output-thread")]
+    assert (out.inline, out.offloaded) == (1, 2)
+    out.put_nowait(batch(b"d", 1))   # free, nothing queued: inline
+    assert link.sent[-1] == (b"d", me) and out.inline == 2
+    assert len(gate.asked) == 4 and gate.asked == sorted(gate.asked)
+
+
+def test_adaptive_sends_a_big_batch_to_the_output_thread_even_with_a_cpu_free():
+    link = FakeLink()
+    out = _InlineOutputs([link], engine_index=0, inline_max=2, adaptive=True, gate=FakeGate([True]))
+    out.put_nowait(batch(b"big", 3))
+    assert link.sent == []
+    out.put_nowait(b"DEAD")
+    out.serve_queued([DeadSocket()])
+    assert [tag for tag, _ in link.sent] == [b"big"] and out.offloaded == 1
+
+
+def test_inline_mode_does_not_ask_the_gate():
+    link = FakeLink()
+    out = _InlineOutputs([link], engine_index=0, inline_max=4, gate=FakeGate([]))  # would raise if asked
+    out.put_nowait(batch(b"a", 1))
+    assert [tag for tag, _ in link.sent] == [b"a"] and out.inline == 1

@@ -22,7 +22,7 @@ from .. import waiting
 from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from . import wire
-from .engine_link import _EngineLink, _links
+from .engine_link import _EngineLink, _links, _log
 from .engine_outputs import _inline_outputs, _prewake_before_outputs, _serve_outputs
 
 _originals: dict[str, Any] = {}
@@ -52,6 +52,10 @@ def _shutdown(self) -> None:
     finally:
         for link in getattr(self, "_shmclient_links", ()):
             link.close()
+        inline = getattr(self, "_shmclient_inline", None)
+        if inline is not None:
+            _log().debug("shmclient.vllm: engine %d wrote %d output batches from its busy loop, %d from its "
+                         "output thread", inline._engine_index, inline.inline, inline.offloaded)
 
 
 def _keep_signals_for_main_thread() -> None:
@@ -117,7 +121,7 @@ def _serve_requests(self, links: "list[_EngineLink]", input_addresses: list, coo
             # read by their own thread; it subscribes now, as vLLM's input thread does.
             coordinator = _Coordinator(self, coord_address, identity)
         try:
-            if links[0].spec.output_mode == "inline":
+            if links[0].spec.output_mode != "thread":
                 # Swap before the busy loop starts (it waits for ready_event): no output can
                 # then go to the old queue after it was emptied.
                 inline = _inline_outputs(self, links)

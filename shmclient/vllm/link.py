@@ -24,7 +24,12 @@ from . import wire
 
 #: "0" switches off the engine's early wake-up of a parked async frontend.
 PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
-#: Output mode "inline": the engine's busy loop writes a batch of at most this many outputs
+#: Where the engine core writes its outputs (see shmclient.vllm.engine_outputs): "inline",
+#: small batches from its busy loop; "thread", every batch from its output thread;
+#: "adaptive", inline while the host has a CPU free for the frontend it wakes, else thread.
+OUTPUT_MODE_ENV = "SHMCLIENT_VLLM_ENGINE_OUTPUT"
+OUTPUT_MODES = ("adaptive", "inline", "thread")
+#: Output modes "inline" and "adaptive": the engine's busy loop writes a batch of at most this many outputs
 #: itself; bigger ones (a saturated engine) go through its output thread, off the busy
 #: loop's path between two steps.
 INLINE_MAX_ENV = "SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS"
@@ -55,9 +60,10 @@ class _Settings:
     def __init__(self) -> None:
         self.capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
         self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
-        self.output_mode = os.environ.get("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
-        if self.output_mode not in ("thread", "inline"):
-            raise ValueError(f"SHMCLIENT_VLLM_ENGINE_OUTPUT must be 'thread' or 'inline', got {self.output_mode!r}")
+        self.output_mode = os.environ.get(OUTPUT_MODE_ENV, "inline")
+        if self.output_mode not in OUTPUT_MODES:
+            raise ValueError(f"{OUTPUT_MODE_ENV} must be one of {', '.join(map(repr, OUTPUT_MODES))}, "
+                             f"got {self.output_mode!r}")
         self.inline_max_outputs = int(_env_float(INLINE_MAX_ENV, INLINE_MAX_OUTPUTS))
         if self.inline_max_outputs < 0:
             raise ValueError(f"{INLINE_MAX_ENV} must be >= 0, got {self.inline_max_outputs}")

@@ -67,7 +67,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
 
     channel: ShmChannelSpec
     frontend_pid: int
-    output_mode: str  # "thread" or "inline", see shmclient.vllm.engine
+    output_mode: str  # "adaptive", "inline" or "thread", see shmclient.vllm.engine_outputs
     #: handle of the frontend's one-byte "parked" flag (shmclient.vllm.frontend_async), "" for none
     parked: str = ""
     #: whether tensors go through the channel's arenas (else as vLLM's own frames)
