@@ -123,10 +123,12 @@ def test_dp_abort_goes_to_the_owning_engine_and_utilities_to_every_engine(dp_pai
 def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracker):
     """SIGKILL one of two engine cores: the client is dead as a whole, at once. The
     victim and the streams on the killed engine raise EngineDeadError soon after the
-    kill; a stream on the other engine either raises it at the same moment or had
-    completed (all its tokens) before the death was seen: the kernel tells only once the
-    process has exited (0.05-0.1 s on a 2-vCPU VM, longer on a busy host), while the
-    survivor keeps decoding."""
+    kill; a stream on the other engine either raises it at the same moment, or had
+    completed (all its tokens) before the death was seen (the kernel tells only once the
+    process has exited: 0.05-0.1 s on a 2-vCPU VM, longer on a busy host, while the
+    survivor keeps decoding), or ends aborted at the same moment: vLLM's engine monitor,
+    which sees the exit too, stops the other engines before it marks the client dead,
+    and a stopped engine aborts what it runs (vLLM's own outcome for such a stream)."""
     loop = asyncio.new_event_loop()
     shm_before = set(os.listdir("/dev/shm"))
     engine = make_dp(model_dir, shm=True)
@@ -136,16 +138,18 @@ def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracke
 
         async def run(request_id: str, prompt, rank: int):
             toks: list[int] = []
+            finish = None
             try:
                 async for out in engine.generate(tokens(prompt), greedy(240), request_id=request_id,
                                                   data_parallel_rank=rank):
                     toks = list(out.outputs[0].token_ids)
+                    finish = out.outputs[0].finish_reason
                     if request_id == "victim" and toks and not killed:
                         os.kill(engine_pids(engine.engine_core)[1], signal.SIGKILL)
                         killed.append(time.monotonic())
             except EngineDeadError as e:
                 return rank, e, time.monotonic()
-            return rank, toks, time.monotonic()
+            return rank, (toks, finish), time.monotonic()
 
         async def scenario():
             streams = [asyncio.ensure_future(run(f"long-{i}", p, i % DP))
@@ -157,16 +161,57 @@ def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracke
         assert isinstance(victim_end, EngineDeadError), victim_end
         assert victim_at - killed[0] < 2.0
         for rank, end, at in results:
-            if rank == 1 or not isinstance(end, list):
+            if rank == 1 or not isinstance(end, tuple):
                 assert isinstance(end, EngineDeadError), (rank, end)
                 assert abs(at - victim_at) < 0.5  # failed together with the victim
+            elif end[1] == "abort":  # its engine stopped by vLLM's monitor, with the victim
+                assert len(end[0]) < 240 and abs(at - victim_at) < 0.5, (len(end[0]), at - victim_at)
             else:
                 # ended before the death was seen (its last output came first)
-                assert len(end) == 240 and at - victim_at < 0.25, (len(end), at - victim_at)
+                assert (len(end[0]), end[1]) == (240, "length") and at - victim_at < 0.25, \
+                    (len(end[0]), end[1], at - victim_at)
         with pytest.raises(EngineDeadError):
             loop.run_until_complete(asyncio.wait_for(stream(engine, "after", [1, 2], 2), 10))
     finally:
         loop.run_until_complete(_shutdown_async(engine))
         loop.close()
         sweep_orphaned_vllm_segments(shm_before)  # vLLM's own, left by the engine it lost
+    assert sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("shmc")) == []
+
+
+def test_dp_outputs_read_once_the_client_is_dead_are_not_handed_on(model_dir, _resource_tracker):
+    """vLLM's engine monitor marks the client dead (``resources.engine_dead``) before it
+    stops the other engines, which then abort what they run. From that mark on no output
+    is handed on, as vLLM's output task does (``validate_alive`` on every message): every
+    stream raises EngineDeadError, none runs on. Marked here by hand, both engines alive
+    and decoding."""
+    loop = asyncio.new_event_loop()
+    shm_before = set(os.listdir("/dev/shm"))
+    engine = make_dp(model_dir, shm=True)
+    try:
+        started = [asyncio.Event() for _ in range(4)]
+
+        async def run(i: int, prompt):
+            toks: list[int] = []
+            try:
+                async for out in engine.generate(tokens(prompt), greedy(240), request_id=f"marked-{i}",
+                                                  data_parallel_rank=i % DP):
+                    toks = list(out.outputs[0].token_ids)
+                    started[i].set()
+            except EngineDeadError as e:
+                return e, len(toks)
+            return None, len(toks)
+
+        async def scenario():
+            streams = [asyncio.ensure_future(run(i, p)) for i, p in enumerate(STREAM_PROMPTS[:4])]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            engine.engine_core.resources.engine_dead = True  # what vLLM's monitor does first
+            return await asyncio.gather(*streams)
+
+        ends = loop.run_until_complete(asyncio.wait_for(scenario(), 60))
+        assert [(type(e).__name__, n < 240) for e, n in ends] == [("EngineDeadError", True)] * 4, ends
+    finally:
+        loop.run_until_complete(_shutdown_async(engine))
+        loop.close()
+        sweep_orphaned_vllm_segments(shm_before)
     assert sorted(n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("shmc")) == []

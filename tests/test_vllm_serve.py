@@ -30,7 +30,7 @@ from shmclient_bench import serving  # noqa: E402
 
 from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
-from .test_vllm_serve_multi import check_abort, model  # noqa: E402,F401 - model: the model folder fixture
+from .test_vllm_serve_multi import LONG_FLAGS, check_abort, model  # noqa: E402,F401 - model: the model folder fixture
 
 DP_FLAGS = ["--data-parallel-size", "2", "--api-server-count", "1", "--gpu-memory-utilization", "0.08"]
 DP_LINE = "shmclient.vllm: DPLBAsyncMPClient (2 engines) moves engine-core requests and outputs"
@@ -46,7 +46,7 @@ def servers(model, _resource_tracker):
     try:
         for transport in ("stock", "plugin"):
             proc, port = serving.start_server(model, transport, tmp, os.path.join(tmp, f"{transport}.log"),
-                                              DP_FLAGS, DP_LINE, log_stats=True)
+                                              [*DP_FLAGS, *LONG_FLAGS], DP_LINE, log_stats=True)
             procs.append(proc)
             ports[transport] = port
         yield ports

@@ -83,10 +83,14 @@ def lines_of(layout: str) -> list[str]:
     return serving.plugin_lines(LAYOUTS[layout], API_SERVERS)
 
 
+#: What a server that runs ``check_abort`` (or any LONG stream) is started with.
+LONG_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN)]
+
+
 def start(model: str, transport: str, layout: str, tmp: str):
     return serving.start_server(model, transport, tmp, os.path.join(tmp, "server.log"),
-                                [*flags_of(layout), "--max-model-len", str(MAX_MODEL_LEN)],
-                                lines_of(layout), launcher="serve", log_stats=True)
+                                [*flags_of(layout), *LONG_FLAGS], lines_of(layout), launcher="serve",
+                                log_stats=True)
 
 
 def title(p: psutil.Process) -> str:

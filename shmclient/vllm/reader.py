@@ -112,6 +112,7 @@ class _EngineReader:
         self.inbox = inbox
         self.utility_results = utility_results
         self.stopped = False
+        self.draining = False  # reading the dead engine's last outputs (fail with remains)
         self.failed: asyncio.Future | None = None  # set by the owning task
         spin_s = _env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6
         self.early = _EarlyWake(link, spin_s) if link.parked is not None else None
@@ -125,6 +126,14 @@ class _EngineReader:
 
     def _dispatch_batch(self, got) -> None:
         link = self.link
+        client = self.client_ref()
+        if client is not None and client.resources.engine_dead and not self.draining:
+            # As vLLM's output task (validate_alive on every message): once the client is
+            # found dead, nothing more is handed on. With data parallelism the other
+            # engines are being stopped meanwhile and abort what they run: those aborts
+            # would end their streams as if finished instead of with EngineDeadError.
+            self.fail(EngineDeadError())
+            return
         for rtype, outputs in got:
             if self.stopped:
                 break
@@ -160,8 +169,12 @@ class _EngineReader:
         if self.stopped:
             return
         if remains:
-            while self.loop_reader.read_now(0.0):
-                pass
+            self.draining = True
+            try:
+                while self.loop_reader.read_now(0.0):
+                    pass
+            finally:
+                self.draining = False
         self.stopped = True
         self.loop_reader.unwatch_hook()()
         if self.failed is not None and not self.failed.done():
