@@ -78,7 +78,8 @@ class _InlineOutputs:
     thread too. On a host without one, a frontend woken from the busy loop competes with
     the busy loop for a CPU before it has handed vLLM the next step: a served vLLM's
     streamed tokens came 5-10 ms apart (p50) against stock's 3-4 at 20 requests/s on a
-    busy 2-CPU host, 3.2-4.0 ms with every batch written by the output thread."""
+    busy 2-CPU host, 3.2-4.0 ms with every batch written by the output thread (measured
+    2026-12-04; the README's Serving section has the later runs)."""
 
     def __init__(self, links: "list[_EngineLink]", engine_index: int, inline_max: int, *,
                  adaptive: bool = False, gate=None) -> None:
