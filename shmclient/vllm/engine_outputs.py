@@ -105,10 +105,11 @@ class _InlineOutputs:
             outputs.engine_index = self._engine_index
             self.queue.put(_ForCoordinator(outputs))
             return
-        free_cpu = self._free_cpu
-        busy = free_cpu is not None and not free_cpu(time.monotonic())
+        big = len(outputs.outputs) > self._inline_max
+        free_cpu = self._free_cpu  # asked only for a batch that could go inline
+        busy = not big and free_cpu is not None and not free_cpu(time.monotonic())
         with self._count_lock:
-            offload = busy or self._queued > 0 or len(outputs.outputs) > self._inline_max
+            offload = big or busy or self._queued > 0
             if offload:
                 self._queued += 1
         if offload:
