@@ -6,7 +6,9 @@ A tiny dummy Llama (``shmclient_bench.vllm.CONFIG``, random weights) with a real
 server), or with several API servers (``--api-servers``) by ``vllm serve`` itself
 (``shmclient_bench.vllm_cli``), stock (``SHMCLIENT_VLLM`` unset) and with the plug-in
 (``SHMCLIENT_VLLM=1``, its INFO lines checked in the server's log), one server at a time,
-in pairs whose order alternates.
+in pairs whose order alternates; or, with ``--rounds R``, each pair's two servers up at
+once and R rounds against them, the one not measured paused (SIGSTOP), a ratio a round:
+more ratios in the time, each from two runs minutes apart at most.
 Against each, vLLM's own serving benchmark (``vllm.benchmarks.serve``, what ``vllm bench
 serve`` runs) sends its random dataset at rate inf and at a fixed rate after a warm-up:
 request throughput, TTFT, TPOT, ITL (median, p99) from its result, plus the CPU time of
@@ -48,8 +50,8 @@ from .serving_results import (Pair, Params, RunFigures, ServingComparison, Servi
                               TokenizerFacts)
 from .serving_servers import (API_SERVER_LINE, DP_API_SERVER_LINE, HEALTH_TIMEOUT_S, LAUNCHER_LINE, LAUNCHERS,
                               PLUGIN_LINE, READY_LINE, SERVER_FLAGS, STOP_GRACE_S, _become_subreaper,
-                              _signals_held, _spawn, _stop, _tail, api_server_count, api_server_flags, dp_flags,
-                              launcher_for, plugin_lines, start_server)
+                              _pause, _resume, _signals_held, _spawn, _stop, _tail, api_server_count,
+                              api_server_flags, dp_flags, launcher_for, plugin_lines, start_server)
 from .vllm_engines import CONFIG
 
 #: What this module's users import from it (the figures and the servers live in
@@ -193,14 +195,19 @@ def _client(spec_path: str, out_path: str) -> None:
 
 def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         prompts: int | None = None, noisy_above: float | None = None, dp: int = 1,
-        api_servers: int = 1, logs: str | None = None) -> ServingResult:
+        api_servers: int = 1, logs: str | None = None, rounds: int = 1) -> ServingResult:
     """The section's results; ``Skipped`` without vLLM. ``noisy_above`` defaults to
     ``SHMCLIENT_BENCH_NOISY_ABOVE`` from the environment, else the load module's.
     ``dp``: engine cores (data parallelism, internal load balancing); ``api_servers``:
     API server processes in front of them (more than one: ``vllm serve``). ``logs``: a
     folder (created if missing) that keeps each server's and each benchmark client's log,
     ``server-PAIR-TRANSPORT.log`` and ``client-PAIR-TRANSPORT.log``, for a pair that
-    needs explaining; without it they go with the run's temporary folder."""
+    needs explaining; without it they go with the run's temporary folder. ``rounds`` > 1:
+    each pair starts both servers once and runs ``rounds`` rounds against them, the one
+    not measured paused (``_rounds_of_pair``; a record per round, client logs
+    ``client-PAIR-ROUND-TRANSPORT.log``)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds!r}")
     try:
         import vllm
     except ImportError as e:
@@ -217,7 +224,7 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
     params = Params(pairs=pairs, num_prompts=prompts, warmup_prompts=WARMUP_PROMPTS,
                     input_len_tokens=INPUT_LEN, output_len_tokens=OUTPUT_LEN, seed=SEED,
                     rates=rates, noisy_above_cores=noisy_above, quick=quick,
-                    data_parallel_size=dp, api_servers=api_servers,
+                    data_parallel_size=dp, api_servers=api_servers, rounds=rounds,
                     server_command=["python", *(a.replace("MODEL", "DIR") for a in LAUNCHERS[launcher]),
                                     "--port", "PORT", *SERVER_FLAGS, *flags])
     done: list[Pair] = []
@@ -229,6 +236,10 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
         model = os.path.join(tmp, "model")
         tokenizer = build_model(model)
         for i in range(pairs):
+            if rounds > 1:
+                done += _rounds_of_pair(i, rounds, len(done), model, tmp, where, flags, lines, launcher,
+                                        monitor, rates, prompts, pairs)
+                continue
             order = TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]
             runs: dict[str, dict[str, RunFigures]] = {}
             started: dict[str, float] = {}
@@ -263,6 +274,51 @@ def run(quick: bool, rate: float = DEFAULT_RATE, pairs: int | None = None,
                              targets=judge_targets(done, rates), load=monitor.summary())
 
 
+def _rounds_of_pair(i: int, rounds: int, first: int, model: str, tmp: str, where: str, flags: list[str],
+                    lines: list[str], launcher: str, monitor: LoadMonitor, rates: list[str], prompts: int,
+                    pairs: int) -> list[Pair]:
+    """Pair ``i`` of servers with ``rounds`` rounds: both servers up at once (started one
+    after the other, the first paused meanwhile), then in each round the benchmark
+    against one and then the other, the one not measured paused (SIGSTOP to its process
+    group: vLLM's polling worker takes no CPU); the order alternates from round to round.
+    One ``Pair`` record a round (``index`` from ``first``, ``server_pair`` ``i``)."""
+    procs: dict[str, tuple[subprocess.Popen, int]] = {}
+    started: dict[str, float] = {}
+    out: list[Pair] = []
+    try:
+        for transport in (TRANSPORTS if i % 2 == 0 else TRANSPORTS[::-1]):
+            t0 = time.monotonic()
+            procs[transport] = start_server(model, transport, tmp, os.path.join(where, f"server-{i}-{transport}.log"),
+                                            flags, lines, launcher)
+            started[transport] = time.monotonic() - t0
+            _pause(procs[transport][0])
+            print(f"serving: pair {i + 1}/{pairs}: {transport} server up in {started[transport]:.0f} s",
+                  file=sys.stderr, flush=True)
+        for r in range(rounds):
+            index = first + r
+            order = TRANSPORTS if index % 2 == 0 else TRANSPORTS[::-1]
+            runs: dict[str, dict[str, RunFigures]] = {}
+            with monitor.block(f"serving pair {i} round {r}") as blk:
+                for transport in order:
+                    proc, port = procs[transport]
+                    _resume(proc)
+                    try:
+                        runs[transport] = bench_server(
+                            {"model": model, "port": port, "server_pid": proc.pid, "rates": rates,
+                             "prompts": prompts}, tmp, os.path.join(where, f"client-{i}-{r}-{transport}.log"))
+                    finally:
+                        _pause(proc)
+            out.append(Pair(index=index, order=list(order), runs=runs, server_start_s=started if r == 0 else {},
+                            load=blk, noisy=blk.noisy, server_pair=i))
+            print(f"serving: pair {i + 1}/{pairs}, round {r + 1}/{rounds} done" + (
+                  f" [noisy: other processes used {blk.other_cores:.2f} cores]" if blk.noisy else ""),
+                  file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in procs.values():
+            _stop(proc)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shmclient_bench.serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"{QUICK['pairs']} pairs of {QUICK['prompts']} "
@@ -280,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-servers", type=int, default=1, metavar="M",
                     help="API server processes in front of the engine cores; more than one is "
                          "served by vllm serve (default 1)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="rounds against each pair of servers: both up at once, the one not measured "
+                         "paused (SIGSTOP); a ratio a round (default 1: each pair starts its own servers)")
     ap.add_argument("--client", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.client:
@@ -290,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         results = run(args.quick, args.rate, args.pairs, args.prompts, args.noisy_above, args.dp,
-                      args.api_servers, os.path.join(args.out, "logs") if args.out else None)
+                      args.api_servers, os.path.join(args.out, "logs") if args.out else None, args.rounds)
     except KeyboardInterrupt:
         print("serving: interrupted; every server stopped, nothing saved", file=sys.stderr)
         return 130

@@ -138,7 +138,9 @@ def format_table(results: ServingResult | dict[str, Any]) -> str:
              + (f" ({'; '.join(layout)})" if layout else "") + ", tiny dummy Llama, "
              f"{results.tokenizer.vocab_size}-token BPE tokenizer; vLLM's serving benchmark, "
              f"random dataset {p.input_len_tokens} in / {p.output_len_tokens} out tokens, "
-             f"{p.num_prompts} prompts a run, {len(results.pairs)} pairs (* a noisy pair)"]
+             f"{p.num_prompts} prompts a run, {len(results.pairs)} pairs (* a noisy pair)"
+             + (f": {p.pairs} starts of both servers, {p.rounds} rounds each, the one not measured "
+                f"paused" if p.rounds > 1 else "")]
     for rate in p.rates:
         rows = [[LABELS[s.metric], _fmt(s.stock_median), _fmt(s.plugin_median),
                  " ".join(_fmt(r) + ("*" if n else "") for r, n in zip(s.ratios, s.noisy)),

@@ -49,6 +49,9 @@ class Pair(msgspec.Struct, frozen=True):
     server_start_s: dict[str, float]
     load: Block | None
     noisy: bool | None
+    #: With rounds: the pair of servers (started once, alternately paused) this round ran
+    #: against; None: the pair started its own servers.
+    server_pair: int | None = None
 
 
 class Params(msgspec.Struct, frozen=True):
@@ -67,6 +70,8 @@ class Params(msgspec.Struct, frozen=True):
     data_parallel_size: int
     api_servers: int
     server_command: list[str]
+    #: Rounds against each pair of servers (1: each pair started its own servers).
+    rounds: int = 1
 
 
 class TokenizerFacts(msgspec.Struct, frozen=True):

@@ -4,9 +4,10 @@ plug-in, and stopping it with every process it started.
 ``start_server`` spawns a server in its own process group (``LAUNCHERS``: the OpenAI
 server module for one API server, ``vllm serve`` for several), waits until every API
 server is up, and checks the plug-in's lines in its log (``plugin_lines``, ``dp_flags``,
-``api_server_flags``); ``_stop`` ends the whole group, orphans included, and sweeps what
-shmclient named after them in /dev/shm. Processes and logs only: it never imports vLLM,
-the benchmark's client or the section's figures.
+``api_server_flags``); ``_pause`` / ``_resume`` stop and continue a whole group (SIGSTOP,
+SIGCONT: two servers up at once, one measured at a time); ``_stop`` ends the whole group,
+orphans included, and sweeps what shmclient named after them in /dev/shm. Processes and
+logs only: it never imports vLLM, the benchmark's client or the section's figures.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ LAUNCHERS = {
 #: What a server logs once per API server when that API server accepts connections
 #: (uvicorn's own line).
 READY_LINE = "Application startup complete."
-HEALTH_TIMEOUT_S, STOP_GRACE_S = 300.0, 15.0
+HEALTH_TIMEOUT_S, STOP_GRACE_S, PAUSE_TIMEOUT_S = 300.0, 15.0, 10.0
 #: Beside --model and --port: float32 (bfloat16 needs CPU features a VM may lack), no CUDA
 #: graphs, a KV cache of 256 MiB (4 KiB a token here: every request of a rate-inf run at once).
 SERVER_FLAGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager",
@@ -86,13 +87,45 @@ def _group_members(pgid: int) -> set[int]:
     return out
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal (or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"T", b"Z", b"X")
+
+
+def _pause(proc: subprocess.Popen, timeout_s: float = PAUSE_TIMEOUT_S) -> None:
+    """SIGSTOP to the server's process group, and wait until every process of it is
+    stopped: a paused server (its polling worker too) takes no CPU from the one being
+    measured. Raises RuntimeError when one is not stopped within ``timeout_s``."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [pid for pid in _group_members(proc.pid) if not _stopped(pid)]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {running} of server group {proc.pid} not stopped in {timeout_s:g} s")
+        time.sleep(0.01)
+
+
+def _resume(proc: subprocess.Popen) -> None:
+    """SIGCONT to the server's process group (a no-op for a group that runs)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
 def _stop(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM to the group, SIGKILL to whatever is left after ``grace_s``, every process
     waited for (the group's orphans too), what shmclient named after them in /dev/shm
-    removed."""
+    removed. A paused group is resumed first, so that it can shut down cleanly."""
     from .stopping import group_pids, stop_group, sweep_shm
 
     with _signals_held():
+        _resume(proc)
         pids = group_pids(proc.pid) | _group_members(proc.pid)
         stop_group(proc, pids, grace_s)
         sweep_shm(pids)

@@ -223,6 +223,107 @@ def test_a_run_keeps_each_servers_and_clients_log_where_asked(monkeypatch, tmp_p
     assert len(written) == 2 and not any(os.path.exists(p) for p in written)  # gone with the run's folder
 
 
+def test_rounds_run_against_both_servers_with_the_one_not_measured_paused(monkeypatch, tmp_path):
+    """``run(..., rounds=3)``: each pair of servers starts once, a record a round with its
+    server pair, the order alternating from round to round across pairs, and each
+    benchmark run against a resumed server while the other one is paused; both servers
+    stopped at the end of their pair."""
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.0-made-up"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(serving, "_become_subreaper", lambda: None)
+    monkeypatch.setattr(serving, "build_model", lambda folder: TokenizerFacts(
+        kind="made-up", vocab_size=1, special_tokens=[], trained_on="", python="", tokenizer_json_sha256_16=""))
+    paused: dict[int, bool] = {}
+    events: list[tuple] = []
+
+    class Proc:
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+
+    def start_server(model, transport, tmp, log, *args):
+        proc = Proc(len(paused) + 100)
+        paused[proc.pid] = False
+        events.append(("start", transport, os.path.basename(log)))
+        return proc, proc.pid
+
+    def pause(proc):
+        paused[proc.pid] = True
+
+    def resume(proc):
+        paused[proc.pid] = False
+
+    def bench_server(spec, tmp, log=None):
+        others = [pid for pid in paused if pid != spec["server_pid"]]
+        assert not paused[spec["server_pid"]] and all(paused[pid] for pid in others)
+        events.append(("bench", spec["port"], os.path.basename(log)))
+        return {r: _run() for r in spec["rates"]}
+
+    monkeypatch.setattr(serving, "start_server", start_server)
+    monkeypatch.setattr(serving, "bench_server", bench_server)
+    monkeypatch.setattr(serving, "_pause", pause)
+    monkeypatch.setattr(serving, "_resume", resume)
+    monkeypatch.setattr(serving, "_stop", lambda proc: events.append(("stop", proc.pid)))
+    got = serving.run(True, pairs=2, rounds=3, logs=str(tmp_path / "logs"))
+    assert [p.index for p in got.pairs] == list(range(6))
+    assert [p.server_pair for p in got.pairs] == [0, 0, 0, 1, 1, 1]
+    assert [p.order for p in got.pairs] == [["stock", "plugin"], ["plugin", "stock"]] * 3
+    assert got.params.rounds == 3 and got.params.pairs == 2
+    starts = [e for e in events if e[0] == "start"]
+    assert [s[1] for s in starts] == ["stock", "plugin", "plugin", "stock"]
+    benches = [e for e in events if e[0] == "bench"]
+    assert len(benches) == 12 and benches[0][2] == "client-0-0-stock.log" and benches[-1][2] == "client-1-2-stock.log"
+    # the second pair's servers are other processes; each pair's two stopped before the next starts
+    assert {e[1] for e in benches[:6]} == {100, 101} and {e[1] for e in benches[6:]} == {102, 103}
+    kinds = [e[0] for e in events]
+    assert kinds.index("stop") > max(i for i, e in enumerate(events[:9]) if e[0] == "bench")
+    assert sorted(e[1] for e in events if e[0] == "stop") == [100, 101, 102, 103]
+    assert "2 starts of both servers, 3 rounds each" in serving.format_table(got)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        serving.run(True, pairs=1, rounds=0)
+
+
+def test_pause_stops_a_servers_whole_group_and_stop_ends_a_paused_one_cleanly(tmp_path):
+    """``_pause`` stops every process of the group (a parent and its child, in their own
+    session as ``_spawn`` starts them), ``_resume`` continues them, and ``_stop`` of a
+    paused group resumes it first: SIGTERM ends it at once instead of SIGKILL after the
+    grace."""
+    import select
+    import signal
+
+    from shmclient_bench import serving_servers
+
+    fifo = str(tmp_path / "pids")
+    os.mkfifo(fifo)
+    script = ("import subprocess, sys, time; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              f"open({fifo!r}, 'w').write(str(child.pid)); time.sleep(600)")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    proc = serving._spawn([sys.executable, "-c", script], dict(os.environ), str(tmp_path / "server.log"))
+    try:
+        text = b""
+        try:
+            while not text.endswith(b"\n") and select.select([reader], [], [], 60)[0]:
+                chunk = os.read(reader, 64)
+                if not chunk:
+                    break
+                text += chunk
+        finally:
+            os.close(reader)
+        child = int(text)
+        serving._pause(proc)
+        assert serving_servers._stopped(proc.pid) and serving_servers._stopped(child)
+        serving._resume(proc)
+        os.kill(child, 0)
+        assert not serving_servers._stopped(child) and not serving_servers._stopped(proc.pid)
+        serving._pause(proc)
+    finally:
+        serving._stop(proc, grace_s=30.0)
+    assert proc.poll() == -signal.SIGTERM
+
+
 def test_section_is_registered_with_its_own_time_limit():
     assert "serving" in bench_main.SECTIONS and "serving" in bench_main.EXTERNAL
     for kind in ("quick", "full"):
