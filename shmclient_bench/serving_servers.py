@@ -94,16 +94,16 @@ def _stopped(pid: int) -> bool:
             state = f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
         return True
-    return state in (b"T", b"Z", b"X")
+    return state in (b"T", b"t", b"Z", b"X")
 
 
 def _pause(proc: subprocess.Popen, timeout_s: float = PAUSE_TIMEOUT_S) -> None:
     """SIGSTOP to the server's process group, and wait until every process of it is
     stopped: a paused server (its polling worker too) takes no CPU from the one being
     measured. Raises RuntimeError when one is not stopped within ``timeout_s``."""
-    os.killpg(proc.pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout_s
     while True:
+        os.killpg(proc.pid, signal.SIGSTOP)  # again each time: a process forked meanwhile
         running = [pid for pid in _group_members(proc.pid) if not _stopped(pid)]
         if not running:
             return

@@ -181,10 +181,9 @@ def test_the_sections_results_come_back_typed_and_a_skip_as_skipped(tmp_path):
     assert data["status"] == "measured" and data["pairs"][0]["runs"]["plugin"]["20"]["median_tpot_ms"] == 8.0
 
 
-def test_a_run_keeps_each_servers_and_clients_log_where_asked(monkeypatch, tmp_path):
-    """``run(..., logs=DIR)`` with the servers and the client replaced: every server's and
-    client's log lands in DIR, named by pair and transport; without ``logs`` none is kept."""
-    import subprocess
+def _without_vllm_or_a_model(monkeypatch) -> None:
+    """``serving.run`` without vLLM installed nor a model folder built: a stand-in
+    ``vllm`` module, no subreaper, made-up tokenizer facts."""
     import types
 
     fake = types.ModuleType("vllm")
@@ -193,6 +192,14 @@ def test_a_run_keeps_each_servers_and_clients_log_where_asked(monkeypatch, tmp_p
     monkeypatch.setattr(serving, "_become_subreaper", lambda: None)
     monkeypatch.setattr(serving, "build_model", lambda folder: TokenizerFacts(
         kind="made-up", vocab_size=1, special_tokens=[], trained_on="", python="", tokenizer_json_sha256_16=""))
+
+
+def test_a_run_keeps_each_servers_and_clients_log_where_asked(monkeypatch, tmp_path):
+    """``run(..., logs=DIR)`` with the servers and the client replaced: every server's and
+    client's log lands in DIR, named by pair and transport; without ``logs`` none is kept."""
+    import subprocess
+
+    _without_vllm_or_a_model(monkeypatch)
     procs = []
 
     def start_server(model, transport, tmp, log, *args):
@@ -228,14 +235,7 @@ def test_rounds_run_against_both_servers_with_the_one_not_measured_paused(monkey
     server pair, the order alternating from round to round across pairs, and each
     benchmark run against a resumed server while the other one is paused; both servers
     stopped at the end of their pair."""
-    import types
-
-    fake = types.ModuleType("vllm")
-    fake.__version__ = "0.0-made-up"
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(serving, "_become_subreaper", lambda: None)
-    monkeypatch.setattr(serving, "build_model", lambda folder: TokenizerFacts(
-        kind="made-up", vocab_size=1, special_tokens=[], trained_on="", python="", tokenizer_json_sha256_16=""))
+    _without_vllm_or_a_model(monkeypatch)
     paused: dict[int, bool] = {}
     events: list[tuple] = []
 
