@@ -97,6 +97,11 @@ PyDoc_STRVAR(RING_DOC,
 "* A wait does not make its end busy: its readiness checks run under the GIL and touch\n"
 "  only the position cache the other calls refresh too, so another thread of this side\n"
 "  may send or receive while one sleeps. The mapping stays until the last waiter left.\n"
+"* A producer may defer the wake-up (``quiet``): it stores head as always, skips the\n"
+"  fence and the flag, and owes a wake-up; ``wake_owed()`` later issues the same fence\n"
+"  and flag check. A consumer that went to sleep meanwhile sleeps until then (or until\n"
+"  its timeout), and one that looks finds the records: the deferral delays a wake-up,\n"
+"  it cannot lose one, as long as the owed call comes (its caller's promise).\n"
 "* Statistics are relaxed atomics written by one side: hints, never decisions.\n"
 "\n"
 "The peer is not trusted (it may be broken, or not shmclient):\n"
@@ -598,6 +603,8 @@ typedef struct {
     uint64_t tail;      /* last tail seen */
     uint64_t published; /* last head stored */
     uint64_t pend_records, pend_bytes;
+    int quiet;          /* publish without waking the consumer (the wake is owed) */
+    int owed;           /* a quiet publish has not been followed by a wake-up yet */
 } Producer;
 
 static inline uint64_t p_free(Producer *p) {
@@ -673,6 +680,11 @@ static void p_publish(Producer *p) {
     p->pend_records = p->pend_bytes = 0;
     p->published = p->wpos;
     st_rel(b, OFF_HEAD, p->wpos);
+    if (p->quiet) {
+        p->owed = 1;
+        return;
+    }
+    p->owed = 0;
     notify(b, OFF_C_WAIT, OFF_DATA_SEQ, p->e.pipe_fd);
 }
 
@@ -924,8 +936,32 @@ static PyObject *end_detach(End *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* wake_owed() -> whether a wake-up was owed: give the consumer the wake-up that quiet
+   publishes held back (the fence and flag check of notify). */
+static PyObject *producer_wake_owed(Producer *self, PyObject *unused) {
+    if (self->e.closed) Py_RETURN_FALSE; /* close() woke every waiter */
+    if (end_enter(&self->e, E_MINE) < 0) return NULL;
+    int owed = self->owed;
+    if (owed) {
+        self->owed = 0;
+        notify(self->e.base, OFF_C_WAIT, OFF_DATA_SEQ, self->e.pipe_fd);
+    }
+    end_leave(&self->e);
+    return PyBool_FromLong(owed);
+}
+
+static PyObject *producer_get_quiet(Producer *self, void *c) { return PyBool_FromLong(self->quiet); }
+
+static int producer_set_quiet(Producer *self, PyObject *v, void *c) {
+    int b = v ? PyObject_IsTrue(v) : 0;
+    if (b < 0) return -1;
+    self->quiet = b;
+    return 0;
+}
+
 static PyObject *producer_close(Producer *self, PyObject *unused) {
     if (end_forked(&self->e) < 0) return NULL;
+    self->quiet = 0; /* close wakes every waiter anyway */
     if (!self->e.closed) p_publish(self);
     return end_close_common(&self->e, OFF_P_CLOSED);
 }
@@ -945,6 +981,8 @@ static PyMethodDef producer_methods[] = {
     {"append", (PyCFunction)(void (*)(void))producer_append, METH_FASTCALL,
      "append(type, payload) -> like try_send but not published; call publish()."},
     {"publish", (PyCFunction)producer_publish, METH_NOARGS, "Publish what was appended."},
+    {"wake_owed", (PyCFunction)producer_wake_owed, METH_NOARGS,
+     "wake_owed() -> bool: wake the consumer if a publish while quiet held its wake-up back."},
     {"send_part", (PyCFunction)(void (*)(void))producer_send_part, METH_FASTCALL,
      "send_part(type, payload, offset, chunk) -> new offset (None: consumer closed)."},
     {"wait_space", (PyCFunction)producer_wait_space, METH_VARARGS,
@@ -971,6 +1009,8 @@ static PyGetSetDef producer_getset[] = {
     {"max_record", (getter)producer_get_max_record, NULL, "largest payload of one record", NULL},
     {"capacity", (getter)end_get_capacity, NULL, "the capacity this end read (once) and uses", NULL},
     {"held", (getter)end_get_held, (setter)end_set_held, "a slow path holds this end", NULL},
+    {"quiet", (getter)producer_get_quiet, (setter)producer_set_quiet,
+     "publishes store head but owe the consumer's wake-up (see wake_owed)", NULL},
     {NULL}};
 
 static PyTypeObject ProducerType = {

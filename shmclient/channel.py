@@ -160,28 +160,49 @@ class ShmChannel:
         ``send_encoded`` may be retried without placing the tensors again."""
         return self.framing.encode(obj)
 
-    def send_nowait(self, rtype: int, payload: bytes) -> None:
+    def send_nowait(self, rtype: int, payload: bytes, *, wake: bool = True) -> None:
         """Send bytes from ``encode`` now, or raise WouldBlock: nothing of this message
         was sent, or (a message longer than one record) the fragments that fit were;
         sending the same payload again resumes after them. Pending tensor releases go
         first when there is room (else they wait for the next call: never lost, never
         sent twice). Raises PeerDeadError (the engine closed its end), ClientClosedError,
         ValueError (over 4 GiB). Never blocks (other threads' sends hold the lock only
-        for their own non-blocking call)."""
+        for their own non-blocking call).
+
+        ``wake=False``: what is published does not wake a sleeping peer; the wake-up is
+        owed until ``wake_owed()``, which the caller must call (a later send with
+        ``wake=True`` gives it too)."""
         with self._send_lock:
+            if wake:
+                self._send_locked(rtype, payload)
+                return
             tx = self.tx
-            if tx.partial_pending:
-                if self._partial is not None and self._partial is not payload:
-                    # another sender's fragmented message is half-way: it goes first
-                    raise WouldBlock("another message is half-way through the ring")
-            elif self._held_release is not None or self._released:
-                self._flush_releases_locked()
+            tx.quiet = True
             try:
-                tx.send_nowait(rtype, payload)
-            except WouldBlock:
-                self._partial = payload if tx.partial_pending else None
-                raise
-            self._partial = None
+                self._send_locked(rtype, payload)
+            finally:
+                tx.quiet = False
+
+    def wake_owed(self) -> bool:
+        """Wake the peer if sends with ``wake=False`` held its wake-up back; whether one
+        was owed. Never blocks."""
+        return self.tx.wake_owed()
+
+    def _send_locked(self, rtype: int, payload: bytes) -> None:
+        """send_nowait's body; the caller holds the send lock."""
+        tx = self.tx
+        if tx.partial_pending:
+            if self._partial is not None and self._partial is not payload:
+                # another sender's fragmented message is half-way: it goes first
+                raise WouldBlock("another message is half-way through the ring")
+        elif self._held_release is not None or self._released:
+            self._flush_releases_locked()
+        try:
+            tx.send_nowait(rtype, payload)
+        except WouldBlock:
+            self._partial = payload if tx.partial_pending else None
+            raise
+        self._partial = None
 
     def abandon(self, payload: Any) -> None:
         """A send of ``payload`` gave up: if it is half-way through the ring, other

@@ -184,6 +184,21 @@ class RingProducer(Ring):
             pass
 
     @property
+    def quiet(self) -> bool:
+        """While True, a publish stores the new records but does not wake the consumer:
+        the wake-up is owed until ``wake_owed()`` (whoever sets it must call that)."""
+        return self._c.quiet
+
+    @quiet.setter
+    def quiet(self, value: bool) -> None:
+        self._c.quiet = value
+
+    def wake_owed(self) -> bool:
+        """Wake the consumer if a publish while ``quiet`` held its wake-up back; whether
+        one was owed. Never blocks; False once this end is closed (the close woke it)."""
+        return self._c.wake_owed()
+
+    @property
     def partial_pending(self) -> bool:
         """A fragmented message is half-way (``send_nowait`` ran out of room): it must
         be finished before any other record goes."""

@@ -1,14 +1,17 @@
 """The vLLM engine's inline output path (no vLLM needed): small batches are written by the
 thread that puts them, big ones by the output thread, and nothing overtakes what is
-queued; in adaptive mode, batches go to the output thread too while the host has no CPU
-free."""
+queued; in adaptive mode, while the host has no CPU free, a batch's wake-up waits until
+the busy loop has handed the next step to vLLM's executor (or, without those hooks, the
+batch goes to the output thread)."""
 
 from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
 
-from shmclient.vllm.engine_outputs import _InlineOutputs
+import pytest
+
+from shmclient.vllm.engine_outputs import _InlineOutputs, _defer_wakes
 from shmclient.vllm import wire
 
 
@@ -17,6 +20,8 @@ class FakeLink:
 
     def __init__(self) -> None:
         self.sent: list[tuple[bytes, str]] = []
+        self.held: list[bytes] = []  # sent with wake=False, wake-up not yet given
+        self.woken: list[list[bytes]] = []  # what each owed wake-up covered
         self.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=self._encode))
 
     @staticmethod
@@ -24,9 +29,18 @@ class FakeLink:
         buffer[:] = outputs.tag
         return buffer
 
-    def send(self, rtype: int, payload) -> None:
+    def send(self, rtype: int, payload, *, wake: bool = True) -> None:
         assert rtype == wire.OUTPUTS
         self.sent.append((bytes(payload), threading.current_thread().name))
+        if wake:
+            self.held.clear()  # a publish that wakes covers what was held
+        else:
+            self.held.append(bytes(payload))
+
+    def wake_owed(self) -> None:
+        if self.held:
+            self.woken.append(self.held)
+            self.held = []
 
 
 class DeadSocket:
@@ -176,3 +190,167 @@ def test_inline_mode_does_not_ask_the_gate():
     out = _InlineOutputs([link], engine_index=0, inline_max=4, gate=FakeGate([]))  # would raise if asked
     out.put_nowait(batch(b"a", 1))
     assert [tag for tag, _ in link.sent] == [b"a"] and out.inline == 1
+
+
+def _deferring(gate_answers: list[bool], *, step_follows=lambda: True, links: int = 1):
+    links_ = [FakeLink() for _ in range(links)]
+    out = _InlineOutputs(links_, engine_index=0, inline_max=4, adaptive=True, gate=FakeGate(gate_answers))
+    out.step_follows = step_follows
+    return out, links_
+
+
+def test_adaptive_with_the_hooks_writes_inline_and_holds_the_wake_up_while_no_cpu_is_free():
+    out, (link,) = _deferring([False, False, True])
+    me = threading.current_thread().name
+    out.put_nowait(batch(b"a", 1))   # no CPU free: written here, wake-up held
+    out.put_nowait(batch(b"b", 1))
+    assert link.sent == [(b"a", me), (b"b", me)] and link.held == [b"a", b"b"]
+    assert out.owing and (out.inline, out.deferred, out.offloaded) == (2, 2, 0)
+    out.wake_owed()                  # the busy loop handed the next step over
+    assert link.woken == [[b"a", b"b"]] and not out.owing
+    out.wake_owed()                  # nothing owed: no second wake-up
+    assert link.woken == [[b"a", b"b"]]
+    out.put_nowait(batch(b"c", 1))   # a CPU free: woken at once
+    assert link.held == [] and out.deferred == 2 and not out.owing
+
+
+def test_no_wake_up_is_held_when_no_step_follows_or_for_a_utility_reply():
+    follows = [False]
+    out, (link,) = _deferring([False, False], step_follows=lambda: follows[0])
+    out.put_nowait(batch(b"last", 1))  # the scheduler has nothing left: the loop may block
+    assert link.sent[-1][0] == b"last" and link.held == [] and not out.owing
+    follows[0] = True
+    reply = SimpleNamespace(tag=b"util", outputs=[], engine_index=None, utility_output=object())
+    out.put_nowait((0, reply))         # a utility's reply comes from outside a step
+    assert link.sent[-1][0] == b"util" and link.held == [] and out.deferred == 0
+
+
+def test_owed_wake_ups_go_to_every_frontend_that_has_one():
+    out, links = _deferring([False, False], links=3)
+    out.put_nowait(batch(b"a0", 1, client=0))
+    out.put_nowait(batch(b"a2", 1, client=2))
+    out.wake_owed()
+    assert [link.woken for link in links] == [[[b"a0"]], [], [[b"a2"]]]
+
+
+def test_a_big_batch_still_goes_to_the_output_thread_and_holds_nothing():
+    out, (link,) = _deferring([])
+    out.put_nowait(batch(b"big", 5))
+    assert link.sent == [] and not out.owing
+    out.put_nowait(b"DEAD")
+    out.serve_queued([DeadSocket()])
+    assert link.sent == [(b"big", threading.current_thread().name)] and link.held == []
+
+
+class FakeScheduler:
+    def __init__(self) -> None:
+        self.requests = True
+        self.log: list[str] = []
+
+    def has_requests(self) -> bool:
+        return self.requests
+
+
+class FakeEngine:
+    """What _defer_wakes hooks: the executor's execute_model and the busy loop's
+    _process_input_queue, with has_work and the scheduler's has_requests."""
+
+    def __init__(self, executor, log: list[str]) -> None:
+        self.model_executor = executor
+        self.scheduler = FakeScheduler()
+        self.batch_queue = None
+        self.work = True
+        self.log = log
+
+    def has_work(self) -> bool:
+        return self.work
+
+    def _process_input_queue(self) -> None:
+        self.log.append("input")
+
+
+class FakeExecutor:
+    def __init__(self, log: list[str], multiproc: bool) -> None:
+        self.log = log
+        if multiproc:
+            self.rpc_broadcast_mq = object()
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        self.log.append(f"execute {scheduler_output}")
+        return "future"
+
+
+class LoggingOutputs(_InlineOutputs):
+    def __init__(self, log: list[str]) -> None:
+        super().__init__([FakeLink()], engine_index=0, inline_max=4, adaptive=True, gate=FakeGate([False] * 10))
+        self.log = log
+
+    def wake_owed(self) -> None:
+        if self.owing:
+            self.log.append("wake")
+        super().wake_owed()
+
+
+@pytest.mark.parametrize("multiproc", [True, False])
+def test_defer_wakes_gives_the_owed_wake_up_as_the_step_is_handed_over(multiproc):
+    """vLLM's multiprocess executor returns a future once the step is on its way to the
+    worker: the wake-up follows that call. Another executor may run the step inside the
+    call: the wake-up goes just before it."""
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, multiproc), log)
+    out = LoggingOutputs(log)
+    assert _defer_wakes(engine, out) is True
+    assert out.step_follows == engine.scheduler.has_requests
+    out.put_nowait(batch(b"a", 1))
+    engine._process_input_queue()     # work to do: the loop goes on to step, no wake yet
+    assert engine.model_executor.execute_model("step1", non_block=True) == "future"
+    want = ["execute step1", "wake"] if multiproc else ["wake", "execute step1"]
+    assert log == ["input"] + want
+    log.clear()
+    engine.model_executor.execute_model("step2", non_block=True)
+    assert log == ["execute step2"]  # nothing owed: nothing given
+
+
+def test_defer_wakes_gives_the_owed_wake_up_before_the_loop_may_block_for_input():
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    out = LoggingOutputs(log)
+    _defer_wakes(engine, out)
+    out.put_nowait(batch(b"a", 1))
+    engine.work = False               # e.g. the last request was aborted meanwhile
+    engine._process_input_queue()
+    assert log == ["wake", "input"]
+
+
+def test_defer_wakes_hooks_nothing_where_a_step_need_not_follow_an_output():
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    engine.batch_queue = object()     # several steps in flight (vLLM's async scheduling)
+    out = LoggingOutputs(log)
+    assert _defer_wakes(engine, out) is False
+    assert out.step_follows is None and "execute_model" not in vars(engine.model_executor)
+    bare = SimpleNamespace(model_executor=None, scheduler=None)  # a vLLM without them
+    assert _defer_wakes(bare, LoggingOutputs(log)) is False
+    out.put_nowait(batch(b"a", 1))    # no CPU free, no hooks: to the output thread
+    assert out.offloaded == 0 and not out.empty()
+
+
+@pytest.mark.parametrize("links", [1, 2])
+def test_no_early_wake_while_the_outputs_wake_up_waits_for_the_next_step(links):
+    """The early wake-up of a parked frontend (as the scheduler starts building a step's
+    outputs) is skipped while the gate finds no CPU free and the outputs' own wake-up is
+    held; with a CPU free it comes as before."""
+    from shmclient.vllm.engine_outputs import _prewake_before_outputs
+
+    woken: list[int] = []
+    fake_links = [SimpleNamespace(prewake=lambda i=i: woken.append(i), active=True) for i in range(links)]
+    gate = FakeGate([False, True])
+    inline = _InlineOutputs(fake_links, engine_index=0, inline_max=4, adaptive=True, gate=gate)
+    inline.step_follows = lambda: True
+    engine = SimpleNamespace(scheduler=SimpleNamespace(update_from_output=lambda *a: "outputs"),
+                             _shmclient_inline=inline)
+    _prewake_before_outputs(engine, fake_links)
+    assert engine.scheduler.update_from_output("so", "mo") == "outputs"
+    assert woken == []               # no CPU free
+    assert engine.scheduler.update_from_output("so", "mo") == "outputs"
+    assert woken == list(range(links))

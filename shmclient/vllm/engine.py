@@ -23,7 +23,7 @@ from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from . import wire
 from .engine_link import _EngineLink, _links, _log
-from .engine_outputs import _inline_outputs, _prewake_before_outputs, _serve_outputs
+from .engine_outputs import _defer_wakes, _inline_outputs, _prewake_before_outputs, _serve_outputs
 
 _originals: dict[str, Any] = {}
 #: How often (s) an idle request reader sends the frontend pending tensor releases.
@@ -54,8 +54,9 @@ def _shutdown(self) -> None:
             link.close()
         inline = getattr(self, "_shmclient_inline", None)
         if inline is not None:
-            _log().debug("shmclient.vllm: engine %d wrote %d output batches from its busy loop, %d from its "
-                         "output thread", inline._engine_index, inline.inline, inline.offloaded)
+            _log().debug("shmclient.vllm: engine %d wrote %d output batches from its busy loop (%d of them "
+                         "woke the frontend with the next step), %d from its output thread",
+                         inline._engine_index, inline.inline, inline.deferred, inline.offloaded)
 
 
 def _keep_signals_for_main_thread() -> None:
@@ -125,6 +126,8 @@ def _serve_requests(self, links: "list[_EngineLink]", input_addresses: list, coo
                 # Swap before the busy loop starts (it waits for ready_event): no output can
                 # then go to the old queue after it was emptied.
                 inline = _inline_outputs(self, links)
+                if links[0].spec.output_mode == "adaptive":
+                    _defer_wakes(self, inline)
                 old, self.output_queue = self.output_queue, inline
                 while True:
                     try:

@@ -21,7 +21,7 @@ import msgspec
 
 from .. import waiting
 from ..channel import ShmChannel
-from ..errors import ClientClosedError, PeerDeadError
+from ..errors import ClientClosedError, PeerDeadError, WouldBlock
 from ..shm import Segment, close_inherited, open_fds
 from . import wire
 
@@ -133,16 +133,31 @@ class _EngineLink:
         if pidfd is not None:
             os.close(pidfd)
 
-    def send(self, kind: int, frames) -> None:
+    def send(self, kind: int, frames, *, wake: bool = True) -> None:
         """Write one message; drop it once the frontend is gone. Waits while the ring is
-        full (the frontend is slow), checking the frontend's liveness."""
+        full (the frontend is slow), checking the frontend's liveness.
+
+        ``wake=False``: publish it without waking a parked frontend; the wake-up is owed
+        until ``wake_owed()`` (the caller's promise). A ring without room now gives the
+        owed wake-up at once and waits as above (the frontend must read to make room)."""
         if self.frontend_gone:
             return
         rtype, payload = wire.message(kind, frames)
         try:
+            if not wake:
+                try:
+                    self.channel.send_nowait(rtype, payload, wake=False)
+                    return
+                except WouldBlock:
+                    self.channel.wake_owed()
             waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
         except (PeerDeadError, ClientClosedError):
             self.frontend_gone = True
+
+    def wake_owed(self) -> None:
+        """Give the frontend the wake-up that sends with ``wake=False`` held back (if
+        any). Never blocks."""
+        self.channel.wake_owed()
 
     def greet(self) -> None:
         """The first records: HELLO (this process's pid), then, with arenas, GPUS: the

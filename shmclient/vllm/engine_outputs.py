@@ -29,24 +29,72 @@ def _prewake_before_outputs(self, links: "list[_EngineLink]") -> None:
     are published on this machine)."""
     scheduler = self.scheduler
     update = scheduler.update_from_output
+    inline = getattr(self, "_shmclient_inline", None)
+    # Output mode "adaptive" with its deferred wake-ups: no early wake while no CPU is free
+    # (the outputs' own wake-up then waits for the next step, see _defer_wakes).
+    free_cpu = inline._free_cpu if inline is not None and inline.step_follows is not None else None
     if len(links) == 1:
         prewake = links[0].prewake
 
         def update_from_output(*args, **kwargs):
-            prewake()
+            if free_cpu is None or free_cpu(time.monotonic()):
+                prewake()
             return update(*args, **kwargs)
     else:
         # Several frontends: wake only those this engine sent outputs to since the last
         # step (their requests are running); a frontend whose requests have all finished
         # would spin for nothing. A request's first output wakes its frontend on publish.
         def update_from_output(*args, **kwargs):
-            for link in links:
-                if link.active:
-                    link.active = False
-                    link.prewake()
+            if free_cpu is None or free_cpu(time.monotonic()):
+                for link in links:
+                    if link.active:
+                        link.active = False
+                        link.prewake()
             return update(*args, **kwargs)
 
     scheduler.update_from_output = update_from_output
+
+
+def _defer_wakes(engine, inline: "_InlineOutputs") -> bool:
+    """Hook the busy loop so that ``inline`` may hold a batch's wake-up back until the
+    next step is on its way (output mode "adaptive" on a host without a free CPU): the
+    frontend then takes its CPU time while the busy loop waits for vLLM's worker, not
+    while the busy loop builds the step the worker waits for. With vLLM's multiprocess
+    executor the owed wake-ups go once ``execute_model`` has handed the step over (it
+    returns a future at once); with another executor (which may run the step in the
+    call), just before it. The busy loop gives them too before it may block for input
+    (nothing to step). False (nothing hooked: ``inline`` then sends such batches to the
+    output thread) when this vLLM lacks what the hooks need, or steps through a batch
+    queue (several steps in flight: a step need not start after each output)."""
+    executor = getattr(engine, "model_executor", None)
+    execute = getattr(executor, "execute_model", None)
+    process_input = getattr(engine, "_process_input_queue", None)
+    has_work = getattr(engine, "has_work", None)
+    has_requests = getattr(getattr(engine, "scheduler", None), "has_requests", None)
+    if (execute is None or process_input is None or has_work is None or has_requests is None
+            or getattr(engine, "batch_queue", None) is not None):
+        return False
+    wake_owed = inline.wake_owed
+    if hasattr(executor, "rpc_broadcast_mq"):
+        def execute_model(*args, **kwargs):
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                wake_owed()
+    else:
+        def execute_model(*args, **kwargs):
+            wake_owed()
+            return execute(*args, **kwargs)
+
+    def _process_input_queue(*args, **kwargs):
+        if inline.owing and not has_work():
+            wake_owed()  # no step to hand over: the loop may block for input now
+        return process_input(*args, **kwargs)
+
+    executor.execute_model = execute_model
+    engine._process_input_queue = _process_input_queue
+    inline.step_follows = has_requests
+    return True
 
 
 _inline_lock = threading.Lock()
@@ -73,13 +121,17 @@ class _InlineOutputs:
     loop never encodes a large batch on its critical path, and nothing overtakes what is
     queued.
 
-    ``adaptive``: a batch is written inline only while ``gate`` (the process's spin gate,
-    ``_ring.gate``) finds a CPU free for the frontend it wakes; else it goes to the output
-    thread too. On a host without one, a frontend woken from the busy loop competes with
-    the busy loop for a CPU before it has handed vLLM the next step: a served vLLM's
-    streamed tokens came 5-10 ms apart (p50) against stock's 3-4 at 20 requests/s on a
-    busy 2-CPU host, 3.2-4.0 ms with every batch written by the output thread (measured
-    2026-12-04; the README's Serving section has the later runs)."""
+    ``adaptive``: a batch is written with its wake-up at once only while ``gate`` (the
+    process's spin gate, ``_ring.gate``) finds a CPU free for the frontend it wakes. On a
+    host without one, a frontend woken from the busy loop competes with the busy loop for
+    a CPU before it has handed vLLM the next step: a served vLLM's streamed tokens came
+    5-10 ms apart (p50) against stock's 3-4 at 20 requests/s on a busy 2-CPU host,
+    3.2-4.0 ms with every batch written by the output thread (measured 2026-12-04; the
+    README's Serving section has the later runs). So then, once ``_defer_wakes`` has
+    hooked the busy loop (``step_follows`` set), the batch is still written here but its
+    wake-up waits until the busy loop has handed the next step to vLLM's executor
+    (``wake_owed``), or comes at once when no step follows; without the hooks the batch
+    goes to the output thread."""
 
     def __init__(self, links: "list[_EngineLink]", engine_index: int, inline_max: int, *,
                  adaptive: bool = False, gate=None) -> None:
@@ -87,12 +139,17 @@ class _InlineOutputs:
         self._engine_index = engine_index
         self._inline_max = inline_max
         self._free_cpu = (_ring.gate if gate is None else gate).free_cpu if adaptive else None
+        #: Set by _defer_wakes: whether the busy loop will hand another step to the
+        #: executor (and so call wake_owed) before it can block.
+        self.step_follows = None
+        self.owing = False  # a batch was written without its wake-up, not yet given
         self._buffers = [bytearray() for _ in links]  # the ring copies it: reusable at once
         self._send_locks = [threading.Lock() for _ in links]  # vLLM's encoder is not thread-safe
         self._count_lock = threading.Lock()
         self._queued = 0  # output batches put in ``queue`` and not yet written
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.inline = self.offloaded = 0  # batches written each way
+        self.deferred = 0  # of the inline ones, those whose wake-up waited for the next step
 
     def put_nowait(self, item) -> None:
         if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
@@ -108,6 +165,11 @@ class _InlineOutputs:
         big = len(outputs.outputs) > self._inline_max
         free_cpu = self._free_cpu  # asked only for a batch that could go inline
         busy = not big and free_cpu is not None and not free_cpu(time.monotonic())
+        wake = True
+        if busy and self.step_follows is not None:
+            busy = False
+            # A utility's reply comes from outside a step: its wake-up is never held.
+            wake = getattr(outputs, "utility_output", None) is not None or not self.step_follows()
         with self._count_lock:
             offload = big or busy or self._queued > 0
             if offload:
@@ -115,13 +177,14 @@ class _InlineOutputs:
         if offload:
             self.queue.put((client_index, outputs))
         else:
-            self.send(client_index, outputs)
+            self.send(client_index, outputs, wake=wake)
 
     put = put_nowait
 
-    def send(self, client_index: int, outputs, *, queued: bool = False) -> None:
+    def send(self, client_index: int, outputs, *, queued: bool = False, wake: bool = True) -> None:
         """Encode and write one EngineCoreOutputs to frontend ``client_index`` in this
-        thread (dropped, with an error logged, for a frontend this engine has not)."""
+        thread (dropped, with an error logged, for a frontend this engine has not);
+        ``wake=False``: its wake-up waits for ``wake_owed``."""
         outputs.engine_index = self._engine_index
         if not (isinstance(client_index, int) and 0 <= client_index < len(self._links)):
             _log().error("shmclient.vllm: outputs for frontend %r dropped: this engine serves %d",
@@ -130,11 +193,23 @@ class _InlineOutputs:
         link = self._links[client_index]
         link.active = True
         with self._send_locks[client_index]:
-            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]))
+            if not wake:
+                self.owing = True  # before the write: a wake_owed racing it then finds it
+            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]),
+                      wake=wake)
             if queued:
                 self.offloaded += 1
             else:
                 self.inline += 1
+                if not wake:
+                    self.deferred += 1
+
+    def wake_owed(self) -> None:
+        """Give every frontend the wake-up its batches' writes held back (if any)."""
+        if self.owing:
+            self.owing = False
+            for link in self._links:
+                link.wake_owed()
 
     def serve_queued(self, dead_sockets, coordinator=None) -> None:
         """The output thread's loop: write what ``put_nowait`` queued, in order, until
