@@ -567,6 +567,26 @@ def test_async_reader_wakes_once_per_batch_and_early(async_pair, gate):
         assert prewake.hits + prewake.misses == early
 
 
+def test_async_adaptive_output_mode_identical(model_dir, async_pair, monkeypatch):
+    """SHMCLIENT_VLLM_ENGINE_OUTPUT=adaptive behind AsyncLLM: while the engine finds no CPU
+    free it writes small batches from its busy loop and wakes the parked output task only
+    once the next step is on its way (or at once when none follows: the last token of a
+    stream, a utility's reply); with a CPU free it wakes at once. Either way every token
+    arrives, in order, as stock's."""
+    loop, stock, _ = async_pair
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "adaptive")
+    shm = make_async(model_dir, True)
+    try:
+        assert shm.engine_core._link.output_mode == "adaptive"
+        assert loop.run_until_complete(stream(shm, "ad-one", [5, 6, 7, 8], 30)) == loop.run_until_complete(
+            stream(stock, "ad-ref-one", [5, 6, 7, 8], 30))
+        assert loop.run_until_complete(concurrent(shm, "ad", STREAM_PROMPTS, 24)) == loop.run_until_complete(
+            concurrent(stock, "ad-ref", STREAM_PROMPTS, 24))
+        assert loop.run_until_complete(shm.reset_prefix_cache()) is True  # a utility reply
+    finally:
+        loop.run_until_complete(_shutdown_async(shm))
+
+
 def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):
     loop, stock, shm = async_pair
     emb = embeds(120, 4)
