@@ -354,3 +354,14 @@ def test_no_early_wake_while_the_outputs_wake_up_waits_for_the_next_step(links):
     assert woken == []               # no CPU free
     assert engine.scheduler.update_from_output("so", "mo") == "outputs"
     assert woken == list(range(links))
+
+
+def test_engine_core_dead_gives_the_owed_wake_up_first():
+    out, (link,) = _deferring([False])
+    out.put_nowait(batch(b"a", 1))
+    assert link.held == [b"a"]
+    out.put_nowait(b"DEAD")
+    assert link.woken == [[b"a"]] and not out.owing
+    dead = DeadSocket()
+    out.serve_queued([dead])
+    assert dead.sent == [b"DEAD"]

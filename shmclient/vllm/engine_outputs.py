@@ -153,6 +153,7 @@ class _InlineOutputs:
 
     def put_nowait(self, item) -> None:
         if isinstance(item, bytes):  # ENGINE_CORE_DEAD: after what is queued
+            self.wake_owed()
             self.queue.put(item)
             return
         client_index, outputs = item
@@ -193,10 +194,12 @@ class _InlineOutputs:
         link = self._links[client_index]
         link.active = True
         with self._send_locks[client_index]:
-            if not wake:
-                self.owing = True  # before the write: a wake_owed racing it then finds it
             link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]),
                       wake=wake)
+            if not wake:
+                # After the write (an IO thread may put an error output while the busy
+                # loop gives the owed wake-ups): a wake_owed that ran before it finds this.
+                self.owing = True
             if queued:
                 self.offloaded += 1
             else:
