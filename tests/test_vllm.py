@@ -567,12 +567,13 @@ def test_async_reader_wakes_once_per_batch_and_early(async_pair, gate):
         assert prewake.hits + prewake.misses == early
 
 
-def test_async_adaptive_output_mode_identical(model_dir, async_pair, monkeypatch):
+def test_async_adaptive_output_mode_identical(model_dir, async_pair, monkeypatch, capfd):
     """SHMCLIENT_VLLM_ENGINE_OUTPUT=adaptive behind AsyncLLM: while the engine finds no CPU
     free it writes small batches from its busy loop and wakes the parked output task only
     once the next step is on its way (or at once when none follows: the last token of a
     stream, a utility's reply); with a CPU free it wakes at once. Either way every token
-    arrives, in order, as stock's."""
+    arrives, in order, as stock's. The engine core says it hooked its busy loop (this
+    vLLM's is one the hooks know)."""
     loop, stock, _ = async_pair
     monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "adaptive")
     shm = make_async(model_dir, True)
@@ -583,6 +584,9 @@ def test_async_adaptive_output_mode_identical(model_dir, async_pair, monkeypatch
         assert loop.run_until_complete(concurrent(shm, "ad", STREAM_PROMPTS, 24)) == loop.run_until_complete(
             concurrent(stock, "ad-ref", STREAM_PROMPTS, 24))
         assert loop.run_until_complete(shm.reset_prefix_cache()) is True  # a utility reply
+        said = "".join(capfd.readouterr())
+        assert said.count("output mode adaptive: while no CPU is free, an output batch's wake-up waits for the "
+                          "next step") == 1, said[-3000:]
     finally:
         loop.run_until_complete(_shutdown_async(shm))
 

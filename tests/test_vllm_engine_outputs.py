@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from shmclient.vllm.engine_outputs import _InlineOutputs, _defer_wakes
+from shmclient.vllm.engine_outputs import _InlineOutputs, _defer_wakes, _hook_adaptive
+from shmclient.vllm.versions import Verdict
 from shmclient.vllm import wire
 
 
@@ -333,6 +334,43 @@ def test_defer_wakes_hooks_nothing_where_a_step_need_not_follow_an_output():
     assert _defer_wakes(bare, LoggingOutputs(log)) is False
     out.put_nowait(batch(b"a", 1))    # no CPU free, no hooks: to the output thread
     assert out.offloaded == 0 and not out.empty()
+
+
+def test_adaptive_hooks_only_a_busy_loop_it_knows(caplog):
+    """A vLLM whose busy loop differs from every release the hooks were written against
+    (``versions.check_adaptive``) is not hooked: one WARNING names what differs, and a
+    batch that finds no CPU free goes to the output thread, its wake-up never held."""
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    out = LoggingOutputs(log)
+    differs = Verdict(False, "0.33", ["vllm.v1.engine.core.EngineCore.step"],
+                      "vLLM 0.34.0's busy loop differs from vLLM 0.33's in vllm.v1.engine.core.EngineCore.step")
+    with caplog.at_level("WARNING", logger="vllm.shmclient"):
+        assert _hook_adaptive(engine, out, differs) is False
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "EngineCore.step" in warned[0] and "holds no wake-up back" in warned[0]
+    assert out.step_follows is None and "execute_model" not in vars(engine.model_executor)
+    assert "_process_input_queue" not in vars(engine)
+    out.put_nowait(batch(b"a", 1))
+    assert out.inline == 0 and not out.empty()  # queued for the output thread
+
+    known = Verdict(True, "0.33", [], "vLLM 0.33.1's busy loop is as in vLLM 0.33")
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    out = LoggingOutputs(log)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm.shmclient"):
+        assert _hook_adaptive(engine, out, known) is True
+    assert "wake-up waits for the next step (vLLM 0.33.1's busy loop is as in vLLM 0.33)" in caplog.text
+    assert out.step_follows == engine.scheduler.has_requests
+    out.put_nowait(batch(b"a", 1))
+    assert out.deferred == 1 and out.empty()  # written here, its wake-up held
+
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    engine.batch_queue = object()  # a known loop, stepping through a batch queue: not hooked, said so
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm.shmclient"):
+        assert _hook_adaptive(engine, LoggingOutputs(log), known) is False
+    assert "steps through a batch queue" in caplog.text and "execute_model" not in vars(engine.model_executor)
 
 
 @pytest.mark.parametrize("links", [1, 2])

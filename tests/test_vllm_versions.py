@@ -13,7 +13,8 @@ import textwrap
 import pytest
 
 from shmclient.vllm import versions
-from shmclient.vllm.versions import KNOWN, TOUCHED, check, fingerprints
+from shmclient.vllm.versions import (ADAPTIVE_TOUCHED, KNOWN, KNOWN_ADAPTIVE, TOUCHED, check, check_adaptive,
+                                     fingerprints)
 
 
 SOURCE = textwrap.dedent('''
@@ -110,6 +111,7 @@ def test_a_downloaded_release_matches_its_line(wheel):
     line = next((k for k, (tested, _) in KNOWN.items() if version in tested), None)
     assert line is not None, f"{version} is in no line of KNOWN"
     assert versions.fingerprints_from_wheel(wheel) == KNOWN[line][1]
+    assert versions.fingerprints_from_wheel(wheel, ADAPTIVE_TOUCHED) == KNOWN_ADAPTIVE[line]
 
 
 @pytest.mark.vllm
@@ -119,19 +121,54 @@ def test_the_installed_vllm_is_a_known_release():
     assert v.ok, v.message
     assert vllm.__version__ in KNOWN[v.line][0]
     assert fingerprints() == KNOWN[v.line][1]
+    hooks = check_adaptive(vllm.__version__)
+    assert hooks.ok and hooks.line == v.line, hooks.message
+    assert fingerprints(entries=ADAPTIVE_TOUCHED) == KNOWN_ADAPTIVE[v.line]
 
 
 def test_the_command_prints_the_verdict(monkeypatch, capsys):
-    known = KNOWN["0.32"][1]
-    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path: known)
+    known, loop = KNOWN["0.32"][1], KNOWN_ADAPTIVE["0.32"]
+    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path, entries=None: loop if entries else known)
     assert versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"]) == 0
     out = capsys.readouterr().out
-    assert out.count('",  # ') == len(TOUCHED)
-    assert "vLLM 0.32.9 is not a tested release" in out and out.rstrip().endswith(": the rings")
+    assert out.count('",  # ') == len(TOUCHED) + len(ADAPTIVE_TOUCHED)
+    assert ("vLLM 0.32.9 is not a tested release, but everything the plug-in depends on is as in vLLM 0.32.0: "
+            "the rings") in out
+    assert out.rstrip().endswith("vLLM 0.32.9's busy loop is as in vLLM 0.32: adaptive holds wake-ups back")
 
-    changed = ("0" * 16,) + known[1:]
-    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path: changed)
+    changed, changed_loop = ("0" * 16,) + known[1:], loop[:-1] + ("0" * 16,)
+    monkeypatch.setattr(versions, "fingerprints_from_wheel",
+                        lambda path, entries=None: changed_loop if entries else changed)
     versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"])
     out = capsys.readouterr().out
-    assert f"in {TOUCHED[0][0]}.{TOUCHED[0][1]}" in out
-    assert out.rstrip().endswith(": vLLM keeps its own transport")
+    assert f"in {TOUCHED[0][0]}.{TOUCHED[0][1]}: vLLM keeps its own transport" in out
+    assert out.rstrip().endswith(f"in {ADAPTIVE_TOUCHED[-1][0]}.{ADAPTIVE_TOUCHED[-1][1]}: adaptive holds none back")
+
+
+def test_the_adaptive_table_is_whole():
+    """Output mode adaptive's hooks are judged per release line, the same lines as KNOWN."""
+    assert set(KNOWN_ADAPTIVE) == set(KNOWN)
+    for line, prints_ in KNOWN_ADAPTIVE.items():
+        assert len(prints_) == len(ADAPTIVE_TOUCHED), line
+        assert "missing" not in prints_, line
+
+
+@pytest.fixture
+def known_loops(monkeypatch):
+    table = {"1.4": ("a", "b", "c"), "1.5": ("a", "B", "c")}
+    monkeypatch.setattr(versions, "KNOWN_ADAPTIVE", table)
+    monkeypatch.setattr(versions, "ADAPTIVE_TOUCHED", ENTRIES)
+    return table
+
+
+def test_check_adaptive_takes_a_known_busy_loop_under_any_number(known_loops):
+    v = check_adaptive("1.5.3", ("a", "b", "c"))  # 1.5.3 has 1.4's busy loop: fine
+    assert v.ok and v.line == "1.4" and v.differs == []
+
+
+def test_check_adaptive_names_what_differs(known_loops):
+    v = check_adaptive("1.5.3", ("a", "X", "c"))
+    assert not v.ok and v.line == "1.5" and v.differs == ["pkg.client.Client.call"]
+    assert v.message == "vLLM 1.5.3's busy loop differs from vLLM 1.5's in pkg.client.Client.call"
+    v = check_adaptive("2.0.0", ("a", "b", "Z"))  # no line of that number: the closest one
+    assert not v.ok and v.line == "1.4" and v.differs == ["pkg.client.Client.inherited"]

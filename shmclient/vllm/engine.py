@@ -23,7 +23,7 @@ from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from . import wire
 from .engine_link import _EngineLink, _links, _log
-from .engine_outputs import _defer_wakes, _inline_outputs, _prewake_before_outputs, _serve_outputs
+from .engine_outputs import _hook_adaptive, _inline_outputs, _prewake_before_outputs, _serve_outputs
 
 _originals: dict[str, Any] = {}
 #: How often (s) an idle request reader sends the frontend pending tensor releases.
@@ -127,7 +127,7 @@ def _serve_requests(self, links: "list[_EngineLink]", input_addresses: list, coo
                 # then go to the old queue after it was emptied.
                 inline = _inline_outputs(self, links)
                 if links[0].spec.output_mode == "adaptive":
-                    _defer_wakes(self, inline)
+                    _hook_adaptive(self, inline)
                 old, self.output_queue = self.output_queue, inline
                 while True:
                     try:

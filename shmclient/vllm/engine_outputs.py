@@ -1,7 +1,7 @@
 """The engine core's output side: where its ``EngineCoreOutputs`` are written.
 
 Imports ``zmq``, vLLM (inside functions), the spin gate (``_ring.gate``) and the plug-in's
-``wire`` and ``engine_link``. ``_InlineOutputs`` stands in for
+``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks). ``_InlineOutputs`` stands in for
 ``EngineCoreProc.output_queue`` in output modes "inline" and "adaptive" (see its docstring);
 ``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
 ENGINE_CORE_DEAD (one per frontend), the DP coordinator's socket for its messages, every
@@ -95,6 +95,33 @@ def _defer_wakes(engine, inline: "_InlineOutputs") -> bool:
     engine._process_input_queue = _process_input_queue
     inline.step_follows = has_requests
     return True
+
+
+def _hook_adaptive(engine, inline: "_InlineOutputs", verdict=None) -> bool:
+    """``_defer_wakes`` where this vLLM's busy loop is one its hooks were written against
+    (``versions.check_adaptive``, or ``verdict``); otherwise one WARNING naming what
+    differs, and nothing hooked: output mode "adaptive" then sends the batches it would
+    hold a wake-up for to the output thread (a vLLM whose loop could step without
+    handing the hooks a chance to give the wake-up would otherwise leave a frontend
+    parked until the next step or input)."""
+    if verdict is None:
+        from vllm import __version__
+
+        from .versions import check_adaptive
+
+        verdict = check_adaptive(__version__)
+    if not verdict.ok:
+        _log().warning("shmclient.vllm: %s: output mode adaptive holds no wake-up back (while no CPU is free, "
+                       "its output batches go through the output thread)", verdict.message)
+        return False
+    if _defer_wakes(engine, inline):
+        _log().info("shmclient.vllm: output mode adaptive: while no CPU is free, an output batch's wake-up waits "
+                    "for the next step (%s)", verdict.message)
+        return True
+    _log().info("shmclient.vllm: output mode adaptive: this engine core steps through a batch queue (vLLM's "
+                "async scheduling or pipeline parallelism): while no CPU is free, its output batches go through "
+                "the output thread")
+    return False
 
 
 _inline_lock = threading.Lock()

@@ -6,7 +6,9 @@ functions (``TOUCHED``). For each it keeps a fingerprint: of the whole function 
 syntax tree without docstrings, so comments and formatting do not count) where the
 plug-in replaces or mirrors what it does, of its parameters only where the plug-in just
 calls it or passes arguments through. ``KNOWN`` holds the fingerprints of every vLLM
-release the plug-in was written against and tested with, by release line. Its life cycle
+release the plug-in was written against and tested with, by release line; output mode
+"adaptive"'s hooks of the busy loop have their own pair, ``ADAPTIVE_TOUCHED`` and
+``KNOWN_ADAPTIVE`` (a mismatch there switches off the hooks only). Its life cycle
 (when the check runs, what follows, how a release is added): docs/design.md, "Module
 notes", ``shmclient.vllm.versions``.
 """
@@ -21,7 +23,8 @@ import sys
 import zipfile
 from typing import Callable, Iterable
 
-__all__ = ["KNOWN", "TOUCHED", "Verdict", "check", "fingerprints", "fingerprints_from_wheel"]
+__all__ = ["ADAPTIVE_TOUCHED", "KNOWN", "KNOWN_ADAPTIVE", "TOUCHED", "Verdict", "check", "check_adaptive",
+           "fingerprints", "fingerprints_from_wheel"]
 
 #: (module, qualified name, "body" or "params"): what the plug-in depends on.
 TOUCHED: tuple[tuple[str, str, str], ...] = (
@@ -107,6 +110,38 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     )),
 }
 
+#: What output mode "adaptive" relies on besides TOUCHED: its hooks
+#: (``engine_outputs._defer_wakes``) give a held wake-up when the busy loop hands a step
+#: to the executor or before it may block for input. That holds while the busy loop
+#: waits for input only when ``has_work`` is False, every step with requests in the
+#: scheduler calls ``execute_model``, and the multiprocess executor's ``execute_model``
+#: returns its future without waiting for the step. A vLLM that differs here still runs
+#: on the rings; adaptive then holds no wake-up back (see ``check_adaptive``).
+ADAPTIVE_TOUCHED: tuple[tuple[str, str, str], ...] = (
+    ("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop", "body"),
+    ("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop", "body"),
+    ("vllm.v1.engine.core", "EngineCoreProc._process_input_queue", "body"),
+    ("vllm.v1.engine.core", "EngineCoreProc.has_work", "body"),
+    ("vllm.v1.engine.core", "EngineCoreProc._process_engine_step", "body"),
+    ("vllm.v1.engine.core", "EngineCore.step", "body"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.has_requests", "body"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.execute_model", "body"),
+    ("vllm.v1.executor.uniproc_executor", "UniProcExecutor.execute_model", "body"),
+)
+
+#: Release line -> fingerprints of ADAPTIVE_TOUCHED in order (the same lines as KNOWN).
+#: 0.31 -> 0.32: the step attaches a weight version to its outputs; 0.32 -> 0.33: a
+#: watchdog around the input wait and in the step, and elastic EP's scale-up in the DP
+#: busy loop. None of it changes where a step is handed over or the loop blocks.
+KNOWN_ADAPTIVE: dict[str, tuple[str, ...]] = {
+    "0.31": ("29cb4e77162ba352", "eb68db12a3f57287", "c9ca50f62a08c10c", "8d70b2bc7777b2ae", "d3e8863ee047c2e3",
+             "ef3120ffe8845c18", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+    "0.32": ("29cb4e77162ba352", "eb68db12a3f57287", "c9ca50f62a08c10c", "8d70b2bc7777b2ae", "d3e8863ee047c2e3",
+             "77de7f15d80bafdc", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+    "0.33": ("29cb4e77162ba352", "864b3a37460291dc", "c8aba9b285dc438e", "8d70b2bc7777b2ae", "1d20045576f70ea3",
+             "77de7f15d80bafdc", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+}
+
 
 class Verdict:
     """The outcome of ``check``: ``ok`` (the plug-in may take over), ``line`` (the known
@@ -184,9 +219,11 @@ def _fingerprints(read: Callable[[str], str | None],
     return tuple(out)
 
 
-def fingerprints(root: str | None = None) -> tuple[str, ...]:
-    """Fingerprints of the installed vLLM (``root``: a folder holding the ``vllm``
-    package instead, e.g. another site-packages). Never imports vLLM."""
+def fingerprints(root: str | None = None,
+                 entries: Iterable[tuple[str, str, str]] | None = None) -> tuple[str, ...]:
+    """Fingerprints of ``entries`` (default TOUCHED) in the installed vLLM (``root``: a
+    folder holding the ``vllm`` package instead, e.g. another site-packages). Never
+    imports vLLM."""
 
     def read(module: str) -> str | None:
         if root is not None:
@@ -202,11 +239,12 @@ def fingerprints(root: str | None = None) -> tuple[str, ...]:
         with open(path, encoding="utf-8") as f:
             return f.read()
 
-    return _fingerprints(read)
+    return _fingerprints(read, entries)
 
 
-def fingerprints_from_wheel(path: str) -> tuple[str, ...]:
-    """Fingerprints of the vLLM in a wheel file (nothing is installed or imported)."""
+def fingerprints_from_wheel(path: str, entries: Iterable[tuple[str, str, str]] | None = None) -> tuple[str, ...]:
+    """Fingerprints of ``entries`` (default TOUCHED) in the vLLM in a wheel file
+    (nothing is installed or imported)."""
     with zipfile.ZipFile(path) as wheel:
         names = set(wheel.namelist())
 
@@ -214,11 +252,17 @@ def fingerprints_from_wheel(path: str) -> tuple[str, ...]:
             name = "/".join(module.split(".")) + ".py"
             return wheel.read(name).decode("utf-8") if name in names else None
 
-        return _fingerprints(read)
+        return _fingerprints(read, entries)
 
 
-def _differs(got: Iterable[str], want: Iterable[str]) -> list[str]:
-    return [f"{mod}.{qual}" for (mod, qual, _), g, w in zip(TOUCHED, got, want) if g != w]
+def _differs(got: Iterable[str], want: Iterable[str],
+             entries: Iterable[tuple[str, str, str]] | None = None) -> list[str]:
+    return [f"{mod}.{qual}" for (mod, qual, _), g, w in zip(TOUCHED if entries is None else entries, got, want)
+            if g != w]
+
+
+def _shown(differs: list[str]) -> str:
+    return ", ".join(differs[:5]) + (f" and {len(differs) - 5} more" if len(differs) > 5 else "")
 
 
 def check(version: str, got: tuple[str, ...] | None = None) -> Verdict:
@@ -242,9 +286,28 @@ def check(version: str, got: tuple[str, ...] | None = None) -> Verdict:
     prefix = ".".join(version.split("+")[0].split(".")[:2])
     line = prefix if prefix in KNOWN else min(KNOWN, key=lambda k: len(_differs(got, KNOWN[k][1])))
     differs = _differs(got, KNOWN[line][1])
-    shown = ", ".join(differs[:5]) + (f" and {len(differs) - 5} more" if len(differs) > 5 else "")
     return Verdict(False, line, differs,
-                   f"vLLM {version} differs from the tested vLLM {', '.join(KNOWN[line][0])} in {shown}")
+                   f"vLLM {version} differs from the tested vLLM {', '.join(KNOWN[line][0])} in {_shown(differs)}")
+
+
+def check_adaptive(version: str, got: tuple[str, ...] | None = None) -> Verdict:
+    """Whether output mode "adaptive" may hook the busy loop of vLLM ``version`` whose
+    ADAPTIVE_TOUCHED fingerprints are ``got`` (None: computed from the installed vLLM):
+    they must be those of a known release line."""
+    if got is None:
+        try:
+            got = fingerprints(entries=ADAPTIVE_TOUCHED)
+        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+            return Verdict(False, None, [f"vLLM's sources could not be read: {e}"],
+                           f"vLLM {version}'s busy loop could not be read ({e})")
+    for line, want in KNOWN_ADAPTIVE.items():
+        if got == want:
+            return Verdict(True, line, [], f"vLLM {version}'s busy loop is as in vLLM {line}")
+    prefix = ".".join(version.split("+")[0].split(".")[:2])
+    line = (prefix if prefix in KNOWN_ADAPTIVE
+            else min(KNOWN_ADAPTIVE, key=lambda k: len(_differs(got, KNOWN_ADAPTIVE[k], ADAPTIVE_TOUCHED))))
+    differs = _differs(got, KNOWN_ADAPTIVE[line], ADAPTIVE_TOUCHED)
+    return Verdict(False, line, differs, f"vLLM {version}'s busy loop differs from vLLM {line}'s in {_shown(differs)}")
 
 
 def _installed_version() -> str:
@@ -276,6 +339,18 @@ def main(argv: list[str]) -> int:
         print(")")
         verdict = check(version, got)
         print(f"# {verdict.message}: {'the rings' if verdict.ok else 'vLLM keeps its own transport'}")
+        if source is None:
+            hooks = fingerprints(entries=ADAPTIVE_TOUCHED)
+        elif source.endswith(".whl"):
+            hooks = fingerprints_from_wheel(source, ADAPTIVE_TOUCHED)
+        else:
+            hooks = fingerprints(source, ADAPTIVE_TOUCHED)
+        print("# output mode adaptive's hooks:\n(")
+        for (mod, qual, kind), fp in zip(ADAPTIVE_TOUCHED, hooks):
+            print(f'    "{fp}",  # {qual} ({kind})')
+        print(")")
+        verdict = check_adaptive(version, hooks)
+        print(f"# {verdict.message}: {'adaptive holds wake-ups back' if verdict.ok else 'adaptive holds none back'}")
     return 0
 
 
