@@ -365,12 +365,26 @@ def test_adaptive_hooks_only_a_busy_loop_it_knows(caplog):
     out.put_nowait(batch(b"a", 1))
     assert out.deferred == 1 and out.empty()  # written here, its wake-up held
 
+
+
+def test_adaptive_on_a_batch_queue_writes_and_wakes_at_once(caplog):
+    """An engine core stepping through a batch queue (vLLM's async scheduling) puts a
+    step's outputs after it has handed the worker the next step: nothing is hooked, and
+    a small batch is written by the busy loop and wakes its frontend at once, whatever
+    the host's load (as output mode inline), instead of waiting for the output thread."""
+    log: list[str] = []
     engine = FakeEngine(FakeExecutor(log, True), log)
-    engine.batch_queue = object()  # a known loop, stepping through a batch queue: not hooked, said so
-    caplog.clear()
+    engine.batch_queue = object()
+    out = LoggingOutputs(log)  # its gate would say: no CPU free
+    known = Verdict(True, "0.33", [], "vLLM 0.33.0's busy loop is as in vLLM 0.33")
     with caplog.at_level("INFO", logger="vllm.shmclient"):
-        assert _hook_adaptive(engine, LoggingOutputs(log), known) is False
-    assert "steps through a batch queue" in caplog.text and "execute_model" not in vars(engine.model_executor)
+        assert _hook_adaptive(engine, out, known) is False
+    assert "steps through a batch queue" in caplog.text and "at once" in caplog.text
+    assert "execute_model" not in vars(engine.model_executor) and "_process_input_queue" not in vars(engine)
+    out.put_nowait(batch(b"a", 1))
+    link = out._links[0]
+    assert out.inline == 1 and out.deferred == 0 and out.empty()
+    assert link.sent == [(b"a", threading.current_thread().name)] and link.held == [] and not out.owing
 
 
 @pytest.mark.parametrize("links", [1, 2])

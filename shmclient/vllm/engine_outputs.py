@@ -103,7 +103,9 @@ def _hook_adaptive(engine, inline: "_InlineOutputs", verdict=None) -> bool:
     differs, and nothing hooked: output mode "adaptive" then sends the batches it would
     hold a wake-up for to the output thread (a vLLM whose loop could step without
     handing the hooks a chance to give the wake-up would otherwise leave a frontend
-    parked until the next step or input)."""
+    parked until the next step or input). An engine core that steps through a batch
+    queue is not hooked either: its batches are written and wake at once (``inline``).
+    True when hooked."""
     if verdict is None:
         from vllm import __version__
 
@@ -114,13 +116,21 @@ def _hook_adaptive(engine, inline: "_InlineOutputs", verdict=None) -> bool:
         _log().warning("shmclient.vllm: %s: output mode adaptive holds no wake-up back (while no CPU is free, "
                        "its output batches go through the output thread)", verdict.message)
         return False
+    if getattr(engine, "batch_queue", None) is not None:
+        # vLLM's step_with_batch_queue puts a step's outputs after it has handed the
+        # worker the next step (or found none to hand over): what adaptive waits for has
+        # happened by then, so the write wakes at once.
+        inline.wake_at_once()
+        _log().info("shmclient.vllm: output mode adaptive: this engine core steps through a batch queue (vLLM's "
+                    "async scheduling or pipeline parallelism), so its next step is on its way when a step's "
+                    "outputs are put: they wake the frontend at once, as with output mode inline")
+        return False
     if _defer_wakes(engine, inline):
         _log().info("shmclient.vllm: output mode adaptive: while no CPU is free, an output batch's wake-up waits "
                     "for the next step (%s)", verdict.message)
         return True
-    _log().info("shmclient.vllm: output mode adaptive: this engine core steps through a batch queue (vLLM's "
-                "async scheduling or pipeline parallelism): while no CPU is free, its output batches go through "
-                "the output thread")
+    _log().warning("shmclient.vllm: output mode adaptive: this engine core lacks what its hooks need: while no CPU "
+                   "is free, its output batches go through the output thread")
     return False
 
 
@@ -233,6 +243,12 @@ class _InlineOutputs:
                 self.inline += 1
                 if not wake:
                     self.deferred += 1
+
+    def wake_at_once(self) -> None:
+        """Write a small batch from the thread that puts it and wake its frontend at once
+        whatever the host's load, as output mode "inline" (adaptive on an engine core
+        that steps through a batch queue, see ``_hook_adaptive``)."""
+        self._free_cpu = None
 
     def wake_owed(self) -> None:
         """Give every frontend the wake-up its batches' writes held back (if any)."""

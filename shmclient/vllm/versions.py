@@ -115,8 +115,10 @@ KNOWN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 #: to the executor or before it may block for input. That holds while the busy loop
 #: waits for input only when ``has_work`` is False, every step with requests in the
 #: scheduler calls ``execute_model``, and the multiprocess executor's ``execute_model``
-#: returns its future without waiting for the step. A vLLM that differs here still runs
-#: on the rings; adaptive then holds no wake-up back (see ``check_adaptive``).
+#: returns its future without waiting for the step. An engine core with a batch queue is
+#: not hooked but writes and wakes at once: its step returns a step's outputs only after
+#: handing the worker the next step it could schedule. A vLLM that differs here still
+#: runs on the rings; adaptive then holds no wake-up back (see ``check_adaptive``).
 ADAPTIVE_TOUCHED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.core", "EngineCoreProc.run_busy_loop", "body"),
     ("vllm.v1.engine.core", "DPEngineCoreProc.run_busy_loop", "body"),
@@ -124,22 +126,23 @@ ADAPTIVE_TOUCHED: tuple[tuple[str, str, str], ...] = (
     ("vllm.v1.engine.core", "EngineCoreProc.has_work", "body"),
     ("vllm.v1.engine.core", "EngineCoreProc._process_engine_step", "body"),
     ("vllm.v1.engine.core", "EngineCore.step", "body"),
+    ("vllm.v1.engine.core", "EngineCore.step_with_batch_queue", "body"),
     ("vllm.v1.core.sched.scheduler", "Scheduler.has_requests", "body"),
     ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor.execute_model", "body"),
     ("vllm.v1.executor.uniproc_executor", "UniProcExecutor.execute_model", "body"),
 )
 
 #: Release line -> fingerprints of ADAPTIVE_TOUCHED in order (the same lines as KNOWN).
-#: 0.31 -> 0.32: the step attaches a weight version to its outputs; 0.32 -> 0.33: a
+#: 0.31 -> 0.32: the steps attach a weight version to their outputs; 0.32 -> 0.33: a
 #: watchdog around the input wait and in the step, and elastic EP's scale-up in the DP
 #: busy loop. None of it changes where a step is handed over or the loop blocks.
 KNOWN_ADAPTIVE: dict[str, tuple[str, ...]] = {
     "0.31": ("29cb4e77162ba352", "eb68db12a3f57287", "c9ca50f62a08c10c", "8d70b2bc7777b2ae", "d3e8863ee047c2e3",
-             "ef3120ffe8845c18", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+             "ef3120ffe8845c18", "4b80d249e5dcf098", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
     "0.32": ("29cb4e77162ba352", "eb68db12a3f57287", "c9ca50f62a08c10c", "8d70b2bc7777b2ae", "d3e8863ee047c2e3",
-             "77de7f15d80bafdc", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+             "77de7f15d80bafdc", "c80d04b2d06a159a", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
     "0.33": ("29cb4e77162ba352", "864b3a37460291dc", "c8aba9b285dc438e", "8d70b2bc7777b2ae", "1d20045576f70ea3",
-             "77de7f15d80bafdc", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
+             "77de7f15d80bafdc", "c80d04b2d06a159a", "d0138601c099fa6e", "732c32a8db473af6", "bbd9a0cdae70a46a"),
 }
 
 
