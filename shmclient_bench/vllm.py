@@ -5,11 +5,11 @@ without it. Uses the tiny dummy Llama (a ``config.json`` only, random weights, f
 no download). Everything runs in one child process (``python -m shmclient_bench.vllm --child``),
 one engine at a time: ``sync`` (``LLM``'s engine, stepped by hand) and ``async``
 (``AsyncLLM.generate``), each with ``stock`` (vLLM's ZMQ transport), ``shm`` (the plug-in,
-its defaults), for sync ``shm-thread`` (the engine writes outputs from vLLM's output IO
-thread, ``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop), and for
-async ``shm-adaptive`` (from its busy loop only while the host has a CPU free,
-``SHMCLIENT_VLLM_ENGINE_OUTPUT=adaptive``) and ``shm-noprewake`` (no early wake-up of the
-parked frontend, ``SHMCLIENT_VLLM_PREWAKE=0``).
+its defaults), ``shm-inline`` (the engine's busy loop wakes the frontend as it writes,
+whatever the host's load, ``SHMCLIENT_VLLM_ENGINE_OUTPUT=inline``), for sync
+``shm-thread`` (the engine writes outputs from vLLM's output IO thread,
+``SHMCLIENT_VLLM_ENGINE_OUTPUT=thread``, instead of from its busy loop), and for async
+``shm-noprewake`` (no early wake-up of the parked frontend, ``SHMCLIENT_VLLM_PREWAKE=0``).
 Then (parts ``busy`` and ``dp``) stock against ``shm`` again with ``BUSY`` busy processes
 pinned one to a CPU, in pairs of passes (``--busy-pairs``; its verdict is taken on the
 median over the pairs of each pair's ratio), and ``AsyncLLM`` with ``DP`` engine cores

@@ -48,10 +48,11 @@ ENGINE_KW = dict(
 CONFIGS = (
     ("sync", "stock"),
     ("sync", "shm"),
+    ("sync", "shm-inline"),
     ("sync", "shm-thread"),
     ("async", "stock"),
     ("async", "shm"),
-    ("async", "shm-adaptive"),
+    ("async", "shm-inline"),
     ("async", "shm-noprewake"),
 )
 #: Measured again with BUSY plain busy-loop processes running (the contention matrix's
@@ -131,7 +132,7 @@ def _summarise(t: _Timing) -> ConfigFigures:
 
 def _set_switch(transport: str) -> None:
     os.environ["SHMCLIENT_VLLM"] = "0" if transport == "stock" else "1"
-    if transport in ("shm-thread", "shm-adaptive"):
+    if transport in ("shm-thread", "shm-inline"):
         os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = transport[4:]
     else:
         os.environ.pop("SHMCLIENT_VLLM_ENGINE_OUTPUT", None)

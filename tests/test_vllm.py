@@ -276,11 +276,11 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
             seg.release_handle()
 
 
-@pytest.mark.parametrize("mode", ["thread", "adaptive"])
+@pytest.mark.parametrize("mode", ["thread", "inline"])
 def test_output_modes_identical(model_dir, stock_llm, monkeypatch, mode):
     """SHMCLIENT_VLLM_ENGINE_OUTPUT=thread: outputs written by vLLM's output IO thread;
-    adaptive: small batches by the busy loop while the host has a CPU free, else by the
-    output thread (the default, inline, is every other test's)."""
+    inline: small batches by the busy loop, waking the frontend at once whatever the
+    host's load (the default, adaptive, is every other test's)."""
     monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", mode)
     llm = make_llm(model_dir, shm=True)
     try:
@@ -292,9 +292,10 @@ def test_output_modes_identical(model_dir, stock_llm, monkeypatch, mode):
 
 
 def test_big_batches_through_the_output_thread_identical(model_dir, stock_llm, monkeypatch):
-    """Inline mode with SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS=1: every batch of several
+    """SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS=1 (inline and adaptive): every batch of several
     outputs (and what follows it) goes through the output thread, single ones inline;
     the two ways interleave and every token arrives in order."""
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
     monkeypatch.setenv("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "1")
     llm = make_llm(model_dir, shm=True)
     try:

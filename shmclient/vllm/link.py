@@ -25,8 +25,9 @@ from . import wire
 #: "0" switches off the engine's early wake-up of a parked async frontend.
 PREWAKE_ENV = "SHMCLIENT_VLLM_PREWAKE"
 #: Where the engine core writes its outputs (see shmclient.vllm.engine_outputs): "inline",
-#: small batches from its busy loop; "thread", every batch from its output thread;
-#: "adaptive", inline while the host has a CPU free for the frontend it wakes, else thread.
+#: small batches from its busy loop, waking the frontend at once; "thread", every batch
+#: from its output thread; "adaptive" (the default), as inline while the host has a CPU
+#: free for the frontend it wakes, else the wake-up waits until the next step is on its way.
 OUTPUT_MODE_ENV = "SHMCLIENT_VLLM_ENGINE_OUTPUT"
 OUTPUT_MODES = ("adaptive", "inline", "thread")
 #: Output modes "inline" and "adaptive": the engine's busy loop writes a batch of at most this many outputs
@@ -60,7 +61,7 @@ class _Settings:
     def __init__(self) -> None:
         self.capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
         self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
-        self.output_mode = os.environ.get(OUTPUT_MODE_ENV, "inline")
+        self.output_mode = os.environ.get(OUTPUT_MODE_ENV, "adaptive")
         if self.output_mode not in OUTPUT_MODES:
             raise ValueError(f"{OUTPUT_MODE_ENV} must be one of {', '.join(map(repr, OUTPUT_MODES))}, "
                              f"got {self.output_mode!r}")
