@@ -367,6 +367,24 @@ def test_adaptive_hooks_only_a_busy_loop_it_knows(caplog):
 
 
 
+def test_adaptive_hooks_nothing_when_its_check_fails(caplog, monkeypatch):
+    """The check of vLLM's busy loop failing (an unreadable source, anything) must not
+    take the engine core down: no hooks, one WARNING saying why."""
+    from shmclient.vllm import versions
+
+    def broken(version):
+        raise RuntimeError("source unreadable")
+
+    monkeypatch.setattr(versions, "check_adaptive", broken)
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    out = LoggingOutputs(log)
+    with caplog.at_level("WARNING", logger="vllm.shmclient"):
+        assert _hook_adaptive(engine, out) is False
+    assert "could not be checked" in caplog.text and "holds no wake-up back" in caplog.text
+    assert out.step_follows is None and "execute_model" not in vars(engine.model_executor)
+
+
 def test_adaptive_on_a_batch_queue_writes_and_wakes_at_once(caplog):
     """An engine core stepping through a batch queue (vLLM's async scheduling) puts a
     step's outputs after it has handed the worker the next step: nothing is hooked, and

@@ -1,8 +1,9 @@
 """The engine core's output side: where its ``EngineCoreOutputs`` are written.
 
 Imports ``zmq``, vLLM (inside functions), the spin gate (``_ring.gate``) and the plug-in's
-``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks). ``_InlineOutputs`` stands in for
-``EngineCoreProc.output_queue`` in output modes "inline" and "adaptive" (see its docstring);
+``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks).
+``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in output modes "inline"
+and "adaptive" (see its docstring);
 ``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
 ENGINE_CORE_DEAD (one per frontend), the DP coordinator's socket for its messages, every
 output batch to the ring of the frontend it belongs to (vLLM's client index).
@@ -107,11 +108,14 @@ def _hook_adaptive(engine, inline: "_InlineOutputs", verdict=None) -> bool:
     queue is not hooked either: its batches are written and wake at once (``inline``).
     True when hooked."""
     if verdict is None:
-        from vllm import __version__
+        from .versions import Verdict, check_adaptive
 
-        from .versions import check_adaptive
+        try:
+            from vllm import __version__
 
-        verdict = check_adaptive(__version__)
+            verdict = check_adaptive(__version__)
+        except Exception as e:  # the check must not take the engine down: no hooks then
+            verdict = Verdict(False, None, [repr(e)], f"vLLM's busy loop could not be checked ({e!r})")
     if not verdict.ok:
         _log().warning("shmclient.vllm: %s: output mode adaptive holds no wake-up back (while no CPU is free, "
                        "its output batches go through the output thread)", verdict.message)
@@ -168,7 +172,8 @@ class _InlineOutputs:
     hooked the busy loop (``step_follows`` set), the batch is still written here but its
     wake-up waits until the busy loop has handed the next step to vLLM's executor
     (``wake_owed``), or comes at once when no step follows; without the hooks the batch
-    goes to the output thread."""
+    goes to the output thread, and on an engine core with a batch queue it is written
+    and wakes at once (``wake_at_once``, see ``_hook_adaptive``)."""
 
     def __init__(self, links: "list[_EngineLink]", engine_index: int, inline_max: int, *,
                  adaptive: bool = False, gate=None) -> None:
