@@ -540,32 +540,40 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
         stream(stock, "ref-after-full", [5, 6, 7, 8], 4))
 
 
-@pytest.mark.parametrize("gate", ["always", "never"])
-def test_async_reader_wakes_once_per_batch_and_early(async_pair, gate):
-    """One stream, one batch every step: the wake pipe's callback runs about once per
-    batch (reading before draining the pipe; draining first woke it twice). Where the
-    spin gate lets the frontend spin, the engine's early wake-up reaches the parked
+def test_async_reader_wakes_once_per_batch_and_early(model_dir, async_pair, monkeypatch):
+    """One stream, one batch every step, output mode inline (the engine wakes the
+    frontend, early too, whatever the host's load; the default, adaptive, skips the early
+    wake while its spin gate finds no CPU free): the wake pipe's callback runs about once
+    per batch (reading before draining the pipe; draining first woke it twice). Where the
+    frontend's spin gate lets it spin, the engine's early wake-up reaches the parked
     output task; where it does not (a busy host: the early wake-up pays only by a spin for
     the publish), the task is never armed for one, and still wakes about once per batch
     (armed anyway, a third of its wakes found nothing)."""
     from shmclient import _ring
 
-    loop, _, shm = async_pair
-    reader = shm.engine_core._reader.loop_reader
-    prewake = shm.engine_core._reader.early
-    wakes, empty, early = reader.wakes, reader.empty_wakes, prewake.hits + prewake.misses
-    old = _ring.gate.mode
-    _ring.gate.mode = gate  # the frontend's own gate (the engine's keeps its own)
+    loop = async_pair[0]
+    monkeypatch.setenv("SHMCLIENT_VLLM_ENGINE_OUTPUT", "inline")
+    shm = make_async(model_dir, True)
     try:
-        assert len(loop.run_until_complete(stream(shm, "wakes", [5, 6, 7, 8], 40))) == 40
+        assert shm.engine_core._link.output_mode == "inline"
+        assert len(loop.run_until_complete(stream(shm, "warm", [5, 6, 7, 8], 2))) == 2  # starts the reader
+        reader, prewake = shm.engine_core._reader.loop_reader, shm.engine_core._reader.early
+        for gate in ("always", "never"):
+            wakes, empty, early = reader.wakes, reader.empty_wakes, prewake.hits + prewake.misses
+            old = _ring.gate.mode
+            _ring.gate.mode = gate  # the frontend's own gate (the engine's keeps its own)
+            try:
+                assert len(loop.run_until_complete(stream(shm, f"wakes-{gate}", [5, 6, 7, 8], 40))) == 40
+            finally:
+                _ring.gate.mode = old
+            assert reader.wakes - wakes >= 20, gate
+            assert reader.empty_wakes - empty <= (reader.wakes - wakes) // 4, gate
+            if gate == "always":
+                assert prewake.hits + prewake.misses > early
+            else:
+                assert prewake.hits + prewake.misses == early
     finally:
-        _ring.gate.mode = old
-    assert reader.wakes - wakes >= 20
-    assert reader.empty_wakes - empty <= (reader.wakes - wakes) // 4
-    if gate == "always":
-        assert prewake.hits + prewake.misses > early
-    else:
-        assert prewake.hits + prewake.misses == early
+        loop.run_until_complete(_shutdown_async(shm))
 
 
 def test_async_adaptive_output_mode_identical(model_dir, async_pair, monkeypatch, capfd):
