@@ -128,7 +128,8 @@ def test_the_installed_vllm_is_a_known_release():
 
 def test_the_command_prints_the_verdict(monkeypatch, capsys):
     known, loop = KNOWN["0.32"][1], KNOWN_ADAPTIVE["0.32"]
-    monkeypatch.setattr(versions, "fingerprints_from_wheel", lambda path, entries=None: loop if entries else known)
+    monkeypatch.setattr(versions, "fingerprints_from_wheel",
+                        lambda path, entries=None: loop if entries == ADAPTIVE_TOUCHED else known)
     assert versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"]) == 0
     out = capsys.readouterr().out
     assert out.count('",  # ') == len(TOUCHED) + len(ADAPTIVE_TOUCHED)
@@ -138,7 +139,7 @@ def test_the_command_prints_the_verdict(monkeypatch, capsys):
 
     changed, changed_loop = ("0" * 16,) + known[1:], loop[:-1] + ("0" * 16,)
     monkeypatch.setattr(versions, "fingerprints_from_wheel",
-                        lambda path, entries=None: changed_loop if entries else changed)
+                        lambda path, entries=None: changed_loop if entries == ADAPTIVE_TOUCHED else changed)
     versions.main(["/w/vllm-0.32.9-cp38-abi3-linux_x86_64.whl"])
     out = capsys.readouterr().out
     assert f"in {TOUCHED[0][0]}.{TOUCHED[0][1]}: vLLM keeps its own transport" in out

@@ -329,31 +329,28 @@ def main(argv: list[str]) -> int:
     and the plug-in's verdict on it."""
     for source in argv or [None]:
         if source is None:
-            got, what, version = fingerprints(), "installed vLLM", _installed_version()
+            read, what, version = (lambda entries: fingerprints(entries=entries)), "installed vLLM", \
+                _installed_version()
         elif source.endswith(".whl"):
             # a wheel's file name is <dist>-<version>-...
-            got, what, version = fingerprints_from_wheel(source), source, os.path.basename(source).split("-")[1]
+            read, what, version = ((lambda entries, w=source: fingerprints_from_wheel(w, entries)), source,
+                                   os.path.basename(source).split("-")[1])
         else:
-            got, what, version = fingerprints(source), source, "unknown"
+            read, what, version = (lambda entries, r=source: fingerprints(r, entries)), source, "unknown"
         print(f"# {what}")
-        print("(")
-        for (mod, qual, kind), fp in zip(TOUCHED, got):
-            print(f'    "{fp}",  # {qual} ({kind})')
-        print(")")
-        verdict = check(version, got)
-        print(f"# {verdict.message}: {'the rings' if verdict.ok else 'vLLM keeps its own transport'}")
-        if source is None:
-            hooks = fingerprints(entries=ADAPTIVE_TOUCHED)
-        elif source.endswith(".whl"):
-            hooks = fingerprints_from_wheel(source, ADAPTIVE_TOUCHED)
-        else:
-            hooks = fingerprints(source, ADAPTIVE_TOUCHED)
-        print("# output mode adaptive's hooks:\n(")
-        for (mod, qual, kind), fp in zip(ADAPTIVE_TOUCHED, hooks):
-            print(f'    "{fp}",  # {qual} ({kind})')
-        print(")")
-        verdict = check_adaptive(version, hooks)
-        print(f"# {verdict.message}: {'adaptive holds wake-ups back' if verdict.ok else 'adaptive holds none back'}")
+        for title, entries, judge, ok, not_ok in (
+                (None, TOUCHED, check, "the rings", "vLLM keeps its own transport"),
+                ("output mode adaptive's hooks", ADAPTIVE_TOUCHED, check_adaptive, "adaptive holds wake-ups back",
+                 "adaptive holds none back")):
+            got = read(entries)
+            if title:
+                print(f"# {title}:")
+            print("(")
+            for (mod, qual, kind), fp in zip(entries, got):
+                print(f'    "{fp}",  # {qual} ({kind})')
+            print(")")
+            verdict = judge(version, got)
+            print(f"# {verdict.message}: {ok if verdict.ok else not_ok}")
     return 0
 
 
