@@ -366,7 +366,6 @@ def test_adaptive_hooks_only_a_busy_loop_it_knows(caplog):
     assert out.deferred == 1 and out.empty()  # written here, its wake-up held
 
 
-
 def test_adaptive_hooks_nothing_when_its_check_fails(caplog, monkeypatch):
     """The check of vLLM's busy loop failing (an unreadable source, anything) must not
     take the engine core down: no hooks, one WARNING saying why."""

@@ -264,6 +264,16 @@ def _differs(got: Iterable[str], want: Iterable[str],
             if g != w]
 
 
+def _closest(version: str, got: tuple[str, ...], lines: dict[str, tuple[str, ...]],
+             entries: tuple[tuple[str, str, str], ...]) -> tuple[str, list[str]]:
+    """The line of ``lines`` (line -> fingerprints of ``entries``) to compare an unknown
+    ``got`` with: the same major.minor if known, else the one with the fewest
+    differences; and what differs from it."""
+    prefix = ".".join(version.split("+")[0].split(".")[:2])
+    line = prefix if prefix in lines else min(lines, key=lambda k: len(_differs(got, lines[k], entries)))
+    return line, _differs(got, lines[line], entries)
+
+
 def _shown(differs: list[str]) -> str:
     return ", ".join(differs[:5]) + (f" and {len(differs) - 5} more" if len(differs) > 5 else "")
 
@@ -285,10 +295,7 @@ def check(version: str, got: tuple[str, ...] | None = None) -> Verdict:
                                            f"plug-in depends on is as in vLLM {', '.join(versions)}")
     if not KNOWN:
         return Verdict(False, None, ["no release is known"], "no vLLM release is known to the plug-in")
-    # the closest line: the same major.minor if known, else the fewest differences
-    prefix = ".".join(version.split("+")[0].split(".")[:2])
-    line = prefix if prefix in KNOWN else min(KNOWN, key=lambda k: len(_differs(got, KNOWN[k][1])))
-    differs = _differs(got, KNOWN[line][1])
+    line, differs = _closest(version, got, {k: want for k, (_, want) in KNOWN.items()}, TOUCHED)
     return Verdict(False, line, differs,
                    f"vLLM {version} differs from the tested vLLM {', '.join(KNOWN[line][0])} in {_shown(differs)}")
 
@@ -306,10 +313,7 @@ def check_adaptive(version: str, got: tuple[str, ...] | None = None) -> Verdict:
     for line, want in KNOWN_ADAPTIVE.items():
         if got == want:
             return Verdict(True, line, [], f"vLLM {version}'s busy loop is as in vLLM {line}")
-    prefix = ".".join(version.split("+")[0].split(".")[:2])
-    line = (prefix if prefix in KNOWN_ADAPTIVE
-            else min(KNOWN_ADAPTIVE, key=lambda k: len(_differs(got, KNOWN_ADAPTIVE[k], ADAPTIVE_TOUCHED))))
-    differs = _differs(got, KNOWN_ADAPTIVE[line], ADAPTIVE_TOUCHED)
+    line, differs = _closest(version, got, KNOWN_ADAPTIVE, ADAPTIVE_TOUCHED)
     return Verdict(False, line, differs, f"vLLM {version}'s busy loop differs from vLLM {line}'s in {_shown(differs)}")
 
 
