@@ -13,7 +13,7 @@ whatever the host's load, ``SHMCLIENT_VLLM_ENGINE_OUTPUT=inline``), for sync
 Then (parts ``busy`` and ``dp``) stock against ``shm`` again with ``BUSY`` busy processes
 pinned one to a CPU, in pairs of passes (``--busy-pairs``; its verdict is taken on the
 median over the pairs of each pair's ratio), and ``AsyncLLM`` with ``DP`` engine cores
-(data parallelism).
+(data parallelism: stock, ``shm`` and ``shm-inline``).
 
 Figures per configuration:
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--parts", default=",".join(PARTS),
                     help="quiet (every configuration as the host is), busy (stock and shm with "
-                         f"{BUSY} busy processes), dp (AsyncLLM with {DP} engine cores, stock and shm), "
+                         f"{BUSY} busy processes), dp (AsyncLLM with {DP} engine cores, stock, shm and shm-inline), "
                          "comma-separated (default: all)")
     ap.add_argument("--busy-pairs", type=int, metavar="N",
                     help=f"pairs of passes of the busy part ({BUSY_PAIRS[False]}; quick {BUSY_PAIRS[True]})")

@@ -68,7 +68,7 @@ BUSY_PAIRS = {False: 3, True: 1}
 #: balancing), stock against the plug-in.
 DP = 2
 DP_KW = dict(data_parallel_size=DP, gpu_memory_utilization=0.08)
-DP_CONFIGS = (("async", "stock"), ("async", "shm"))
+DP_CONFIGS = (("async", "stock"), ("async", "shm"), ("async", "shm-inline"))
 PARTS = ("quiet", "busy", "dp")
 STREAMS = (1, 16)
 #: The whole child: the quiet part's 12 engine starts, the busy part's 12 (3 pairs) and

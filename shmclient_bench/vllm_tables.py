@@ -135,13 +135,16 @@ def _dp_table(dp: DataParallel | None) -> list[str]:
     cfg = dp.configs
     lines = _part_head(f"AsyncLLM with {dp.engines} engine cores (data parallelism; target: shm hop p50 "
                        "<= 0.3x stock's, TTFT and TPOT p50 <= stock's)", cfg)
-    st, sh = cfg.get("async-stock"), cfg.get("async-shm")
-    if st and sh:
+    st = cfg.get("async-stock")
+    for name in ("shm", "shm-inline"):  # the default output mode, then inline
+        sh = cfg.get(f"async-{name}")
+        if not (st and sh):
+            continue
         hop = _p50(sh.hop_us) / max(_p50(st.hop_us), 1e-9)
         ttft, tpot = _p50_ratios(sh, st, "ttft_ms"), _p50_ratios(sh, st, "tpot_ms")
         ok = hop <= 0.3 and all(t <= 1.0 for t in ttft + tpot)
         lines.append(
-            f"async: shm / stock: hop p50 {hop:.2f}x, TTFT p50 {ttft[0]:.2f}x / {ttft[1]:.2f}x, TPOT p50 "
+            f"async: {name} / stock: hop p50 {hop:.2f}x, TTFT p50 {ttft[0]:.2f}x / {ttft[1]:.2f}x, TPOT p50 "
             f"{tpot[0]:.2f}x (1 stream) / {tpot[1]:.2f}x (16): target {'met' if ok else 'NOT met'}"
         )
     return lines

@@ -753,6 +753,10 @@ def test_the_vllm_dp_table_judges_hop_ttft_and_tpot_against_stock():
     slow = _dp_table(DataParallel(engines=2, configs={"async-stock": cfg(1000, 10, 9),
                                                       "async-shm": cfg(250, 9, 9.5)}))
     assert slow[-1].endswith("target NOT met")
+    both = _dp_table(DataParallel(engines=2, configs={"async-stock": cfg(1000, 10, 9), "async-shm": cfg(600, 9, 9),
+                                                      "async-shm-inline": cfg(300, 9, 9)}))
+    assert both[-2].startswith("async: shm / stock: hop p50 0.60x") and both[-2].endswith("target NOT met")
+    assert both[-1].startswith("async: shm-inline / stock: hop p50 0.30x") and both[-1].endswith("target met")
     assert _dp_table(None) == []
 
 

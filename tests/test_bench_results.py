@@ -227,7 +227,7 @@ def test_the_vllm_child_sums_its_timings_up_by_part(monkeypatch):
     shm = got.configs["sync-shm"]
     assert shm.hop_us.n == 4 and shm.hop_us.p50 == pytest.approx(200.0)  # both passes, in µs
     assert shm.ttft_ms[1].p50 == pytest.approx(10.0) and shm.tpot_ms[16].p50 == pytest.approx(4.0)
-    assert got.dp.engines == vllm_engines.DP and set(got.dp.configs) == {"async-stock", "async-shm"}
+    assert got.dp.engines == vllm_engines.DP and set(got.dp.configs) == {"async-stock", "async-shm", "async-shm-inline"}
     back = msgspec.json.decode(msgspec.json.encode(got), type=VllmComparison)
     assert back == got and vllm.format_table(back).startswith(
         "vLLM 0.0-made-up, tiny dummy Llama, 64 tokens a request, 5 rounds x 2 passes; load average")
