@@ -132,7 +132,7 @@ def _summarise(t: _Timing) -> ConfigFigures:
 
 def _set_switch(transport: str) -> None:
     os.environ["SHMCLIENT_VLLM"] = "0" if transport == "stock" else "1"
-    if transport in ("shm-thread", "shm-inline"):
+    if transport in ("shm-thread", "shm-inline", "shm-adaptive"):
         os.environ["SHMCLIENT_VLLM_ENGINE_OUTPUT"] = transport[4:]
     else:
         os.environ.pop("SHMCLIENT_VLLM_ENGINE_OUTPUT", None)
