@@ -1,15 +1,17 @@
-"""Where the plug-in's output hop goes, per output mode:
-``python -m shmclient_bench.vllm_hop_trace [--modes inline,adaptive] [--rounds N]``.
+"""Where the plug-in's output hop goes, per output mode and client:
+``python -m shmclient_bench.vllm_hop_trace [--modes inline,adaptive] [--clients sync,async]
+[--rounds N]``.
 
-``LLM`` (vLLM's sync client) is driven as in the ``vllm`` section's quiet part
-(``vllm_engines._bench_sync``: 4 one-stream requests and one batch of 16 a round, 64
-tokens each), with timestamps on both sides of the rings, matched by each output batch's
-``EngineCoreOutputs.timestamp`` (``time.monotonic()``: one clock for every process of the
-host). In the engine core: the start and end of the write of a batch (encode, ring, and
-the wake-up unless output mode ``adaptive`` holds it back) and the moment a held-back
-wake-up is given; in the frontend: the return of its last wait on the output ring before
-``get_output`` returned the batch, and that return. Printed per mode: the median and p90
-of each moment after the engine's stamp, for batches of one output and of several.
+``LLM`` (vLLM's sync client) and ``AsyncLLM`` are driven as in the ``vllm`` section's
+quiet part (``vllm_engines._bench_sync`` / ``_bench_async``: 4 one-stream requests and
+one batch of 16 a round, 64 tokens each), with timestamps on both sides of the rings,
+matched by each output batch's ``EngineCoreOutputs.timestamp`` (``time.monotonic()``: one
+clock for every process of the host). In the engine core: the start and end of the write
+of a batch (encode, ring, and the wake-up unless output mode ``adaptive`` holds it back)
+and the moment a held-back wake-up is given; in the frontend: when it woke for the batch
+(see ``_trace_mode``) and when ``get_output`` / ``get_output_async`` returned it. Printed
+per mode and client: the median and p90 of each moment after the engine's stamp, for
+batches of one output and of several.
 
 The engine core's hooks are installed when this module is imported with ``TRACE_ENV``
 naming a folder: vLLM starts its engine core by spawning a process, which imports the
@@ -133,61 +135,109 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def _trace_mode(model: str, mode: str, rounds: int, folder: str) -> dict[str, dict[str, Any]]:
-    from vllm import LLM
-
-    from shmclient import channel
+def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: str) -> dict[str, dict[str, Any]]:
+    """One engine start of ``client_kind`` ("sync": ``LLM``; "async": ``AsyncLLM``) in
+    output mode ``mode``, traced. The frontend's "woke" is, for sync, the return of its
+    last wait on the ring before ``get_output`` returned the batch; for async, the last
+    run of the ring reader's callback (the wake pipe readable, or the task reading the
+    ring itself) before ``get_output_async`` did."""
+    from shmclient import channel, waiting
 
     from . import vllm_engines
 
     front: list[tuple[float, float, float, int]] = []
     woke = [0.0]
-    wait_recv = channel.ShmChannel.wait_recv
-    llm_init = LLM.__init__
 
-    def traced_wait_recv(self, *args, **kwargs):
+    def record(outputs) -> None:
+        if outputs.outputs:
+            front.append((outputs.timestamp, woke[0], time.monotonic(), len(outputs.outputs)))
+        woke[0] = 0.0
+
+    if client_kind == "sync":
+        from vllm import LLM as cls
+
+        owner, name = channel.ShmChannel, "wait_recv"
+    else:
+        from vllm.v1.engine.async_llm import AsyncLLM as cls
+
+        owner, name = waiting.LoopReader, "read_now"
+    waited = getattr(owner, name)
+    init = cls.__init__
+    on_readable = waiting.LoopReader.on_readable
+
+    def traced_wait(self, *args, **kwargs):
         try:
-            return wait_recv(self, *args, **kwargs)
+            return waited(self, *args, **kwargs)
         finally:
-            woke[0] = time.monotonic()
+            if client_kind == "sync":
+                woke[0] = time.monotonic()
+
+    def traced_on_readable(self):
+        woke[0] = time.monotonic()
+        return on_readable(self)
+
+    def traced_read_now(self, *args, **kwargs):
+        if not woke[0]:
+            woke[0] = time.monotonic()  # get_output_async read the ring itself
+        return waited(self, *args, **kwargs)
 
     def traced_init(self, *args, **kwargs):
-        llm_init(self, *args, **kwargs)
-        client = self.llm_engine.engine_core
-        get_output = client.get_output
+        init(self, *args, **kwargs)
+        client = self.llm_engine.engine_core if client_kind == "sync" else self.engine_core
+        if client_kind == "sync":
+            get_output = client.get_output
 
-        def traced_get_output():
-            woke[0] = 0.0
-            outputs = get_output()
-            if outputs.outputs:
-                front.append((outputs.timestamp, woke[0], time.monotonic(), len(outputs.outputs)))
-            return outputs
+            def traced_get_output():
+                woke[0] = 0.0
+                outputs = get_output()
+                record(outputs)
+                return outputs
 
-        client.get_output = traced_get_output
+            client.get_output = traced_get_output
+        else:
+            get_output_async = client.get_output_async
 
-    channel.ShmChannel.wait_recv = traced_wait_recv
-    LLM.__init__ = traced_init
+            async def traced_get_output_async():
+                outputs = await get_output_async()
+                record(outputs)
+                return outputs
+
+            client.get_output_async = traced_get_output_async
+
+    if client_kind == "sync":
+        setattr(owner, name, traced_wait)
+    else:
+        setattr(owner, name, traced_read_now)
+        waiting.LoopReader.on_readable = traced_on_readable
+    cls.__init__ = traced_init
     try:
-        vllm_engines._bench_sync(model, MODES[mode], rounds, 64)
+        if client_kind == "sync":
+            vllm_engines._bench_sync(model, MODES[mode], rounds, 64)
+        else:
+            vllm_engines._bench_async(model, MODES[mode], rounds, 64)
     finally:
-        channel.ShmChannel.wait_recv = wait_recv
-        LLM.__init__ = llm_init
+        setattr(owner, name, waited)
+        waiting.LoopReader.on_readable = on_readable
+        cls.__init__ = init
     writes, wakes = _read_engine(folder)
-    for name in glob.glob(os.path.join(folder, "engine-*.txt")):
-        os.unlink(name)
+    for path in glob.glob(os.path.join(folder, "engine-*.txt")):
+        os.unlink(path)
     return summarise(writes, wakes, front)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m shmclient_bench.vllm_hop_trace", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="inline,adaptive", help=f"output modes, comma-separated ({', '.join(MODES)})")
+    ap.add_argument("--clients", default="sync,async", help="sync (LLM), async (AsyncLLM), comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="rounds a mode (3)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes or args.rounds < 1:
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    if [m for m in modes if m not in MODES] or not modes or args.rounds < 1:
         ap.error(f"--modes takes {', '.join(MODES)} (got {args.modes!r}); --rounds at least 1")
+    if [c for c in clients if c not in ("sync", "async")] or not clients:
+        ap.error(f"--clients takes sync, async (got {args.clients!r})")
     from .sections import private_tmpdir
     from .vllm_engines import CONFIG
 
@@ -205,14 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             os.mkdir(model)
             with open(os.path.join(model, "config.json"), "w") as f:
                 json.dump(CONFIG, f)
-            for mode in modes:
-                results[mode] = _trace_mode(model, mode, args.rounds, folder)
-                print(f"vllm_hop_trace: {mode} done", file=sys.stderr, flush=True)
+            for client_kind in clients:
+                for mode in modes:
+                    results[f"{mode}, {client_kind}"] = _trace_mode(model, client_kind, mode, args.rounds, folder)
+                    print(f"vllm_hop_trace: {mode}, {client_kind} done", file=sys.stderr, flush=True)
         finally:
             os.environ.pop(TRACE_ENV, None)
     import vllm
 
-    print(f"vLLM {vllm.__version__}, LLM (sync), {args.rounds} rounds a mode; µs after the engine's stamp, p50 / p90")
+    print(f"vLLM {vllm.__version__}, {args.rounds} rounds a mode and client (sync: LLM, async: AsyncLLM); "
+          "µs after the engine's stamp, p50 / p90")
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

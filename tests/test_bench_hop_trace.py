@@ -75,16 +75,20 @@ def test_a_traced_run_matches_batches_and_leaves_no_files(tmp_path):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-hop-trace-*")))
     out = tmp_path / "trace.json"
     run = subprocess.run([sys.executable, "-m", "shmclient_bench.vllm_hop_trace", "--modes", "inline,adaptive",
-                          "--rounds", "1", "--json", str(out)], capture_output=True, text=True, timeout=540)
+                          "--clients", "sync,async", "--rounds", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 
     got = json.loads(out.read_text())
-    inline, adaptive = got["inline"]["1 output"], got["adaptive"]["1 output"]
-    # 4 one-stream requests of 64 tokens a round (the warm-up's batches are of 16).
-    assert inline["batches"] >= 200 and inline["held back"] == 0
-    assert adaptive["batches"] >= 200
-    for moment in trace.MOMENTS:
-        assert inline["us"][moment] is not None, moment
-    assert "| inline, 1 output |" in run.stdout
+    assert set(got) == {"inline, sync", "adaptive, sync", "inline, async", "adaptive, async"}
+    for key, kinds in got.items():
+        one = kinds["1 output"]
+        # 4 one-stream requests of 64 tokens a round (the warm-up's batches are of 16).
+        assert one["batches"] >= 200, key
+        if key.startswith("inline"):
+            assert one["held back"] == 0, key
+        for moment in trace.MOMENTS:
+            assert one["us"][moment] is not None, (key, moment)
+    assert "| inline, sync, 1 output |" in run.stdout and "| adaptive, async, 1 output |" in run.stdout
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-hop-trace-*"))) == before
