@@ -9,9 +9,9 @@ matched by each output batch's ``EngineCoreOutputs.timestamp`` (``time.monotonic
 clock for every process of the host). In the engine core: the start and end of the write
 of a batch (encode, ring, and the wake-up unless output mode ``adaptive`` holds it back)
 and the moment a held-back wake-up is given; in the frontend: when it woke for the batch
-(see ``_trace_mode``) and when ``get_output`` / ``get_output_async`` returned it. Printed
-per mode and client: the median and p90 of each moment after the engine's stamp, for
-batches of one output and of several.
+(see ``_trace_mode``), when it had read it off the ring (decoded) and when ``get_output``
+/ ``get_output_async`` returned it. Printed per mode and client: the median and p90 of
+each moment after the engine's stamp, for batches of one output and of several.
 
 The engine core's hooks are installed when this module is imported with ``TRACE_ENV``
 naming a folder: vLLM starts its engine core by spawning a process, which imports the
@@ -38,7 +38,7 @@ TRACE_ENV = "SHMCLIENT_BENCH_HOP_TRACE"
 #: Output mode -> the vllm section's name of that configuration.
 MODES = {"inline": "shm-inline", "adaptive": "shm-adaptive", "thread": "shm-thread"}
 #: The moments reported, as offsets from the engine's stamp (µs).
-MOMENTS = ("write start", "write end", "wake-up given", "frontend woke", "get_output returned")
+MOMENTS = ("write start", "write end", "wake-up given", "frontend woke", "frontend read", "get_output returned")
 
 
 def _install_engine_hooks(folder: str) -> None:
@@ -94,12 +94,13 @@ def summarise(writes: dict[float, tuple[float, float, bool]], wakes: list[float]
     """Per kind of batch ("1 output", "several"): how many were matched, how many had
     their wake-up held back, and p50 / p90 (µs after the stamp) of each of ``MOMENTS``.
     ``writes``: stamp -> (write start, write end, woke with the write); ``wakes``: the
-    held-back wake-ups given, sorted; ``front``: (stamp, last wait return or 0, get_output
-    return, outputs in the batch). A held-back wake-up is the first given after the
-    write; a batch get_output returned without a wait has no "frontend woke"."""
+    held-back wake-ups given, sorted; ``front``: (stamp, when the frontend woke or 0,
+    when it had read the batch off the ring or 0, get_output return, outputs in the
+    batch). A held-back wake-up is the first given after the write; a batch get_output
+    returned without a wait has no "frontend woke"."""
     kinds: dict[str, list[list[float | None]]] = {"1 output": [], "several": []}
     held = {"1 output": 0, "several": 0}
-    for stamp, woke, got, n in front:
+    for stamp, woke, read, got, n in front:
         w = writes.get(stamp)
         if w is None:
             continue
@@ -110,7 +111,7 @@ def summarise(writes: dict[float, tuple[float, float, bool]], wakes: list[float]
             held[kind] += 1
             i = bisect_left(wakes, end)
             given = wakes[i] if i < len(wakes) else None
-        row = [start, end, given, woke or None, got]
+        row = [start, end, given, woke or None, read or None, got]
         kinds[kind].append([None if t is None else (t - stamp) * 1e6 for t in row])
     result: dict[str, dict[str, Any]] = {}
     for kind, rows in kinds.items():
@@ -145,13 +146,14 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
 
     from . import vllm_engines
 
-    front: list[tuple[float, float, float, int]] = []
+    front: list[tuple[float, float, float, float, int]] = []
     woke = [0.0]
+    read = [0.0]
 
     def record(outputs) -> None:
         if outputs.outputs:
-            front.append((outputs.timestamp, woke[0], time.monotonic(), len(outputs.outputs)))
-        woke[0] = 0.0
+            front.append((outputs.timestamp, woke[0], read[0], time.monotonic(), len(outputs.outputs)))
+        woke[0] = read[0] = 0.0
 
     if client_kind == "sync":
         from vllm import LLM as cls
@@ -164,6 +166,12 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
     waited = getattr(owner, name)
     init = cls.__init__
     on_readable = waiting.LoopReader.on_readable
+    recv_nowait = channel.ShmChannel.recv_nowait
+
+    def traced_recv_nowait(self, *args, **kwargs):
+        got = recv_nowait(self, *args, **kwargs)  # raises WouldBlock when there is nothing
+        read[0] = time.monotonic()
+        return got
 
     def traced_wait(self, *args, **kwargs):
         try:
@@ -188,7 +196,7 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
             get_output = client.get_output
 
             def traced_get_output():
-                woke[0] = 0.0
+                woke[0] = read[0] = 0.0
                 outputs = get_output()
                 record(outputs)
                 return outputs
@@ -210,6 +218,7 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
         setattr(owner, name, traced_read_now)
         waiting.LoopReader.on_readable = traced_on_readable
     cls.__init__ = traced_init
+    channel.ShmChannel.recv_nowait = traced_recv_nowait
     try:
         if client_kind == "sync":
             vllm_engines._bench_sync(model, MODES[mode], rounds, 64)
@@ -218,6 +227,7 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
     finally:
         setattr(owner, name, waited)
         waiting.LoopReader.on_readable = on_readable
+        channel.ShmChannel.recv_nowait = recv_nowait
         cls.__init__ = init
     writes, wakes = _read_engine(folder)
     for path in glob.glob(os.path.join(folder, "engine-*.txt")):

@@ -25,11 +25,11 @@ def test_records_are_matched_by_stamp_and_a_held_back_wake_is_the_next_one_given
     }
     wakes = [s + 1 - 1e-3, s + 1 + 100 * u, s + 1 + 300 * u]  # the first is before the write
     front = [
-        (s, s + 30 * u, s + 45 * u, 1),
-        (s + 1, s + 1 + 130 * u, s + 1 + 150 * u, 1),
-        (s + 2, s + 2 + 60 * u, s + 2 + 70 * u, 1),
-        (s + 3, 0.0, s + 3 + 40 * u, 3),  # returned without waiting
-        (s + 5, s + 5, s + 5, 1),  # no engine record: left out
+        (s, s + 30 * u, s + 35 * u, s + 45 * u, 1),
+        (s + 1, s + 1 + 130 * u, s + 1 + 140 * u, s + 1 + 150 * u, 1),
+        (s + 2, s + 2 + 60 * u, s + 2 + 65 * u, s + 2 + 70 * u, 1),
+        (s + 3, 0.0, s + 3 + 30 * u, s + 3 + 40 * u, 3),  # returned without waiting
+        (s + 5, s + 5, s + 5, s + 5, 1),  # no engine record: left out
     ]
     got = trace.summarise(writes, wakes, front)
     one = got["1 output"]
@@ -42,17 +42,18 @@ def test_records_are_matched_by_stamp_and_a_held_back_wake_is_the_next_one_given
     assert us("write end") == (20, 50)
     assert us("wake-up given") == (50, 100)  # the held-back one's is the wake-up after its write
     assert us("frontend woke") == (60, 130)
+    assert us("frontend read") == (65, 140)
     assert us("get_output returned") == (70, 150)
     several = got["several"]
     assert several["batches"] == 1 and several["held back"] == 0
     assert several["us"]["frontend woke"] is None and several["us"]["get_output returned"][0] == pytest.approx(40)
     table = trace.format_table({"adaptive": got})
-    assert "| adaptive, 1 output | 3 | 1 | 11 / 12 | 20 / 50 | 50 / 100 | 60 / 130 | 70 / 150 |" in table
-    assert "| adaptive, several | 1 | 0 | 5 / 5 | 9 / 9 | 9 / 9 | - | 40 / 40 |" in table
+    assert "| adaptive, 1 output | 3 | 1 | 11 / 12 | 20 / 50 | 50 / 100 | 60 / 130 | 65 / 140 | 70 / 150 |" in table
+    assert "| adaptive, several | 1 | 0 | 5 / 5 | 9 / 9 | 9 / 9 | - | 30 / 30 | 40 / 40 |" in table
 
 
 def test_an_owed_wake_never_given_leaves_the_moment_out():
-    got = trace.summarise({1.0: (1.0, 1.0001, False)}, [], [(1.0, 1.0002, 1.0003, 1)])
+    got = trace.summarise({1.0: (1.0, 1.0001, False)}, [], [(1.0, 1.0002, 1.00025, 1.0003, 1)])
     assert got["1 output"]["us"]["wake-up given"] is None
 
 
