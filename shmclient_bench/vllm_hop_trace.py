@@ -173,18 +173,17 @@ def _trace_mode(model: str, client_kind: str, mode: str, rounds: int, folder: st
         read[0] = time.monotonic()
         return got
 
-    def traced_wait(self, *args, **kwargs):
+    def traced_wait(self, *args, **kwargs):  # sync
         try:
             return waited(self, *args, **kwargs)
         finally:
-            if client_kind == "sync":
-                woke[0] = time.monotonic()
+            woke[0] = time.monotonic()
 
-    def traced_on_readable(self):
+    def traced_on_readable(self):  # async
         woke[0] = time.monotonic()
         return on_readable(self)
 
-    def traced_read_now(self, *args, **kwargs):
+    def traced_read_now(self, *args, **kwargs):  # async
         if not woke[0]:
             woke[0] = time.monotonic()  # get_output_async read the ring itself
         return waited(self, *args, **kwargs)
