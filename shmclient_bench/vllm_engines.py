@@ -71,8 +71,8 @@ DP_KW = dict(data_parallel_size=DP, gpu_memory_utilization=0.08)
 DP_CONFIGS = (("async", "stock"), ("async", "shm"), ("async", "shm-inline"))
 PARTS = ("quiet", "busy", "dp")
 STREAMS = (1, 16)
-#: The whole child: the quiet part's 12 engine starts, the busy part's 12 (3 pairs) and
-#: the dp part's 4, about a minute each on a 2-vCPU host, with room to spare.
+#: The whole child: the quiet part's 16 engine starts (about 9 minutes on a 2-vCPU host),
+#: the busy part's 12 (3 pairs) and the dp part's 6 (5-9 minutes), with room to spare.
 CHILD_TIMEOUT_S = 3000
 
 
