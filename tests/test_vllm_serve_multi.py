@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -337,7 +338,9 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
     X-data-parallel-rank header): those cannot complete. The 8 requests are sent at once,
     before any is read (8 threads starting one after another on a busy host sent the
     last seconds after the first), and the kill waits on the streams themselves: waiting
-    on the API servers' sockets (or on vLLM's gauges) reacted late on a busy host."""
+    on the API servers' sockets (or on vLLM's gauges) reacted late on a busy host. Which
+    API server holds which stream is found before any is read, the readers' threads are
+    started before the requests go out: nothing slow between the first chunks and the kill."""
     tmp = tempfile.mkdtemp(prefix=f"shmc-serve-kill-{kill_layout}-")
     shm_before = set(os.listdir("/dev/shm"))
     proc = None
@@ -347,15 +350,37 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
         pids = api_servers(proc)
         live = [Stream() for _ in range(8)]
         ranks = [i % 2 if victim == "engine core" else None for i in range(len(live))]
-        conns = []
-        try:
-            for p, r in zip(STREAMS, ranks):
-                conns.append(send(port, model, p, LONG, r, 90))
-        except BaseException:
-            for c in conns:
-                c.close()
-            raise
         with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            # the readers' threads run before the requests go out: started one after
+            # another beside the first readers (one GIL), the last read its first chunk
+            # up to 14 s after the first
+            started = threading.Barrier(9)
+            for _ in range(8):
+                ex.submit(started.wait, 60)
+            started.wait(60)
+            conns = []
+            try:
+                for p, r in zip(STREAMS, ranks):
+                    conns.append(send(port, model, p, LONG, r, 90))
+                t_sent = time.monotonic()
+                ports = [c.sock.getsockname()[1] for c in conns]
+                # which API server holds which stream, and so the victim, before any stream
+                # is read: psutil's walk over the API servers' fds took 2 s while 8 threads
+                # read their streams (one GIL), and once the streams ended before the kill
+                held = wait_until(lambda: (h := connections(pids, port)) and set(ports) <= set(h) and h, 60,
+                                  "every stream's connection accepted by an API server", every=0.01)
+                if victim == "engine core":
+                    targets = [p for p in tree if title(p) == "VLLM::EngineCore_DP1"]
+                else:  # the API server with the most streams (ApiServer_1 on a tie)
+                    most = max(pids, key=lambda pid: ([held[lp] for lp in ports].count(pid), pids[pid]))
+                    targets = [p for p in tree if p.pid == most]
+                assert len(targets) == 1, [(p.pid, title(p)) for p in tree]
+                name = title(targets[0])
+            except BaseException:
+                for c in conns:
+                    c.close()
+                raise
+            t_held = time.monotonic()
             pending = [ex.submit(stream, port, model, p, LONG, None, 90, s, conn=c)
                        for p, s, c in zip(STREAMS, live, conns)]
             # every stream running (a first chunk each, or an end: then the assertion
@@ -363,14 +388,8 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
             wait_until(lambda: all(s.chunks or s.done or s.error for s in live), 60,
                        "every stream has its first chunk", every=0.002)
             ended = [s.local_port for s in live if s.done or s.error]
-            held = connections(pids, port)
-            if victim == "engine core":
-                targets = [p for p in tree if title(p) == "VLLM::EngineCore_DP1"]
-            else:  # the API server with the most streams (ApiServer_1 on a tie)
-                most = max(pids, key=lambda pid: (list(held.values()).count(pid), pids[pid]))
-                targets = [p for p in tree if p.pid == most]
-            assert len(targets) == 1, [(p.pid, title(p)) for p in tree]
-            name = title(targets[0])
+            at_first = [s.chunks for s in live]
+            t_first = time.monotonic()
             os.kill(targets[0].pid, signal.SIGKILL)
             t0 = time.monotonic()
             at_kill = [s.chunks for s in live]
@@ -381,8 +400,10 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
             exited = time.monotonic() - t0
             seen = [f.result(timeout=60) for f in pending]
         _, alive = psutil.wait_procs(tree, timeout=ALL_GONE_BOUND_S)
-        print(f"\n{transport} {kill_layout}: {name} killed; parent exit {rc} after {exited:.1f} s; "
-              f"chunks read at the kill {at_kill}; streams (API server, chunks, [DONE], finish, error): "
+        print(f"\n{transport} {kill_layout}: connections held {t_held - t_sent:.2f} s after the requests' "
+              f"send, first chunks read {t_first - t_held:.2f} s later (chunks then {at_first}); "
+              f"{name} killed; parent exit {rc} after {exited:.1f} s; chunks read at the kill {at_kill}; "
+              f"streams (API server, chunks, [DONE], finish, error): "
               f"{[(pids.get(held.get(s.local_port)), s.chunks, s.done, s.finish, (s.error or '')[:50]) for s in seen]}")
         assert rc == KILLED_EXIT_CODE
         assert [(p.pid, title(p)) for p in alive] == []
