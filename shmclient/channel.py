@@ -2,7 +2,8 @@
 
 Middle layer: imports ``framing`` (record types, ``NativeFraming``, ``BadMessage``),
 ``channel_spec`` (``ShmChannelSpec``, the rings and arenas made or attached; both
-re-exported here), ``ring``, ``shm``, ``tensors``, ``stats`` and ``errors``; never
+re-exported here), ``ring`` (and the process's spin gate, re-exported here as
+``SPIN_GATE``), ``shm``, ``tensors``, ``stats`` and ``errors``; never
 clients, asyncio, ``waiting`` or the engine. An endpoint sends ``(record_type,
 payload)`` pairs and receives them decoded (a message that does not decode comes as a
 ``BadMessage`` in its place, see ``framing``; a broken channel raises
@@ -32,14 +33,15 @@ from .framing import (  # noqa: F401 - the record types and BadMessage, re-expor
     NativeFraming,
     describe,
 )
-from .ring import Ring
+from .ring import Ring, gate as SPIN_GATE
 from .shm import Segment
 from .stats import ChannelStatistics
 from .tensors import ShmTensorReceiver, ShmTensorSender
 
 __all__ = [
     "REC_OUTPUTS", "REC_RELEASE", "REQ_ABORT", "REQ_ADD", "REQ_UTILITY", "BadMessage",
-    "ChannelStatistics", "Framing", "FramingFactory", "NativeFraming", "ShmChannel", "ShmChannelSpec",
+    "ChannelStatistics", "Framing", "FramingFactory", "NativeFraming", "SPIN_GATE", "ShmChannel",
+    "ShmChannelSpec",
 ]
 
 

@@ -47,8 +47,12 @@ from .stats import RingStatistics
 
 __all__ = [
     "DEFAULT_CAPACITY", "HEADER_BYTES", "MAX_CAPACITY", "MAX_PAYLOAD", "MIN_CAPACITY", "REC_HDR",
-    "VERSION", "Ring", "RingCorruptError", "RingHandles", "RingSpec", "RingStatistics",
+    "VERSION", "Ring", "RingCorruptError", "RingHandles", "RingSpec", "RingStatistics", "gate",
 ]
+
+#: The process's spin gate (``_spin_gate.h``), which every ring wait asks whether to spin;
+#: code that spins outside a ring wait asks it too (``allows(now)``, ``free_cpu()``).
+gate = _ring.gate
 
 BytesLike = Union[bytes, bytearray, memoryview]
 E = TypeVar("E", bound="Ring")

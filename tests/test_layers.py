@@ -166,6 +166,45 @@ def test_the_transport_imports_nothing_above_it(tmp_path):
         "shmclient_engine.core"]
 
 
+#: The ring's modules: the vLLM plug-in reaches rings only through the channel (and waits
+#: through ``waiting``), never through one of these.
+RING_MODULES = {"_ring", "ring", "ring_resources", "ring_producer", "ring_consumer"}
+
+
+def _package_imports(path: str, depth: int) -> set[str]:
+    """The ``shmclient`` modules that ``path`` (a module ``depth`` packages below
+    ``shmclient``) imports, anywhere in it: ``from .. import x`` at depth 1 names
+    ``shmclient.x``; ``from . import y`` there names a sibling and is left out."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == depth + 1:
+                out.update([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+            elif node.level == 0 and node.module.split(".")[0] == "shmclient":
+                rest = node.module.split(".")[1:]
+                out.update([rest[0]] if rest else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names
+                       if a.name.split(".")[0] == "shmclient" and "." in a.name)
+    return out
+
+
+def test_the_vllm_plugin_imports_no_ring_module(tmp_path):
+    paths = sorted(glob.glob(os.path.join(ROOT, "shmclient", "vllm", "*.py")))
+    assert len(paths) > 10, paths
+    for path in paths:
+        got = _package_imports(path, 1) & RING_MODULES
+        assert got == set(), f"{os.path.relpath(path, ROOT)} imports {sorted(got)}"
+    # The check sees every spelling, at the top or inside a function.
+    probe = tmp_path / "probe.py"
+    probe.write_text("from .. import waiting\nfrom ..channel import SPIN_GATE\nfrom . import wire\n"
+                     "from .ring import x\ndef f():\n    from .. import _ring, shm\n"
+                     "    from ..ring_consumer import RingConsumer\n    import shmclient.ring_producer\n"
+                     "    from shmclient import ring\n")
+    assert _package_imports(str(probe), 1) == {"waiting", "channel", "_ring", "shm", "ring_consumer",
+                                               "ring_producer", "ring"}
+
+
 USER_ENGINE = '''
 """A user's engine: the project's engine, with a KV cache of exactly 123 blocks."""
 import shmclient_engine

@@ -1,7 +1,7 @@
 """The engine core's output side: where its ``EngineCoreOutputs`` are written.
 
-Imports ``zmq``, vLLM (inside functions), the spin gate (``_ring.gate``) and the plug-in's
-``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks).
+Imports ``zmq``, vLLM (inside functions), the process's spin gate (``channel.SPIN_GATE``)
+and the plug-in's ``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks).
 ``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in output modes "inline"
 and "adaptive" (see its docstring);
 ``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from .. import _ring
+from ..channel import SPIN_GATE
 from . import wire
 from .engine_link import _EngineLink, _log
 
@@ -163,7 +163,7 @@ class _InlineOutputs:
     queued.
 
     ``adaptive``: a batch is written with its wake-up at once only while ``gate`` (the
-    process's spin gate, ``_ring.gate``) finds a CPU free for the frontend it wakes. On a
+    process's spin gate, ``channel.SPIN_GATE``) finds a CPU free for the frontend it wakes. On a
     host without one, a frontend woken from the busy loop competes with the busy loop for
     a CPU before it has handed vLLM the next step: a served vLLM's streamed tokens came
     5-10 ms apart (p50) against stock's 3-4 at 20 requests/s on a busy 2-CPU host,
@@ -180,7 +180,7 @@ class _InlineOutputs:
         self._links = links
         self._engine_index = engine_index
         self._inline_max = inline_max
-        self._free_cpu = (_ring.gate if gate is None else gate).free_cpu if adaptive else None
+        self._free_cpu = (SPIN_GATE if gate is None else gate).free_cpu if adaptive else None
         #: Set by _defer_wakes: whether the busy loop will hand another step to the
         #: executor (and so call wake_owed) before it can block.
         self.step_follows = None

@@ -1,12 +1,12 @@
 """How the plug-in's async clients read their engines' output rings on the event loop.
 
-Imports vLLM's client module (its utility-reply helper) and exceptions, the ring's spin
-gate, ``shmclient.waiting`` and the plug-in's ``link``; no ring end. Each engine's ring is
-read by ``waiting.LoopReader`` with the plug-in's options: ``_EngineReader`` passes it
-vLLM's dispatch (what vLLM's output task does with a batch, into one ``_Inbox`` shared by
-every engine's reader, whose ``Parking`` they share) and the engine's early wake-up
-(``_EarlyWake``, over the one-byte "parked" flag); ``_own_reader`` is the task that owns
-the reader's callback and the engine's pidfd.
+Imports vLLM's client module (its utility-reply helper) and exceptions, the spin gate
+(``channel.SPIN_GATE``), ``shmclient.waiting`` and the plug-in's ``link``; no ring end.
+Each engine's ring is read by ``waiting.LoopReader`` with the plug-in's options:
+``_EngineReader`` passes it vLLM's dispatch (what vLLM's output task does with a batch,
+into one ``_Inbox`` shared by every engine's reader, whose ``Parking`` they share) and the
+engine's early wake-up (``_EarlyWake``, over the one-byte "parked" flag); ``_own_reader``
+is the task that owns the reader's callback and the engine's pidfd.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .. import _ring, waiting
-from ..channel import BadMessage
+from .. import waiting
+from ..channel import SPIN_GATE, BadMessage
 from ..doorbell import Spin
 from .link import _env_float, _Link
 
@@ -70,7 +70,7 @@ class _EarlyWake:
 
     def arm(self) -> None:
         spin = self.spin
-        if not _ring.gate.allows(monotonic()):
+        if not SPIN_GATE.allows(monotonic()):
             self.armed = False  # spinning does not pay on this host now: one wake per batch
         elif spin.budget <= 0.0:
             spin.after(False, 0.0)  # backed off: counts towards the next probe
@@ -86,7 +86,7 @@ class _EarlyWake:
         if self.armed and not self.link.parked_flag[0]:  # the engine cleared it: its early wake
             self.armed = False
             # Armed before the host turned busy (a task parked for long): no spin now.
-            return self.spin.base if _ring.gate.allows(monotonic()) else 0.0
+            return self.spin.base if SPIN_GATE.allows(monotonic()) else 0.0
         return 0.0
 
     def after(self, paid: bool) -> None:
