@@ -41,7 +41,11 @@ LAUNCHER_LINE = ("shmclient.vllm: the launcher made shared-memory rings for {ser
 LAUNCHERS = {
     "api_server": ["-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL"],
     "serve": ["-m", "shmclient_bench.vllm_cli", "serve", "MODEL"],
+    # vllm serve as above, its API servers timed (shmclient_bench.vllm_served_hop)
+    "serve_hop": ["-m", "shmclient_bench.vllm_served_hop", "--serve", "serve", "MODEL"],
 }
+#: The launchers that run ``vllm serve`` (from this folder).
+SERVE_LAUNCHERS = ("serve", "serve_hop")
 #: What a server logs once per API server when that API server accepts connections
 #: (uvicorn's own line).
 READY_LINE = "Application startup complete."
@@ -153,7 +157,7 @@ def api_server_count(flags: Sequence[str], launcher: str = "serve") -> int:
     """How many API servers a server started with ``flags`` runs: one for the OpenAI
     server module; for ``vllm serve`` ``--api-server-count``, which defaults to the data
     parallel size (internal load balancing, what these flags ask for)."""
-    if launcher != "serve":
+    if launcher not in SERVE_LAUNCHERS:
         return 1
     count = _flag(flags, "--api-server-count") or _flag(flags, "--data-parallel-size") or "1"
     return max(int(count), 1)
@@ -188,7 +192,7 @@ def start_server(model: str, transport: str, tmp: str, log: str, flags: Sequence
     env.pop("SHMCLIENT_VLLM", None)
     if transport == "plugin":
         env["SHMCLIENT_VLLM"] = "1"
-    if launcher == "serve":  # vllm_cli from this folder, whatever is installed
+    if launcher in SERVE_LAUNCHERS:  # vllm_cli from this folder, whatever is installed
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     cmd = [model if a == "MODEL" else a for a in LAUNCHERS[launcher]]

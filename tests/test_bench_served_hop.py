@@ -1,0 +1,149 @@
+"""``shmclient_bench.vllm_served_hop``: the API servers' hook (on a stand-in for vLLM's
+``AsyncLLM``), reading the records, the figures and the table, and (with vLLM) a run
+against two servers that leaves nothing behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+
+from shmclient_bench import serving_servers
+from shmclient_bench import vllm_served_hop as hop
+
+#: A stand-in for vllm.v1.engine.async_llm: AsyncLLM whose engine-core client returns
+#: three batches stamped 250, 500 and 750 µs ago, the second without outputs.
+FAKE_VLLM = textwrap.dedent("""
+    import asyncio, os, sys, time, types
+
+    for name in ("vllm", "vllm.v1", "vllm.v1.engine", "vllm.v1.engine.async_llm"):
+        sys.modules[name] = types.ModuleType(name)
+
+    class Outputs:
+        def __init__(self, n, ago):
+            self.outputs = [object()] * n
+            self.timestamp = time.monotonic() - ago
+
+    class Client:
+        def __init__(self):
+            self.left = [(2, 250e-6), (0, 500e-6), (5, 750e-6)]
+
+        async def get_output_async(self):
+            n, ago = self.left.pop(0)
+            return Outputs(n, ago)
+
+    class AsyncLLM:
+        def __init__(self):
+            self.engine_core = Client()
+
+    sys.modules["vllm.v1.engine.async_llm"].AsyncLLM = AsyncLLM
+    import shmclient_bench.vllm_served_hop
+    engine = AsyncLLM()
+
+    async def main():
+        return [len((await engine.engine_core.get_output_async()).outputs) for _ in range(3)]
+
+    print(asyncio.run(main()))
+""")
+
+
+def _run_fake(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", FAKE_VLLM], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_hook_records_each_batch_with_outputs_and_only_with_the_folder_named(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != hop.HOP_ENV}
+    plain = _run_fake(env)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split("\n")[0] == "[2, 0, 5]"  # batches pass through unchanged
+    assert os.listdir(tmp_path) == []
+    hooked = _run_fake({**env, hop.HOP_ENV: str(tmp_path)})
+    assert hooked.returncode == 0, hooked.stderr
+    assert hooked.stdout.split("\n")[0] == "[2, 0, 5]"
+    files = os.listdir(tmp_path)
+    assert len(files) == 1 and files[0].startswith("hops-"), files
+    data = (tmp_path / files[0]).read_bytes()
+    records = list(hop.RECORD.iter_unpack(data))
+    assert [n for _, n in records] == [2, 5]  # the empty batch is left out
+    # the hop is the return's time after the stamp: at least how long ago it was stamped
+    assert 250e-6 <= records[0][0] < 250e-6 + 0.5 and 750e-6 <= records[1][0] < 750e-6 + 0.5
+
+
+def test_records_are_read_after_the_offsets_a_partial_one_left_for_later(tmp_path):
+    a, b = tmp_path / "hops-1.bin", tmp_path / "hops-2.bin"
+    a.write_bytes(hop.RECORD.pack(1e-4, 1) + hop.RECORD.pack(2e-4, 3))
+    b.write_bytes(hop.RECORD.pack(3e-4, 1) + hop.RECORD.pack(4e-4, 1)[:5])  # a write under way
+    (tmp_path / "other.bin").write_bytes(b"x" * 12)
+    hops, sizes = hop.read_records(str(tmp_path))
+    assert hops == [1e-4, 2e-4, 3e-4]
+    assert sizes == {str(a): 2 * hop.RECORD.size, str(b): hop.RECORD.size}
+    with open(b, "ab") as f:  # the rest of the record, and one more in a
+        f.write(hop.RECORD.pack(4e-4, 1)[5:])
+    with open(a, "ab") as f:
+        f.write(hop.RECORD.pack(5e-4, 2))
+    hops, sizes = hop.read_records(str(tmp_path), sizes)
+    assert hops == [5e-4, 4e-4]
+    assert sizes == {str(a): 3 * hop.RECORD.size, str(b): 2 * hop.RECORD.size}
+    assert hop.read_records(str(tmp_path), sizes)[0] == []
+
+
+def test_summaries_ratios_and_the_table():
+    s = hop.summarise([i * 1e-6 for i in range(1, 101)])  # 1..100 µs
+    assert s["batches"] == 100
+    assert (round(s["p50"]), round(s["p90"]), round(s["p99"])) == (51, 91, 100)
+    assert hop.summarise([]) == {"batches": 0, "p50": None, "p90": None, "p99": None}
+
+    def pair(stock, plugin):
+        return {"stock": {"1 stream": hop.summarise([stock * 1e-6]), "8 streams": hop.summarise([])},
+                "plugin": {"1 stream": hop.summarise([plugin * 1e-6]), "8 streams": hop.summarise([])}}
+
+    pairs = [pair(200, 100), pair(300, 60), pair(250, 100)]
+    assert [round(r, 2) for r in hop.pair_ratios(pairs, "1 stream")] == [0.5, 0.2, 0.4]
+    assert hop.pair_ratios(pairs, "8 streams") == []  # no batches: no ratio
+    table = hop.format_table(pairs)
+    assert "| 2 | plugin | 1 stream | 1 | 60 / 60 / 60 |" in table
+    assert "| 1 | stock | 8 streams | 0 | - |" in table
+    assert "plug-in / stock, hop p50, 1 stream: median 0.40x over 3 pairs (0.20, 0.40, 0.50)" in table
+    assert "8 streams: median" not in table
+
+
+def test_the_servers_are_started_as_vllm_serve_through_this_module():
+    cmd = serving_servers.LAUNCHERS["serve_hop"]
+    assert cmd[:4] == ["-m", "shmclient_bench.vllm_served_hop", hop.SERVE_ARG, "serve"]
+    flags = ["--api-server-count", "2"]
+    assert serving_servers.api_server_count(flags, "serve_hop") == 2
+    assert serving_servers.api_server_count(flags, "api_server") == 1
+
+
+def test_bad_arguments_are_refused():
+    run = subprocess.run([sys.executable, "-m", "shmclient_bench.vllm_served_hop", "--pairs", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--pairs" in run.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_a_run_against_two_api_servers_has_every_figure_and_leaves_no_files(tmp_path):
+    pytest.importorskip("vllm")
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-served-hop-*")))
+    out = tmp_path / "hop.json"
+    run = subprocess.run([sys.executable, "-m", "shmclient_bench.vllm_served_hop", "--api-servers", "2",
+                          "--pairs", "1", "--rounds", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=840)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["api_servers"] == 2 and len(got["pairs"]) == 1
+    for transport in hop.TRANSPORTS:
+        loads = got["pairs"][0][transport]
+        # 64 tokens a stream: at least one batch a token after the first
+        assert loads["1 stream"]["batches"] >= hop.TOKENS - 1, (transport, loads)
+        assert loads[f"{hop.STREAMS} streams"]["batches"] >= hop.TOKENS - 1, (transport, loads)
+        assert 0 < loads["1 stream"]["p50"] < 1e6, (transport, loads)
+    assert "plug-in / stock, hop p50, 1 stream: median" in run.stdout
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-served-hop-*"))) == before
