@@ -1,8 +1,8 @@
 """The engine core's output side: where its ``EngineCoreOutputs`` are written.
 
 Imports ``zmq``, vLLM (inside functions), the process's spin gate (``channel.SPIN_GATE``)
-and the plug-in's ``wire``, ``engine_link`` and ``versions`` (which busy loops output mode "adaptive" hooks).
-``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in output modes "inline"
+and the plug-in's ``wire``, ``engine_link`` and ``versions`` (which busy loops output mode
+"adaptive" hooks). ``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in output modes "inline"
 and "adaptive" (see its docstring);
 ``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
 ENGINE_CORE_DEAD (one per frontend), the DP coordinator's socket for its messages, every
