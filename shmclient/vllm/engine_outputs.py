@@ -2,13 +2,12 @@
 
 Imports ``zmq``, vLLM (inside functions), the process's spin gate (``channel.SPIN_GATE``)
 and the plug-in's ``wire``, ``engine_link`` and ``versions`` (which busy loops output mode
-"adaptive" hooks). ``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in output modes "inline"
-and "adaptive" (see its docstring);
-``_serve_outputs`` is the output IO thread's body: vLLM's PUSH sockets only for
-ENGINE_CORE_DEAD (one per frontend), the DP coordinator's socket for its messages, every
-output batch to the ring of the frontend it belongs to (vLLM's client index).
-``_prewake_before_outputs`` wakes parked frontends as the scheduler starts building a
-step's outputs.
+"adaptive" hooks). ``_InlineOutputs`` stands in for ``EngineCoreProc.output_queue`` in
+output modes "inline" and "adaptive" (see its docstring); ``_serve_outputs`` is the output
+IO thread's body: vLLM's PUSH sockets only for ENGINE_CORE_DEAD (one per frontend), the DP
+coordinator's socket for its messages, every output batch to the ring of the frontend it
+belongs to (vLLM's client index). ``_prewake_before_outputs`` wakes parked frontends as
+the scheduler starts building a step's outputs.
 """
 
 from __future__ import annotations
