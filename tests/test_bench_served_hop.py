@@ -5,12 +5,14 @@ against two servers that leaves nothing behind."""
 from __future__ import annotations
 
 import glob
+import http.server
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 
 import pytest
 
@@ -119,6 +121,53 @@ def test_the_servers_are_started_as_vllm_serve_through_this_module():
     flags = ["--api-server-count", "2"]
     assert serving_servers.api_server_count(flags, "serve_hop") == 2
     assert serving_servers.api_server_count(flags, "api_server") == 1
+
+
+class _SSE(http.server.BaseHTTPRequestHandler):
+    """Answers a completion with the events the test puts in ``server.events`` (or an
+    HTTP 400 for the prompt "bad")."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"] == "bad":
+            self.send_response(400)
+            self.send_header("Content-Length", "3")
+            self.end_headers()
+            self.wfile.write(b"no!")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for event in self.server.events:
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stream_is_judged_by_its_finish_reason_and_errors_raise():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        # tokens merged into two chunks by a lagging API server: still the whole stream
+        server.events = [{"choices": [{"text": "ab", "finish_reason": None}]},
+                         {"choices": [{"text": "cd", "finish_reason": "length"}]}]
+        assert hop._stream(port, "m", "p") == "length"
+        server.events = [{"choices": [{"text": "ab", "finish_reason": "abort"}]}]
+        assert hop._stream(port, "m", "p") == "abort"
+        server.events = [{"choices": [{"text": "ab", "finish_reason": None}]}, {"error": {"message": "boom"}}]
+        with pytest.raises(RuntimeError, match="error event.*boom"):
+            hop._stream(port, "m", "p")
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            hop._stream(port, "m", "bad")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
 
 
 def test_bad_arguments_are_refused():
