@@ -33,6 +33,7 @@ import glob
 import http.client
 import json
 import os
+import statistics
 import struct
 import sys
 import time
@@ -133,7 +134,7 @@ def format_table(pairs: list[dict[str, dict[str, dict[str, Any]]]]) -> str:
     lines += [""] if any(r for _, r in ratios) else []
     for load, r in ratios:
         if r:
-            lines.append(f"plug-in / stock, hop p50, {load}: median {r[len(r) // 2]:.2f}x over {len(r)} "
+            lines.append(f"plug-in / stock, hop p50, {load}: median {statistics.median(r):.2f}x over {len(r)} "
                          f"pair{'s' if len(r) > 1 else ''} ({', '.join(f'{x:.2f}' for x in r)})")
     return "\n".join(lines)
 

@@ -115,6 +115,15 @@ def test_summaries_ratios_and_the_table():
     assert "8 streams: median" not in table
 
 
+def test_the_median_of_an_even_number_of_pairs_is_the_mean_of_the_middle_two():
+    def pair(stock, plugin):
+        return {"stock": {"1 stream": hop.summarise([stock * 1e-6])},
+                "plugin": {"1 stream": hop.summarise([plugin * 1e-6])}}
+
+    table = hop.format_table([pair(200, 100), pair(200, 60)])  # --pairs 2, the default
+    assert "1 stream: median 0.40x over 2 pairs (0.30, 0.50)" in table
+
+
 def test_the_servers_are_started_as_vllm_serve_through_this_module():
     cmd = serving_servers.LAUNCHERS["serve_hop"]
     assert cmd[:4] == ["-m", "shmclient_bench.vllm_served_hop", hop.SERVE_ARG, "serve"]
