@@ -200,9 +200,21 @@ def _read_requests(self, link: _EngineLink, types) -> None:
                 if request_type is None:  # the channel's framing decodes only these
                     continue
                 if isinstance(request, BadMessage):
-                    _refuse(self, request_type, request)
+                    _refuse(self, link, request_type, f"it did not decode: {request.error}",
+                            request.raw, request.field("request_id"))
                     continue
-                _handle_request(self, request_type, request)
+                problem = _malformed(link, request_type, request)
+                if problem is not None:
+                    _refuse(self, link, request_type, problem, request,
+                            getattr(request, "request_id", None))
+                    continue
+                try:
+                    _handle_request(self, request_type, request)
+                except Exception as e:  # one request fails alone, the engine keeps serving
+                    _log().exception("shmclient.vllm: handling a %s request from frontend %d failed",
+                                     request_type.name, link.client_index)
+                    _refuse(self, link, request_type, f"handling it failed: {e!r}", request,
+                            getattr(request, "request_id", None))
         # Hold no request here: its tensors' arena blocks are released when the
         # busy loop drops it.
         messages = request = None
@@ -267,24 +279,50 @@ class _Coordinator:
                 _handle_request(engine, request_type, request)
 
 
-def _refuse(self, request_type, bad: BadMessage) -> None:
-    """A request that did not decode fails alone (stock vLLM's input thread would die):
-    an ADD whose request id can still be read gets vLLM's request-scoped error output,
-    a utility call its failure reply; the rest is logged and dropped."""
-    from vllm.logger import init_logger
+#: What a frontend sends on its request ring. START_DP_WAVE comes from the DP
+#: coordinator's own socket; EXECUTOR_FAILED and WAKEUP are the engine's own sentinels.
+_FROM_FRONTEND = ("ADD", "ABORT", "UTILITY")
+
+
+def _malformed(link: _EngineLink, request_type, request) -> str | None:
+    """Why a decoded request from ``link``'s frontend cannot be handled, or None. vLLM
+    decodes only ADD with a type; the other kinds arrive as whatever msgpack held, and
+    its input thread or busy loop would die on a wrong shape. A request's client index must be its frontend's: the
+    outputs go back on the ring it came by."""
+    name = request_type.name
+    if name not in _FROM_FRONTEND:
+        return f"a frontend does not send {name}"
+    if name == "ADD":
+        if request.client_index != link.client_index:
+            return f"its client_index {request.client_index!r} is not its frontend's ({link.client_index})"
+    elif name == "ABORT":
+        if type(request) is not list or any(type(rid) is not str for rid in request):
+            return "an ABORT must be a list of request id strings"
+    elif (type(request) is not list or len(request) != 4 or type(request[0]) is not int
+          or type(request[1]) is not int or type(request[2]) is not str or type(request[3]) not in (list, tuple)):
+        return "a UTILITY must be [client_index, call_id, method name, args]"
+    elif request[0] != link.client_index:
+        return f"its client_index {request[0]!r} is not its frontend's ({link.client_index})"
+    return None
+
+
+def _refuse(self, link: _EngineLink, request_type, why: str, raw: Any, request_id: Any) -> None:
+    """A request that cannot be handled fails alone (stock vLLM's input thread or busy
+    loop would die): an ADD whose request id can still be read gets vLLM's
+    request-scoped error output, a utility call whose call id can be read its failure
+    reply, both on ``link``'s ring (whatever client index the message claims); the rest
+    is logged and dropped."""
     from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 
-    log = init_logger(__name__)
-    log.error("shmclient.vllm: a %s request did not decode and is dropped: %s", request_type.name, bad.error)
-    raw = bad.raw if isinstance(bad.raw, list) else None
+    client = link.client_index
+    _log().error("shmclient.vllm: a %s request from frontend %d is refused: %s", request_type.name, client, why)
     if request_type == EngineCoreRequestType.ADD:
-        rid, client = bad.field("request_id"), bad.field("client_index")
-        if isinstance(rid, str):
-            self._send_error_outputs_to_client([rid], client if isinstance(client, int) else 0)
-    elif request_type == EngineCoreRequestType.UTILITY and raw is not None and len(raw) == 4:
-        client, call_id = raw[0], raw[1]
-        if isinstance(client, int) and isinstance(call_id, int):
-            failure = f"Call to {raw[2]!r} method failed: the request did not decode: {bad.error}"
+        if type(request_id) is str:
+            self._send_error_outputs_to_client([request_id], client)
+    elif request_type == EngineCoreRequestType.UTILITY and type(raw) is list and len(raw) == 4:
+        call_id, method = raw[1], raw[2]
+        if type(call_id) is int:
+            failure = f"Call to {method!r} method failed: the request was refused: {why}"
             self.output_queue.put_nowait(
                 (client, EngineCoreOutputs(utility_output=UtilityOutput(call_id, failure_message=failure))))
 
@@ -340,7 +378,9 @@ def _validation_error() -> type | None:
 
 
 def _process_output_sockets(self, output_paths, coord_output_path, engine_index):
-    links = _engine_links(engine_index, output_paths)
+    links: list = []
+    # A failed attach fails the engine (ENGINE_CORE_DEAD), not this thread alone.
+    _fatal_if_raises(self, "output", lambda: links.extend(_engine_links(engine_index, output_paths)))
     if not links:
         return _originals["out"](self, output_paths, coord_output_path, engine_index)
     _keep_signals_for_main_thread()
