@@ -136,3 +136,68 @@ def test_a_hello_pid_passes():
     from shmclient.vllm.wire import check_pid
 
     assert check_pid(os.getpid()) == os.getpid()
+
+
+@pytest.fixture
+def arena_pair():
+    """(sender, provider): an arena's sender and the plug-in's provider over its receiver."""
+    pytest.importorskip("torch")
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.vllm.oob import ArenaProvider
+
+    seg = Segment.create(1 << 20)
+    sender = ShmTensorSender(seg)
+    receiver = ShmTensorReceiver(Segment.attach(seg.name))
+    try:
+        yield sender, ArenaProvider(receiver)
+    finally:
+        receiver.close()
+        sender.close()
+        seg.release_handle()
+
+
+@pytest.mark.parametrize("dtype, shape, words", [
+    ("cuda", [4], "unknown or unsupported torch dtype 'cuda'"),
+    ("Tensor", [4], "unknown or unsupported torch dtype 'Tensor'"),
+    (5, [4], "unknown or unsupported torch dtype 5"),
+    ("float32", "abcd", "shape must be a list of at most 64 ints"),
+    ("float32", None, "shape must be a list of at most 64 ints"),
+    ("float32", [1] * 65, "shape must be a list of at most 64 ints"),
+    ("float32", [b"x", 1000], "has dimension b'x'"),  # math.prod would repeat the bytes
+    ("float32", [True, 4], "has dimension True"),
+    ("float32", [2, -1], "has dimension -1"),
+    ("float32", [0, 1 << 62], "has dimension 4611686018427387904"),
+    ("float32", [1 << 31] * 3, "is over 2**62 bytes"),
+    ("uint8", [0, 1 << 61, 1 << 61], "is over 2**62 bytes"),  # empty, but its strides overflow
+])
+def test_an_out_of_band_placeholder_with_a_bad_dtype_or_shape_is_refused_by_name(arena_pair, dtype, shape, words):
+    from shmclient.errors import SerializationError
+    from shmclient.vllm.oob import KEY
+
+    _, provider = arena_pair
+    with pytest.raises(SerializationError, match=re.escape(words)):
+        provider(dtype, shape, {KEY: [0, 1, 0]})
+
+
+def test_an_out_of_band_placeholder_whose_handle_is_no_list_is_refused(arena_pair):
+    from shmclient.errors import SerializationError
+    from shmclient.vllm.oob import KEY
+
+    _, provider = arena_pair
+    with pytest.raises(SerializationError, match="malformed tensor handle"):
+        provider("float32", [4], {KEY: 7})
+
+
+def test_an_out_of_band_tensor_within_bounds_comes_back(arena_pair):
+    import torch
+
+    from shmclient.vllm.oob import KEY
+
+    sender, provider = arena_pair
+    t = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    got = provider("float32", [2, 3, 4], {KEY: sender.put(t, t.nbytes)})
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 4) and torch.equal(got, t)
+    del got  # the arena view, before the receiver closes
+    empty = provider("bfloat16", (0, 5), {KEY: [0, 1, 0]})
+    assert empty.dtype == torch.bfloat16 and empty.shape == (0, 5)

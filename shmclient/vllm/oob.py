@@ -1,20 +1,22 @@
 """Tensors of vLLM's messages out of band: a shared-memory arena per direction, CUDA IPC.
 
 Middle layer of the plug-in: imports ``shmclient.tensors`` (arena sender and receiver,
-CUDA IPC through ``tensors_cuda``), torch and vLLM's ``serial_utils`` interfaces
-(``OOBTensorConsumer``); never the frontend or engine modules. ``wire.VllmFraming`` builds
-these objects on a channel's arenas; the channel carries the releases back. Its contract
-(what goes out of band, life cycle of a block, the threshold): docs/design.md, "Module
-notes", ``shmclient.vllm.oob``.
+CUDA IPC through ``tensors_cuda``), ``dtypes`` (the allowlist of a placeholder's dtype),
+torch and vLLM's ``serial_utils`` interfaces (``OOBTensorConsumer``); never the frontend
+or engine modules. ``wire.VllmFraming`` builds these objects on a channel's arenas; the
+channel carries the releases back. Its contract (what goes out of band, life cycle of a
+block, the threshold): docs/design.md, "Module notes", ``shmclient.vllm.oob``.
 """
 
 from __future__ import annotations
 
-import math
+import reprlib
 from typing import Any, Callable
 
 import torch
 
+from ..dtypes import torch_dtype
+from ..errors import SerializationError
 from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
 
 __all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
@@ -23,6 +25,10 @@ __all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
 KEY = "shmc"
 #: CPU tensors from this size travel through the arena; smaller ones as ring frames.
 TENSOR_MIN_BYTES = 64 * 1024
+#: Most dimensions a placeholder's shape may give, and most bytes (also: elements of one
+#: dimension) it may describe; checked before anything is allocated or mapped for it.
+MAX_NDIM = 64
+MAX_BYTES = 1 << 62
 
 try:
     from vllm.v1.serial_utils import OOBTensorConsumer as _Consumer
@@ -58,8 +64,8 @@ class ArenaTensors(_Consumer):  # type: ignore[misc,valid-type]
 class ArenaProvider:
     """vLLM ``oob_tensor_provider``: ``(dtype, shape, placeholder) -> tensor``. Placeholders
     that are not ours go to ``fallback`` (vLLM's own, e.g. its multimodal tensor queue).
-    Raises ``SerializationError`` for a bad handle, ValueError for a placeholder nobody
-    knows."""
+    Raises ``SerializationError`` for a bad handle, dtype or shape, ValueError for a
+    placeholder nobody knows."""
 
     def __init__(self, receiver: ShmTensorReceiver, fallback: Callable[..., torch.Tensor] | None = None) -> None:
         self.receiver = receiver
@@ -71,12 +77,36 @@ class ArenaProvider:
             if self.fallback is None:
                 raise ValueError(f"shmclient.vllm: an out-of-band tensor placeholder it does not know: {meta!r}")
             return self.fallback(dtype, shape, meta)
-        if handle[0] == CUDA_IPC:
+        if type(handle) is list and handle and handle[0] == CUDA_IPC:
             return self.receiver.get_cuda(handle)
-        torch_dtype = getattr(torch, dtype)
-        nbytes = math.prod(shape) * torch_dtype.itemsize
+        dt, size, nbytes = _checked(dtype, shape)
         if nbytes == 0:
-            return torch.empty(tuple(shape), dtype=torch_dtype)
+            return torch.empty(size, dtype=dt)
         arr = self.receiver.get(handle, nbytes)
         # from_numpy keeps ``arr`` (the watched array) alive exactly as long as the tensor
-        return torch.from_numpy(arr).view(torch_dtype).view(tuple(shape))
+        return torch.from_numpy(arr).view(dt).view(size)
+
+
+def _checked(dtype: Any, shape: Any) -> "tuple[torch.dtype, tuple[int, ...], int]":
+    """``(dtype, shape, nbytes)`` of a placeholder from the peer, or ``SerializationError``
+    naming what is wrong: a dtype off the allowlist, a shape that is not a list of at
+    most ``MAX_NDIM`` ints in [0, ``MAX_BYTES``), or one over ``MAX_BYTES`` bytes (its
+    strides too: the product of its non-zero dimensions)."""
+    dt = torch_dtype(dtype)
+    if (type(shape) is not list and type(shape) is not tuple) or len(shape) > MAX_NDIM:
+        raise SerializationError(f"shmclient.vllm: an out-of-band tensor's shape must be a list of at most "
+                                 f"{MAX_NDIM} ints, got {reprlib.repr(shape)}")
+    span = dt.itemsize
+    empty = False
+    for d in shape:
+        if type(d) is not int or not 0 <= d < MAX_BYTES:
+            raise SerializationError(f"shmclient.vllm: an out-of-band tensor's shape {reprlib.repr(shape)} "
+                                     f"has dimension {reprlib.repr(d)}, not an int in [0, 2**62)")
+        if d == 0:
+            empty = True
+        else:
+            span *= d
+            if span > MAX_BYTES:
+                raise SerializationError(f"shmclient.vllm: an out-of-band tensor of shape {reprlib.repr(shape)} "
+                                         f"and dtype {dtype} is over 2**62 bytes")
+    return dt, tuple(shape), 0 if empty else span
