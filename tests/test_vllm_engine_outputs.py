@@ -2,7 +2,8 @@
 thread that puts them, big ones by the output thread, and nothing overtakes what is
 queued; in adaptive mode, while the host has no CPU free, a batch's wake-up waits until
 the busy loop has handed the next step to vLLM's executor (or, without those hooks, the
-batch goes to the output thread)."""
+batch goes to the output thread). Also: a failed attach to the engine's channels fails
+every IO thread that asks for them."""
 
 from __future__ import annotations
 
@@ -197,6 +198,7 @@ def _deferring(gate_answers: list[bool], *, step_follows=lambda: True, links: in
     links_ = [FakeLink() for _ in range(links)]
     out = _InlineOutputs(links_, engine_index=0, inline_max=4, adaptive=True, gate=FakeGate(gate_answers))
     out.step_follows = step_follows
+    out.loop_thread = threading.get_ident()  # this thread is the busy loop
     return out, links_
 
 
@@ -285,6 +287,7 @@ class LoggingOutputs(_InlineOutputs):
     def __init__(self, log: list[str]) -> None:
         super().__init__([FakeLink()], engine_index=0, inline_max=4, adaptive=True, gate=FakeGate([False] * 10))
         self.log = log
+        self.loop_thread = threading.get_ident()  # this thread is the busy loop
 
     def wake_owed(self) -> None:
         if self.owing:
@@ -321,6 +324,32 @@ def test_defer_wakes_gives_the_owed_wake_up_before_the_loop_may_block_for_input(
     engine.work = False               # e.g. the last request was aborted meanwhile
     engine._process_input_queue()
     assert log == ["wake", "input"]
+
+
+def test_only_the_busy_loop_holds_a_wake_up_back():
+    """The input thread puts error outputs too (a request that failed its checks): the
+    busy loop may be blocked for input then, with no owed wake-up to come, so such a
+    batch wakes its frontend at once; the busy loop (the thread that runs the hooked
+    _process_input_queue) still holds its batches' wake-ups."""
+    log: list[str] = []
+    engine = FakeEngine(FakeExecutor(log, True), log)
+    out = LoggingOutputs(log)
+    out.loop_thread = None
+    _defer_wakes(engine, out)
+    engine._process_input_queue()     # the busy loop (this thread), now blocked for input
+    link = out._links[0]
+
+    def input_thread() -> None:
+        out.put_nowait(batch(b"error", 1))
+
+    thread = threading.Thread(target=input_thread, name="input-thread")
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert link.sent == [(b"error", "input-thread")] and link.held == [] and not out.owing
+    assert out.deferred == 0
+    out.put_nowait(batch(b"step", 1))  # the busy loop's own: held until the next step
+    assert link.held == [b"step"] and out.owing and out.deferred == 1
 
 
 def test_defer_wakes_hooks_nothing_where_a_step_need_not_follow_an_output():
@@ -434,3 +463,31 @@ def test_engine_core_dead_gives_the_owed_wake_up_first():
     dead = DeadSocket()
     out.serve_queued([dead])
     assert dead.sent == [b"DEAD"]
+
+
+def test_a_failed_attach_fails_every_later_caller_too(monkeypatch):
+    """Both IO threads ask for the engine's channels; the environment is read once. When
+    that attach fails, the other thread must not get [] (vLLM's sockets, half the
+    engine's IO off the rings: the frontend would hang) but an error from it."""
+    from shmclient.vllm import engine_link
+
+    attached: list[object] = []
+
+    class FailingLink:
+        def __init__(self, spec) -> None:
+            attached.append(spec)
+            raise OSError("no such segment")
+
+    monkeypatch.setattr(engine_link, "_state", None)
+    monkeypatch.setattr(engine_link, "_looked", False)
+    monkeypatch.setattr(engine_link, "_failed", None, raising=False)
+    monkeypatch.setattr(engine_link, "_EngineLink", FailingLink)
+    monkeypatch.setattr(wire, "decode_specs", lambda text, engine_index: ["spec"])
+    monkeypatch.setenv(wire.ENV_SPEC, "specs")
+    with pytest.raises(OSError, match="no such segment"):
+        engine_link._links(0)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="could not be attached") as info:
+            engine_link._links(0)
+        assert isinstance(info.value.__cause__, OSError)
+    assert attached == ["spec"]  # attached once

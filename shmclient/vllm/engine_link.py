@@ -28,6 +28,7 @@ from . import wire
 _state_lock = threading.Lock()
 _state: "list[_EngineLink] | None" = None
 _looked = False  # whether the environment was read (once per process)
+_failed: "BaseException | None" = None  # why that attach failed: every later caller is told
 
 
 class _EngineLink:
@@ -200,25 +201,31 @@ def _links(engine_index: int) -> "list[_EngineLink]":
     in client-index order), and remove the variables (processes started later do not see
     them; workers started before carry them and ignore them: only an EngineCoreProc's IO
     threads read them). Closes the inherited handles of every other channel named there
-    (a forked engine inherits its launcher's fds). [] when it was handed no channel."""
-    global _state, _looked
+    (a forked engine inherits its launcher's fds). [] when it was handed no channel. An
+    attach that failed raises in its caller, and RuntimeError (from it) in every later
+    one: the other IO thread must not fall back to vLLM's sockets."""
+    global _state, _looked, _failed
     with _state_lock:
         if not _looked:
             _looked = True
             text = os.environ.pop(wire.ENV_SPEC, None)
             frontends = os.environ.pop(wire.ENV_FRONTEND_SPEC, None)
-            specs = wire.decode_specs(text, engine_index) if text else []
-            before = open_fds()
             links: list[_EngineLink] = []
             try:
+                specs = wire.decode_specs(text, engine_index) if text else []
+                before = open_fds()
                 for spec in specs:
                     links.append(_EngineLink(spec))
-            except BaseException:
+            except BaseException as e:
+                _failed = e
                 for link in links:
                     link.close()
                 raise
             _state = links
             _close_inherited(text, frontends, before)
+        if _failed is not None:
+            error = RuntimeError(f"shmclient.vllm: this engine's channels could not be attached ({_failed!r})")
+            raise error from _failed
         return _state or []
 
 

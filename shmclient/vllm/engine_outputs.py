@@ -87,6 +87,7 @@ def _defer_wakes(engine, inline: "_InlineOutputs") -> bool:
             return execute(*args, **kwargs)
 
     def _process_input_queue(*args, **kwargs):
+        inline.loop_thread = threading.get_ident()  # the busy loop's (it starts here)
         if inline.owing and not has_work():
             wake_owed()  # no step to hand over: the loop may block for input now
         return process_input(*args, **kwargs)
@@ -170,9 +171,10 @@ class _InlineOutputs:
     README's Serving section has the later runs). So then, once ``_defer_wakes`` has
     hooked the busy loop (``step_follows`` set), the batch is still written here but its
     wake-up waits until the busy loop has handed the next step to vLLM's executor
-    (``wake_owed``), or comes at once when no step follows; without the hooks the batch
-    goes to the output thread, and on an engine core with a batch queue it is written
-    and wakes at once (``wake_at_once``, see ``_hook_adaptive``)."""
+    (``wake_owed``), or comes at once when no step follows or a thread other than the
+    busy loop puts the batch (``loop_thread``); without the hooks the batch goes to the
+    output thread, and on an engine core with a batch queue it is written and wakes at
+    once (``wake_at_once``, see ``_hook_adaptive``)."""
 
     def __init__(self, links: "list[_EngineLink]", engine_index: int, inline_max: int, *,
                  adaptive: bool = False, gate=None) -> None:
@@ -183,6 +185,10 @@ class _InlineOutputs:
         #: Set by _defer_wakes: whether the busy loop will hand another step to the
         #: executor (and so call wake_owed) before it can block.
         self.step_follows = None
+        #: The busy loop's thread (set by _defer_wakes' hook): only its batches may hold
+        #: their wake-up back; another thread's (the input thread's error outputs) may
+        #: come while the busy loop is blocked for input, with no wake_owed to follow.
+        self.loop_thread: int | None = None
         self.owing = False  # a batch was written without its wake-up, not yet given
         self._buffers = [bytearray() for _ in links]  # the ring copies it: reusable at once
         self._send_locks = [threading.Lock() for _ in links]  # vLLM's encoder is not thread-safe
@@ -210,8 +216,10 @@ class _InlineOutputs:
         wake = True
         if busy and self.step_follows is not None:
             busy = False
-            # A utility's reply comes from outside a step: its wake-up is never held.
-            wake = getattr(outputs, "utility_output", None) is not None or not self.step_follows()
+            # A utility's reply, or a batch from outside the busy loop, comes from outside
+            # a step: its wake-up is never held.
+            wake = (getattr(outputs, "utility_output", None) is not None or threading.get_ident() != self.loop_thread
+                    or not self.step_follows())
         with self._count_lock:
             offload = big or busy or self._queued > 0
             if offload:
