@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -375,6 +376,88 @@ def test_a_request_that_does_not_decode_fails_alone(shm_llm, stock_llm):
         assert time.monotonic() < deadline
         got = next((o for o in client.get_output().outputs if o.request_id == "bad-1"), None)
     assert got.finish_reason == FinishReason.ERROR
+    assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
+
+
+class _PluginErrors(logging.Handler):
+    """The plug-in's log records of level ERROR, while in a ``with``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "_PluginErrors":
+        plugin.log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        plugin.log.removeHandler(self)
+
+
+def test_a_utility_reply_nobody_awaits_is_logged_and_the_next_resolves_its_call(shm_llm):
+    """A reply to a call this client never made (vLLM's helper raises KeyError for it,
+    inside the reader) is logged and dropped; the reply after it resolves its call."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    client = shm_llm.llm_engine.engine_core
+    with _PluginErrors() as errors:
+        client._send_input(EngineCoreRequestType.UTILITY, (0, 4242, "get_supported_tasks", ()))
+        assert "generate" in client.get_supported_tasks()
+    assert any("utility call 4242, which nobody awaits" in m for m in errors.messages), errors.messages
+
+
+class _UtilityRepliesUndecodable:
+    """The frontend's decoder of output messages, failing on every utility reply as on
+    malformed bytes; with ``readable`` False an untyped read sees nothing either (so
+    whose reply it was cannot be told)."""
+
+    def __init__(self, dec, readable: bool) -> None:
+        from vllm.v1.engine import EngineCoreOutputs
+
+        self.dec = dec
+        self.readable = readable
+        self.pos = EngineCoreOutputs.__struct_fields__.index("utility_output")
+
+    def decode(self, view):
+        raw = self.dec.salvage(view)
+        if type(raw) is list and len(raw) > self.pos and raw[self.pos] is not None:
+            raise ValueError("crafted: this utility reply does not decode")
+        return self.dec.decode(view)
+
+    def salvage(self, view):
+        return self.dec.salvage(view) if self.readable else None
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_a_utility_reply_that_does_not_decode_fails_its_call(shm_llm, stock_llm, readable):
+    """The call whose reply did not decode fails with the decoder's error (every pending
+    call, where its call id cannot be read: the error then also goes to get_output, as
+    vLLM's would); it does not wait for ever, and the engine goes on serving."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shmclient.vllm import wire
+
+    client = shm_llm.llm_engine.engine_core
+    decoders = client._link.framing.decoders
+    real = {k: decoders[k] for k in (wire.OUTPUTS, wire.OUTPUTS | wire.MULTI)}
+    pool = ThreadPoolExecutor(1)
+    try:
+        for k, dec in real.items():
+            decoders[k] = _UtilityRepliesUndecodable(dec, readable)
+        call = pool.submit(client.call_utility, "get_supported_tasks")
+        with pytest.raises(RuntimeError, match="did not decode.*ValueError: crafted"):
+            call.result(timeout=30)
+    finally:
+        decoders.update(real)
+        pool.shutdown(wait=False)
+    if not readable:
+        error = client._pending.popleft()
+        assert isinstance(error, RuntimeError) and "crafted" in str(error)
+    assert not client._pending
+    assert "generate" in client.get_supported_tasks()
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
 
 
@@ -787,3 +870,103 @@ def test_switch_off_changes_nothing():
     out = subprocess.run([sys.executable, "-c", SWITCH_OFF], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "UNCHANGED" in out.stdout
+
+
+# ---------------------------------------------------------------------------- async dispatch
+
+
+class _OneBatch:
+    """A channel that holds one batch of decoded messages, for an async engine reader."""
+
+    late_after_peer_death = False
+
+    def __init__(self, batch) -> None:
+        self.batch = batch
+
+    def recv_nowait(self, limit: int = 0):
+        from shmclient.errors import WouldBlock
+
+        if not self.batch:
+            raise WouldBlock
+        got, self.batch = self.batch, []
+        return got
+
+
+def _read_one_batch(loop, batch, utility_results):
+    """Park a task on ``loop`` as get_output_async does, let the async engine reader read
+    ``batch`` from the loop; (the reader, its inbox) once the task was woken (bounded)."""
+    import types
+
+    from shmclient.vllm.reader import _EngineReader, _Inbox, park_all
+
+    link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=3,
+                                 on_control=lambda rtype, obj: False)
+    inbox = _Inbox()
+    reader = _EngineReader(lambda: None, link, inbox, utility_results)
+
+    async def main():
+        parked = asyncio.ensure_future(park_all([reader], inbox.parking))
+        asyncio.get_running_loop().call_soon(reader.loop_reader.read_now, 0.0)  # after the task parked
+        await asyncio.wait_for(parked, 10)
+
+    loop.run_until_complete(main())
+    return reader, inbox
+
+
+def test_async_reader_goes_on_after_a_message_whose_handling_raises():
+    """vLLM's utility-reply helper raises for a reply nobody awaits (KeyError) and for one
+    with neither result nor failure: each is logged naming the engine and its call, that
+    call fails, the messages after them in the batch are handed on and the parked task
+    is woken."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, UtilityOutput
+    from vllm.v1.serial_utils import UtilityResult
+
+    from shmclient.vllm import wire
+
+    loop = asyncio.new_event_loop()
+    try:
+        results = {7: loop.create_future(), 8: loop.create_future()}
+        batch = [(wire.OUTPUTS, EngineCoreOutputs(utility_output=UtilityOutput(4242, result=UtilityResult("x")))),
+                 (wire.OUTPUTS, EngineCoreOutputs(utility_output=UtilityOutput(8))),
+                 (wire.OUTPUTS, EngineCoreOutputs(utility_output=UtilityOutput(7, result=UtilityResult("v7")))),
+                 (wire.OUTPUTS, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])]))]
+        futures = dict(results)
+        with _PluginErrors() as errors:
+            reader, inbox = _read_one_batch(loop, batch, results)
+        assert futures[7].result() == "v7"
+        with pytest.raises(RuntimeError, match="engine 3: the reply to utility call 8 is malformed"):
+            futures[8].result()
+        assert [o.outputs[0].request_id for o in inbox.items] == ["r"] and not reader.stopped and not results
+        assert any("engine 3: a reply to utility call 4242, which nobody awaits" in m for m in errors.messages)
+        assert any("engine 3: handing on the reply to utility call 8 failed" in m for m in errors.messages)
+    finally:
+        loop.close()
+
+
+def test_async_reader_fails_the_call_whose_reply_does_not_decode():
+    """A utility reply that did not decode fails its call alone (the reader goes on);
+    one whose call cannot be read fails every pending call, then the reader as vLLM's
+    output task would."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    from shmclient.channel import BadMessage
+    from shmclient.vllm import wire
+
+    loop = asyncio.new_event_loop()
+    try:
+        results = {9: loop.create_future(), 10: loop.create_future()}
+        futures = dict(results)
+        batch = [(wire.OUTPUTS, BadMessage(wire.OUTPUTS, "crafted", [0, [], None, 0.0, [9, None, None]])),
+                 (wire.OUTPUTS, EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])])),
+                 (wire.OUTPUTS | wire.MULTI, BadMessage(wire.OUTPUTS | wire.MULTI, "unreadable", None))]
+        reader, inbox = _read_one_batch(loop, batch, results)
+        with pytest.raises(RuntimeError, match="engine 3: the reply to utility call 9 did not decode: crafted"):
+            futures[9].result()
+        with pytest.raises(RuntimeError, match="pending calls fail: unreadable"):
+            futures[10].result()
+        assert reader.stopped and not results
+        out, error = inbox.items
+        assert out.outputs[0].request_id == "r"
+        assert isinstance(error, RuntimeError) and "did not decode: unreadable" in str(error)
+    finally:
+        loop.close()

@@ -8,8 +8,9 @@ subclass vLLM's own, so construction (engine launch, handshake, ready response),
 engine monitor, ``shutdown`` and every utility method are vLLM's. What changes: requests
 are encoded by vLLM's encoder into the request ring, outputs read from the output ring;
 vLLM's PULL socket and its reader stay, for ENGINE_CORE_DEAD only. The async clients are
-in ``frontend_async``. Its contract (threads, full rings, the engine's death):
-docs/design.md, "Module notes", ``shmclient.vllm.frontend``.
+in ``frontend_async``; both hand utility replies, and output messages that did not decode
+or whose handling failed, to the helpers here. Its contract (threads, full rings, the
+engine's death): docs/design.md, "Module notes", ``shmclient.vllm.frontend``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType, UtilityOutput
 from vllm.v1.engine.core_client import SyncMPClient, _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -33,6 +34,74 @@ from .link import _close_links, _engine_pids, _Link, _start_with_links
 __all__ = ["ShmSyncMPClient"]
 
 SEND_TIMEOUT_S = 60.0
+#: Wire positions (vLLM's array-like structs) of an output message's utility reply and of
+#: the reply's call id: whose reply a message that did not decode was.
+_UTILITY_POS = EngineCoreOutputs.__struct_fields__.index("utility_output")
+_CALL_ID_POS = UtilityOutput.__struct_fields__.index("call_id")
+
+
+def _utility_reply(reply: UtilityOutput, utility_results: dict, engine_index: int) -> None:
+    """Resolve the call that ``reply`` answers (vLLM's ``_process_utility_output``). A
+    reply nobody awaits is logged and dropped; one that cannot resolve its call (no
+    result, no failure) fails it."""
+    from . import log
+
+    future = utility_results.pop(reply.call_id, None)
+    if future is None:
+        log.error("shmclient.vllm: engine %d: a reply to utility call %d, which nobody awaits: dropped",
+                  engine_index, reply.call_id)
+        return
+    try:
+        _process_utility_output(reply, {reply.call_id: future})
+    finally:
+        if not future.done():
+            future.set_exception(RuntimeError(
+                f"shmclient.vllm: engine {engine_index}: the reply to utility call {reply.call_id} is malformed"))
+
+
+def _bad_reply(bad: BadMessage, utility_results: dict, engine_index: int) -> bool:
+    """An output message that did not decode: True if it was a utility reply (it fails
+    its call, or every pending call when its call id cannot be read); False if it was
+    outputs or cannot be told (its error then goes where vLLM's would; pending calls fail
+    in the latter case, one of them may have been answered)."""
+    from . import log
+
+    raw = bad.raw
+    call_id = None
+    if type(raw) is list:
+        reply = raw[_UTILITY_POS] if len(raw) > _UTILITY_POS else None
+        if reply is None:
+            return False
+        if type(reply) is list and len(reply) > _CALL_ID_POS and type(reply[_CALL_ID_POS]) is int:
+            call_id = reply[_CALL_ID_POS]
+    if call_id is not None:
+        error = RuntimeError(f"shmclient.vllm: engine {engine_index}: the reply to utility call {call_id} "
+                             f"did not decode: {bad.error}")
+        futures = [utility_results.pop(call_id, None)]
+    else:
+        error = RuntimeError(f"shmclient.vllm: engine {engine_index}: an output message that may be a utility "
+                             f"reply (its call cannot be read) did not decode, pending calls fail: {bad.error}")
+        futures = [utility_results.pop(c, None) for c in list(utility_results)]
+    log.error("%s", error)
+    for future in futures:
+        if future is not None and not future.done():
+            future.set_exception(error)
+    return type(raw) is list
+
+
+def _dispatch_failed(engine_index: int, rtype: int, obj: Any) -> None:
+    """Log the error of a message whose handling raised (in an ``except`` block); the
+    reader goes on with the next."""
+    from . import log
+
+    if getattr(obj, "utility_output", None) is not None:
+        kind = f"the reply to utility call {obj.utility_output.call_id}"
+    elif rtype & ~wire.MULTI == wire.OUTPUTS:
+        kind = "an output message"
+    else:
+        kind = f"a record of type 0x{rtype:02x}"
+    log.error("shmclient.vllm: engine %d: handing on %s failed; dropped, the reader goes on",
+              engine_index, kind, exc_info=True)
 
 
 class _LinkIO:
@@ -142,17 +211,23 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
 
     # -- reading (in the callers' threads, by turns) ----------------------------------
     def _dispatch(self, messages) -> None:
-        """Utility replies resolve their futures, outputs queue for get_output."""
+        """Utility replies resolve their futures, outputs queue for get_output; a message
+        whose handling raises is logged and dropped, the others go on."""
         link = self._link
         for rtype, outputs in messages:
-            if link.on_control(rtype, outputs):
-                continue
-            if isinstance(outputs, BadMessage):  # as vLLM's reader thread: the error goes to get_output
-                self._pending.append(RuntimeError(f"an engine output did not decode: {outputs.error}"))
-            elif outputs.utility_output:
-                _process_utility_output(outputs.utility_output, self.utility_results)
-            else:
-                self._pending.append(outputs)
+            try:
+                if link.on_control(rtype, outputs):
+                    continue
+                if isinstance(outputs, BadMessage):
+                    if not _bad_reply(outputs, self.utility_results, link.engine_index):
+                        # as vLLM's reader thread: the error goes to get_output
+                        self._pending.append(RuntimeError(f"an engine output did not decode: {outputs.error}"))
+                elif outputs.utility_output:
+                    _utility_reply(outputs.utility_output, self.utility_results, link.engine_index)
+                else:
+                    self._pending.append(outputs)
+            except Exception:
+                _dispatch_failed(link.engine_index, rtype, outputs)
 
     def _alive_check(self) -> bool:
         return not self._dead_flag.is_set()

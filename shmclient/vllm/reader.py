@@ -1,8 +1,9 @@
 """How the plug-in's async clients read their engines' output rings on the event loop.
 
-Imports vLLM's client module (its utility-reply helper) and exceptions, the spin gate
-(``channel.SPIN_GATE``), ``shmclient.waiting`` and the plug-in's ``link``; no ring end.
-Each engine's ring is read by ``waiting.LoopReader`` with the plug-in's options:
+Imports vLLM's exceptions, the spin gate (``channel.SPIN_GATE``), ``shmclient.waiting``
+and the plug-in's ``link`` and ``frontend`` (how utility replies, messages that did not
+decode and messages whose handling failed are handed on, as by the sync client); no ring
+end. Each engine's ring is read by ``waiting.LoopReader`` with the plug-in's options:
 ``_EngineReader`` passes it vLLM's dispatch (what vLLM's output task does with a batch,
 into one ``_Inbox`` shared by every engine's reader, whose ``Parking`` they share) and the
 engine's early wake-up (``_EarlyWake``, over the one-byte "parked" flag); ``_own_reader``
@@ -18,12 +19,12 @@ import threading
 from time import monotonic
 
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.engine.core_client import _process_utility_output
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import SPIN_GATE, BadMessage
 from ..doorbell import Spin
+from .frontend import _bad_reply, _dispatch_failed, _utility_reply
 from .link import _env_float, _Link
 
 #: How long (µs) get_output_async may spin on the output ring, holding the event loop,
@@ -100,9 +101,11 @@ class _EarlyWake:
 class _EngineReader:
     """One engine's output ring, read on the loop's thread by a ``waiting.LoopReader``
     (from ``get_output_async``, and from the wake pipe's callback: a parked task, utility
-    replies nobody awaits as outputs). Dispatches as vLLM's output task does. A failure
-    (the engine's death, a broken channel, an output that does not decode) stops it and
-    queues the error, after what the engine wrote before dying."""
+    replies nobody awaits as outputs). Dispatches as vLLM's output task does, except that
+    a message whose handling raises is logged and dropped (the others go on) and a utility
+    reply that does not decode fails its call alone. A failure (the engine's death, a
+    broken channel, outputs that do not decode) stops it and queues the error, after what
+    the engine wrote before dying."""
 
     def __init__(self, client_ref, link: _Link, inbox: _Inbox, utility_results, handler=None) -> None:
         self.client_ref = client_ref
@@ -134,15 +137,25 @@ class _EngineReader:
             # would end their streams as if finished instead of with EngineDeadError.
             self.fail(EngineDeadError())
             return
-        for rtype, outputs in got:
-            if self.stopped:
-                break
-            if link.on_control(rtype, outputs):
-                continue
-            if isinstance(outputs, BadMessage):  # as vLLM's output task: the error ends it
-                self.fail(RuntimeError(f"an engine output did not decode: {outputs.error}"))
-                break
-            self._dispatch(outputs)
+        try:
+            for rtype, outputs in got:
+                if self.stopped:
+                    break
+                try:
+                    if link.on_control(rtype, outputs):
+                        continue
+                    if isinstance(outputs, BadMessage):
+                        if _bad_reply(outputs, self.utility_results, link.engine_index):
+                            continue
+                        # as vLLM's output task: the error ends it
+                        self.fail(RuntimeError(f"an engine output did not decode: {outputs.error}"))
+                        break
+                    self._dispatch(outputs)
+                except Exception:
+                    _dispatch_failed(link.engine_index, rtype, outputs)
+        except BaseException:
+            self.inbox.parking.wake()  # the LoopReader wakes only after a dispatch that returned
+            raise
 
     def _dispatch(self, outputs: EngineCoreOutputs) -> None:
         from vllm.v1.engine import FT_STATUS_CALL_ID
@@ -153,7 +166,7 @@ class _EngineReader:
                 if client is not None and outputs.utility_output.result is not None:
                     client._engine_status[outputs.engine_index] = outputs.utility_output.result.result
             else:
-                _process_utility_output(outputs.utility_output, self.utility_results)
+                _utility_reply(outputs.utility_output, self.utility_results, self.link.engine_index)
         else:
             if self.handler is not None:
                 client = self.client_ref()
@@ -168,18 +181,20 @@ class _EngineReader:
         holds (the engine's last outputs) is dispatched first. Loop thread only."""
         if self.stopped:
             return
-        if remains:
-            self.draining = True
-            try:
-                while self.loop_reader.read_now(0.0):
-                    pass
-            finally:
-                self.draining = False
-        self.stopped = True
-        self.loop_reader.unwatch_hook()()
-        if self.failed is not None and not self.failed.done():
-            self.failed.set_result(None)
-        self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
+        try:
+            if remains:
+                self.draining = True
+                try:
+                    while self.loop_reader.read_now(0.0):
+                        pass
+                finally:
+                    self.draining = False
+        finally:  # stopped and the error queued, whatever the remains did
+            self.stopped = True
+            self.loop_reader.unwatch_hook()()
+            if self.failed is not None and not self.failed.done():
+                self.failed.set_result(None)
+            self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
 
 
 def _never() -> bool:
