@@ -701,6 +701,54 @@ def test_async_large_prompt_embeds_identical_through_the_arena(async_pair):
     assert arena_stats(shm.engine_core).sent_arena == before.sent_arena + 1
 
 
+def test_async_output_handler_yields_while_the_engine_is_ahead(async_pair):
+    """A frontend slower than its engine (each batch's processing busy-waits): the ring
+    always holds the next batch, so get_output_async never needs to park; it still lets
+    the loop run its other tasks every YIELD_EVERY_S (else vLLM's output handler, which
+    awaits it in a loop, held the loop until the engine had finished every stream: a
+    ticker's gap of seconds). The streams still bring stock's tokens."""
+    loop, stock, shm = async_pair
+    prompts = STREAM_PROMPTS[:4]
+    n, work_s = 200, 0.02  # slower than a step of this engine, even on a busy host
+    processor = shm.output_processor
+    process = processor.process_outputs
+
+    def slow_process(*args, **kwargs):
+        end = time.perf_counter() + work_s
+        while time.perf_counter() < end:
+            pass
+        return process(*args, **kwargs)
+
+    async def scenario():
+        ticks: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker():
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.001)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        got = await asyncio.wait_for(concurrent(shm, "slow", prompts, n), 120)
+        ended = time.monotonic()
+        stop.set()
+        await tick
+        inside = [t for t in ticks if started <= t <= ended]
+        return got, max(b - a for a, b in zip([started] + inside, inside + [ended])), ended - started
+
+    processor.process_outputs = slow_process
+    try:
+        got, gap, took = loop.run_until_complete(scenario())
+    finally:
+        processor.process_outputs = process
+    assert took >= n * work_s  # one batch a step at least: the frontend was the slower
+    assert gap < 0.5, (gap, took)  # held: about ``took`` (seen: 4.0 s of 4.0; 0.08 s yielding)
+    assert got == loop.run_until_complete(concurrent(stock, "slow-ref", prompts, n))
+    assert all(len(t) == n for t in got)
+
+
 # ---------------------------------------------------------------------------- failure
 
 

@@ -85,13 +85,19 @@ class _AsyncRings(_LinkIO):
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next output batch. Reads the rings in this task: what is there is returned
-        at once; else, with one engine, its reader spins on the ring for at most the spin
+        at once (a task not suspended for ``LoopReader.YIELD_EVERY_S`` yields to the loop
+        first); else, with one engine, its reader spins on the ring for at most the spin
         budget (holding the loop), then parks until the wake pipe's callback has read
         something. Raises EngineDeadError (or the output reader's error) as vLLM's does."""
         self._ensure_output_queue_task()
         readers = self._readers
         inbox = self.outputs_queue
         items = inbox.items
+        # vLLM's output handler awaits this in a loop and yields nowhere else (but between
+        # chunks of a large batch): while the engine keeps outputs coming, it would never
+        # suspend, starving the loop's other tasks (HTTP, streams).
+        if readers and readers[0].loop_reader.turn_due():
+            await asyncio.sleep(0)
         if not items and readers:
             if len(readers) == 1 and not self._remote:
                 await readers[0].loop_reader.wait(items.__len__, None)
@@ -105,6 +111,7 @@ class _AsyncRings(_LinkIO):
                     if any(reader.stopped for reader in readers):
                         raise EngineDeadError()  # its error was taken by an earlier call
                     await park_all(readers, inbox.parking)
+                    readers[0].loop_reader.turn_due()  # suspended: that was its turn
         while not items:  # no ring reader yet: vLLM's socket task (ENGINE_CORE_DEAD) only
             await inbox.parking.park(asyncio.get_running_loop(), None)
         outputs = items.popleft()
