@@ -18,7 +18,9 @@ import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import Future
 
+import msgspec
 import psutil
 import pytest
 
@@ -31,9 +33,11 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient  # noqa: E402
+from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType, FinishReason  # noqa: E402
 from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 
 import shmclient.vllm as plugin  # noqa: E402
+from shmclient import waiting  # noqa: E402
 from shmclient_bench import vllm as bench_vllm  # noqa: E402
 from shmclient.vllm.frontend import ShmSyncMPClient
 from shmclient.vllm.frontend_async import ShmAsyncMPClient  # noqa: E402
@@ -377,6 +381,75 @@ def test_a_request_that_does_not_decode_fails_alone(shm_llm, stock_llm):
         got = next((o for o in client.get_output().outputs if o.request_id == "bad-1"), None)
     assert got.finish_reason == FinishReason.ERROR
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
+
+
+_ABORT, _START_DP_WAVE, _UTILITY, _EXECUTOR_FAILED = (
+    EngineCoreRequestType[n].value[0] for n in ("ABORT", "START_DP_WAVE", "UTILITY", "EXECUTOR_FAILED"))
+
+
+def _core_request(rid: str, prompt: list[int], client_index: int = 0) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, mm_features=None, sampling_params=greedy(40),
+                             pooling_params=None, arrival_time=time.time(), lora_request=None, cache_salt=None,
+                             data_parallel_rank=None, client_index=client_index)
+
+
+def _send_raw(client, rtype: int, payload) -> None:
+    waiting.send(client._link.channel, rtype, msgspec.msgpack.encode(payload), timeout=10)
+
+
+def _utility_reply(client, call_id: int, payload) -> Future:
+    """Send a UTILITY record ``payload`` whose reply resolves the future of ``call_id``."""
+    future: Future = Future()
+    client.utility_results[call_id] = future
+    _send_raw(client, _UTILITY, payload)
+    client._reader.wait(future.done, time.monotonic() + 30)
+    return future
+
+
+def test_wrong_shaped_requests_are_refused_and_the_engine_keeps_serving(shm_llm, stock_llm):
+    """Requests that decode but cannot be handled, sent on the request ring: each is
+    refused alone (a request-scoped error or a utility failure reply on the ring it came
+    by) and the engine keeps serving. vLLM decodes only ADD with a type; stock vLLM's
+    input thread or busy loop dies on a wrong-shaped ABORT or UTILITY, or on the
+    engine's own sentinels sent as requests."""
+    from vllm.v1.fault_tolerance.engine_core_sentinel import FT_UTILITY_METHOD
+
+    stock, shm = stock_llm, shm_llm
+    client = shm.llm_engine.engine_core
+    # A request in flight (sent past LLM's bookkeeping: this test reads its outputs):
+    # neither the bad ABORTs nor the rest may finish it.
+    client.add_request(_core_request("inflight", [5, 6, 7, 8]))
+
+    _send_raw(client, _ABORT, None)  # vLLM: the busy loop dies, or finish_requests(None) ends all
+    _send_raw(client, _ABORT, 5)  # vLLM: TypeError in the busy loop, the engine dies
+    _send_raw(client, _ABORT, [[1]])
+    _send_raw(client, _UTILITY, [0, 1, "x"])  # vLLM: the input thread dies unpacking it
+    _send_raw(client, _EXECUTOR_FAILED, None)  # the engine's own sentinel: its busy loop would raise
+    _send_raw(client, _START_DP_WAVE, [1, 0])  # the DP coordinator's, not a frontend's
+
+    # Readable call ids get a failure reply on this ring.
+    bad_method = _utility_reply(client, 9001, [0, 9001, 123, []])
+    assert "refused" in str(bad_method.exception()), bad_method.exception()
+    other_client = _utility_reply(client, 9002, [1, 9002, "is_sleeping", []])
+    assert "client_index 1" in str(other_client.exception()), other_client.exception()
+    no_args = _utility_reply(client, 9003, [0, 9003, FT_UTILITY_METHOD, []])  # vLLM: IndexError, engine dies
+    assert "failed" in str(no_args.exception()), no_args.exception()
+
+    # An ADD claiming another frontend's index gets its error here (vLLM would send
+    # its outputs to a frontend that never asked).
+    client.add_request(_core_request("other-client", [9, 9], client_index=1))
+
+    finished = {}
+    deadline = time.monotonic() + 60
+    while not {"inflight", "other-client"} <= finished.keys():
+        assert time.monotonic() < deadline, finished
+        for out in client.get_output().outputs:
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert finished["inflight"] == FinishReason.LENGTH, finished
+    assert finished["other-client"] == FinishReason.ERROR, finished
+    assert client.call_utility("is_sleeping") is False
+    assert run(shm, [[5, 6, 7, 8], [1, 2, 3]], 6) == run(stock, [[5, 6, 7, 8], [1, 2, 3]], 6)
 
 
 class _PluginErrors(logging.Handler):
