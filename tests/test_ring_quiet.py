@@ -153,16 +153,18 @@ def test_a_channel_send_without_wake_owes_the_peer_its_wake_up(channels):
     assert _readable(fd) and engine.wake_owed() is False
 
 
-def test_an_engine_link_send_without_wake_on_a_full_ring_wakes_the_frontend_and_waits(channels):
-    """The frontend must read to make room: a held-back wake-up then would leave both
-    sides waiting for each other (until the frontend's own timeout)."""
+def test_an_engine_link_send_without_wake_on_a_full_ring_wakes_the_frontend(channels):
+    """The frontend must read to make room: a held-back wake-up then would leave the
+    kept message waiting for a frontend that sleeps (until the frontend's own timeout)."""
     from shmclient.errors import WouldBlock
     from shmclient.vllm.engine_link import _EngineLink
 
     front, engine = channels
     link = object.__new__(_EngineLink)  # no spec needed for send: the channel and liveness
-    link.channel, link.frontend_gone = engine, False
-    link.frontend_alive = lambda: True
+    link.channel, link.frontend_gone, link.client_index = engine, False, 0
+    link.frontend_alive = lambda: not link.frontend_gone
+    link._parked = link._parked_flag = link._pidfd = None
+    link._start_sending()
     filler = b"x" * 512
     sent = 0
     try:
@@ -173,25 +175,16 @@ def test_an_engine_link_send_without_wake_on_a_full_ring_wakes_the_frontend_and_
         pass
     fd = front.recv_fd()
     assert sent and not _readable(fd)
-    done = threading.Event()
-
-    def send() -> None:
-        link.send(0x20, [b"last"], wake=False)
-        done.set()
-
-    t = threading.Thread(target=send)
-    t.start()
     try:
-        assert select.select([fd], [], [], 10)[0], "the frontend was not woken"
+        assert link.send(0x20, [b"last"], wake=False) is True  # kept for the flusher
+        assert _readable(fd), "the frontend was not woken"
         got: list = []
         deadline = time.monotonic() + 10
-        while not done.is_set() or front.readable():
-            assert time.monotonic() < deadline, "the send did not finish"
+        while len(got) < sent + 1:
+            assert time.monotonic() < deadline, "the kept message did not come"
             front.arm_recv()
             got += front.rx.try_recv()
-            if not done.is_set():
-                select.select([fd], [], [], 0.5)
+            select.select([fd], [], [], 0.5)
         assert [r for r in got if r[1] != filler] == [(0x20, b"last")] and len(got) == sent + 1
     finally:
-        t.join(10)
-    assert not t.is_alive()
+        link.close()

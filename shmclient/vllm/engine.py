@@ -22,7 +22,7 @@ from .. import waiting
 from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from . import wire
-from .engine_link import _EngineLink, _links, _log
+from .engine_link import _EngineLink, _links, _log, drain
 from .engine_outputs import _hook_adaptive, _inline_outputs, _prewake_before_outputs, _serve_outputs
 
 _originals: dict[str, Any] = {}
@@ -45,13 +45,19 @@ def install() -> None:
 
 
 def _shutdown(self) -> None:
-    """vLLM's shutdown, then close this process's end of the channel: that wakes an IO
-    thread waiting on a ring and waits for it to let go, so nothing is unmapped under it."""
+    """vLLM's shutdown, then close this process's end of the channel (after up to
+    ``engine_link.DRAIN_S`` for live frontends to take what their full rings held back):
+    that wakes an IO thread waiting on a ring and waits for it to let go, so nothing is
+    unmapped under it."""
     try:
         _originals["shutdown"](self)
     finally:
-        for link in getattr(self, "_shmclient_links", ()):
-            link.close()
+        links = getattr(self, "_shmclient_links", ())
+        try:
+            drain(links)  # live frontends take what their full rings held back
+        finally:
+            for link in links:
+                link.close()
         inline = getattr(self, "_shmclient_inline", None)
         if inline is not None:
             _log().debug("shmclient.vllm: engine %d wrote %d output batches from its busy loop (%d of them "

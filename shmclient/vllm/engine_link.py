@@ -4,10 +4,13 @@ Imports ``shmclient.channel``, ``shmclient.shm``, ``shmclient.waiting`` and the 
 ``wire`` and ``link`` (its notice to a launcher); vLLM only for its serializers (through
 ``wire``). ``_links`` attaches, once per process, to the channels the environment names
 for this engine (``SHMCLIENT_VLLM_SPEC``), in client-index order, and closes the handles
-of every other channel a forked engine inherited. ``_EngineLink`` is one of them: sends
-wait while the ring is full, checking that the frontend is alive; the frontend is this
-process's parent when it started the engine, or, when a launcher (``vllm serve`` with
-several API servers) did, the process its HELLO names, watched with a pidfd.
+of every other channel a forked engine inherited. ``_EngineLink`` is one of them: a send
+never waits for the frontend; what its full ring cannot take now is kept, in order, and
+written by the link's flusher thread as the frontend makes room (vLLM's PUSH sockets
+queue the same way), so an API server that stops reading holds back neither the busy
+loop nor the other API servers' outputs. The frontend is this process's parent when it
+started the engine, or, when a launcher (``vllm serve`` with several API servers) did,
+the process its HELLO names, watched with a pidfd.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -29,6 +34,10 @@ _state_lock = threading.Lock()
 _state: "list[_EngineLink] | None" = None
 _looked = False  # whether the environment was read (once per process)
 _failed: "BaseException | None" = None  # why that attach failed: every later caller is told
+
+#: Longest the engine waits, at shutdown or before ENGINE_CORE_DEAD, for live frontends
+#: to take what their full rings held back (vLLM's PUSH sockets linger 4 s).
+DRAIN_S = 4.0
 
 
 class _EngineLink:
@@ -62,6 +71,7 @@ class _EngineLink:
         self._pidfd: int | None = None
         self._parked: Segment | None = None
         self._parked_flag: Any = None
+        self._start_sending()
         try:
             if spec.parked:
                 self._parked = Segment.attach(spec.parked)
@@ -70,6 +80,14 @@ class _EngineLink:
             self.close()
             raise
         notify_attached(spec.attached_pipe)
+
+    def _start_sending(self) -> None:
+        #: Messages the full ring could not take, oldest first, as (record type,
+        #: payload); while there are any, every send joins them.
+        self._backlog: deque = deque()
+        self._backlog_lock = threading.Lock()
+        self._drained = threading.Condition(self._backlog_lock)
+        self._flusher: threading.Thread | None = None  # writes the backlog while there is one
 
     def on_hello(self, obj: Any) -> None:
         """The frontend's first record names its pid: with a launcher, the process to
@@ -127,33 +145,81 @@ class _EngineLink:
     def close(self) -> None:
         self.frontend_gone = True
         self._parked_flag = None
-        self.channel.close()
+        self.channel.close()  # wakes a flusher waiting for room: it ends
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(5.0)
         if self._parked is not None:
             self._parked.close()
         pidfd, self._pidfd = self._pidfd, None
         if pidfd is not None:
             os.close(pidfd)
 
-    def send(self, kind: int, frames, *, wake: bool = True) -> None:
-        """Write one message; drop it once the frontend is gone. Waits while the ring is
-        full (the frontend is slow), checking the frontend's liveness.
+    def send(self, kind: int, frames, *, wake: bool = True) -> bool:
+        """Write one message now, or keep it for the flusher thread when the ring has no
+        room for it (the frontend is slow) or older messages are kept: it goes after them,
+        as the frontend makes room. Never waits for the frontend. Dropped once the
+        frontend is gone. True when the message was kept: its frames must not be reused.
 
         ``wake=False``: publish it without waking a parked frontend; the wake-up is owed
-        until ``wake_owed()`` (the caller's promise). A ring without room now gives the
-        owed wake-up at once and waits as above (the frontend must read to make room)."""
+        until ``wake_owed()`` (the caller's promise). A ring without room gives the owed
+        wake-up at once (the frontend must read to make room)."""
         if self.frontend_gone:
-            return
+            return False
         rtype, payload = wire.message(kind, frames)
-        try:
-            if not wake:
+        with self._backlog_lock:
+            if not self._backlog:
                 try:
-                    self.channel.send_nowait(rtype, payload, wake=False)
-                    return
+                    self.channel.send_nowait(rtype, payload, wake=wake)
+                    return False
                 except WouldBlock:
-                    self.channel.wake_owed()
-            waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
-        except (PeerDeadError, ClientClosedError):
-            self.frontend_gone = True
+                    # Nothing sent, or the fragments that fit: the flusher sends the
+                    # same payload again, which resumes after them.
+                    if not wake:
+                        self.channel.wake_owed()
+                except (PeerDeadError, ClientClosedError):
+                    self.frontend_gone = True
+                    return False
+            self._backlog.append((rtype, payload))
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush, daemon=True,
+                                                 name=f"shmclient-flush-{self.client_index}")
+                self._flusher.start()
+        return True
+
+    def _flush(self) -> None:
+        """The flusher thread: write the backlog, oldest first, waiting for room and
+        checking the frontend's liveness; ends when the backlog is empty (dropped once the
+        frontend is gone or the link closed). Only this thread writes while there is a
+        backlog: ``send`` adds to it instead."""
+        while True:
+            with self._backlog_lock:
+                if not self._backlog or self.frontend_gone:
+                    self._backlog.clear()
+                    self._flusher = None
+                    self._drained.notify_all()
+                    return
+                rtype, payload = self._backlog[0]
+            try:
+                waiting.send(self.channel, rtype, payload, timeout=None, alive=self.frontend_alive)
+            except (PeerDeadError, ClientClosedError):
+                self.frontend_gone = True
+                continue
+            except Exception as e:  # this message only (e.g. over the ring's 4 GiB)
+                _log().error("shmclient.vllm: a message to frontend %d dropped: %r", self.client_index, e)
+            with self._backlog_lock:
+                self._backlog.popleft()
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until the backlog is written (True), the frontend is gone (True: nobody to
+        write it to), or ``time.monotonic()`` passes ``deadline`` (False)."""
+        with self._drained:
+            while self._flusher is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._drained.wait(left)
+        return True
 
     def wake_owed(self) -> None:
         """Give the frontend the wake-up that sends with ``wake=False`` held back (if
@@ -178,6 +244,14 @@ class _EngineLink:
         except ImportError:
             pass
         self.send(wire.GPUS, [msgspec.msgpack.encode(gpus)])
+
+
+def drain(links: "list[_EngineLink]", timeout: float = DRAIN_S) -> None:
+    """Give live frontends up to ``timeout`` seconds in all to take what their full
+    rings held back (see ``_EngineLink.drain``)."""
+    deadline = time.monotonic() + timeout
+    for link in links:
+        link.drain(deadline)
 
 
 def _exists(pid: int) -> bool:

@@ -20,7 +20,7 @@ import zmq
 
 from ..channel import SPIN_GATE
 from . import wire
-from .engine_link import _EngineLink, _log
+from .engine_link import _EngineLink, _log, drain
 
 
 def _prewake_before_outputs(self, links: "list[_EngineLink]") -> None:
@@ -190,7 +190,7 @@ class _InlineOutputs:
         #: come while the busy loop is blocked for input, with no wake_owed to follow.
         self.loop_thread: int | None = None
         self.owing = False  # a batch was written without its wake-up, not yet given
-        self._buffers = [bytearray() for _ in links]  # the ring copies it: reusable at once
+        self._buffers = [bytearray() for _ in links]  # the ring copies it: reusable unless kept
         self._send_locks = [threading.Lock() for _ in links]  # vLLM's encoder is not thread-safe
         self._count_lock = threading.Lock()
         self._queued = 0  # output batches put in ``queue`` and not yet written
@@ -243,8 +243,11 @@ class _InlineOutputs:
         link = self._links[client_index]
         link.active = True
         with self._send_locks[client_index]:
-            link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]),
-                      wake=wake)
+            if link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]),
+                         wake=wake):
+                # Kept for the link's flusher (the frontend's ring is full): the payload
+                # may be the buffer itself, so the next batch gets another.
+                self._buffers[client_index] = bytearray()
             if not wake:
                 # After the write (an IO thread may put an error output while the busy
                 # loop gives the owed wake-ups): a wake_owed that ran before it finds this.
@@ -276,6 +279,7 @@ class _InlineOutputs:
         while True:
             item = self.queue.get()
             if isinstance(item, bytes):
+                drain(self._links)  # what full rings held back goes first, as it was put
                 for socket in dead_sockets:
                     socket.send(item)
                 return
