@@ -10,7 +10,8 @@ connection to one of the API servers.
 
 The kill tests come first, each with its own server (so that no more than one runs
 then): an engine core killed in ``dp2``, an API server in ``api2`` (the other two pairings
-would add ~4 min). Then the stock and the plug-in server of one layout are shared by that
+would add ~4 min); then a plug-in ``api2`` server with small output rings, one of whose
+API servers is stopped while its streams run. Then the stock and the plug-in server of one layout are shared by that
 layout's tests, one layout at a time (four processes and more a server, ~1 min to start
 here). Servers run with vLLM's stats on (without ``--disable-log-stats``): the abort test
 reads vLLM's gauge of running requests and its count of generated tokens.
@@ -424,6 +425,83 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
             serving._stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
         sweep_orphaned_vllm_segments(shm_before)  # vLLM's own, left by the processes it lost
+
+
+#: The output rings of the stopped-API-server test: a few hundred output batches fill one.
+SMALL_RING_BYTES = 64 << 10
+#: Chunks the running API server's streams must gain while the other is stopped: every
+#: step sends the stopped server a batch (~100 bytes or more) of its own streams'
+#: tokens, so its 64 KiB ring was full long before.
+STOPPED_PROGRESS = 1500
+STOPPED_TOKENS = 4000
+
+
+def test_a_stopped_api_server_holds_back_neither_the_engine_nor_the_other(model, _resource_tracker, monkeypatch):
+    """Two API servers, one engine core, output rings of 64 KiB (the plug-in): streams run
+    on both API servers; one is stopped (SIGSTOP, alive but reading nothing) while its
+    streams run, and its ring fills. The other's streams go on for thousands of tokens
+    (the engine queues the stopped server's batches, as vLLM's sockets do; it waited for
+    room before), and once the stopped server goes on (SIGCONT) its streams end complete,
+    with the same text as the others' (one prompt for all): nothing it was sent while
+    stopped is lost or out of order."""
+    monkeypatch.setenv("SHMCLIENT_VLLM_RING_BYTES", str(SMALL_RING_BYTES))
+    tmp = tempfile.mkdtemp(prefix="shmc-serve-stop-api2-")
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = stopped = None
+    prompt = STREAMS[0]
+    try:
+        proc, port = start(model, "plugin", "api2", tmp)
+        pids = api_servers(proc)
+        live: list[Stream] = []
+        conns: list = []
+        held: dict = {}
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            pending = []
+            try:
+                # streams in fours until both API servers hold some (the kernel hands a
+                # connection to whichever accepts first)
+                while len(conns) < 16 and len(set(held.get(c.sock.getsockname()[1]) for c in conns)) < 2:
+                    batch = [send(port, model, prompt, STOPPED_TOKENS, timeout=300) for _ in range(4)]
+                    conns += batch
+                    ports = [c.sock.getsockname()[1] for c in conns]
+                    held = wait_until(lambda: (h := connections(pids, port)) and set(ports) <= set(h) and h, 60,
+                                      "every stream's connection accepted by an API server", every=0.01)
+                    for c in batch:
+                        live.append(Stream())
+                        pending.append(ex.submit(stream, port, model, prompt, STOPPED_TOKENS, None, 300, live[-1],
+                                                 conn=c))
+            except BaseException:
+                for c in conns:
+                    c.close()
+                raise
+            by_server = [held[c.sock.getsockname()[1]] for c in conns]
+            assert len(set(by_server)) == 2, "one API server took every stream"
+            victim = by_server[0]
+            others = [s for s, pid in zip(live, by_server) if pid != victim]
+            wait_until(lambda: all(s.chunks or s.done or s.error for s in live), 60,
+                       "every stream has its first chunk", every=0.002)
+            os.kill(victim, signal.SIGSTOP)
+            stopped = victim
+            before = sum(s.chunks for s in others)
+            try:
+                wait_until(lambda: sum(s.chunks for s in others) - before >= STOPPED_PROGRESS
+                           or any(s.done or s.error for s in others), 180,
+                           "the running API server's streams go on while the other is stopped")
+                assert not any(s.error for s in others), [s.error for s in others]
+            finally:
+                os.kill(victim, signal.SIGCONT)
+                stopped = None
+            seen = [f.result(timeout=300) for f in pending]
+        assert [s for s in seen if not s.complete] == []
+        texts = {s.text for s in seen}
+        assert len(texts) == 1 and texts != {""}, [len(s.text) for s in seen]
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        if proc is not None:
+            serving._stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        sweep_orphaned_vllm_segments(shm_before)
 
 
 # -- the shared servers' tests ----------------------------------------------------------------
