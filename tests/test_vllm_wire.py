@@ -201,3 +201,73 @@ def test_an_out_of_band_tensor_within_bounds_comes_back(arena_pair):
     del got  # the arena view, before the receiver closes
     empty = provider("bfloat16", (0, 5), {KEY: [0, 1, 0]})
     assert empty.dtype == torch.bfloat16 and empty.shape == (0, 5)
+
+
+def _released_into(sender, provider) -> int:
+    """Hand the receiver's releases to the sender; the sender's blocks still in flight."""
+    rel = provider.receiver.take_releases()
+    if rel is not None:
+        sender.on_release(rel)
+    return sender.statistics().blocks_in_flight
+
+
+def test_a_failed_decode_releases_the_blocks_of_placeholders_it_did_not_reach(arena_pair):
+    """A message whose decode fails after its first tensor: that tensor's block goes back
+    when the tensor is dropped, the others' when the message is salvaged."""
+    import gc
+
+    import msgspec
+    import torch
+
+    from shmclient.vllm.oob import KEY
+    from shmclient.vllm.wire import _Frames
+
+    sender, provider = arena_pair
+    tensors = [torch.full((128, 128), float(i)) for i in range(4)]  # 64 KiB: read as views
+    handles = [sender.put(t, t.nbytes) for t in tensors]
+    placeholders = [["float32", [128, 128], {KEY: h}] for h in handles]
+    # nested as vLLM nests tensors: in lists, in a dict of a struct's array, one repeated
+    message = msgspec.msgpack.encode(["req-1", [placeholders[0], {"mm": [placeholders[1], placeholders[2]]}],
+                                      None, placeholders[3], "tail"])
+
+    class FailsAfterTheFirstTensor:
+        def decode(self, frame):
+            self.first = provider("float32", [128, 128], {KEY: handles[0]})
+            raise ValueError("a field of the wrong type")
+
+    dec = FailsAfterTheFirstTensor()
+    frames = _Frames(dec, False, provider)
+    with pytest.raises(ValueError):
+        frames.decode(memoryview(message))
+    assert _released_into(sender, provider) == 4
+    raw = frames.salvage(memoryview(message))
+    assert raw[0] == "req-1"
+    assert _released_into(sender, provider) == 1  # the reached one lives on in dec.first
+    assert torch.equal(dec.first, tensors[0])
+    del dec.first
+    gc.collect()
+    assert _released_into(sender, provider) == 0
+
+
+def test_salvage_leaves_alone_what_is_not_an_arena_placeholder(arena_pair):
+    """Lists of three that only look alike (no handle, a handle that is not a list, a bad
+    dtype) are skipped; nothing raises."""
+    import msgspec
+
+    from shmclient.vllm.oob import KEY
+    from shmclient.vllm.wire import _Frames
+
+    sender, provider = arena_pair
+
+    class Fails:
+        def decode(self, frame):
+            raise ValueError("bad")
+
+    message = msgspec.msgpack.encode([["a", "b", {"other": 1}], ["float32", [4], {KEY: 7}],
+                                      ["no-dtype", [4], {KEY: [0, 99, 0]}], [[[[["deep"]]]]]])
+    frames = _Frames(Fails(), False, provider)
+    with pytest.raises(ValueError):
+        frames.decode(memoryview(message))
+    assert frames.salvage(memoryview(message))[3] == [[[[["deep"]]]]]
+    assert frames.salvage(memoryview(b"\xc1")) is None  # not msgpack: nothing to walk
+    assert _released_into(sender, provider) == 0

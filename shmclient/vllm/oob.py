@@ -70,6 +70,8 @@ class ArenaProvider:
     def __init__(self, receiver: ShmTensorReceiver, fallback: Callable[..., torch.Tensor] | None = None) -> None:
         self.receiver = receiver
         self.fallback = fallback
+        #: Handles the current decode asked for (cleared by the decoder before each).
+        self.opened: list = []
 
     def __call__(self, dtype: str, shape: Any, meta: dict) -> torch.Tensor:
         handle = meta.get(KEY) if isinstance(meta, dict) else None
@@ -77,6 +79,7 @@ class ArenaProvider:
             if self.fallback is None:
                 raise ValueError(f"shmclient.vllm: an out-of-band tensor placeholder it does not know: {meta!r}")
             return self.fallback(dtype, shape, meta)
+        self.opened.append(handle)
         if type(handle) is list and handle and handle[0] == CUDA_IPC:
             return self.receiver.get_cuda(handle)
         dt, size, nbytes = _checked(dtype, shape)
@@ -85,6 +88,37 @@ class ArenaProvider:
         arr = self.receiver.get(handle, nbytes)
         # from_numpy keeps ``arr`` (the watched array) alive exactly as long as the tensor
         return torch.from_numpy(arr).view(dt).view(size)
+
+
+    def release_unopened(self, message: Any) -> None:
+        """After a decode of ``message`` (its first frame, decoded as plain msgpack) failed:
+        open and drop at once each of its arena and CUDA placeholders that the decode did
+        not reach, so that the sender gets their blocks back (those it reached are
+        released as the tensors it made are dropped). Best effort; never raises."""
+        todo = [message]
+        seen = tried = 0
+        while todo and seen < _MAX_WALK and tried < _MAX_PLACEHOLDERS:
+            item = todo.pop()
+            seen += 1
+            if type(item) is dict:
+                todo.extend(item.values())
+            elif type(item) is list:
+                if (len(item) == 3 and type(item[2]) is dict and type(item[2].get(KEY)) is list
+                        and item[2][KEY] not in self.opened):
+                    tried += 1
+                    try:
+                        self(item[0], item[1], item[2])  # dropped at once: released
+                    except Exception:  # not a handle we can open: not ours to free
+                        pass
+                else:
+                    todo.extend(item)
+        self.opened.clear()
+
+
+#: Most values ``release_unopened`` looks at in one message, and most placeholders it
+#: opens (a message of vLLM's carries a few tensors).
+_MAX_WALK = 1 << 20
+_MAX_PLACEHOLDERS = 4096
 
 
 def _checked(dtype: Any, shape: Any) -> "tuple[torch.dtype, tuple[int, ...], int]":

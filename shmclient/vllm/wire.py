@@ -195,21 +195,29 @@ class _Frames:
     """One record type's decoder: vLLM's ``MsgpackDecoder`` over the record's frames
     (copied out of the ring: vLLM keeps views of what it decodes)."""
 
-    __slots__ = ("dec", "multi")
+    __slots__ = ("dec", "multi", "provider")
 
-    def __init__(self, dec: Any, multi: bool) -> None:
+    def __init__(self, dec: Any, multi: bool, provider: Any = None) -> None:
         self.dec = dec
         self.multi = multi
+        self.provider = provider  # the arena's (oob.ArenaProvider), or None
 
     def decode(self, view: memoryview) -> Any:
+        if self.provider is not None:
+            self.provider.opened.clear()
         return self.dec.decode(unpack(view) if self.multi else bytes(view))
 
     def salvage(self, view: memoryview) -> Any:
+        """After ``decode`` raised: the first frame as plain msgpack (None when unreadable);
+        the arena blocks of placeholders the decode did not reach are released."""
         try:
             first = unpack(view)[0] if self.multi else view
-            return msgspec.msgpack.decode(first)
+            raw = msgspec.msgpack.decode(first)
         except Exception:
             return None
+        if self.provider is not None:
+            self.provider.release_unopened(raw)
+        return raw
 
 
 class _Msgpack:
@@ -259,8 +267,8 @@ class VllmFraming:
             raise ValueError(f"side must be 'frontend' or 'engine', got {side!r}")
         self.decoders: dict[int, Any] = {}
         for kind, dec in typed.items():
-            self.decoders[kind] = _Frames(dec, False)
-            self.decoders[kind | MULTI] = _Frames(dec, True)
+            self.decoders[kind] = _Frames(dec, False, self.provider)
+            self.decoders[kind | MULTI] = _Frames(dec, True, self.provider)
         if side == "frontend":
             self.decoders[GPUS] = _Msgpack()
         self.decoders[HELLO] = _Msgpack(int)
