@@ -236,3 +236,23 @@ def test_engine_core_dead_goes_after_what_full_rings_held_back(channels):
     assert got[-1] == (wire.OUTPUTS, b"last")
     assert when == [(b"DEAD", [])]  # sent once the kept batch was written
     link.close()
+
+
+def test_a_kept_message_gives_a_wake_up_held_back_by_earlier_quiet_sends(channels):
+    """Batches written without their wake-up filled the ring: the frontend sleeps on a full
+    ring; the next batch, kept, wakes it whatever its own ``wake``."""
+    front, engine = channels()
+    link = make_link(engine)
+    fillers = 0
+    try:
+        while True:
+            engine.send_nowait(1, FILLER, wake=False)
+            fillers += 1
+    except WouldBlock:
+        pass
+    fd = front.recv_fd()
+    assert not select.select([fd], [], [], 0)[0]
+    assert link.send(wire.OUTPUTS, [b"kept"], wake=True) is True
+    assert select.select([fd], [], [], 0)[0], "the frontend sleeps on a full ring"
+    assert read(front, fillers + 1)[-1] == (wire.OUTPUTS, b"kept")
+    link.close()

@@ -162,7 +162,7 @@ class _EngineLink:
         frontend is gone. True when the message was kept: its frames must not be reused.
 
         ``wake=False``: publish it without waking a parked frontend; the wake-up is owed
-        until ``wake_owed()`` (the caller's promise). A ring without room gives the owed
+        until ``wake_owed()`` (the caller's promise). A ring without room gives any owed
         wake-up at once (the frontend must read to make room)."""
         if self.frontend_gone:
             return False
@@ -174,9 +174,9 @@ class _EngineLink:
                     return False
                 except WouldBlock:
                     # Nothing sent, or the fragments that fit: the flusher sends the
-                    # same payload again, which resumes after them.
-                    if not wake:
-                        self.channel.wake_owed()
+                    # same payload again, which resumes after them. A wake-up held back
+                    # goes now: the frontend must read to make room.
+                    self.channel.wake_owed()
                 except (PeerDeadError, ClientClosedError):
                     self.frontend_gone = True
                     return False

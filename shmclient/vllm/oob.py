@@ -89,7 +89,6 @@ class ArenaProvider:
         # from_numpy keeps ``arr`` (the watched array) alive exactly as long as the tensor
         return torch.from_numpy(arr).view(dt).view(size)
 
-
     def release_unopened(self, message: Any) -> None:
         """After a decode of ``message`` (its first frame, decoded as plain msgpack) failed:
         open and drop at once each of its arena and CUDA placeholders that the decode did
