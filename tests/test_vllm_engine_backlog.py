@@ -256,3 +256,29 @@ def test_a_kept_message_gives_a_wake_up_held_back_by_earlier_quiet_sends(channel
     assert select.select([fd], [], [], 0)[0], "the frontend sleeps on a full ring"
     assert read(front, fillers + 1)[-1] == (wire.OUTPUTS, b"kept")
     link.close()
+
+
+def _blocked_signals(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk line")
+
+
+def test_the_flusher_leaves_sigterm_and_sigint_to_the_main_thread(channels):
+    """Started from the busy loop (the main thread, signals unblocked), the flusher must
+    not take the SIGTERM that should wake vLLM's main thread."""
+    import signal
+
+    front, engine = channels()
+    link = make_link(engine)
+    fillers = fill(engine)
+    assert link.send(wire.OUTPUTS, [b"kept"]) is True  # from this (the main) thread
+    flusher = link._flusher
+    want = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+    deadline = time.monotonic() + 10
+    while _blocked_signals(flusher.native_id) & want != want:
+        assert time.monotonic() < deadline, "the flusher takes SIGTERM and SIGINT"
+    read(front, fillers + 1)
+    link.close()

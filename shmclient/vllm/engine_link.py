@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
 import time
 from collections import deque
@@ -191,7 +192,11 @@ class _EngineLink:
         """The flusher thread: write the backlog, oldest first, waiting for room and
         checking the frontend's liveness; ends when the backlog is empty (dropped once the
         frontend is gone or the link closed). Only this thread writes while there is a
-        backlog: ``send`` adds to it instead."""
+        backlog: ``send`` adds to it instead. SIGTERM and SIGINT are blocked here, as in the
+        engine's IO threads: a thread that wakes every liveness slice could take a signal
+        meant to wake vLLM's main thread (it may be started from the busy loop, whose mask
+        it inherits)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         while True:
             with self._backlog_lock:
                 if not self._backlog or self.frontend_gone:
