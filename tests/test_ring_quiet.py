@@ -123,7 +123,7 @@ def test_nothing_is_owed_after_close(pair):
     assert c.try_recv() == [(1, b"a")]
 
 
-# ---------------------------------------------------------------- the channel and the engine link
+# ---------------------------------------------------------------- the channel
 
 
 @pytest.fixture
@@ -151,40 +151,3 @@ def test_a_channel_send_without_wake_owes_the_peer_its_wake_up(channels):
     front.arm_recv()
     engine.send_nowait(5, b"woken")  # the default wakes at once
     assert _readable(fd) and engine.wake_owed() is False
-
-
-def test_an_engine_link_send_without_wake_on_a_full_ring_wakes_the_frontend(channels):
-    """The frontend must read to make room: a held-back wake-up then would leave the
-    kept message waiting for a frontend that sleeps (until the frontend's own timeout)."""
-    from shmclient.errors import WouldBlock
-    from shmclient.vllm.engine_link import _EngineLink
-
-    front, engine = channels
-    link = object.__new__(_EngineLink)  # no spec needed for send: the channel and liveness
-    link.channel, link.frontend_gone, link.client_index = engine, False, 0
-    link.frontend_alive = lambda: not link.frontend_gone
-    link._parked = link._parked_flag = link._pidfd = None
-    link._start_sending()
-    filler = b"x" * 512
-    sent = 0
-    try:
-        while True:
-            engine.send_nowait(1, filler, wake=False)
-            sent += 1
-    except WouldBlock:
-        pass
-    fd = front.recv_fd()
-    assert sent and not _readable(fd)
-    try:
-        assert link.send(0x20, [b"last"], wake=False) is True  # kept for the flusher
-        assert _readable(fd), "the frontend was not woken"
-        got: list = []
-        deadline = time.monotonic() + 10
-        while len(got) < sent + 1:
-            assert time.monotonic() < deadline, "the kept message did not come"
-            front.arm_recv()
-            got += front.rx.try_recv()
-            select.select([fd], [], [], 0.5)
-        assert [r for r in got if r[1] != filler] == [(0x20, b"last")] and len(got) == sent + 1
-    finally:
-        link.close()
