@@ -434,6 +434,8 @@ SMALL_RING_BYTES = 64 << 10
 #: tokens, so its 64 KiB ring was full long before.
 STOPPED_PROGRESS = 1500
 STOPPED_TOKENS = 4000
+#: Most streams the test opens (in fours) until both API servers hold some.
+STOPPED_MAX_STREAMS = 24
 
 
 def test_a_stopped_api_server_holds_back_neither_the_engine_nor_the_other(model, _resource_tracker, monkeypatch):
@@ -455,12 +457,13 @@ def test_a_stopped_api_server_holds_back_neither_the_engine_nor_the_other(model,
         live: list[Stream] = []
         conns: list = []
         held: dict = {}
-        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        with concurrent.futures.ThreadPoolExecutor(STOPPED_MAX_STREAMS) as ex:
             pending = []
             try:
                 # streams in fours until both API servers hold some (the kernel hands a
                 # connection to whichever accepts first)
-                while len(conns) < 16 and len(set(held.get(c.sock.getsockname()[1]) for c in conns)) < 2:
+                while (len(conns) < STOPPED_MAX_STREAMS
+                       and len(set(held.get(c.sock.getsockname()[1]) for c in conns)) < 2):
                     batch = [send(port, model, prompt, STOPPED_TOKENS, timeout=300) for _ in range(4)]
                     conns += batch
                     ports = [c.sock.getsockname()[1] for c in conns]
