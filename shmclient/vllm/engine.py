@@ -191,9 +191,17 @@ def _read_requests(self, link: _EngineLink, types) -> None:
         except (PeerDeadError, ClientClosedError):
             link.frontend_gone = True
             if link.ends_engine:
-                # What vLLM's SIGTERM handler does: finish (abort) and leave the busy loop.
+                # What vLLM's SIGTERM handler does: finish and leave the busy loop. Abort
+                # the running requests whatever --shutdown-timeout says: a drain would
+                # generate for nobody (the frontend that would read it is gone) for up to
+                # that timeout.
                 from vllm.v1.engine.core import EngineShutdownState
 
+                try:
+                    self.vllm_config.shutdown_timeout = 0
+                except Exception:  # noqa: BLE001 (a vLLM whose config refuses it drains, as before)
+                    _log().warning("shmclient.vllm: the engine drains its requests before it ends "
+                                   "(its shutdown timeout could not be set to 0)", exc_info=True)
                 self.shutdown_state = EngineShutdownState.REQUESTED
                 self.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
             return
