@@ -16,6 +16,7 @@ its buffer. Nothing here blocks.
 
 from __future__ import annotations
 
+import reprlib
 import struct
 import sys
 import warnings
@@ -106,29 +107,40 @@ def read_header(data: memoryview) -> tuple[Any, list, Any, Any, int]:
     if type(header) is not list or len(header) != 4 or len(data) < 2 + n:
         raise SerializationError("malformed tensor header: expected [dtype, shape, where, extra]")
     dtype, shape, where, extra = header
-    if type(shape) is not list or len(shape) > MAX_NDIM or any(
-        type(d) is not int or d < 0 for d in shape
-    ):
-        raise SerializationError(
-            f"malformed tensor header: shape must be a list of at most {MAX_NDIM} ints >= 0"
-        )
+    check_shape(shape, "malformed tensor header")
     if where is not None and type(where) is not int and type(where) is not list:
         raise SerializationError("malformed tensor header: bad location of the tensor's bytes")
     return dtype, shape, where, extra, 2 + n
 
 
-def nbytes_of(itemsize: int, shape: list) -> int:
-    nbytes = itemsize
+def check_shape(shape: Any, what: str) -> None:
+    """Raise ``SerializationError`` (``what``, then the problem) unless ``shape``, from the
+    peer, is a list (or tuple) of at most ``MAX_NDIM`` ints >= 0 (a bool is no int)."""
+    if type(shape) is not list and type(shape) is not tuple or len(shape) > MAX_NDIM:
+        raise SerializationError(f"{what}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
+                                 f"got {reprlib.repr(shape)}")
     for d in shape:
+        if type(d) is not int or d < 0:
+            raise SerializationError(f"{what}: shape must be a list of at most {MAX_NDIM} ints >= 0, "
+                                     f"{reprlib.repr(shape)} has dimension {reprlib.repr(d)}")
+
+
+def nbytes_of(itemsize: int, shape: list) -> int:
+    """Bytes of a tensor of ``shape`` (checked by ``check_shape``): 0 when a dimension is
+    0. Raises ``SerializationError`` when its non-zero dimensions times ``itemsize`` come
+    to over ``MAX_TENSOR_BYTES``, an empty tensor's too (its strides would overflow)."""
+    nbytes = itemsize
+    empty = False
+    for d in shape:
+        if d == 0:
+            empty = True
+            continue
         nbytes *= d
         if nbytes > MAX_TENSOR_BYTES:
-            break
-    if nbytes > MAX_TENSOR_BYTES:
-        raise SerializationError(
-            f"tensor of shape {shape[:8]}{'...' if len(shape) > 8 else ''} is over "
-            f"{MAX_TENSOR_BYTES} bytes"
-        )
-    return nbytes
+            raise SerializationError(
+                f"tensor of shape {reprlib.repr(shape)} is over 2**{MAX_TENSOR_BYTES.bit_length() - 1} bytes"
+            )
+    return 0 if empty else nbytes
 
 
 def check_torch(t) -> None:

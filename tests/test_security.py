@@ -4,6 +4,7 @@ every reservation is checked against the memory the process may still use."""
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 import time
@@ -59,6 +60,8 @@ BAD_HEADERS = [
     ("shape-float", EXT_TORCH, ["float32", [1.5], None, None]),
     ("shape-huge", EXT_TORCH, ["float32", [1 << 40, 1 << 40], [ARENA, 7, 0], None]),
     ("shape-not-list", EXT_TORCH, ["float32", 4, None, None]),
+    ("shape-empty-huge", EXT_TORCH, ["float32", [0, 1 << 40, 1 << 40], None, None]),
+    ("np-shape-empty-huge", EXT_NUMPY, ["<f4", [0, 1 << 40, 1 << 40], None, None]),
     ("header-short", EXT_TORCH, ["float32", [4]]),
     ("header-not-list", EXT_TORCH, {"a": 1}),
 ]
@@ -115,6 +118,17 @@ def test_dtype_name_from_the_wire_never_imports_a_torch_submodule():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("code, dtype", [(EXT_TORCH, "float32"), (EXT_NUMPY, "<f4")])
+def test_decoder_refuses_an_empty_tensor_whose_strides_overflow_with_a_typed_error(code, dtype):
+    """A shape with a 0 has no bytes, but its other dimensions still give the strides:
+    over the size bound they are refused by name, not left to torch's or numpy's
+    overflow errors."""
+    hdr = msgspec.msgpack.encode([dtype, [0, 1 << 40, 1 << 40], None, None])
+    buf = msgspec.msgpack.encode(msgspec.msgpack.Ext(code, struct.pack("<H", len(hdr)) + hdr))
+    with pytest.raises(SerializationError, match=re.escape("[0, 1099511627776, 1099511627776] is over 2**48 bytes")):
+        Decoder().decode(buf)
 
 
 def test_decoder_refuses_bad_dtype_with_a_typed_error():

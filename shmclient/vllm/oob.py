@@ -2,6 +2,7 @@
 
 Middle layer of the plug-in: imports ``shmclient.tensors`` (arena sender and receiver,
 CUDA IPC through ``tensors_cuda``), ``dtypes`` (the allowlist of a placeholder's dtype),
+``codec_tensor`` (the shape and size checks of a tensor header),
 torch and vLLM's ``serial_utils`` interfaces (``OOBTensorConsumer``); never the frontend
 or engine modules. ``wire.VllmFraming`` builds these objects on a channel's arenas; the
 channel carries the releases back. Its contract (what goes out of band, life cycle of a
@@ -10,11 +11,11 @@ block, the threshold): docs/design.md, "Module notes", ``shmclient.vllm.oob``.
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any, Callable
 
 import torch
 
+from ..codec_tensor import check_shape, nbytes_of
 from ..dtypes import torch_dtype
 from ..errors import SerializationError
 from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
@@ -25,10 +26,6 @@ __all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
 KEY = "shmc"
 #: CPU tensors from this size travel through the arena; smaller ones as ring frames.
 TENSOR_MIN_BYTES = 64 * 1024
-#: Most dimensions a placeholder's shape may give, and most bytes (also: elements of one
-#: dimension) it may describe; checked before anything is allocated or mapped for it.
-MAX_NDIM = 64
-MAX_BYTES = 1 << 62
 
 try:
     from vllm.v1.serial_utils import OOBTensorConsumer as _Consumer
@@ -121,25 +118,10 @@ _MAX_PLACEHOLDERS = 4096
 
 
 def _checked(dtype: Any, shape: Any) -> "tuple[torch.dtype, tuple[int, ...], int]":
-    """``(dtype, shape, nbytes)`` of a placeholder from the peer, or ``SerializationError``
-    naming what is wrong: a dtype off the allowlist, a shape that is not a list of at
-    most ``MAX_NDIM`` ints in [0, ``MAX_BYTES``), or one over ``MAX_BYTES`` bytes (its
-    strides too: the product of its non-zero dimensions)."""
+    """``(dtype, shape, nbytes)`` of a placeholder from the peer, checked as the native
+    codec checks a tensor header (``codec_tensor``): ``SerializationError`` naming a
+    dtype off the allowlist, a shape that is not a list of at most 64 ints >= 0, or one
+    over 2**48 bytes (an empty one's strides too)."""
     dt = torch_dtype(dtype)
-    if (type(shape) is not list and type(shape) is not tuple) or len(shape) > MAX_NDIM:
-        raise SerializationError(f"shmclient.vllm: an out-of-band tensor's shape must be a list of at most "
-                                 f"{MAX_NDIM} ints, got {reprlib.repr(shape)}")
-    span = dt.itemsize
-    empty = False
-    for d in shape:
-        if type(d) is not int or not 0 <= d < MAX_BYTES:
-            raise SerializationError(f"shmclient.vllm: an out-of-band tensor's shape {reprlib.repr(shape)} "
-                                     f"has dimension {reprlib.repr(d)}, not an int in [0, 2**62)")
-        if d == 0:
-            empty = True
-        else:
-            span *= d
-            if span > MAX_BYTES:
-                raise SerializationError(f"shmclient.vllm: an out-of-band tensor of shape {reprlib.repr(shape)} "
-                                         f"and dtype {dtype} is over 2**62 bytes")
-    return dt, tuple(shape), 0 if empty else span
+    check_shape(shape, "shmclient.vllm: an out-of-band tensor placeholder")
+    return dt, tuple(shape), nbytes_of(dt.itemsize, shape)
