@@ -168,7 +168,7 @@ class _InlineOutputs:
     a CPU before it has handed vLLM the next step: a served vLLM's streamed tokens came
     5-10 ms apart (p50) against stock's 3-4 at 20 requests/s on a busy 2-CPU host,
     3.2-4.0 ms with every batch written by the output thread (measured 2026-12-04; the
-    README's Serving section has the later runs). So then, once ``_defer_wakes`` has
+    README's "Measured" section has the later runs). So then, once ``_defer_wakes`` has
     hooked the busy loop (``step_follows`` set), the batch is still written here but its
     wake-up waits until the busy loop has handed the next step to vLLM's executor
     (``wake_owed``), or comes at once when no step follows or a thread other than the
