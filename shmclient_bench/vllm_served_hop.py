@@ -16,12 +16,15 @@ a clock all processes of a host share), for batches with outputs. It covers enco
 transport, decode and vLLM's hand-offs on both sides, not the HTTP response. Printed per
 transport and load (one stream, several): the p50, p90 and p99 over every batch of the
 server's rounds, and per pair the ratio plug-in / stock of the p50s; their median is the
-verdict's figure.
+verdict's figure. Beside the hop, per batch, the run-queue wait: how long the API
+server's event-loop thread was runnable but had no CPU while ``get_output_async`` waited
+for that batch (the kernel's ``/proc/thread-self/schedstat``; none where the kernel does
+not keep it). A hop made mostly of it is set by the host's CPUs, not by the transport.
 
 The hook is installed in every API server when this module is imported with ``HOP_ENV``
 naming a folder: vLLM spawns its API servers, which import the main module (this one)
 again there. Each process appends its records (the hop in seconds and the batch's
-outputs, ``RECORD``) to a file of its own in that folder; the run's private temporary
+outputs, the run-queue wait, ``RECORD``) to a file of its own in that folder; the run's private temporary
 folder (vLLM's ipc sockets go there too), removed at the end.
 """
 
@@ -43,8 +46,9 @@ __all__ = ["HOP_ENV", "RECORD", "format_table", "main", "pair_ratios", "read_rec
 
 #: The folder the API servers of a measured server write their records to.
 HOP_ENV = "SHMCLIENT_BENCH_SERVED_HOP"
-#: One record per batch: the hop (s), the batch's outputs.
-RECORD = struct.Struct("<dI")
+#: One record per batch: the hop (s), the batch's outputs, the run-queue wait (ns; -1 where
+#: the kernel does not keep it).
+RECORD = struct.Struct("<dIq")
 #: Streams of the "several" load, tokens a stream, warm-up streams.
 STREAMS, TOKENS, WARMUP = 8, 64, 8
 TRANSPORTS = ("stock", "plugin")
@@ -64,11 +68,16 @@ def _install_hooks(folder: str) -> None:
         init(self, *args, **kwargs)
         fd = os.open(os.path.join(folder, f"hops-{os.getpid()}.bin"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         get = self.engine_core.get_output_async
+        stats: dict[int, int] = {}  # thread id -> its schedstat file (-1: none)
 
         async def get_output_async():
+            waited = _run_queue_ns(stats)
             out = await get()
+            now = time.monotonic()
             if out.outputs:
-                os.write(fd, RECORD.pack(time.monotonic() - out.timestamp, len(out.outputs)))
+                if waited >= 0:
+                    waited = max(-1, _run_queue_ns(stats) - waited)
+                os.write(fd, RECORD.pack(now - out.timestamp, len(out.outputs), waited))
             return out
 
         self.engine_core.get_output_async = get_output_async
@@ -76,23 +85,45 @@ def _install_hooks(folder: str) -> None:
     AsyncLLM.__init__ = traced_init
 
 
+def _run_queue_ns(stats: dict[int, int]) -> int:
+    """The calling thread's time spent runnable without a CPU so far (ns), from its
+    ``/proc/thread-self/schedstat`` (kept open in ``stats``); -1 where there is none."""
+    import threading
+
+    tid = threading.get_ident()
+    fd = stats.get(tid)
+    if fd is None:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        stats[tid] = fd
+    if fd < 0:
+        return -1
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 if os.environ.get(HOP_ENV):  # the server's processes (with one API server: the launcher)
     _install_hooks(os.environ[HOP_ENV])
 
 
-def read_records(folder: str, offsets: dict[str, int] | None = None) -> tuple[list[float], dict[str, int]]:
-    """The hops (s) recorded in ``folder`` after ``offsets`` (file -> bytes already
-    read), and the files' sizes now. A partial record at a file's end (a write under way)
-    is left for the next read."""
+def read_records(folder: str, offsets: dict[str, int] | None = None
+                 ) -> tuple[list[tuple[float, float | None]], dict[str, int]]:
+    """The (hop, run-queue wait) pairs (s; the wait None where unknown) recorded in
+    ``folder`` after ``offsets`` (file -> bytes already read), and the files' sizes now. A
+    partial record at a file's end (a write under way) is left for the next read."""
     offsets = offsets or {}
-    hops: list[float] = []
+    hops: list[tuple[float, float | None]] = []
     sizes: dict[str, int] = {}
     for path in sorted(glob.glob(os.path.join(folder, "hops-*.bin"))):
         with open(path, "rb") as f:
             f.seek(offsets.get(path, 0))
             data = f.read()
         whole = len(data) - len(data) % RECORD.size
-        hops += [h for h, _ in RECORD.iter_unpack(data[:whole])]
+        hops += [(h, w / 1e9 if w >= 0 else None) for h, _, w in RECORD.iter_unpack(data[:whole])]
         sizes[path] = offsets.get(path, 0) + whole
     return hops, sizes
 
@@ -102,12 +133,16 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(len(v) * q))]
 
 
-def summarise(hops: list[float]) -> dict[str, Any]:
-    """Batches, and p50 / p90 / p99 of the hop in µs."""
-    if not hops:
-        return {"batches": 0, "p50": None, "p90": None, "p99": None}
-    us = [h * 1e6 for h in hops]
-    return {"batches": len(us), "p50": _pct(us, 0.5), "p90": _pct(us, 0.9), "p99": _pct(us, 0.99)}
+def summarise(records: list[tuple[float, float | None]]) -> dict[str, Any]:
+    """Batches, p50 / p90 / p99 of the hop in µs, and p50 / p90 of the run-queue wait in
+    µs (``wait_p50``, ``wait_p90``; None unless every batch has it)."""
+    if not records:
+        return {"batches": 0, "p50": None, "p90": None, "p99": None, "wait_p50": None, "wait_p90": None}
+    us = [h * 1e6 for h, _ in records]
+    waits = [w * 1e6 for _, w in records if w is not None]
+    known = len(waits) == len(records)
+    return {"batches": len(us), "p50": _pct(us, 0.5), "p90": _pct(us, 0.9), "p99": _pct(us, 0.99),
+            "wait_p50": _pct(waits, 0.5) if known else None, "wait_p90": _pct(waits, 0.9) if known else None}
 
 
 def pair_ratios(pairs: list[dict[str, dict[str, dict[str, Any]]]], load: str) -> list[float]:
@@ -121,14 +156,17 @@ def pair_ratios(pairs: list[dict[str, dict[str, dict[str, Any]]]], load: str) ->
 
 
 def format_table(pairs: list[dict[str, dict[str, dict[str, Any]]]]) -> str:
-    """One row per pair, transport and load: batches, p50 / p90 / p99 (µs); then the
-    ratios plug-in / stock of the p50s and their median per load."""
-    lines = ["| pair | transport | load | batches | hop p50 / p90 / p99 µs |", "|---|---|---|---|---|"]
+    """One row per pair, transport and load: batches, the hop's p50 / p90 / p99 and the
+    run-queue wait's p50 / p90 (µs); then the ratios plug-in / stock of the hop p50s and
+    their median per load."""
+    lines = ["| pair | transport | load | batches | hop p50 / p90 / p99 µs | run-queue wait p50 / p90 µs |",
+             "|---|---|---|---|---|---|"]
     for i, pair in enumerate(pairs, 1):
         for transport in TRANSPORTS:
             for load, s in pair[transport].items():
                 figures = "-" if s["p50"] is None else f"{s['p50']:.0f} / {s['p90']:.0f} / {s['p99']:.0f}"
-                lines.append(f"| {i} | {transport} | {load} | {s['batches']} | {figures} |")
+                wait = "-" if s.get("wait_p50") is None else f"{s['wait_p50']:.0f} / {s['wait_p90']:.0f}"
+                lines.append(f"| {i} | {transport} | {load} | {s['batches']} | {figures} | {wait} |")
     loads = list(pairs[0]["stock"]) if pairs else []
     ratios = [(load, sorted(pair_ratios(pairs, load))) for load in loads]
     lines += [""] if any(r for _, r in ratios) else []
@@ -168,7 +206,7 @@ def _stream(port: int, model: str, prompt: str) -> str | None:
 def _measure(port: int, model: str, folder: str, rounds: int) -> dict[str, dict[str, Any]]:
     """Warm-up, then ``rounds`` rounds of one stream and of ``STREAMS`` at once: the
     hop's summary per load, over the batches recorded during that load's streams."""
-    hops: dict[str, list[float]] = {"1 stream": [], f"{STREAMS} streams": []}
+    hops: dict[str, list[tuple[float, float | None]]] = {"1 stream": [], f"{STREAMS} streams": []}
     with concurrent.futures.ThreadPoolExecutor(STREAMS) as ex:
         list(ex.map(lambda i: _stream(port, model, f"def warm{i}(x):"), range(WARMUP)))
         _, sizes = read_records(folder)
@@ -242,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"vLLM {vllm.__version__}, vllm serve with {args.api_servers} API server(s) and {args.dp} engine "
           f"core(s); {args.rounds} rounds of 1 and {STREAMS} streams of {TOKENS} tokens a server; "
-          "hop: get_output_async's return in the API server after the engine's stamp")
+          "hop: get_output_async's return in the API server after the engine's stamp; run-queue wait: "
+          "the API server's loop thread runnable without a CPU meanwhile")
     print(format_table(pairs))
     if args.json:
         with open(args.json, "w") as f:

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -72,53 +73,109 @@ def test_the_hook_records_each_batch_with_outputs_and_only_with_the_folder_named
     assert len(files) == 1 and files[0].startswith("hops-"), files
     data = (tmp_path / files[0]).read_bytes()
     records = list(hop.RECORD.iter_unpack(data))
-    assert [n for _, n in records] == [2, 5]  # the empty batch is left out
+    assert [n for _, n, _ in records] == [2, 5]  # the empty batch is left out
     # the hop is the return's time after the stamp: at least how long ago it was stamped
     assert 250e-6 <= records[0][0] < 250e-6 + 0.5 and 750e-6 <= records[1][0] < 750e-6 + 0.5
+    # the run-queue wait, where the kernel keeps it: known, and within the call
+    if os.path.exists("/proc/thread-self/schedstat"):
+        assert all(0 <= w < 0.5e9 for _, _, w in records), records
+    else:
+        assert all(w == -1 for _, _, w in records), records
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel keeps no schedstat")
+def test_the_run_queue_wait_is_the_time_a_thread_sharing_its_cpu_did_not_run():
+    stats: dict[int, int] = {}
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    # Two busy processes on the same CPU: this thread runs about a third of the time.
+    busy = [subprocess.Popen([sys.executable, "-c", "import os, time\n"
+                              f"os.sched_setaffinity(0, {{{cpu}}})\n"
+                              "end = time.monotonic() + 30\nwhile time.monotonic() < end: pass"])
+            for _ in range(2)]
+    try:
+        os.sched_setaffinity(0, {cpu})
+        _spin(0.05)
+        before, cpu0, wall0 = hop._run_queue_ns(stats), time.thread_time(), time.monotonic()
+        _spin(0.45)
+        waited = (hop._run_queue_ns(stats) - before) / 1e9
+        ran, wall = time.thread_time() - cpu0, time.monotonic() - wall0
+    finally:
+        os.sched_setaffinity(0, mine)
+        for p in busy:
+            p.kill()
+            p.wait(10)
+        for fd in stats.values():
+            if fd >= 0:
+                os.close(fd)
+    # A spinning thread is either on its CPU or waiting for it: the wait is the wall time
+    # it did not run (not its CPU time, not zero).
+    assert waited > 0.1, (waited, ran, wall)
+    assert abs(wall - ran - waited) < 0.05, (waited, ran, wall)
+
+
+def test_the_run_queue_wait_is_unknown_without_schedstat(monkeypatch):
+    def refuse(path, *args):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(hop.os, "open", refuse)
+    assert hop._run_queue_ns({}) == -1
 
 
 def test_records_are_read_after_the_offsets_a_partial_one_left_for_later(tmp_path):
     a, b = tmp_path / "hops-1.bin", tmp_path / "hops-2.bin"
-    a.write_bytes(hop.RECORD.pack(1e-4, 1) + hop.RECORD.pack(2e-4, 3))
-    b.write_bytes(hop.RECORD.pack(3e-4, 1) + hop.RECORD.pack(4e-4, 1)[:5])  # a write under way
+    a.write_bytes(hop.RECORD.pack(1e-4, 1, 20_000) + hop.RECORD.pack(2e-4, 3, -1))
+    b.write_bytes(hop.RECORD.pack(3e-4, 1, 0) + hop.RECORD.pack(4e-4, 1, 7)[:5])  # a write under way
     (tmp_path / "other.bin").write_bytes(b"x" * 12)
     hops, sizes = hop.read_records(str(tmp_path))
-    assert hops == [1e-4, 2e-4, 3e-4]
+    assert hops == [(1e-4, 2e-5), (2e-4, None), (3e-4, 0.0)]
     assert sizes == {str(a): 2 * hop.RECORD.size, str(b): hop.RECORD.size}
     with open(b, "ab") as f:  # the rest of the record, and one more in a
-        f.write(hop.RECORD.pack(4e-4, 1)[5:])
+        f.write(hop.RECORD.pack(4e-4, 1, 7)[5:])
     with open(a, "ab") as f:
-        f.write(hop.RECORD.pack(5e-4, 2))
+        f.write(hop.RECORD.pack(5e-4, 2, 1000))
     hops, sizes = hop.read_records(str(tmp_path), sizes)
-    assert hops == [5e-4, 4e-4]
+    assert hops == [(5e-4, 1e-6), (4e-4, 7e-9)]
     assert sizes == {str(a): 3 * hop.RECORD.size, str(b): 2 * hop.RECORD.size}
     assert hop.read_records(str(tmp_path), sizes)[0] == []
 
 
 def test_summaries_ratios_and_the_table():
-    s = hop.summarise([i * 1e-6 for i in range(1, 101)])  # 1..100 µs
+    s = hop.summarise([(i * 1e-6, (100 - i) * 1e-7) for i in range(1, 101)])  # 1..100 µs, waits 9.9..0
     assert s["batches"] == 100
     assert (round(s["p50"]), round(s["p90"]), round(s["p99"])) == (51, 91, 100)
-    assert hop.summarise([]) == {"batches": 0, "p50": None, "p90": None, "p99": None}
+    assert (round(s["wait_p50"], 1), round(s["wait_p90"], 1)) == (5.0, 9.0)
+    assert hop.summarise([]) == {"batches": 0, "p50": None, "p90": None, "p99": None,
+                                 "wait_p50": None, "wait_p90": None}
+    # one batch without a known wait: no wait figures (they would be of some batches only)
+    partial = hop.summarise([(1e-4, 1e-5), (2e-4, None)])
+    assert partial["p50"] == pytest.approx(200) and partial["wait_p50"] is None
 
     def pair(stock, plugin):
-        return {"stock": {"1 stream": hop.summarise([stock * 1e-6]), "8 streams": hop.summarise([])},
-                "plugin": {"1 stream": hop.summarise([plugin * 1e-6]), "8 streams": hop.summarise([])}}
+        return {"stock": {"1 stream": hop.summarise([(stock * 1e-6, 30e-6)]), "8 streams": hop.summarise([])},
+                "plugin": {"1 stream": hop.summarise([(plugin * 1e-6, None)]), "8 streams": hop.summarise([])}}
 
     pairs = [pair(200, 100), pair(300, 60), pair(250, 100)]
     assert [round(r, 2) for r in hop.pair_ratios(pairs, "1 stream")] == [0.5, 0.2, 0.4]
     assert hop.pair_ratios(pairs, "8 streams") == []  # no batches: no ratio
     table = hop.format_table(pairs)
-    assert "| 2 | plugin | 1 stream | 1 | 60 / 60 / 60 |" in table
-    assert "| 1 | stock | 8 streams | 0 | - |" in table
+    assert "| 2 | plugin | 1 stream | 1 | 60 / 60 / 60 | - |" in table
+    assert "| 2 | stock | 1 stream | 1 | 300 / 300 / 300 | 30 / 30 |" in table
+    assert "| 1 | stock | 8 streams | 0 | - | - |" in table
     assert "plug-in / stock, hop p50, 1 stream: median 0.40x over 3 pairs (0.20, 0.40, 0.50)" in table
     assert "8 streams: median" not in table
 
 
 def test_the_median_of_an_even_number_of_pairs_is_the_mean_of_the_middle_two():
     def pair(stock, plugin):
-        return {"stock": {"1 stream": hop.summarise([stock * 1e-6])},
-                "plugin": {"1 stream": hop.summarise([plugin * 1e-6])}}
+        return {"stock": {"1 stream": hop.summarise([(stock * 1e-6, None)])},
+                "plugin": {"1 stream": hop.summarise([(plugin * 1e-6, None)])}}
 
     table = hop.format_table([pair(200, 100), pair(200, 60)])  # --pairs 2, the default
     assert "1 stream: median 0.40x over 2 pairs (0.30, 0.50)" in table
@@ -203,5 +260,7 @@ def test_a_run_against_two_api_servers_has_every_figure_and_leaves_no_files(tmp_
         assert loads["1 stream"]["batches"] >= hop.TOKENS - 1, (transport, loads)
         assert loads[f"{hop.STREAMS} streams"]["batches"] >= hop.TOKENS - 1, (transport, loads)
         assert 0 < loads["1 stream"]["p50"] < 1e6, (transport, loads)
+        if os.path.exists("/proc/thread-self/schedstat"):
+            assert all(0 <= s["wait_p50"] <= s["wait_p90"] for s in loads.values()), (transport, loads)
     assert "plug-in / stock, hop p50, 1 stream: median" in run.stdout
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-served-hop-*"))) == before
