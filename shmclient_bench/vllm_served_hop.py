@@ -20,12 +20,14 @@ verdict's figure. Beside the hop, per batch, the run-queue wait: how long the AP
 server's event-loop thread was runnable but had no CPU while ``get_output_async`` waited
 for that batch (the kernel's ``/proc/thread-self/schedstat``; none where the kernel does
 not keep it). A hop made mostly of it is set by the host's CPUs, not by the transport.
+It is taken over the whole call, so it can exceed the hop where the thread was runnable
+before the stamp too (woken early, or busy).
 
 The hook is installed in every API server when this module is imported with ``HOP_ENV``
 naming a folder: vLLM spawns its API servers, which import the main module (this one)
-again there. Each process appends its records (the hop in seconds and the batch's
-outputs, the run-queue wait, ``RECORD``) to a file of its own in that folder; the run's private temporary
-folder (vLLM's ipc sockets go there too), removed at the end.
+again there. Each process appends its records (the hop in seconds, the batch's outputs,
+the run-queue wait: ``RECORD``) to a file of its own in that folder; the run's private
+temporary folder (vLLM's ipc sockets go there too), removed at the end.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import os
 import statistics
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -88,8 +91,6 @@ def _install_hooks(folder: str) -> None:
 def _run_queue_ns(stats: dict[int, int]) -> int:
     """The calling thread's time spent runnable without a CPU so far (ns), from its
     ``/proc/thread-self/schedstat`` (kept open in ``stats``); -1 where there is none."""
-    import threading
-
     tid = threading.get_ident()
     fd = stats.get(tid)
     if fd is None:
