@@ -8,6 +8,7 @@ import glob
 import http.server
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -95,11 +96,16 @@ def test_the_run_queue_wait_is_the_time_a_thread_sharing_its_cpu_did_not_run():
     cpu = min(os.sched_getaffinity(0))
     mine = os.sched_getaffinity(0)
     # Two busy processes on the same CPU: this thread runs about a third of the time.
-    busy = [subprocess.Popen([sys.executable, "-c", "import os, time\n"
+    busy = [subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
                               f"os.sched_setaffinity(0, {{{cpu}}})\n"
-                              "end = time.monotonic() + 30\nwhile time.monotonic() < end: pass"])
+                              "print('pinned', flush=True)\n"
+                              "end = time.monotonic() + 30\nwhile time.monotonic() < end: pass"],
+                             stdout=subprocess.PIPE)
             for _ in range(2)]
     try:
+        for p in busy:  # both spin on the CPU before the measurement starts
+            ready, _, _ = select.select([p.stdout], [], [], 30)
+            assert ready and p.stdout.readline() == b"pinned\n"
         os.sched_setaffinity(0, {cpu})
         _spin(0.05)
         before, cpu0, wall0 = hop._run_queue_ns(stats), time.thread_time(), time.monotonic()
@@ -111,6 +117,7 @@ def test_the_run_queue_wait_is_the_time_a_thread_sharing_its_cpu_did_not_run():
         for p in busy:
             p.kill()
             p.wait(10)
+            p.stdout.close()
         for fd in stats.values():
             if fd >= 0:
                 os.close(fd)
