@@ -2,8 +2,8 @@
 
 Where the kernel provides it, ``/proc/.../schedstat`` gives nanosecond run time (psutil's
 per-thread times move in 10 ms ticks, too coarse for a 2 % idle target over a few
-seconds); ``thread_cpu`` and ``process_cpu`` read both. ``torch_threads`` runs a block
-under a given torch thread count. Reads counters only: it imports psutil (and torch when
+seconds); ``thread_cpu`` and ``process_cpu`` read both; ``run_queue_ns`` a thread's time
+runnable without a CPU. ``torch_threads`` runs a block under a given torch thread count. Reads counters only: it imports psutil (and torch when
 asked), never a client or the engine.
 """
 
@@ -48,6 +48,25 @@ def _schedstat_ns(path: str) -> int | None:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def run_queue_ns(stats: dict[int, int]) -> int:
+    """The calling thread's time spent runnable without a CPU so far (ns), from its
+    ``/proc/thread-self/schedstat`` (kept open in ``stats``); -1 where there is none."""
+    tid = threading.get_ident()
+    fd = stats.get(tid)
+    if fd is None:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        stats[tid] = fd
+    if fd < 0:
+        return -1
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def thread_ids() -> set[int]:

@@ -41,9 +41,10 @@ import os
 import statistics
 import struct
 import sys
-import threading
 import time
 from typing import Any
+
+from .cpu_time import run_queue_ns
 
 __all__ = ["HOP_ENV", "RECORD", "format_table", "main", "pair_ratios", "read_records", "summarise"]
 
@@ -74,37 +75,18 @@ def _install_hooks(folder: str) -> None:
         stats: dict[int, int] = {}  # thread id -> its schedstat file (-1: none)
 
         async def get_output_async():
-            waited = _run_queue_ns(stats)
+            waited = run_queue_ns(stats)
             out = await get()
             now = time.monotonic()
             if out.outputs:
                 if waited >= 0:
-                    waited = max(-1, _run_queue_ns(stats) - waited)
+                    waited = max(-1, run_queue_ns(stats) - waited)
                 os.write(fd, RECORD.pack(now - out.timestamp, len(out.outputs), waited))
             return out
 
         self.engine_core.get_output_async = get_output_async
 
     AsyncLLM.__init__ = traced_init
-
-
-def _run_queue_ns(stats: dict[int, int]) -> int:
-    """The calling thread's time spent runnable without a CPU so far (ns), from its
-    ``/proc/thread-self/schedstat`` (kept open in ``stats``); -1 where there is none."""
-    tid = threading.get_ident()
-    fd = stats.get(tid)
-    if fd is None:
-        try:
-            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            fd = -1
-        stats[tid] = fd
-    if fd < 0:
-        return -1
-    try:
-        return int(os.pread(fd, 128, 0).split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1
 
 
 if os.environ.get(HOP_ENV):  # the server's processes (with one API server: the launcher)

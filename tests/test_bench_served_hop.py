@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from shmclient_bench import serving_servers
+from shmclient_bench import cpu_time, serving_servers
 from shmclient_bench import vllm_served_hop as hop
 
 #: A stand-in for vllm.v1.engine.async_llm: AsyncLLM whose engine-core client returns
@@ -108,9 +108,9 @@ def test_the_run_queue_wait_is_the_time_a_thread_sharing_its_cpu_did_not_run():
             assert ready and p.stdout.readline() == b"pinned\n"
         os.sched_setaffinity(0, {cpu})
         _spin(0.05)
-        before, cpu0, wall0 = hop._run_queue_ns(stats), time.thread_time(), time.monotonic()
+        before, cpu0, wall0 = cpu_time.run_queue_ns(stats), time.thread_time(), time.monotonic()
         _spin(0.45)
-        waited = (hop._run_queue_ns(stats) - before) / 1e9
+        waited = (cpu_time.run_queue_ns(stats) - before) / 1e9
         ran, wall = time.thread_time() - cpu0, time.monotonic() - wall0
     finally:
         os.sched_setaffinity(0, mine)
@@ -131,8 +131,8 @@ def test_the_run_queue_wait_is_unknown_without_schedstat(monkeypatch):
     def refuse(path, *args):
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(hop.os, "open", refuse)
-    assert hop._run_queue_ns({}) == -1
+    monkeypatch.setattr(cpu_time.os, "open", refuse)
+    assert cpu_time.run_queue_ns({}) == -1
 
 
 def test_records_are_read_after_the_offsets_a_partial_one_left_for_later(tmp_path):
