@@ -25,7 +25,7 @@ from .control import ControlMessageError, EngineCoreDead
 from .engine_process import describe_exit
 from .errors import AuthenticationError, ConfigError, EngineDeadError, PeerNotProducingError
 from .messages import PROTOCOL_VERSION
-from .tensors_cuda import local_gpu_uuids
+from .gpus import local_gpu_uuids
 
 if TYPE_CHECKING:
     from .channel_spec import ShmChannelSpec

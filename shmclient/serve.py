@@ -32,10 +32,10 @@ from .channel_zmq import ZmqChannel, ZmqChannelSpec
 from .config import EngineConfig
 from .control import ControlMessageError
 from .errors import AuthenticationError, ConfigError, PeerDeadError
+from .gpus import local_gpu_uuids
 from .messages import PROTOCOL_VERSION
 from .serve_loop import Channel, EngineCore, EngineProc, MakeCore
 from .serve_remote import FrontendLink, connect_and_hello as _connect_and_hello, parse_argv as _parse_argv
-from .tensors_cuda import local_gpu_uuids
 
 __all__ = ["EngineCore", "EngineProc", "MakeCore", "exit_now", "main", "run_process"]
 
@@ -132,11 +132,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
         if on_config is not None:
             on_config(config)
         if not config.is_cuda:
-            # The engine process is the only compute here, and on a small host torch's
-            # thread pool spinning against the frontend costs more than it gains.
-            import torch
-
-            torch.set_num_threads(max(1, config.cpu_threads))
+            limit_torch_threads(max(1, config.cpu_threads))
         if start.transport == "shm":
             channel = ShmChannel.attach(_decode(start.channel, ShmChannelSpec, "channel"))
             if parent_pid is not None:
@@ -191,6 +187,19 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             # the frontend died, maybe before it removed its private socket directory
             control_sockets.remove_orphaned_dir(address, parent_pid)
     return code
+
+
+def limit_torch_threads(n: int) -> None:
+    """Give torch ``n`` intra-op threads in this process: the engine process is the only
+    compute here, and on a small host torch's thread pool spinning against the frontend
+    costs more than it gains. Set at once where torch is loaded; else through the
+    variables its OpenMP and MKL read when it loads (later, if at all: with a model that
+    computes, or the first tensor), which processes this one starts inherit."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(n)
+    else:
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(n)
 
 
 def exit_now(code: int) -> NoReturn:

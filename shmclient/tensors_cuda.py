@@ -1,10 +1,10 @@
 """CUDA tensors between processes by IPC handle, on torch's own CUDA IPC reductions.
 
 Transport layer, used only by ``tensors_sender`` and ``tensors_receiver`` (imported on
-the first CUDA tensor): imports torch, ``dtypes``, ``errors``, ``tensors_handles`` and
-the standard library; never clients, asyncio, ``waiting``, the engine or the codec. It
-owns the keep-alive table of sent CUDA tensors, the GPU-UUID device mapping and the
-decision "IPC handle or host copy". Its contract (what torch does, streams, life cycle,
+the first CUDA tensor): imports torch, ``dtypes``, ``errors``, ``gpus`` (the GPU-UUID
+device mapping), ``tensors_handles`` and the standard library; never clients, asyncio,
+``waiting``, the engine or the codec. It owns the keep-alive table of sent CUDA tensors
+and the decision "IPC handle or host copy". Its contract (what torch does, streams, life cycle,
 fallbacks): docs/design.md, "Module notes", ``shmclient.tensors_cuda``.
 """
 
@@ -21,40 +21,10 @@ import torch.multiprocessing.reductions as _reductions
 
 from .dtypes import torch_dtype
 from .errors import SerializationError
+from .gpus import local_index_for_uuid
 from .tensors_handles import CUDA_IPC
 
 log = logging.getLogger("shmclient")
-
-
-_uuid_to_index: dict[str, int] | None = None
-_uuid_lock = threading.Lock()
-
-
-def local_gpu_uuids() -> list[str]:
-    """UUIDs of the GPUs this process sees, in index order (empty without CUDA).
-
-    Meant for the handshake: the receiver reports them, the sender passes them as
-    ``peer_gpu_uuids``.
-    """
-    return list(_uuid_map())
-
-
-def local_index_for_uuid(uuid: str) -> int | None:
-    """This process's device index of the GPU ``uuid``, or None if it does not see it."""
-    return _uuid_map().get(uuid)
-
-
-def _uuid_map() -> dict[str, int]:
-    global _uuid_to_index
-    if _uuid_to_index is None:
-        with _uuid_lock:
-            if _uuid_to_index is None:
-                m: dict[str, int] = {}
-                if torch.cuda.is_available():
-                    for i in range(torch.cuda.device_count()):
-                        m[str(torch.cuda.get_device_properties(i).uuid)] = i
-                _uuid_to_index = m
-    return _uuid_to_index
 
 
 def device_uuid(index: int) -> str:

@@ -1,8 +1,8 @@
 """The receiving side of the tensor transport: ``ShmTensorReceiver`` (see ``tensors``).
 
 Transport layer under the codec: imports ``shm``, ``tensors_handles``, ``errors``,
-numpy, torch and the standard library (``tensors_cuda`` lazily, on the first CUDA
-handle); never the sender, the codec, ``waiting``, asyncio, clients or the engine. It
+numpy and the standard library (``tensors_cuda``, and with it torch, lazily, on the first
+CUDA handle); never the sender, the codec, ``waiting``, asyncio, clients or the engine. It
 owns turning a checked handle back into bytes (a copy below ``view_from``, else a
 zero-copy view whose death queues the release), mapping one-off segments of the peer,
 and the queue of ids ``take_releases()`` hands back. Nothing here blocks.
@@ -16,7 +16,6 @@ import weakref
 from typing import Any
 
 import numpy as np
-import torch
 
 from .errors import SerializationError
 from .shm import Segment
@@ -112,7 +111,7 @@ class ShmTensorReceiver:
         live[bid] = weakref.ref(arr, dropped)
         return arr
 
-    def get_cuda(self, handle: list) -> torch.Tensor:
+    def get_cuda(self, handle: list) -> Any:
         """Open a CUDA IPC handle (cached per allocation; checked first by
         ``tensors_cuda.check_handle``). Refused (``SerializationError``, nothing opened)
         when this receiver was made with ``enable_cuda_ipc=False``."""
@@ -128,7 +127,7 @@ class ShmTensorReceiver:
 
     def cuda_index_for_uuid(self, uuid: str) -> int | None:
         """This process's CUDA device index for a GPU UUID, or None."""
-        from .tensors_cuda import local_index_for_uuid
+        from .gpus import local_index_for_uuid
 
         return local_index_for_uuid(uuid)
 

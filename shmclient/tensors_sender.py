@@ -1,8 +1,9 @@
 """The sending side of the tensor transport: ``ShmTensorSender`` (see ``tensors``).
 
 Transport layer under the codec: imports ``shm``, ``tensors_handles``, ``stats``,
-``errors``, numpy, torch and the standard library (``tensors_cuda`` lazily, on the first
-CUDA tensor); never the receiver, the codec, ``waiting``, asyncio, clients or the
+``errors``, numpy and the standard library (never torch itself: a tensor it is given
+comes from a process that has imported torch; ``tensors_cuda`` lazily, on the first CUDA
+tensor); never the receiver, the codec, ``waiting``, asyncio, clients or the
 engine. It owns the sender's arena: a first-fit allocator over a sorted free list that
 coalesces on free, the copy of each tensor into its block (one memcpy, split over
 short-lived threads from ``PARALLEL_FROM`` up), one-off segments for what the arena
@@ -17,11 +18,11 @@ import collections
 import itertools
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
 import numpy as np
-import torch
 
 from .errors import SerializationError, ShmCapacityError
 from .shm import Segment
@@ -37,8 +38,9 @@ PARALLEL_FROM = 8 * 1024 * 1024
 _WORKERS = min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def _int_view(dtype: torch.dtype) -> torch.dtype:
+def _int_view(dtype: Any) -> Any:
     """A same-sized dtype numpy knows, for any torch dtype (bfloat16, uint1..7, float8...)."""
+    torch = sys.modules["torch"]  # a tensor exists, so torch is imported
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
         dtype.itemsize, dtype
     )
@@ -51,7 +53,7 @@ def _copy_in(dst: np.ndarray, src: Any) -> None:
     strided loop), not torch's OpenMP ``copy_``, which degrades badly on a busy host
     (docs/measurements.md).
     """
-    if isinstance(src, torch.Tensor):
+    if not isinstance(src, np.ndarray):  # a CPU torch.Tensor (the codec passes no other)
         src = src.view(_int_view(src.dtype)).numpy()  # shares memory, any strides
     if src.flags.c_contiguous:
         flat = src.reshape(-1).view(np.uint8)
@@ -185,7 +187,7 @@ class ShmTensorSender:
             self._n["one_off"] += 1
         return [ONE_OFF, bid, seg.name]
 
-    def put_cuda(self, tensor: torch.Tensor) -> list | None:
+    def put_cuda(self, tensor: Any) -> list | None:
         """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once)."""
         if self._cuda is None:
             from .tensors_cuda import CudaIpcSender

@@ -1,17 +1,19 @@
 """``EngineCore``: one engine, driven one ``step()`` at a time, with no IO of its own.
 
 Engine layer, top of ``shmclient_engine`` below the process main (``proc``), built through
-``shmclient_engine.make_core``: imports the config, the request checks, the scheduler, the models, torch, and ``shmclient.messages``
-/ ``shmclient.errors`` only; never a transport, a socket, a thread, or a shmclient client
-module. It owns the model, the scheduler and the request lifecycle: validation at add
-time, aborts, turning sampled tokens into ``EngineCoreOutputs`` per client, and the
-utility methods a frontend may call by name (``UTILITY_METHODS`` / ``call_utility``,
-plus those a user adds with ``register_utility``). Every method runs synchronously and
-returns when its work is done; none waits for anything outside the process. The one
-utility that must outlast its call, a pause or sleep in ``mode="wait"``, returns a
-``concurrent.futures.Future`` that ``step()`` completes once the running requests have
-drained (the engine process answers the call then); in-process, where nothing steps the
-engine while its caller waits, "wait" is refused (as vLLM's in-process engine does).
+``shmclient_engine.make_core``: imports the config, the request checks, the scheduler, the
+models, ``shmclient.messages`` / ``shmclient.errors`` only, and torch only when something
+needs it (a CUDA device, a saved state, a model that computes); never a transport, a
+socket, a thread, or a shmclient client module. It owns the model, the scheduler and the
+request lifecycle: validation at add time, aborts, turning sampled tokens into
+``EngineCoreOutputs`` per client, and the utility methods a frontend may call by name
+(``UTILITY_METHODS`` / ``call_utility``, plus those a user adds with ``register_utility``).
+Every method runs synchronously and returns when its work is done; none waits for anything
+outside the process. The one utility that must outlast its call, a pause or sleep in
+``mode="wait"``, returns a ``concurrent.futures.Future`` that ``step()`` completes once the
+running requests have drained (the engine process answers the call then); in-process, where
+nothing steps the engine while its caller waits, "wait" is refused (as vLLM's in-process
+engine does).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import time
 from typing import Any, Callable
 
 import msgspec
-import torch
 
 from shmclient.errors import ConfigError, InvalidRequestError, WaitNotSupportedError
 from shmclient.messages import (
@@ -39,6 +40,7 @@ from shmclient.messages import (
 
 from shmclient.config import EngineConfig
 from .model import SAMPLING_EPS, Model, ScheduledChunk, build_model
+from .model import torch_module as _torch
 from .request import Request, check_request, derive_seed
 from .scheduler import PauseState, Scheduler
 
@@ -126,7 +128,7 @@ class EngineCore:
                 raise ConfigError(
                     f"EngineConfig.utility_modules: cannot import {module!r}: "
                     f"{type(e).__name__}: {e}") from e
-        if config.is_cuda and not torch.cuda.is_available():
+        if config.is_cuda and not _torch().cuda.is_available():
             raise ConfigError(
                 f"EngineConfig.device={config.device!r} is invalid: "
                 "torch.cuda.is_available() is False")
@@ -162,6 +164,7 @@ class EngineCore:
     def _blocks_from_budget(self) -> int:
         cfg = self.config
         if cfg.is_cuda:
+            torch = _torch()
             free, _total = torch.cuda.mem_get_info(torch.device(cfg.device))
             budget = int(free * cfg.gpu_memory_utilization)
             field = f"gpu_memory_utilization={cfg.gpu_memory_utilization} (of {free} free bytes)"
@@ -554,6 +557,7 @@ class EngineCore:
                            max_size: int | None = None) -> None:
         """torch.save the model state dict under ``path``, split into parts of at most
         ``max_size`` bytes (a single tensor larger than that gets a part of its own)."""
+        torch = _torch()
         pattern = pattern or "model-rank-{rank}-part-{part}.pt"
         os.makedirs(path, exist_ok=True)
         parts: list[dict[str, torch.Tensor]] = [{}]

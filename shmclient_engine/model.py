@@ -1,11 +1,13 @@
 """The model interface the engine core drives, and ``MockModel``, which computes nothing.
 
-Engine layer, below the core and beside the scheduler: imports torch, ``shmclient.config``
-and ``shmclient.messages`` / ``shmclient.errors`` only; never the scheduler, the core or
-any shmclient client module. A model owns per-request state (its KV cache, sampling state
-is owned by the caller) and turns one step's ``ScheduledChunk`` list into sampled tokens.
-Which chunk comes when, and how many KV blocks a request may hold, is the scheduler's
-business; a model trusts that chunks of one request arrive in order.
+Engine layer, below the core and beside the scheduler: imports ``shmclient.config`` and
+``shmclient.messages`` / ``shmclient.errors`` only, and torch when a model needs it (the
+tiny model, a pooled vector), so that an engine with the mock model starts without it;
+never the scheduler, the core or any shmclient client module. A model owns per-request
+state (its KV cache, sampling state is owned by the caller) and turns one step's
+``ScheduledChunk`` list into sampled tokens. Which chunk comes when, and how many KV blocks
+a request may hold, is the scheduler's business; a model trusts that chunks of one request
+arrive in order.
 
 ``MockModel`` rule (exact, so tests can predict it). For a sequence whose last known
 element is at 0-based position ``pos`` and has token id ``last`` (a ``prompt_embeds`` row
@@ -32,11 +34,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from shmclient.messages import PoolingParams, SamplingParams
 
 from shmclient.config import EngineConfig
+
+def torch_module() -> Any:
+    """torch, imported on first use (about a second of an engine's start-up otherwise)."""
+    import torch
+
+    return torch
+
 
 #: Temperatures below this sample greedily (as in vLLM).
 SAMPLING_EPS = 1e-5
@@ -78,7 +85,7 @@ class Model:
     hidden_size: int
     vocab_size: int
     kv_bytes_per_token: int
-    device: torch.device
+    device: Any  # a torch.device, or its name where the model holds no tensor (the mock)
 
     def execute(self, batch: list[ScheduledChunk]) -> list[int | None]:
         """Run one step; entry ``i`` is the token sampled for ``batch[i]`` or ``None``."""
@@ -133,6 +140,7 @@ def mock_pool(prompt_token_ids: Any, prompt_embeds: Any, hidden_size: int,
               normalize: bool = False, device: Any = "cpu") -> torch.Tensor:
     """The mock pooling rule (see the module docstring); ids give a tensor on ``device``,
     embeds one on their own device."""
+    torch = torch_module()
     if prompt_embeds is not None:
         out = prompt_embeds.float().mean(0)
     else:
@@ -153,7 +161,7 @@ class MockModel(Model):
         self.vocab_size = config.vocab_size
         self.eos_token_id = config.eos_token_id
         self.kv_bytes_per_token = kv_bytes_per_token(config)
-        self.device = torch.device(config.device)  # only where pooled vectors live
+        self.device = config.device  # only where pooled vectors live
         self.step_delay_s = config.step_delay_s
 
     def execute(self, batch: list[ScheduledChunk]) -> list[int | None]:

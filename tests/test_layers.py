@@ -24,7 +24,7 @@ import textwrap
 import psutil
 import pytest
 
-from shmclient import ConfigError, EngineDeadError
+from shmclient import ConfigError, EngineDeadError, gpus
 from shmclient.config import EngineConfig
 
 from .drivers import Driver, build, req
@@ -66,6 +66,50 @@ def test_no_shmclient_module_imports_an_engine():
     assert must_cover <= set(got["imported"]), sorted(must_cover - set(got["imported"]))
     assert got["engine"] == [], got["engine"]
     assert got["after_run"] == [], got["after_run"]
+
+
+def test_a_client_and_the_mock_engine_load_torch_only_once_a_tensor_crosses():
+    # Start-up: torch takes about a second to import, and neither a client nor an engine
+    # process with the mock model needs it until a tensor crosses (here a pooled vector).
+    # Then the engine runs it with EngineConfig.cpu_threads threads, as when it loaded it
+    # at start.
+    if gpus.gpu_driver_present():
+        pytest.skip("a GPU driver is present: the handshake asks torch for the GPUs")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: torch's own default is the one thread the engine is given")
+    threads = 1
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        import shmclient
+        from shmclient import EngineConfig, EngineCoreRequest, PoolingParams, SamplingParams
+        c = shmclient.SyncMPClient(EngineConfig(
+            model="mock", max_model_len=64, cpu_threads={threads},
+            utility_modules=("tests.user_utilities",)))
+        def run(rid, **kw):
+            c.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=[3, 4, 5], **kw))
+            while True:
+                for out in c.get_output(timeout=30).outputs:
+                    if out.request_id == rid and out.finished:
+                        return out
+        try:
+            run("gen", sampling_params=SamplingParams(max_tokens=4))
+            before = ["torch" in sys.modules, c.call_utility("torch_threads")]
+            pooled = run("pool", pooling_params=PoolingParams()).pooling_output
+            after = ["torch" in sys.modules, c.call_utility("torch_threads")]
+        finally:
+            c.shutdown()
+        print(json.dumps({{"before": before, "after": after,
+                          "pooled": [type(pooled).__module__, pooled[:3].tolist()]}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert got["before"] == [False, None]
+    assert got["after"] == [True, threads]
+    assert got["pooled"] == ["torch", [3.0, 4.0, 5.0]]
 
 
 #: What each of the ring's modules may import from the package (anywhere in the module,

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from shmclient import tensors_cuda
+from shmclient import gpus, tensors_cuda
 from shmclient.codec import Decoder, Encoder
 from shmclient.errors import SerializationError
 from shmclient.shm import Segment
@@ -100,8 +100,8 @@ def test_receiver_refuses_a_gpu_it_does_not_see(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_no_gpus_without_cuda():
-    assert tensors_cuda.local_gpu_uuids() == []
-    assert tensors_cuda.local_index_for_uuid("GPU-a") is None
+    assert gpus.local_gpu_uuids() == []
+    assert gpus.local_index_for_uuid("GPU-a") is None
 
 
 # -- the real thing --------------------------------------------------------------------------
@@ -287,7 +287,8 @@ def test_host_copy_when_disabled_lands_on_the_same_gpu(caplog):
 @pytest.mark.cuda
 @needs_cuda
 def test_uuid_map_covers_every_visible_gpu():
-    uuids = tensors_cuda.local_gpu_uuids()
+    assert gpus.gpu_driver_present()
+    uuids = gpus.local_gpu_uuids()
     assert len(uuids) == torch.cuda.device_count() == len(set(uuids))
     for i, u in enumerate(uuids):
-        assert tensors_cuda.local_index_for_uuid(u) == i
+        assert gpus.local_index_for_uuid(u) == i

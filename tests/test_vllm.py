@@ -257,7 +257,7 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
 
     from shmclient.shm import Segment
     from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
-    from shmclient.tensors_cuda import local_gpu_uuids
+    from shmclient.gpus import local_gpu_uuids
     from shmclient.vllm.oob import ArenaProvider, ArenaTensors
 
     t = torch.arange(4096, dtype=torch.float32, device="cuda")

@@ -57,3 +57,13 @@ def never_done_future(core: Any) -> Any:
     import concurrent.futures
 
     return concurrent.futures.Future()
+
+
+@register_utility
+def torch_threads(core: Any) -> int | None:
+    """torch's intra-op threads in the engine process, or None while it has not loaded
+    torch."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.get_num_threads()

@@ -243,7 +243,7 @@ class _EngineLink:
             import torch
 
             if torch.cuda.is_initialized():
-                from ..tensors_cuda import local_gpu_uuids
+                from ..gpus import local_gpu_uuids
 
                 gpus = local_gpu_uuids()
         except ImportError:

@@ -163,7 +163,7 @@ class _Link:
             import torch
 
             if torch.cuda.is_initialized():  # never create a CUDA context here for this
-                from ..tensors_cuda import local_gpu_uuids
+                from ..gpus import local_gpu_uuids
 
                 gpus = local_gpu_uuids()
         except ImportError:
