@@ -155,7 +155,7 @@ class Handshake:
             config=msgspec.Raw(msgspec.msgpack.encode(self.config)),
             transport=self.config.transport,
             channel=msgspec.Raw(msgspec.msgpack.encode(self.spec)),
-            gpu_uuids=local_gpu_uuids()))
+            gpu_uuids=local_gpu_uuids(ask_torch=self.config.is_cuda)))
         self.started = True
 
     def _failed(self, dead: EngineCoreDead) -> Exception:
