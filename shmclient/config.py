@@ -148,9 +148,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_
     * ``cpu_threads``: torch threads of the engine process when the device is cpu (1
       by default: the tiny model gains nothing from more, and on a small host a thread
       pool spinning against the frontend's process costs latency). An engine that has
-      not loaded torch when it starts (the mock model loads it with its first tensor)
-      gets it as ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in its environment, which
-      torch caps at the host's cores.
+      not loaded torch once its core is built (the mock model loads it with its first
+      tensor) gets it as ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` in its environment,
+      which torch caps at the host's cores.
     """
 
     model: str = "mock"

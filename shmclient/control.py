@@ -189,6 +189,14 @@ def recv(sock: zmq.Socket, timeout_s: float) -> Message | None:
 _HEARTBEAT = encode(Heartbeat())
 
 
+def load_torch_before_heartbeats() -> None:
+    """Import torch now, before this process's heartbeats start: imported later, with the
+    first tensor, its loading holds the GIL for up to ~0.4 s at a time (a 2-vCPU VM,
+    2026-12-06), longer on a busy host, which could keep this process's beats from going
+    out for longer than the peer waits (``heartbeat_timeout_s``, 1 s by default)."""
+    import torch  # noqa: F401
+
+
 class HeartbeatClock:
     """The clock of one side's heartbeats: when to send the next, and whether the peer
     has been silent too long. Not thread-safe (the one thread that owns the control

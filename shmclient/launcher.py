@@ -166,6 +166,8 @@ class EngineResources:
         self._heartbeat = (control.HeartbeatClock(config.heartbeat_interval_s,
                                                   config.heartbeat_timeout_s)
                            if self.remote else None)
+        if self.remote:
+            control.load_torch_before_heartbeats()
         return Handshake(self.ctl, config, spec, address=self.control_address, proc=self.proc,
                          secret=self._secret, clock=self._heartbeat).run(timeout)
 

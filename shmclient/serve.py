@@ -98,6 +98,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
         except AuthenticationError as e:
             log.error("%s", e)
             return 1
+        control.load_torch_before_heartbeats()  # its beats run from Hello on
     else:
         secret = None
     # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
@@ -131,7 +132,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             link = FrontendLink(ctl, config.heartbeat_interval_s, config.heartbeat_timeout_s)
         if on_config is not None:
             on_config(config)
-        if not config.is_cuda:
+        if not config.is_cuda:  # before the core: a model may load torch as it is built
             limit_torch_threads(max(1, config.cpu_threads))
         if start.transport == "shm":
             channel = ShmChannel.attach(_decode(start.channel, ShmChannelSpec, "channel"))
@@ -146,6 +147,8 @@ def run_process(argv: list[str], *, make_core: MakeCore,
         if channel.set_peer_gpus is not None:
             channel.set_peer_gpus(list(start.gpu_uuids))
         proc = EngineProc(ctl, parent_pid, config, channel, make_core, link=link)
+        if not config.is_cuda:  # again: the exact count where building it loaded torch
+            limit_torch_threads(max(1, config.cpu_threads))
         ready = control.Ready(
             pid=os.getpid(),
             num_gpu_blocks=proc.core.num_gpu_blocks,
@@ -194,7 +197,8 @@ def limit_torch_threads(n: int) -> None:
     compute here, and on a small host torch's thread pool spinning against the frontend
     costs more than it gains. Set at once where torch is loaded; else through the
     variables its OpenMP and MKL read when it loads (later, if at all: with a model that
-    computes, or the first tensor), which processes this one starts inherit."""
+    computes, or the first tensor; torch caps them at the host's cores), which processes
+    this one starts inherit."""
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(n)

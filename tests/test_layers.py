@@ -24,7 +24,7 @@ import textwrap
 import psutil
 import pytest
 
-from shmclient import ConfigError, EngineDeadError, gpus
+from shmclient import ConfigError, EngineDeadError, SyncMPClient, gpus
 from shmclient.config import EngineConfig
 
 from .drivers import Driver, build, req
@@ -112,6 +112,18 @@ def test_a_client_and_the_mock_engine_load_torch_only_once_a_tensor_crosses():
     assert got["pooled"] == ["torch", [3.0, 4.0, 5.0]]
 
 
+def test_an_engine_whose_model_loads_torch_has_exactly_cpu_threads():
+    # The tiny model loads torch as the core is built: the count is then set exactly, not
+    # through the environment (which torch caps at the host's cores).
+    threads = (os.cpu_count() or 1) + 1
+    c = SyncMPClient(EngineConfig(model="tiny", max_model_len=64, cpu_threads=threads,
+                                  utility_modules=("tests.user_utilities",)))
+    try:
+        assert c.call_utility("torch_threads") == threads
+    finally:
+        c.shutdown()
+
+
 #: What each of the ring's modules may import from the package (anywhere in the module,
 #: at the top or inside a function): the base never its ends, an end never the other one.
 RING_LAYER = {
@@ -161,7 +173,7 @@ def test_the_ring_layer_imports_nothing_above_it_and_no_circle():
 #: The transport under ``waiting``: segments, rings, codec, tensors, channels, and the
 #: records and checks they share. A module added under one of these names is covered.
 TRANSPORT = ("shm.py", "capacity.py", "ring*.py", "codec*.py", "dtypes.py", "tensors*.py",
-             "framing.py", "channel*.py", "stats.py")
+             "gpus.py", "framing.py", "channel*.py", "stats.py")
 #: What each codec module and the statistics records may import from the package: the
 #: codec reaches tensors only through its protocols, never the transport's modules.
 LEAF_LAYER = {
@@ -192,7 +204,7 @@ def test_the_transport_imports_nothing_above_it(tmp_path):
     assert {"shm", "capacity", "ring", "ring_resources", "ring_producer", "ring_consumer", "codec",
             "codec_decoder", "codec_tensor", "tensors", "tensors_handles", "tensors_sender",
             "tensors_receiver", "tensors_cuda", "framing", "channel", "channel_spec", "channel_zmq",
-            "channel_handles", "stats", "dtypes"} <= set(names), names
+            "channel_handles", "stats", "dtypes", "gpus"} <= set(names), names
     for name in names:
         path = os.path.join(ROOT, "shmclient", f"{name}.py")
         assert _above_the_transport(path) == [], f"shmclient.{name} imports {_above_the_transport(path)}"

@@ -12,6 +12,7 @@ noticed from the silence alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import select
@@ -317,6 +318,44 @@ async def test_async_client_of_a_remote_engine_on_a_port_the_os_picked():
     finally:
         await c.shutdown_async()
     assert reap(engines[0]) == 0
+
+
+def test_a_remote_engine_and_its_frontend_load_torch_before_their_heartbeats():
+    # Loaded with the first tensor instead, torch's import holds the GIL for up to ~0.4 s
+    # at a time, which could keep heartbeats (1 s of silence is death) from going out: a
+    # remote link loads it before its beats start, on both sides. A fresh interpreter,
+    # as this one has torch loaded already.
+    port = free_port()
+    code = textwrap.dedent(
+        f"""
+        import json, subprocess, sys
+        from shmclient import EngineConfig, SyncMPClient
+        engine = subprocess.Popen([sys.executable, "-m", "shmclient_engine", "--connect",
+                                   "tcp://{HOST}:{port}", "--ready-timeout", "60",
+                                   "--allow-module", "tests.user_utilities"],
+                                  stdin=subprocess.DEVNULL)
+        try:
+            c = SyncMPClient(EngineConfig(
+                model="mock", max_model_len=64, transport="zmq", data_parallel_size_local=0,
+                data_parallel_address="{HOST}", data_parallel_rpc_port={port},
+                engine_ready_timeout_s=60.0, utility_modules=("tests.user_utilities",)))
+            try:
+                got = ["torch" in sys.modules, c.call_utility("torch_threads")]
+            finally:
+                c.shutdown()
+        finally:
+            try:
+                engine.wait(10)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+                engine.wait(5)
+        print(json.dumps(got))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout) == [True, 1]
 
 
 def test_a_local_zmq_engine_binds_on_tcp_when_an_address_is_given():
