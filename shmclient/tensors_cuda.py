@@ -4,8 +4,8 @@ Transport layer, used only by ``tensors_sender`` and ``tensors_receiver`` (impor
 the first CUDA tensor): imports torch, ``dtypes``, ``errors``, ``gpus`` (the GPU-UUID
 device mapping), ``tensors_handles`` and the standard library; never clients, asyncio,
 ``waiting``, the engine or the codec. It owns the keep-alive table of sent CUDA tensors
-and the decision "IPC handle or host copy". Its contract (what torch does, streams, life cycle,
-fallbacks): docs/design.md, "Module notes", ``shmclient.tensors_cuda``.
+and the decision "IPC handle or host copy". Its contract (what torch does, streams, life
+cycle, fallbacks): docs/design.md, "Module notes", ``shmclient.tensors_cuda``.
 """
 
 from __future__ import annotations
