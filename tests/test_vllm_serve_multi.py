@@ -24,12 +24,14 @@ the plug-in. Run with ``python -m pytest -m vllm``; skipped when vLLM is not imp
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -318,6 +320,31 @@ def wait_until(check, timeout: float, what: str, every: float = 0.1):
 
 # -- kills: each starts its own server, before any shared one runs -------------------------------
 
+def _proc_file(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError as e:
+        return f"({type(e).__name__})"
+
+
+def tree_report(parent: int, procs: "list[psutil.Process]") -> str:
+    """What each process of a server is doing: its state and, per thread, the kernel
+    function it waits in (what a server that does not end was stuck on)."""
+    lines = []
+    for pid, name in [(parent, "parent"), *((p.pid, title(p)) for p in procs)]:
+        state = next((ln.split(None, 1)[1] for ln in _proc_file(pid, "status").splitlines()
+                      if ln.startswith("State:")), "gone")
+        try:
+            tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+        except OSError:
+            tids = []
+        waits = [f"{tid}:{_proc_file(pid, f'task/{tid}/comm')}@{_proc_file(pid, f'task/{tid}/wchan')}"
+                 f"[{(_proc_file(pid, f'task/{tid}/stat').rsplit(')', 1)[-1].split() or ['?'])[0]}]" for tid in tids]
+        lines.append(f"{pid} {name} {state}: {' '.join(waits)}")
+    return "\n".join(lines)
+
+
 def _ours(names: set[str], pids: set[int]) -> list[str]:
     return sorted(n for n in names if (m := _SHMC_NAME.match(n)) and int(m.group(1)) in pids)
 
@@ -326,7 +353,7 @@ def _ours(names: set[str], pids: set[int]) -> list[str]:
 @pytest.mark.parametrize("kill_layout, victim", [("dp2", "engine core"), ("api2", "API server")],
                          ids=["engine-core-dp2", "api-server-api2"])
 def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracker, kill_layout, victim,
-                                                         transport):
+                                                         transport, monkeypatch):
     """SIGKILL an engine core (EngineCore_DP1) or an API server (the one holding most
     streams) once each of 8 streams has its first chunk, thousands of tokens before its
     end: the parent sees it, stops every other process and exits with 1 in bounded time,
@@ -342,6 +369,7 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
     on the API servers' sockets (or on vLLM's gauges) reacted late on a busy host. Which
     API server holds which stream is found before any is read, the readers' threads are
     started before the requests go out: nothing slow between the first chunks and the kill."""
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")  # stacks in the log, should the parent not end
     tmp = tempfile.mkdtemp(prefix=f"shmc-serve-kill-{kill_layout}-")
     shm_before = set(os.listdir("/dev/shm"))
     proc = None
@@ -397,7 +425,14 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
             try:
                 rc = proc.wait(timeout=KILLED_EXIT_BOUND_S)
             except Exception:
-                pytest.fail(f"the {transport} server still runs {KILLED_EXIT_BOUND_S:g} s after {name}'s kill")
+                report = tree_report(proc.pid, tree)
+                # the parent's threads' Python stacks into the log (PYTHONFAULTHANDLER)
+                os.kill(proc.pid, signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+                pytest.fail(f"the {transport} server still runs {KILLED_EXIT_BOUND_S:g} s after {name}'s kill; "
+                            f"its processes:\n{report}\n"
+                            f"its log's end:\n{serving._tail(os.path.join(tmp, 'server.log'), 8000)}")
             exited = time.monotonic() - t0
             seen = [f.result(timeout=60) for f in pending]
         _, alive = psutil.wait_procs(tree, timeout=ALL_GONE_BOUND_S)
