@@ -24,8 +24,11 @@ class Spin:
       the next budget (at most ``STRETCH`` × base).
     * Back off: a spin is a loss when the CPU it burns is the one the peer needs (a busy
       host: more runnable threads than cores). ``MISSES`` spins in a row that ended in a
-      sleep anyway stop spinning; every ``PROBE``-th wait after that spins once at base,
-      and a probe that pays resumes spinning.
+      sleep anyway stop spinning; every ``PROBE``-th wait after that spins once at the
+      stretched budget (``STRETCH`` × base), and a probe that pays resumes spinning. A
+      probe at base would fail for good where both sides of a ping-pong backed off (an
+      idle spell before a burst backs both off): each answer then comes only after the
+      answering side's own wake-up, longer than base on such hosts.
     * A wait that slept long (the peer was idle) resets the budget to base.
 
     ``budget`` is what the next wait may spin. A base of 0 never spins. Whether the host
@@ -56,7 +59,7 @@ class Spin:
             self.skipped += 1
             if self.skipped >= self.PROBE:
                 self.skipped = 0
-                self.budget = base  # probe once
+                self.budget = base * self.STRETCH  # probe once
                 self.misses = self.MISSES - 1
             return
         if spun:
