@@ -953,7 +953,8 @@ def test_spin_backs_off_when_it_keeps_failing_and_probes_to_resume():
     for _ in range(doorbell.Spin.PROBE):
         s.after(False, 0.01)
     assert s.budget == pytest.approx(stretched)
-    s.after(True, 0.0)  # the probe paid: spinning resumes for good
+    s.after(True, 0.0)  # the probe paid: spinning resumes, at base
+    assert s.budget == pytest.approx(30e-6)
     s.after(False, 0.01)
     assert s.budget == pytest.approx(30e-6)
 
@@ -980,6 +981,27 @@ def _ping_pong(a: doorbell.Spin, b: doorbell.Spin, wake: float, work: float, rou
             reaction = wake + work
             caught.append(False)
     return caught
+
+
+def test_a_peer_that_answers_in_hundreds_of_us_is_not_worth_a_spin_every_wait():
+    """A peer that answers 300 us after each wait starts (a short model step): a spin of
+    base (50 us) never catches it, a probe at the stretched budget (400 us) does. The
+    waiter must stay mostly backed off, its spins a small part of its waits, instead of
+    spinning 300 us on every one after a probe paid."""
+    base, wake, answer, waits = 50e-6, 60e-6, 300e-6, 4000
+    s = doorbell.Spin(base)
+    spun = 0.0
+    for _ in range(waits):
+        budget = s.budget
+        if budget >= answer:
+            spun += answer
+            s.after(True, 0.0)
+        else:
+            spun += budget
+            s.after(False, answer - budget + wake)
+    # ~17 us a wait (a probe and the misses after it); a probe at base: 1.6; a 400 us
+    # budget kept after a paid probe: ~300
+    assert spun / waits < 0.1 * answer
 
 
 @pytest.mark.parametrize("a_at_most_base", [False, True], ids=["two-threads", "loop-reader"])
