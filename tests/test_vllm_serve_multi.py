@@ -46,6 +46,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 pytest.importorskip("vllm")
 
 from shmclient_bench import serving  # noqa: E402
+from shmclient_bench.stopping import sweep_shm  # noqa: E402
 
 from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_tensors import _resource_tracker  # noqa: E402,F401 - started once, before the servers
@@ -426,13 +427,19 @@ def test_server_ends_when_one_of_its_processes_is_killed(model, _resource_tracke
                 rc = proc.wait(timeout=KILLED_EXIT_BOUND_S)
             except Exception:
                 report = tree_report(proc.pid, tree)
-                # the parent's threads' Python stacks into the log (PYTHONFAULTHANDLER)
+                # the parent's threads' Python stacks into the log (PYTHONFAULTHANDLER),
+                # no core file
+                with contextlib.suppress(psutil.Error):
+                    psutil.Process(proc.pid).rlimit(psutil.RLIMIT_CORE, (0, 0))
                 os.kill(proc.pid, signal.SIGABRT)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
+                log = serving._tail(os.path.join(tmp, "server.log"), 8000)
+                # what the parent no longer stops: the streams end now, not at their timeout
+                serving._stop(proc)
+                sweep_shm({proc.pid, *(p.pid for p in tree)})
                 pytest.fail(f"the {transport} server still runs {KILLED_EXIT_BOUND_S:g} s after {name}'s kill; "
-                            f"its processes:\n{report}\n"
-                            f"its log's end:\n{serving._tail(os.path.join(tmp, 'server.log'), 8000)}")
+                            f"its processes:\n{report}\nits log's end:\n{log}")
             exited = time.monotonic() - t0
             seen = [f.result(timeout=60) for f in pending]
         _, alive = psutil.wait_procs(tree, timeout=ALL_GONE_BOUND_S)
