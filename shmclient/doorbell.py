@@ -24,15 +24,8 @@ class Spin:
       the next budget (at most ``STRETCH`` × base).
     * Back off: a spin is a loss when the CPU it burns is the one the peer needs (a busy
       host: more runnable threads than cores). ``MISSES`` spins in a row that ended in a
-      sleep anyway stop spinning; every ``PROBE``-th wait after that spins once at the
-      stretched budget (``STRETCH`` × base), and a probe that pays resumes spinning at
-      base (a longer budget has to be earned again by the stretch: a peer that answers
-      in a few hundred µs is caught by the probe but not worth a spin every wait). A
-      probe at base would fail for good where both sides of a ping-pong backed off (an
-      idle spell before a burst backs both off): each answer then comes only after the
-      answering side's own wake-up, longer than base on such hosts. Waiters that never
-      spin longer than base (an event loop's reader) probe at base: their peer's
-      stretched probe is what ends such a stand-off.
+      sleep anyway stop spinning; every ``PROBE``-th wait after that spins once at base,
+      and a probe that pays resumes spinning.
     * A wait that slept long (the peer was idle) resets the budget to base.
 
     ``budget`` is what the next wait may spin. A base of 0 never spins. Whether the host
@@ -41,7 +34,7 @@ class Spin:
     vetoes any budget given here.
     """
 
-    __slots__ = ("base", "budget", "misses", "skipped", "probing")
+    __slots__ = ("base", "budget", "misses", "skipped")
     STRETCH = 8
     SLACK = 200e-6
     MISSES = 8
@@ -51,7 +44,6 @@ class Spin:
         self.base = self.budget = base
         self.misses = 0
         self.skipped = 0
-        self.probing = False
 
     def after(self, spun: bool, slept_for: float) -> None:
         """Record how a wait ended: ``spun`` when it was ready within the spin, else how
@@ -64,17 +56,12 @@ class Spin:
             self.skipped += 1
             if self.skipped >= self.PROBE:
                 self.skipped = 0
-                self.budget = base * self.STRETCH  # probe once
+                self.budget = base  # probe once
                 self.misses = self.MISSES - 1
-                self.probing = True
             return
         if spun:
             self.misses = 0
-            if self.probing:
-                self.probing = False
-                self.budget = base
             return
-        self.probing = False
         self.misses += 1
         if self.misses >= self.MISSES:
             self.budget = 0.0
