@@ -176,6 +176,7 @@ PyDoc_STRVAR(RING_DOC,
 #define W_WOKEN 1   /* came after sleeping */
 #define W_TIMEOUT 2 /* nothing within the timeout */
 #define W_CLOSED 3  /* the peer closed and nothing more is there */
+#define W_SLEPT 4   /* came after sleeping without a spin first (spin 0, or the gate's veto) */
 
 static PyObject *CorruptError; /* shmclient.errors.RingCorruptError (a ProtocolError) */
 static PyObject *ForkedError;  /* shmclient.errors.ForkedError */
@@ -492,16 +493,20 @@ static Gate the_gate; /* the process's spin gate (GIL-protected) */
 
 static inline int w_result(int r, int slept) { return r == 2 ? W_CLOSED : (slept ? W_WOKEN : W_READY); }
 
+/* The spin and the timeout are separate bounds: the spin may outlast the timeout (a spin
+   with timeout 0 is a pure spin), and a spin the gate vetoes is not turned into a sleep
+   of its length: the sleep ends at the caller's timeout. */
 static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_off,
                        double spin, double timeout) {
     double t0 = now_s();
     double deadline = t0 + (timeout < 0 ? 0 : timeout);
     int r = ready(self);
     if (r) return w_result(r, 0);
+    int spun = 0;
     if (spin > 0 && gate_spin_ok(&the_gate, t0)) {
         double end = t0 + spin;
-        if (end > deadline) end = deadline;
         double prev = t0, now;
+        spun = 1;
         int preempted = 0;
         long switched = involuntary_switches();
         do {
@@ -561,7 +566,8 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
     if (--self->sleepers == 0) atomic_fetch_and_explicit(flag, ~1u, memory_order_relaxed);
     if (r == -1) return -1;
     if (r == -2) return W_TIMEOUT;
-    return w_result(r, 1);
+    if (r == 2) return W_CLOSED;
+    return spun ? W_WOKEN : W_SLEPT;
 }
 
 /* The body of both ends' wait methods: (spin_s, timeout_s[, first]) -> W_*; statistics
@@ -586,7 +592,7 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
     if (first && counted_off) stat_add(e->base, counted_off, 1);
     int r = wait_common(e, ready, flag_off, seq_off, spin, timeout);
     if (r == W_READY) stat_add(e->base, spins_off, 1);
-    else if (r == W_WOKEN) stat_add(e->base, blocks_off, 1);
+    else if (r == W_WOKEN || r == W_SLEPT) stat_add(e->base, blocks_off, 1);
     if (--e->waiters == 0 && e->detach_pending && !e->busy && e->views == 0) {
         e->detach_pending = 0;
         end_drop_buffer(e);
@@ -986,8 +992,9 @@ static PyMethodDef producer_methods[] = {
     {"send_part", (PyCFunction)(void (*)(void))producer_send_part, METH_FASTCALL,
      "send_part(type, payload, offset, chunk) -> new offset (None: consumer closed)."},
     {"wait_space", (PyCFunction)producer_wait_space, METH_VARARGS,
-     "wait_space(spin_s, timeout_s) -> 0 space after spinning, 1 after sleeping, "
-     "2 timed out, 3 consumer closed. Releases the GIL only while asleep; a signal "
+     "wait_space(spin_s, timeout_s) -> 0 space after spinning, 1 after spinning and "
+     "sleeping, 2 timed out, 3 consumer closed, 4 after sleeping without a spin (spin 0 or "
+     "the spin gate's veto). The spin may outlast the timeout; a vetoed spin never does. Releases the GIL only while asleep; a signal "
      "handler's exception propagates."},
     {"pending", (PyCFunction)producer_pending, METH_NOARGS, "Bytes not yet released."},
     {"arm_space", (PyCFunction)producer_arm_space, METH_NOARGS,
@@ -1539,8 +1546,10 @@ static PyMethodDef consumer_methods[] = {
      "in place, at most limit messages (0: all); mine and None as for take(). A handler that "
      "uses this end raises RuntimeError. Never waits for data."},
     {"wait", (PyCFunction)consumer_wait, METH_VARARGS,
-     "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after sleeping, 2 timed out, 3 the "
-     "producer closed and everything was read. Releases the GIL only while asleep; a signal "
+     "wait(spin_s, timeout_s) -> 0 data after spinning, 1 after spinning and sleeping, 2 "
+     "timed out, 3 the producer closed and everything was read, 4 after sleeping without a "
+     "spin (spin 0 or the spin gate's veto). The spin may outlast the timeout; a vetoed "
+     "spin never does. Releases the GIL only while asleep; a signal "
      "handler's exception propagates."},
     {"rearm", (PyCFunction)consumer_rearm, METH_NOARGS,
      "Ask for a wake byte at the next publish; write one now if a record is unread."},
@@ -1824,5 +1833,6 @@ PyMODINIT_FUNC PyInit__ring(void) {
     PyModule_AddIntConstant(m, "WOKEN", W_WOKEN);
     PyModule_AddIntConstant(m, "TIMEOUT", W_TIMEOUT);
     PyModule_AddIntConstant(m, "CLOSED", W_CLOSED);
+    PyModule_AddIntConstant(m, "SLEPT", W_SLEPT);
     return m;
 }

@@ -277,10 +277,12 @@ class Ring:
 
     def _wait_once(self, wait: Callable[..., int], timeout: float, spin: float | None, first: bool) -> bool:
         """One C wait: spin (``spin`` seconds; None: the adaptive budget, on a first
-        wait only), then sleep until ready or ``timeout`` seconds. True when ready (or
-        the peer closed: the caller's next try says so), False on the timeout. Raises
-        ClientClosedError, or what a signal handler raised. No lock is taken: the C end
-        refuses re-entry itself, and a wait changes nothing but statistics."""
+        wait only; the spin gate may veto it), then sleep until ready or ``timeout``
+        seconds after the call (a spin may outlast the timeout: ``timeout`` 0 is a pure
+        spin, and a vetoed one returns at once). True when ready (or the peer closed: the
+        caller's next try says so), False on the timeout. Raises ClientClosedError, or
+        what a signal handler raised. No lock is taken: the C end refuses re-entry
+        itself, and a wait changes nothing but statistics."""
         if self._closed:
             raise self._closed_error()
         if not timeout >= 0:
@@ -288,13 +290,18 @@ class Ring:
         adaptive = spin is None
         budget = (self._spin.budget if first else 0.0) if adaptive else max(spin, 0.0)
         t0 = perf_counter()
-        r = wait(budget, max(timeout, budget, 0.0), first)
+        r = wait(budget, timeout, first)
         if adaptive:
             if r == _ring.READY:
                 self._spin.after(True, 0.0)
-            elif r == _ring.WOKEN:
-                self._spin.after(False, perf_counter() - t0 - budget)
-            # (a timeout says nothing about spinning: the caller's window was just short)
+            elif r == _ring.WOKEN:  # spun (the whole budget, or until the gate cut it), then slept
+                self._spin.after(False, max(perf_counter() - t0 - budget, 0.0))
+            elif r == _ring.SLEPT and budget == 0.0:
+                # no spin asked: backed off (counts towards the next probe), or a later
+                # slice of a wait (its first slice spun, or was vetoed, and timed out)
+                self._spin.after(False, perf_counter() - t0)
+            # A spin the gate vetoed, and a timeout, say nothing about whether spinning
+            # pays (the host was busy; the caller's window was just short).
         if self._closed:
             raise self._closed_error()
         return r != _ring.TIMEOUT

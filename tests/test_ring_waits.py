@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shmclient import waiting
+from shmclient import _ring, waiting
 from shmclient.ring import Ring
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
@@ -132,3 +132,68 @@ def test_waiting_refuses_nan_or_negative_timeouts(pair, bad):
         waiting.send(p, 1, b"x", timeout=bad)
     assert p.try_send(1, b"x")  # nothing went: the refusal comes before any try
     assert c.try_recv() == [(1, b"x")]
+
+
+@pytest.fixture
+def gate_never():
+    """The process's spin gate vetoes every spin (as on a host without a free CPU)."""
+    old = _ring.gate.mode
+    _ring.gate.mode = "never"
+    try:
+        yield
+    finally:
+        _ring.gate.mode = old
+
+
+def test_a_vetoed_spin_is_not_turned_into_a_sleep(pair, gate_never):
+    # An event loop's read (waiting.recv_spin: timeout 0, a spin) must never sleep. The
+    # wait used to take max(timeout, spin) as its deadline, so a spin the gate vetoed
+    # became a futex sleep of the spin's length, holding the loop.
+    p, c = pair
+    t0 = time.monotonic()
+    assert c.wait_readable(0.0, spin=2.0) is False
+    assert time.monotonic() - t0 < 1.0
+    # a spin the gate allows still outlasts a timeout of 0 (that is what a spin is)
+    _ring.gate.mode = "always"
+    t0 = time.monotonic()
+    assert c.wait_readable(0.0, spin=0.05) is False
+    assert time.monotonic() - t0 >= 0.05
+
+
+def test_vetoed_spins_leave_the_adaptive_budget_as_it_was(gate_never):
+    # A wait whose spin the gate vetoed says nothing about whether spinning pays. It used
+    # to count as a spin in vain, with elapsed - budget as its sleep (negative when woken
+    # sooner, which then doubled the budget): eight such waits turned spinning off, so
+    # once the host had a free CPU again the waiter still slept until its next probe.
+    p = RingProducer.create(4096, spin_us=50)
+    c = RingConsumer.attach(p.spec, spin_us=50)
+    waits = 12
+    got: list = []
+
+    def consume() -> None:
+        for _ in range(waits):
+            if not c.wait_readable(10.0):  # the adaptive budget: vetoed, then a sleep
+                return
+            got.extend(c.try_recv())
+
+    t = threading.Thread(target=consume)
+    t.start()
+    try:
+        for i in range(waits):
+            _until(lambda: _sleep_flag(p))  # the consumer sleeps: its spin was vetoed
+            assert p.try_send(1, bytes([i]))
+            _until(lambda: len(got) > i)
+        t.join(10)
+        assert not t.is_alive()
+        assert [m for _, m in got] == [bytes([i]) for i in range(waits)]
+        assert c.statistics().rx_blocks == waits
+        assert c._spin.budget == pytest.approx(50e-6) and c._spin.misses == 0
+    finally:
+        if t.is_alive():
+            for _ in range(waits):
+                p.try_send(1, b"unblock")
+            t.join(10)
+        c.close()
+        p.close()
+        c.unlink()
+        p.unlink()
