@@ -252,12 +252,17 @@ class ShmChannel:
         self.rx.drain_wake_fd()
 
     def _take_releases(self) -> list[bytes]:
-        """Pending releases, oldest first: those held back before, then new ones.
+        """Pending releases, oldest first: those held back before, then new ones, in
+        records of at most ``max_record`` bytes (a release is never fragmented: one
+        longer than a record would never go, and every later one would wait behind it).
         Caller holds the send lock."""
         held = self._held_release or []
         self._held_release = None
         rel = self._tensor_rx.take_releases()
-        return held + [rel] if rel is not None else held
+        if rel is None:
+            return held
+        step = self.tx.max_record & ~7  # whole ids
+        return held + [rel[i:i + step] for i in range(0, len(rel), step)]
 
     def flush_releases(self) -> None:
         """Send pending tensor releases without blocking; if the ring is full, a

@@ -12,6 +12,7 @@ import zmq
 
 from shmclient.channel import REQ_UTILITY, ChannelStatistics, ShmChannel
 from shmclient.channel_zmq import ZmqChannel
+from shmclient.errors import WouldBlock
 from shmclient.messages import UtilityRequest
 from shmclient.stats import RingStatistics, TensorStatistics
 
@@ -61,3 +62,37 @@ def test_zmq_channel_statistics_have_no_rings_and_no_arena():
     finally:
         front.close()
         ctx.term()
+
+
+def test_more_releases_than_one_record_holds_all_go_back():
+    # 600 arena blocks freed at once: their release (8 bytes an id) is longer than a
+    # record of a 4 KiB ring. It used to be sent as one record, which never fits (a
+    # release is not fragmented): it was held for ever, and every later release behind it.
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0.0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    try:
+        ts = [torch.full((64,), i, dtype=torch.float32) for i in range(600)]
+        payload = front.encode(UtilityRequest(0, 1, "echo", ts))
+        assert front.statistics().tensors.blocks_in_flight == 600
+        got = []
+        while True:  # the message goes in fragments as the engine reads them
+            try:
+                front.send_nowait(REQ_UTILITY, payload)
+                break
+            except WouldBlock:
+                got += engine.try_recv()
+        while not got:
+            got += engine.try_recv()
+        [(_, req)] = got
+        assert len(req.args) == 600 and all(torch.equal(a, b) for a, b in zip(req.args, ts))
+        del got, req
+        for _ in range(4):  # each flush sends what room allows; the frontend reads it back
+            engine.flush_releases()
+            assert front.try_recv() == []
+        s = front.statistics().tensors
+        assert s.blocks_in_flight == 0 and s.released == 600
+        assert engine._held_release is None
+    finally:
+        engine.close()
+        front.close()
