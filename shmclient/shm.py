@@ -61,6 +61,8 @@ def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
             path = f"/proc/self/fd/{fd}"  # reopened: a pipe end of the kind asked for
     except OSError:
         pass
+    if kind == "memfd":
+        flags |= os.O_NONBLOCK  # no effect on a memfd; a FIFO's open would wait for a writer
     try:
         new = os.open(path, flags | os.O_CLOEXEC)
     except OSError as e:
@@ -87,27 +89,36 @@ def open_peer_memfd(handle: str, peer_pid: int | None) -> int:
     if fd < 0 or pid <= 0:
         raise ValueError(f"not a shared-memory handle: {handle!r}")
     try:
-        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: the fd may name a FIFO, whose open would wait for a writer
+        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise FileNotFoundError(f"shared memory {handle!r} is gone: {e.strerror}") from e
     try:
-        link = os.readlink(f"/proc/self/fd/{new}")
-        st = os.fstat(new)
-        if not link.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{handle!r} does not name a memfd segment")
-        if st.st_ino != ino:
-            raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
-        try:
-            seals = fcntl.fcntl(new, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-        if seals & need != need:
-            raise ValueError(f"{handle!r} is not sealed against shrinking and growing")
+        _check_sealed_memfd(new, handle, ino)
     except BaseException:
         os.close(new)
         raise
     return new
+
+
+def _check_sealed_memfd(fd: int, handle: str, ino: int) -> None:
+    """ValueError unless ``fd`` is a memfd (its /proc link reads ``/memfd:``, a regular
+    file) sealed against shrinking and growing (a peer that shrank it under our mapping
+    would kill us with SIGBUS on the next read); FileNotFoundError if its inode is not
+    the handle's."""
+    link = os.readlink(f"/proc/self/fd/{fd}")
+    st = os.fstat(fd)
+    if not link.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{handle!r} does not name a memfd segment")
+    if st.st_ino != ino:
+        raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    if seals & need != need:
+        raise ValueError(f"{handle!r} is not sealed against shrinking and growing")
 
 
 def open_fds() -> frozenset[int]:
@@ -250,10 +261,12 @@ class Segment:
     @classmethod
     def attach(cls, name: str, *, populate: bool = False) -> "Segment":
         """Map the segment behind a handle (peer side). ``FileNotFoundError`` if it is gone,
-        ValueError if ``name`` is not a handle. ``populate`` as for ``create``. Does not
-        block."""
+        ValueError if ``name`` is not a handle or names anything but a memfd sealed
+        against shrinking and growing (as ``create`` makes). ``populate`` as for
+        ``create``. Does not block."""
         fd = open_handle(name)
         try:
+            _check_sealed_memfd(fd, name, parse_handle(name)[3])
             size = os.fstat(fd).st_size
             if size < 1:
                 raise FileNotFoundError(f"shared memory {name!r} is empty")

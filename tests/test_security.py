@@ -422,6 +422,86 @@ def test_one_off_handle_must_name_a_sealed_memfd_of_the_peer(shm_pair, tmp_path)
         sealed.close()
 
 
+def _open_in_thread(fn, fifo: str):
+    """Run ``fn()`` in a thread; if it is still inside after 5 s (blocked in an open of
+    ``fifo``, waiting for a writer), open the FIFO for writing to let it out. What it
+    returned or raised, and whether it had to be let out."""
+    import os
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(5.0)
+    stuck = t.is_alive()
+    if stuck:
+        w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        t.join(10.0)
+        os.close(w)
+    if isinstance(out.get("value"), int):
+        os.close(out["value"])
+    return out, stuck
+
+
+def test_a_handle_naming_a_fifo_is_refused_without_blocking(tmp_path):
+    """A peer's handle may name any fd of the peer, a FIFO among them: opening one for
+    reading used to wait for a writer, so the decoding thread (one-off handles) or the
+    start-up (segments) blocked for ever before the memfd check ran."""
+    import os
+
+    from shmclient.shm import Segment, open_peer_memfd
+
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # held, no writer
+    try:
+        handle = f"memfd:{os.getpid()}:{r}:{os.fstat(r).st_ino}"
+        for fn in (lambda: open_peer_memfd(handle, os.getpid()), lambda: Segment.attach(handle)):
+            out, stuck = _open_in_thread(fn, fifo)
+            assert not stuck, "the open of a FIFO blocked"
+            assert type(out.get("error")) is ValueError and "memfd" in str(out["error"]), out
+    finally:
+        os.close(r)
+
+
+def test_a_segment_handle_must_name_a_sealed_memfd():
+    """Rings and arenas are attached from the peer's handles too: an unsealed memfd (which
+    the peer could shrink under our mapping: SIGBUS at the next read) or a regular file
+    is refused, as for one-off handles."""
+    import os
+    import tempfile
+
+    from shmclient.shm import Segment
+
+    plain = os.memfd_create("shmc-plain", os.MFD_CLOEXEC)
+    os.ftruncate(plain, 4096)
+    f = tempfile.TemporaryFile()
+    f.write(b"\0" * 4096)
+    f.flush()
+    try:
+        me = os.getpid()
+        for what, fd in (("unsealed", plain), ("regular file", f.fileno())):
+            with pytest.raises(ValueError, match="sealed|memfd"):
+                Segment.attach(f"memfd:{me}:{fd}:{os.fstat(fd).st_ino}")
+        sealed = Segment.create(4096)
+        try:
+            peer = Segment.attach(sealed.name)  # what create makes still attaches
+            peer.close()
+        finally:
+            sealed.release_handle()
+            sealed.close()
+    finally:
+        os.close(plain)
+        f.close()
+
+
 # ----------------------------------------------------------------- ipc sockets
 
 
