@@ -16,6 +16,7 @@ blocks. Its contract (the wait handle, tensor releases): docs/design.md, "Module
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -37,6 +38,8 @@ from .ring import Ring, gate as SPIN_GATE
 from .shm import Segment
 from .stats import ChannelStatistics
 from .tensors import ShmTensorReceiver, ShmTensorSender
+
+log = logging.getLogger("shmclient")
 
 __all__ = [
     "REC_OUTPUTS", "REC_RELEASE", "REQ_ABORT", "REQ_ADD", "REQ_UTILITY", "BadMessage",
@@ -213,6 +216,22 @@ class ShmChannel:
         with self._send_lock:
             if self._partial is payload:
                 self._partial = None
+
+    def discard(self, rtype: int, payload: Any) -> None:
+        """A send of ``payload`` (from ``encode``) raised and it will not be sent again (a
+        timeout, a cancelled task, a dead engine): free the shared-memory blocks its
+        tensors were placed in, which the engine, never decoding it, would never release.
+        Only for a payload that did not go whole: a ``waiting.send`` that raised. Never
+        raises."""
+        self.abandon(payload)
+        try:
+            handles = self.framing.handles(rtype, payload)
+        except Exception:  # noqa: BLE001 - not one of ours: nothing placed that we know of
+            log.debug("no out-of-band tensors found in a discarded message", exc_info=True)
+            return
+        for h in handles:
+            if len(h) > 1 and type(h[1]) is int:
+                self._tensor_tx.cancel(h)
 
     # -- the wait handle (see shmclient.waiting) ----------------------------------------
     def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:

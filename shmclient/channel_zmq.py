@@ -233,6 +233,9 @@ class ZmqChannel:
     def abandon(self, payload: Any) -> None:
         """Sends never go in part here: nothing to do."""
 
+    def discard(self, rtype: int, payload: Any) -> None:
+        """Nothing travels out of band here: nothing to free."""
+
     @property
     def peer_closed(self) -> bool:
         return False

@@ -124,10 +124,14 @@ class AsyncMPClient(AsyncUtilities, MPClient):
     async def _send_async(self, rtype: int, payload: Any, timeout: float | None = None) -> None:
         """Send without blocking the loop: while the request ring is full the task parks
         on its space pipe (the reader callback keeps handling outputs meanwhile)."""
-        self._ensure_alive()
         try:
-            await waiting.send_async(self.channel, rtype, payload, timeout=timeout,
-                                     alive=self.resources.alive)
+            try:
+                self._ensure_alive()
+                await waiting.send_async(self.channel, rtype, payload, timeout=timeout,
+                                         alive=self.resources.alive)
+            except BaseException:  # a timeout, a cancelled task, a dead engine: not sent
+                self.channel.discard(rtype, payload)  # its tensors' blocks come back now
+                raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
         except PeerNotConsumingError as e:

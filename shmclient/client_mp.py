@@ -171,9 +171,13 @@ class MPClient(EngineCoreClient):
     def _send(self, rtype: int, obj: Any, timeout: float | None = None) -> None:
         self._ensure_alive()
         channel = self.channel
+        payload = channel.encode(obj)
         try:
-            waiting.send(channel, rtype, channel.encode(obj), timeout=timeout,
-                         alive=self.resources.alive)
+            try:
+                waiting.send(channel, rtype, payload, timeout=timeout, alive=self.resources.alive)
+            except BaseException:
+                channel.discard(rtype, payload)  # not sent: its tensors' blocks come back now
+                raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
@@ -359,9 +363,11 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             waiting.send(self.channel, REQ_UTILITY, payload, alive=self.resources.alive)
         except PeerDeadError as e:
             self._futures.pop(call_id, None)
+            self.channel.discard(REQ_UTILITY, payload)
             raise self._dead_error() from e
         except BaseException:
             self._futures.pop(call_id, None)
+            self.channel.discard(REQ_UTILITY, payload)
             raise
         self._reader.wait(fut.done, None)
         return fut.result()

@@ -40,6 +40,7 @@ from .codec_tensor import (
     contiguous_bytes,
     device_uuid,
     dtype_name,
+    hdr_decode,
     hdr_encode,
 )
 
@@ -56,6 +57,24 @@ __all__ = [
 ]
 
 log = logging.getLogger("shmclient")
+
+
+def placed_handles(payload: Any) -> list:
+    """The out-of-band handles (arena blocks, one-off segments, CUDA IPC) an ``Encoder``
+    put in ``payload``: for freeing the blocks of a message that will never be sent. Reads
+    the payload as untyped msgpack; only this process's own encodings are given to it."""
+    found: list = []
+
+    def ext_hook(code: int, data: memoryview) -> None:
+        if code in (EXT_TORCH, EXT_NUMPY, EXT_TORCH_CUDA):
+            (n,) = HLEN.unpack_from(data, 0)
+            header = hdr_decode(data[2 : 2 + n])
+            if type(header) is list and len(header) > 2 and type(header[2]) is list:
+                found.append(header[2])
+        return None
+
+    msgspec.msgpack.Decoder(ext_hook=ext_hook).decode(payload)
+    return found
 
 
 class Encoder:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 import msgspec
 
-from .codec import Decoder, Encoder
+from .codec import Decoder, Encoder, placed_handles
 from .messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -61,12 +61,16 @@ class Framing(Protocol):
     ``decode(view)`` returns the message (the view is valid only during the call) and
     whose ``salvage(view)`` returns what an untyped read still sees (for ``BadMessage``);
     ``fields`` gives, per record type, the wire position of each field a reader may
-    want from a message that did not decode."""
+    want from a message that did not decode. ``handles(rtype, payload)`` lists the
+    out-of-band handles an encoded payload references (the channel frees their blocks
+    when that message will not be sent)."""
 
     decoders: Mapping[int, Any]
     fields: Mapping[int, Mapping[str, int]]
 
     def encode(self, obj: Any) -> Any: ...
+
+    def handles(self, rtype: int, payload: Any) -> list: ...
 
 
 class NativeFraming:
@@ -77,6 +81,10 @@ class NativeFraming:
         self.encode = Encoder(tensors=tensor_tx).encode
         self.decoders = decoders(tensor_rx)
         self.fields = _FIELD_POS
+
+    @staticmethod
+    def handles(rtype: int, payload: Any) -> list:
+        return placed_handles(payload)
 
 
 #: Wire position of each field, per record type whose payload is a struct.

@@ -16,10 +16,12 @@ import pytest
 from shmclient import (
     AsyncMPClient,
     EngineConfig,
+    EngineCoreRequest,
     EngineDeadError,
     InvalidRequestError,
     PeerNotConsumingError,
     PeerNotProducingError,
+    SamplingParams,
     WouldBlock,
     make_client,
     waiting,
@@ -157,6 +159,71 @@ def test_sync_add_request_times_out_on_a_stalled_engine_and_the_client_goes_on()
         while len(done) < n + 1 and time.monotonic() < deadline:
             done |= {o.request_id for o in client.get_output(timeout=10).outputs if o.finished}
         assert done == {f"r{i}" for i in range(n + 1)}
+
+
+def embeds_req(rid: str) -> EngineCoreRequest:
+    """A request whose prompt (75 KiB of embeddings) travels in the tensor arena."""
+    import torch
+
+    return EngineCoreRequest(request_id=rid, prompt_embeds=torch.ones((300, 64)),
+                             sampling_params=SamplingParams(max_tokens=1))
+
+
+def _blocks_in_flight(client) -> int:
+    return client.channel.statistics().tensors.blocks_in_flight
+
+
+def _finish_all(client, ids: set[str]) -> None:
+    done: set[str] = set()
+    deadline = time.monotonic() + 30
+    while done != ids and time.monotonic() < deadline:
+        done |= {o.request_id for o in client.get_output(timeout=10).outputs if o.finished}
+    assert done == ids
+
+
+def test_a_request_that_timed_out_gives_its_tensor_blocks_back():
+    """Defect: the arena blocks a request's tensors were placed in at encoding were freed
+    only by the engine's release, and a request whose add timed out never reached the
+    engine: its blocks stayed taken until the client closed (a retry encodes anew)."""
+    with make_client(True, False, small_ring_config()) as client:
+        with Stopped(client.engine_pid):
+            with pytest.raises(PeerNotConsumingError):
+                for i in range(1000):
+                    client.add_request(embeds_req(f"r{i}"), timeout=0.3)
+            assert i > 0
+            assert _blocks_in_flight(client) == i  # r0 .. r{i-1} went; r{i} gave its block back
+        client.add_request(embeds_req(f"r{i}"), timeout=10)  # the same id, encoded anew
+        _finish_all(client, {f"r{k}" for k in range(i + 1)})
+        deadline = time.monotonic() + 10
+        while _blocks_in_flight(client) and time.monotonic() < deadline:
+            client.call_utility("echo", 1)  # the engine's releases ride back with its replies
+        assert _blocks_in_flight(client) == 0
+
+
+async def test_a_cancelled_async_add_gives_its_tensor_blocks_back():
+    """The async twin: a task cancelled while it waits for room (a client that went
+    away, an ``asyncio.timeout``) leaves no arena block taken."""
+    client = await AsyncMPClient.create(small_ring_config())
+    async with client:
+        with Stopped(client.engine_pid):
+            sent = 0
+            while True:
+                task = asyncio.ensure_future(client.add_request_async(embeds_req(f"r{sent}")))
+                await asyncio.sleep(0)  # one turn: the add either went or is parked
+                if not task.done():
+                    break
+                task.result()
+                sent += 1
+            assert _blocks_in_flight(client) == sent + 1  # the parked one's too
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert _blocks_in_flight(client) == sent
+        done: set[str] = set()
+        while len(done) < sent:
+            done |= {o.request_id for o in (await client.get_output_async(timeout=10)).outputs
+                     if o.finished}
+        assert done == {f"r{k}" for k in range(sent)}
 
 
 def test_sync_timeouts_are_checked():

@@ -179,6 +179,8 @@ class _AsyncRings(_LinkIO):
                 error = e
             finally:
                 backlog.popleft()
+                if error is not None:
+                    channel.discard(rtype, payload)  # not sent: its tensors' blocks come back now
                 if not sent.done():
                     if error is None:
                         sent.set_result(None)
