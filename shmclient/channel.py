@@ -218,14 +218,18 @@ class ShmChannel:
                 self._partial = None
 
     def discard(self, rtype: int, payload: Any) -> None:
-        """A send of ``payload`` (from ``encode``) raised and it will not be sent again (a
-        timeout, a cancelled task, a dead engine): free the shared-memory blocks its
-        tensors were placed in, which the engine, never decoding it, would never release.
-        Only for a payload that did not go whole: a ``waiting.send`` that raised. Never
+        """A send of ``payload`` (from ``encode``) certainly did not go whole and will not
+        be sent again (``waiting.send`` raised a timeout, the peer's death or a closed
+        channel, or the task was cancelled while it waited for room): free the
+        shared-memory blocks its tensors were placed in, which the engine, never decoding
+        it, would never release. Frees nothing under a framing without ``handles``. Never
         raises."""
         self.abandon(payload)
+        find = getattr(self.framing, "handles", None)
+        if find is None:
+            return
         try:
-            handles = self.framing.handles(rtype, payload)
+            handles = find(rtype, payload)
         except Exception:  # noqa: BLE001 - not one of ours: nothing placed that we know of
             log.debug("no out-of-band tensors found in a discarded message", exc_info=True)
             return

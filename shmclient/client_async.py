@@ -20,7 +20,7 @@ from typing import Any, Callable
 from .config import EngineConfig
 from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
-from .client_mp import MPClient, _check_timeout
+from .client_mp import NOT_SENT, MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
 from .errors import EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError
 from .messages import EngineCoreOutputs, EngineCoreRequest
@@ -129,7 +129,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
                 self._ensure_alive()
                 await waiting.send_async(self.channel, rtype, payload, timeout=timeout,
                                          alive=self.resources.alive)
-            except BaseException:  # a timeout, a cancelled task, a dead engine: not sent
+            except (*NOT_SENT, asyncio.CancelledError):  # (cancelled only while it waited)
                 self.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us

@@ -42,6 +42,11 @@ from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
 logger = logging.getLogger("shmclient")
 
+#: What a send raises when its message certainly did not go whole (a timeout on a full
+#: ring, the engine's death, a closed channel): its tensors' blocks may be freed. Any
+#: other exception (a signal handler's, raised after the record was published) leaves them.
+NOT_SENT = (PeerNotConsumingError, PeerDeadError)
+
 
 def _check_timeout(what: str, timeout: Any) -> float | None:
     """``timeout`` as seconds or None; anything but None or a number >= 0 raises
@@ -175,8 +180,8 @@ class MPClient(EngineCoreClient):
         try:
             try:
                 waiting.send(channel, rtype, payload, timeout=timeout, alive=self.resources.alive)
-            except BaseException:
-                channel.discard(rtype, payload)  # not sent: its tensors' blocks come back now
+            except NOT_SENT:
+                channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
@@ -365,9 +370,10 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)
             raise self._dead_error() from e
-        except BaseException:
+        except BaseException as e:
             self._futures.pop(call_id, None)
-            self.channel.discard(REQ_UTILITY, payload)
+            if isinstance(e, NOT_SENT):
+                self.channel.discard(REQ_UTILITY, payload)
             raise
         self._reader.wait(fut.done, None)
         return fut.result()

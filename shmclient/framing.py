@@ -61,16 +61,15 @@ class Framing(Protocol):
     ``decode(view)`` returns the message (the view is valid only during the call) and
     whose ``salvage(view)`` returns what an untyped read still sees (for ``BadMessage``);
     ``fields`` gives, per record type, the wire position of each field a reader may
-    want from a message that did not decode. ``handles(rtype, payload)`` lists the
-    out-of-band handles an encoded payload references (the channel frees their blocks
-    when that message will not be sent)."""
+    want from a message that did not decode. A framing may also have
+    ``handles(rtype, payload)``: the out-of-band handles an encoded payload references,
+    exactly (the channel frees their blocks when that message will not be sent); one
+    whose messages carry user data that could pass for a handle has none."""
 
     decoders: Mapping[int, Any]
     fields: Mapping[int, Mapping[str, int]]
 
     def encode(self, obj: Any) -> Any: ...
-
-    def handles(self, rtype: int, payload: Any) -> list: ...
 
 
 class NativeFraming:
@@ -84,6 +83,8 @@ class NativeFraming:
 
     @staticmethod
     def handles(rtype: int, payload: Any) -> list:
+        """Exact: a tensor is an extension type of the codec's own, which no other value
+        encodes to."""
         return placed_handles(payload)
 
 

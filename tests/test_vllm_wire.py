@@ -271,26 +271,3 @@ def test_salvage_leaves_alone_what_is_not_an_arena_placeholder(arena_pair):
     assert frames.salvage(memoryview(message))[3] == [[[[["deep"]]]]]
     assert frames.salvage(memoryview(b"\xc1")) is None  # not msgpack: nothing to walk
     assert _released_into(sender, provider) == 0
-
-
-def test_the_placeholders_of_a_message_that_will_not_be_sent_are_found_and_freed(arena_pair):
-    """A request whose send failed (a timeout, a cancelled task) never reaches the engine,
-    which would release its blocks: the channel frees them from the handles the framing
-    finds in the record, one frame or several."""
-    import msgspec
-    import torch
-
-    from shmclient.vllm.oob import KEY
-    from shmclient.vllm.wire import VllmFraming
-
-    sender, _ = arena_pair
-    tensors = [torch.full((128, 128), float(i)) for i in range(3)]
-    handles = [sender.put(t, t.nbytes) for t in tensors]
-    ph = [["float32", [128, 128], {KEY: h}] for h in handles]
-    first = msgspec.msgpack.encode(["req-1", [ph[0], {"mm": [ph[1]]}], None, ph[2], {KEY: "not a placeholder"}])
-    assert sender.statistics().blocks_in_flight == 3
-    for rtype, payload in (message(0x00, [first]), message(0x00, [first, b"an aux frame"])):
-        assert sorted(VllmFraming.handles(rtype, payload)) == sorted(handles)
-    for h in VllmFraming.handles(*message(0x00, [first])):
-        sender.cancel(h)
-    assert sender.statistics().blocks_in_flight == 0

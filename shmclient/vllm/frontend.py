@@ -165,13 +165,8 @@ class _LinkIO:
         SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
         self.ensure_alive()
         rtype, payload = wire.message(request_type.value[0], self._encode(self._link, request))
-        channel = self._link.channel
         try:
-            try:
-                waiting.send(channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
-            except BaseException:
-                channel.discard(rtype, payload)  # not sent: its tensors' blocks come back now
-                raise
+            waiting.send(self._link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
         except (PeerDeadError, ClientClosedError):
             raise self._dead() from None
 

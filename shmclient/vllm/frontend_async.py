@@ -179,8 +179,6 @@ class _AsyncRings(_LinkIO):
                 error = e
             finally:
                 backlog.popleft()
-                if error is not None:
-                    channel.discard(rtype, payload)  # not sent: its tensors' blocks come back now
                 if not sent.done():
                     if error is None:
                         sent.set_result(None)

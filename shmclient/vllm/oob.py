@@ -20,7 +20,7 @@ from ..dtypes import torch_dtype
 from ..errors import SerializationError
 from ..tensors import CUDA_IPC, ShmTensorReceiver, ShmTensorSender
 
-__all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES", "placeholders"]
+__all__ = ["ArenaProvider", "ArenaTensors", "KEY", "TENSOR_MIN_BYTES"]
 
 #: The placeholder's key: ``{"shmc": handle}``.
 KEY = "shmc"
@@ -91,39 +91,30 @@ class ArenaProvider:
         open and drop at once each of its arena and CUDA placeholders that the decode did
         not reach, so that the sender gets their blocks back (those it reached are
         released as the tensors it made are dropped). Best effort; never raises."""
-        for item in placeholders(message):
-            if item[2][KEY] not in self.opened:
-                try:
-                    self(item[0], item[1], item[2])  # dropped at once: released
-                except Exception:  # not a handle we can open: not ours to free
-                    pass
+        todo = [message]
+        seen = tried = 0
+        while todo and seen < _MAX_WALK and tried < _MAX_PLACEHOLDERS:
+            item = todo.pop()
+            seen += 1
+            if type(item) is dict:
+                todo.extend(item.values())
+            elif type(item) is list:
+                if (len(item) == 3 and type(item[2]) is dict and type(item[2].get(KEY)) is list
+                        and item[2][KEY] not in self.opened):
+                    tried += 1
+                    try:
+                        self(item[0], item[1], item[2])  # dropped at once: released
+                    except Exception:  # not a handle we can open: not ours to free
+                        pass
+                else:
+                    todo.extend(item)
         self.opened.clear()
 
 
-#: Most values ``placeholders`` looks at in one message, and most placeholders it
-#: gives (a message of vLLM's carries a few tensors).
+#: Most values ``release_unopened`` looks at in one message, and most placeholders it
+#: opens (a message of vLLM's carries a few tensors).
 _MAX_WALK = 1 << 20
 _MAX_PLACEHOLDERS = 4096
-
-
-def placeholders(message: Any) -> list[list]:
-    """The ``[dtype, shape, {KEY: handle}]`` placeholders of ``message`` (a first frame
-    decoded as plain msgpack), at most ``_MAX_PLACEHOLDERS`` of them, looking at no more
-    than ``_MAX_WALK`` values. Never raises."""
-    found: list[list] = []
-    todo = [message]
-    seen = 0
-    while todo and seen < _MAX_WALK and len(found) < _MAX_PLACEHOLDERS:
-        item = todo.pop()
-        seen += 1
-        if type(item) is dict:
-            todo.extend(item.values())
-        elif type(item) is list:
-            if len(item) == 3 and type(item[2]) is dict and type(item[2].get(KEY)) is list:
-                found.append(item)
-            else:
-                todo.extend(item)
-    return found
 
 
 def _checked(dtype: Any, shape: Any) -> "tuple[torch.dtype, tuple[int, ...], int]":

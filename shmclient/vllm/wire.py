@@ -292,11 +292,3 @@ class VllmFraming:
         """vLLM's frames of ``obj`` (large tensors placed in the arena); ``message``
         makes them a record."""
         return self.encoder.encode(obj)
-
-    @staticmethod
-    def handles(rtype: int, payload: Any) -> list:
-        """The arena and CUDA handles of a record's placeholders (from ``message``)."""
-        from .oob import KEY, placeholders
-
-        first = unpack(memoryview(payload))[0] if rtype & MULTI else payload
-        return [item[2][KEY] for item in placeholders(msgspec.msgpack.decode(first))]
