@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import threading
 from typing import Any
 
 import msgspec
@@ -77,6 +78,13 @@ def placed_handles(payload: Any) -> list:
     return found
 
 
+class _Call(threading.local):
+    """One thread's running encode (see ``Encoder._call``)."""
+
+    placed: list | None = None
+    frames: list | None = None
+
+
 class Encoder:
     """Encodes any wire struct (or plain msgpack value) holding tensors.
 
@@ -88,8 +96,10 @@ class Encoder:
         self.tensors = tensors
         self.inline_threshold = inline_threshold
         self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._frames: list | None = None
-        self._placed: list = []
+        #: The running encode's own state, per thread (clients encode from any number of
+        #: threads at once): ``placed``, the handles it put out of band (freed if it
+        #: fails), and ``frames``, the list of an ``encode_frames`` (else None).
+        self._call = _Call()
         self._warned_cuda = False
 
     # -- public -----------------------------------------------------------------------
@@ -100,14 +110,12 @@ class Encoder:
         Raises ``SerializationError`` for a value that cannot cross (naming its type or
         the tensor's problem); tensors already placed out of band are then freed.
         """
-        self._frames = None
-        return self._run(self._enc.encode, obj)
+        return self._run(None, self._enc.encode, obj)
 
     def encode_into(self, obj: Any, buf: bytearray, offset: int = 0) -> None:
         """Like ``encode`` but into ``buf`` at ``offset`` (``buf`` grows or shrinks to end
         exactly at the message). The caller owns ``buf`` and decides when to reuse it."""
-        self._frames = None
-        self._run(self._enc.encode_into, obj, buf, offset)
+        self._run(None, self._enc.encode_into, obj, buf, offset)
 
     def encode_frames(self, obj: Any) -> list:
         """``[msgpack, buffer, buffer, ...]`` for a zmq multipart send (``copy=False``).
@@ -116,22 +124,20 @@ class Encoder:
         that shares the tensor's memory (zero-copy: do not modify the tensor until sent).
         """
         frames: list = [None]
-        self._frames = frames
-        try:
-            frames[0] = self._run(self._enc.encode, obj)
-        finally:
-            self._frames = None
+        frames[0] = self._run(frames, self._enc.encode, obj)
         return frames
 
     # -- internals ----------------------------------------------------------------------
 
-    def _run(self, fn, *args):
-        placed = self._placed
+    def _run(self, frames: list | None, fn, *args):
+        call = self._call
+        call.placed = placed = []
+        if frames is not None:
+            call.frames = frames
         try:
             out = fn(*args)
         except BaseException as e:
-            handles, self._placed = placed, []
-            for h in handles:
+            for h in placed:
                 try:
                     self.tensors.cancel(h)  # type: ignore[union-attr]
                 except Exception:  # pragma: no cover - best effort rollback
@@ -145,8 +151,9 @@ class Encoder:
                     f"cannot serialize a value nested this deep ({e}); flatten it"
                 ) from e
             raise
-        if placed:
-            placed.clear()
+        finally:
+            if frames is not None:
+                call.frames = None  # (they share the tensors' memory)
         return out
 
     def _enc_hook(self, obj: Any) -> Any:
@@ -183,7 +190,7 @@ class Encoder:
         if t.is_cuda:
             handle = self.tensors.put_cuda(t) if self.tensors is not None else None
             if handle is not None:
-                self._placed.append(handle)
+                self._call.placed.append(handle)
                 return self._ext(EXT_TORCH_CUDA, [dtype, shape, handle, None], None)
             if self.tensors is None and not self._warned_cuda:
                 self._warned_cuda = True
@@ -212,11 +219,13 @@ class Encoder:
             if self.tensors is not None:
                 handle = self.tensors.put(src, nbytes)
                 if handle is not None:
-                    self._placed.append(handle)
+                    self._call.placed.append(handle)
                     return self._ext(code, [dtype, shape, handle, extra], None)
-            elif self._frames is not None:
-                self._frames.append(contiguous_bytes(src, torch_src))
-                return self._ext(code, [dtype, shape, len(self._frames) - 1, extra], None)
+            else:
+                frames = self._call.frames
+                if frames is not None:
+                    frames.append(contiguous_bytes(src, torch_src))
+                    return self._ext(code, [dtype, shape, len(frames) - 1, extra], None)
         if torch_src and 0 < nbytes <= SMALL:
             # Small: one ctypes read of the (contiguous) tensor, then a bytes concat. ~3x
             # cheaper than going through a numpy view; ``src`` is alive throughout.

@@ -523,3 +523,46 @@ def test_no_arena_sends_tensors_as_one_off_segments():
     finally:
         engine.close()
         front.close()
+
+
+def test_an_encode_that_fails_in_one_thread_frees_only_its_own_blocks(pair):
+    """Clients encode from any number of threads with one encoder. The handles an encode
+    placed were kept on the encoder itself, so an encode that failed in one thread freed
+    the blocks another thread's encode had just placed: that message then went out naming
+    free blocks, which the next tensor overwrote."""
+    enc = Encoder(tensors=pair.sender)
+    placed_a = threading.Event()
+    b_done = threading.Event()
+    put = pair.sender.put
+
+    puts_a = []
+
+    def put_then_wait(src, nbytes):  # thread A, its second tensor: let B fail meanwhile
+        if threading.current_thread().name == "encode-a":
+            puts_a.append(nbytes)
+            if len(puts_a) == 2:
+                placed_a.set()
+                assert b_done.wait(10)
+        return put(src, nbytes)
+
+    pair.sender.put = put_then_wait
+    out: dict = {}
+
+    def encode_a() -> None:  # two tensors of 64 KiB: in the arena
+        out["a"] = enc.encode([torch.full((128, 128), 7.0), torch.full((128, 128), 8.0)])
+
+    a = threading.Thread(target=encode_a, name="encode-a")
+    a.start()
+    try:
+        assert placed_a.wait(10)
+        with pytest.raises(SerializationError, match="cannot serialize"):
+            enc.encode([torch.ones(16384), object()])  # places a block, then fails
+    finally:
+        b_done.set()
+        a.join(10)
+    assert "a" in out
+    assert pair.statistics().blocks_in_flight == 2  # A's two blocks, B's freed
+    del pair.sender.put
+    got = Decoder(tensors=pair.receiver).decode(out["a"])
+    assert torch.equal(got[0], torch.full((128, 128), 7.0))
+    assert torch.equal(got[1], torch.full((128, 128), 8.0))
