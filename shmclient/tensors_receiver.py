@@ -131,6 +131,16 @@ class ShmTensorReceiver:
 
         return local_index_for_uuid(uuid)
 
+    def release_unopened(self, handle: Any) -> None:
+        """A handle its sender placed for a message this side will not decode (the
+        decode failed before reaching it): queue its block's release, opening nothing
+        (an arena block, a one-off segment or a CUDA share: the sender frees it by id).
+        A handle without a block id that is a u64 > 0 is ignored. Does not block."""
+        if type(handle) is list and len(handle) > 1:
+            bid = handle[1]
+            if type(bid) is int and 0 < bid < 1 << 64:
+                self._released.append(bid)
+
     def take_releases(self) -> bytes | None:
         """The ids finished with since the last call, packed for ``on_release``; None if
         there are none. Thread-safe, does not block."""

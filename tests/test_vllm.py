@@ -206,6 +206,53 @@ def test_large_prompt_embeds_go_through_the_arena_and_come_back(stock_llm, shm_l
     assert arena_stats(shm_llm).used_bytes == 0
 
 
+def _fill_request_ring(channel) -> None:
+    """Fill a stopped engine's request ring with utility calls of a method that does not
+    exist (the engine answers each with an error nobody awaits): large ones (the last,
+    half-written one given up so that others may follow), then small ones until not even
+    one of those fits."""
+    from shmclient.errors import WouldBlock
+
+    for arg in (b"x" * (1 << 20), b""):
+        filler = msgspec.msgpack.encode((0, 1, "no_such_method", (arg,)))
+        while True:
+            try:
+                channel.send_nowait(_UTILITY, filler)
+            except WouldBlock:
+                channel.abandon(filler)
+                break
+
+
+def _utility_call(method: str, *args) -> tuple:
+    """A utility call's request as vLLM's clients build it (its reply awaited by nobody)."""
+    return (0, 2, method, args)
+
+
+def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_llm, monkeypatch):
+    """With the engine stopped and its request ring full, a utility call carrying a large
+    tensor gives up after SEND_TIMEOUT_S (shortened here): the arena block its tensor was placed
+    in is free again at once (it stayed taken for the client's life before); once the
+    engine runs again it serves on."""
+    from shmclient.errors import PeerNotConsumingError
+    from shmclient.vllm import frontend
+
+    client = shm_llm.llm_engine.engine_core
+    pid = client.resources.engine_manager.processes[0].pid
+    monkeypatch.setattr(frontend, "SEND_TIMEOUT_S", 0.3)
+    before = arena_stats(client)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _fill_request_ring(client._link.channel)
+        with pytest.raises(PeerNotConsumingError):
+            client._send_input(EngineCoreRequestType.UTILITY, _utility_call("no_such_method", embeds(100, 5)))
+        after = arena_stats(client)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert after.sent_arena == before.sent_arena + 1  # it was placed in the arena
+    assert after.blocks_in_flight == before.blocks_in_flight  # and given back
+    assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
+
+
 def test_arena_tensors_through_vllms_encoder_and_decoder():
     """The consumer/provider pair on vLLM's own MsgpackEncoder/Decoder, no engine: small
     tensors stay vLLM's frames, large ones are arena views released when dropped."""
@@ -694,6 +741,39 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     assert not client._backlogs[0]
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-full", [5, 6, 7, 8], 4))
+
+
+def test_async_sends_that_never_went_give_their_arena_blocks_back(async_pair, monkeypatch):
+    """With the engine stopped and its request ring full, two utility calls carrying large
+    tensors wait in the backlog and give up after SEND_TIMEOUT_S each (shortened here):
+    the arena blocks their tensors were placed in are free again at once (they stayed
+    taken for the client's life before); once the engine runs again it serves on."""
+    from shmclient.errors import PeerNotConsumingError
+    from shmclient.vllm import frontend_async
+
+    loop, stock, shm = async_pair
+    client = shm.engine_core
+    pid = client.resources.engine_manager.processes[0].pid
+    monkeypatch.setattr(frontend_async, "SEND_TIMEOUT_S", 0.3)
+    before = arena_stats(client)
+
+    async def scenario():
+        sends = [client._send_input(EngineCoreRequestType.UTILITY, _utility_call("no_such_method", embeds(100, i)))
+                 for i in (6, 7)]
+        results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 30)
+        assert [type(r) for r in results] == [PeerNotConsumingError] * 2, results
+        return arena_stats(client)
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        _fill_request_ring(client._link.channel)
+        after = loop.run_until_complete(scenario())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert after.sent_arena == before.sent_arena + 2  # both were placed in the arena
+    assert after.blocks_in_flight == before.blocks_in_flight  # and given back
+    assert loop.run_until_complete(stream(shm, "after-discard", [5, 6, 7, 8], 4)) == loop.run_until_complete(
+        stream(stock, "ref-after-discard", [5, 6, 7, 8], 4))
 
 
 def test_async_reader_wakes_once_per_batch_and_early(model_dir, async_pair, monkeypatch):

@@ -211,12 +211,49 @@ def _released_into(sender, provider) -> int:
     return sender.statistics().blocks_in_flight
 
 
-def test_a_failed_decode_releases_the_blocks_of_placeholders_it_did_not_reach(arena_pair):
+def test_a_message_lists_what_its_encode_placed_and_the_decoder_sees_only_vllms_frames():
+    """``message`` with handles: MULTI and PLACED set, the list after vLLM's frames;
+    ``placed`` reads it back; the decoder is given vLLM's frames only."""
+    import msgspec
+
+    from shmclient.vllm.wire import PLACED, _Frames, kind_of, placed
+
+    handles = [[1, 7, 4096], [3, 8, "memfd:x", b"\x00"]]
+    for frames in ([b"main"], [b"main", bytearray(b"aux")]):
+        rtype, payload = message(0x03, frames, handles)
+        assert rtype == 0x03 | MULTI | PLACED and kind_of(rtype) == 0x03
+        assert placed(rtype, payload) == handles
+
+        class Records:
+            def decode(self, got):
+                self.got = got
+                return "decoded"
+
+        dec = Records()
+        assert _Frames(dec, rtype).decode(memoryview(payload)) == "decoded"
+        assert [bytes(f) for f in dec.got] == [bytes(f) for f in frames]
+    assert message(0x03, [b"main"], []) == (0x03, b"main")  # nothing placed: as before
+    assert placed(0x03 | MULTI, pack([b"a", b"b"])) == []
+    # a list that is not one: refused by name, or its odd entries left out
+    bad = pack([b"main", msgspec.msgpack.encode({"not": "a list"})])
+    with pytest.raises(ValueError, match="list of placed tensors"):
+        placed(0x03 | MULTI | PLACED, bad)
+    odd = pack([b"main", msgspec.msgpack.encode([7, [1], [1, "x"], [1, 2, 3]])])
+    assert placed(0x03 | MULTI | PLACED, odd) == [[1, 2, 3]]
+
+
+def _placed_message(first_frame_obj, handles):
+    import msgspec
+
+    return message(0x00, [msgspec.msgpack.encode(first_frame_obj)], handles)
+
+
+def test_a_failed_decode_releases_the_listed_blocks_it_did_not_open(arena_pair):
     """A message whose decode fails after its first tensor: that tensor's block goes back
-    when the tensor is dropped, the others' when the message is salvaged."""
+    when the tensor is dropped, the others the sender listed when the message is
+    salvaged (nothing opened for them)."""
     import gc
 
-    import msgspec
     import torch
 
     from shmclient.vllm.oob import KEY
@@ -226,48 +263,80 @@ def test_a_failed_decode_releases_the_blocks_of_placeholders_it_did_not_reach(ar
     tensors = [torch.full((128, 128), float(i)) for i in range(4)]  # 64 KiB: read as views
     handles = [sender.put(t, t.nbytes) for t in tensors]
     placeholders = [["float32", [128, 128], {KEY: h}] for h in handles]
-    # nested as vLLM nests tensors: in lists, in a dict of a struct's array, one repeated
-    message = msgspec.msgpack.encode(["req-1", [placeholders[0], {"mm": [placeholders[1], placeholders[2]]}],
-                                      None, placeholders[3], "tail"])
+    rtype, payload = _placed_message(["req-1", [placeholders[0], {"mm": [placeholders[1]]}], None,
+                                      placeholders[2:], "tail"], handles)
 
     class FailsAfterTheFirstTensor:
-        def decode(self, frame):
+        def decode(self, frames):
             self.first = provider("float32", [128, 128], {KEY: handles[0]})
             raise ValueError("a field of the wrong type")
 
     dec = FailsAfterTheFirstTensor()
-    frames = _Frames(dec, False, provider)
+    frames = _Frames(dec, rtype, provider)
     with pytest.raises(ValueError):
-        frames.decode(memoryview(message))
+        frames.decode(memoryview(payload))
     assert _released_into(sender, provider) == 4
-    raw = frames.salvage(memoryview(message))
+    raw = frames.salvage(memoryview(payload))
     assert raw[0] == "req-1"
-    assert _released_into(sender, provider) == 1  # the reached one lives on in dec.first
+    assert _released_into(sender, provider) == 1  # the opened one lives on in dec.first
     assert torch.equal(dec.first, tensors[0])
     del dec.first
     gc.collect()
     assert _released_into(sender, provider) == 0
 
 
-def test_salvage_leaves_alone_what_is_not_an_arena_placeholder(arena_pair):
-    """Lists of three that only look alike (no handle, a handle that is not a list, a bad
-    dtype) are skipped; nothing raises."""
-    import msgspec
+def test_salvage_frees_only_what_the_sender_listed(arena_pair):
+    """A placeholder-shaped value in the message (user data: a JSON schema, a prompt)
+    naming a block placed for another message is not freed, listed or not: only the
+    sender's own list is. A list that cannot be read frees nothing; nothing raises."""
+    import torch
 
     from shmclient.vllm.oob import KEY
-    from shmclient.vllm.wire import _Frames
+    from shmclient.vllm.wire import PLACED, _Frames
 
     sender, provider = arena_pair
+    t = torch.zeros(64, 64)
+    other = sender.put(t, t.nbytes)  # another message's block, still to be read
+    mine = sender.put(t, t.nbytes)
+    lookalike = ["float32", [64, 64], {KEY: other}]
 
     class Fails:
-        def decode(self, frame):
+        def decode(self, frames):
             raise ValueError("bad")
 
-    message = msgspec.msgpack.encode([["a", "b", {"other": 1}], ["float32", [4], {KEY: 7}],
-                                      ["no-dtype", [4], {KEY: [0, 99, 0]}], [[[[["deep"]]]]]])
-    frames = _Frames(Fails(), False, provider)
-    with pytest.raises(ValueError):
-        frames.decode(memoryview(message))
-    assert frames.salvage(memoryview(message))[3] == [[[[["deep"]]]]]
-    assert frames.salvage(memoryview(b"\xc1")) is None  # not msgpack: nothing to walk
-    assert _released_into(sender, provider) == 0
+    for rtype, payload in (_placed_message(["req-2", {"schema": lookalike}], [mine]),
+                           message(0x00, [__import__("msgspec").msgpack.encode(["req-3", lookalike])])):
+        frames = _Frames(Fails(), rtype, provider)
+        with pytest.raises(ValueError):
+            frames.decode(memoryview(payload))
+        assert frames.salvage(memoryview(payload))[1] in ({"schema": lookalike}, lookalike)
+    assert _released_into(sender, provider) == 1  # ``other`` stays taken; ``mine`` came back
+    unreadable = pack([b"\x91\x01", b"\xc1"])
+    frames = _Frames(Fails(), 0x00 | MULTI | PLACED, provider)
+    assert frames.salvage(memoryview(unreadable)) == [1]
+    assert frames.salvage(memoryview(b"\xc1")) is None
+    assert _released_into(sender, provider) == 1
+
+
+def test_the_encoders_consumer_hands_out_its_handles_once_and_frees_those_nobody_took(arena_pair):
+    """``ArenaTensors``: ``take`` gives the last encode's handles once; an encode whose
+    handles were not taken (it failed half-way, or its frames were never sent) has its
+    blocks freed when the next encode starts."""
+    import torch
+
+    from shmclient.vllm.oob import ArenaTensors
+
+    sender, _ = arena_pair
+    consumer = ArenaTensors(sender, threshold=1024)
+    big, small = torch.zeros(64, 64), torch.zeros(4)
+    consumer.new_message()
+    assert consumer(small) is None and consumer.take() == []
+    placeholder = consumer(big)
+    assert consumer.take() == [placeholder["shmc"]] and consumer.take() == []
+    consumer.new_message()
+    assert sender.statistics().blocks_in_flight == 1  # taken: its message carries it
+    consumer(big)
+    consumer(big)
+    assert sender.statistics().blocks_in_flight == 3
+    consumer.new_message()
+    assert sender.statistics().blocks_in_flight == 1 and consumer.take() == []

@@ -210,7 +210,7 @@ def _read_requests(self, link: _EngineLink, types) -> None:
                 if rtype == wire.HELLO:
                     link.on_hello(request)
                     continue
-                request_type = types.get(rtype & ~wire.MULTI)
+                request_type = types.get(wire.kind_of(rtype))
                 if request_type is None:  # the channel's framing decodes only these
                     continue
                 if isinstance(request, BadMessage):

@@ -156,7 +156,7 @@ class _EngineLink:
         if pidfd is not None:
             os.close(pidfd)
 
-    def send(self, kind: int, frames, *, wake: bool = True) -> bool:
+    def send(self, kind: int, frames, *, wake: bool = True, placed: list = ()) -> bool:
         """Write one message now, or keep it for the flusher thread when the ring has no
         room for it (the frontend is slow) or older messages are kept: it goes after them,
         as the frontend makes room. Never waits for the frontend. Dropped once the
@@ -164,10 +164,11 @@ class _EngineLink:
 
         ``wake=False``: publish it without waking a parked frontend; the wake-up is owed
         until ``wake_owed()`` (the caller's promise). A ring without room gives any owed
-        wake-up at once (the frontend must read to make room)."""
+        wake-up at once (the frontend must read to make room). ``placed``: the handles
+        the encode of ``frames`` placed out of band (``VllmFraming.take_placed``)."""
         if self.frontend_gone:
             return False
-        rtype, payload = wire.message(kind, frames)
+        rtype, payload = wire.message(kind, frames, placed)
         with self._backlog_lock:
             if not self._backlog:
                 try:

@@ -243,8 +243,8 @@ class _InlineOutputs:
         link = self._links[client_index]
         link.active = True
         with self._send_locks[client_index]:
-            if link.send(wire.OUTPUTS, link.framing.encoder.encode_into(outputs, self._buffers[client_index]),
-                         wake=wake):
+            frames = link.framing.encoder.encode_into(outputs, self._buffers[client_index])
+            if link.send(wire.OUTPUTS, frames, wake=wake, placed=link.framing.take_placed()):
                 # Kept for the link's flusher (the frontend's ring is full): the payload
                 # may be the buffer itself, so the next batch gets another.
                 self._buffers[client_index] = bytearray()

@@ -27,13 +27,16 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import ClientClosedError, PeerDeadError
+from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError
 from . import wire
 from .link import _close_links, _engine_pids, _Link, _start_with_links
 
 __all__ = ["ShmSyncMPClient"]
 
 SEND_TIMEOUT_S = 60.0
+#: A send that raised one of these certainly did not go whole and is not retried: the
+#: blocks its tensors were placed in are freed (``ShmChannel.discard``).
+NOT_SENT = (PeerNotConsumingError, PeerDeadError)
 #: Wire positions (vLLM's array-like structs) of an output message's utility reply and of
 #: the reply's call id: whose reply a message that did not decode was.
 _UTILITY_POS = EngineCoreOutputs.__struct_fields__.index("utility_output")
@@ -96,7 +99,7 @@ def _dispatch_failed(engine_index: int, rtype: int, obj: Any) -> None:
 
     if getattr(obj, "utility_output", None) is not None:
         kind = f"the reply to utility call {obj.utility_output.call_id}"
-    elif rtype & ~wire.MULTI == wire.OUTPUTS:
+    elif wire.kind_of(rtype) == wire.OUTPUTS:
         kind = "an output message"
     else:
         kind = f"a record of type 0x{rtype:02x}"
@@ -164,9 +167,15 @@ class _LinkIO:
         """Send from this thread, waiting while the request ring is full (at most
         SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
         self.ensure_alive()
-        rtype, payload = wire.message(request_type.value[0], self._encode(self._link, request))
+        link = self._link
+        frames = self._encode(link, request)
+        rtype, payload = wire.message(request_type.value[0], frames, link.framing.take_placed())
         try:
-            waiting.send(self._link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
+            try:
+                waiting.send(link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
+            except NOT_SENT:
+                link.channel.discard(rtype, payload)  # its tensors' blocks come back now
+                raise
         except (PeerDeadError, ClientClosedError):
             raise self._dead() from None
 

@@ -30,7 +30,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from .. import waiting
 from ..errors import ClientClosedError, PeerDeadError, WouldBlock
 from . import wire
-from .frontend import SEND_TIMEOUT_S, _LinkIO
+from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO
 from .link import _Link
 from .reader import _EngineReader, _Inbox, _own_reader, park_all
 
@@ -140,7 +140,7 @@ class _AsyncRings(_LinkIO):
         others and the returned future completes when it is sent (the backlog task parks
         on the ring's space pipe, at most SEND_TIMEOUT_S a message, then
         PeerNotConsumingError). Raises EngineDeadError at once when the engine is gone."""
-        rtype, payload = wire.message(kind, frames)
+        rtype, payload = wire.message(kind, frames, link.framing.take_placed())
         loop = asyncio.get_running_loop()
         key = link.engine_index
         backlog = self._backlogs.get(key)
@@ -150,6 +150,7 @@ class _AsyncRings(_LinkIO):
             except WouldBlock:
                 pass
             except (PeerDeadError, ClientClosedError):
+                link.channel.discard(rtype, payload)
                 raise self._dead() from None
             else:
                 return _done(loop)
@@ -170,11 +171,12 @@ class _AsyncRings(_LinkIO):
             error: BaseException | None = None
             try:
                 await waiting.send_async(channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
-            except (PeerDeadError, ClientClosedError):
-                error = self._dead()
-            except asyncio.CancelledError:
-                error = EngineDeadError()
-                raise
+            except (*NOT_SENT, asyncio.CancelledError) as e:  # (cancelled only while it waited)
+                channel.discard(rtype, payload)  # its tensors' blocks come back now
+                if isinstance(e, asyncio.CancelledError):
+                    error = EngineDeadError()
+                    raise
+                error = self._dead() if isinstance(e, PeerDeadError) else e
             except Exception as e:  # noqa: BLE001 - handed to whoever awaits the send
                 error = e
             finally:
@@ -186,7 +188,8 @@ class _AsyncRings(_LinkIO):
                         sent.set_exception(error)
                 if isinstance(error, EngineDeadError):
                     while backlog:
-                        f = backlog.popleft()[2]
+                        rtype, payload, f = backlog.popleft()
+                        channel.discard(rtype, payload)  # never went
                         if not f.done():
                             f.set_exception(EngineDeadError())
 

@@ -35,27 +35,45 @@ except ImportError:  # pragma: no cover - vLLM is what loads this module
 
 class ArenaTensors(_Consumer):  # type: ignore[misc,valid-type]
     """vLLM ``OOBTensorConsumer`` placing tensors in ``sender``'s arena (see module doc).
-    Called by one encoder at a time (vLLM's encoders are not thread-safe either)."""
+    Called by one encoder at a time (vLLM's encoders are not thread-safe either). Keeps
+    the handles of the message being encoded until ``take`` (its sender lists them)."""
 
     def __init__(self, sender: ShmTensorSender, threshold: int = TENSOR_MIN_BYTES, cuda_ipc: bool = True) -> None:
         self.sender = sender
         self.threshold = threshold
         self.cuda_ipc = cuda_ipc
+        self.placed: list = []
 
     def new_message(self) -> None:
-        pass
+        if self.placed:
+            # An encode that placed tensors and then failed (or whose frames nobody
+            # sent): its blocks would never be released by the peer.
+            stale, self.placed = self.placed, []
+            for handle in stale:
+                self.sender.cancel(handle)
+
+    def take(self) -> list:
+        """The handles of the last encode, once: its message will carry them."""
+        placed = self.placed
+        if placed:
+            self.placed = []
+        return placed
 
     def __call__(self, tensor: torch.Tensor) -> dict | None:
         if tensor.is_cuda:
             if self.cuda_ipc:
                 handle = self.sender.put_cuda(tensor)
                 if handle is not None:
+                    self.placed.append(handle)
                     return {KEY: handle}
             tensor = tensor.detach().to("cpu")  # host copy: always out of band from here
         elif tensor.nbytes < self.threshold:
             return None  # vLLM's own extra frame
         handle = self.sender.put(tensor.detach(), tensor.nbytes)
-        return None if handle is None else {KEY: handle}
+        if handle is None:
+            return None
+        self.placed.append(handle)
+        return {KEY: handle}
 
 
 class ArenaProvider:
@@ -86,35 +104,15 @@ class ArenaProvider:
         # from_numpy keeps ``arr`` (the watched array) alive exactly as long as the tensor
         return torch.from_numpy(arr).view(dt).view(size)
 
-    def release_unopened(self, message: Any) -> None:
-        """After a decode of ``message`` (its first frame, decoded as plain msgpack) failed:
-        open and drop at once each of its arena and CUDA placeholders that the decode did
-        not reach, so that the sender gets their blocks back (those it reached are
-        released as the tensors it made are dropped). Best effort; never raises."""
-        todo = [message]
-        seen = tried = 0
-        while todo and seen < _MAX_WALK and tried < _MAX_PLACEHOLDERS:
-            item = todo.pop()
-            seen += 1
-            if type(item) is dict:
-                todo.extend(item.values())
-            elif type(item) is list:
-                if (len(item) == 3 and type(item[2]) is dict and type(item[2].get(KEY)) is list
-                        and item[2][KEY] not in self.opened):
-                    tried += 1
-                    try:
-                        self(item[0], item[1], item[2])  # dropped at once: released
-                    except Exception:  # not a handle we can open: not ours to free
-                        pass
-                else:
-                    todo.extend(item)
-        self.opened.clear()
-
-
-#: Most values ``release_unopened`` looks at in one message, and most placeholders it
-#: opens (a message of vLLM's carries a few tensors).
-_MAX_WALK = 1 << 20
-_MAX_PLACEHOLDERS = 4096
+    def release_unopened(self, handles: list) -> None:
+        """After a decode failed: release each of ``handles`` (those its sender listed,
+        ``wire.placed``) that the decode did not open, so that the sender gets its blocks
+        back (those it opened are released as the tensors it made are dropped). Nothing
+        is opened; never raises."""
+        opened, self.opened = self.opened, []
+        for handle in handles:
+            if handle not in opened:
+                self.receiver.release_unopened(handle)
 
 
 def _checked(dtype: Any, shape: Any) -> "tuple[torch.dtype, tuple[int, ...], int]":

@@ -8,7 +8,12 @@ as one ring record (fragmented by the ring when it is larger than one record): i
 is the message's kind (vLLM's request-type byte towards the engine, ``OUTPUTS`` towards
 the frontend); a message of one frame is that frame; a message of several has ``MULTI``
 or-ed into its type and its frames packed behind a header (``pack`` / ``unpack``: a
-count, then each frame's length, every value checked when read). Its contract (the
+count, then each frame's length, every value checked when read). A message whose tensors
+the sender placed in the channel's arena (or shared by CUDA IPC) also has ``PLACED``
+or-ed in, and one more frame after vLLM's: the list of those handles, from the sender's
+own record of what it placed (``oob.ArenaTensors``), so that a message that is never
+sent, or never decoded whole, gives back exactly its blocks (``placed`` /
+``_Frames.salvage``). Its contract (the
 framing, ``GPUS`` and ``HELLO`` records, the spec variables): docs/design.md, "Module
 notes", ``shmclient.vllm.wire``.
 """
@@ -30,14 +35,17 @@ __all__ = [
     "HELLO",
     "MULTI",
     "OUTPUTS",
+    "PLACED",
     "EngineSpec",
     "VllmFraming",
     "decode_frontend_specs",
     "decode_spec",
     "decode_specs",
     "encode_specs",
+    "kind_of",
     "message",
     "pack",
+    "placed",
     "unpack",
 ]
 
@@ -55,6 +63,9 @@ HELLO = 0x23
 MAX_PID = 1 << 22
 #: or-ed into a message's record type when its payload holds several frames (``pack``).
 MULTI = 0x80
+#: or-ed into a ``MULTI`` message's type when its last frame lists the out-of-band
+#: handles its sender placed (msgpack list; not one of vLLM's frames).
+PLACED = 0x40
 #: The most frames one message may say it has (vLLM sends one per out-of-line tensor).
 MAX_FRAMES = 1 << 16
 
@@ -184,40 +195,74 @@ def unpack(view: memoryview) -> list[Any]:
     return frames
 
 
-def message(kind: int, frames: Sequence[Any]) -> tuple[int, Any]:
-    """The record type and payload of one vLLM message (``kind`` 0..0x7F)."""
+def message(kind: int, frames: Sequence[Any], handles: Sequence[Any] = ()) -> tuple[int, Any]:
+    """The record type and payload of one vLLM message (``kind`` 0..0x3F); ``handles``:
+    the out-of-band handles its encode placed (``VllmFraming.take_placed``)."""
+    if handles:
+        return kind | MULTI | PLACED, pack([*frames, msgspec.msgpack.encode(list(handles))])
     if len(frames) == 1:
         return kind, frames[0]
     return kind | MULTI, pack(frames)
 
 
+def kind_of(rtype: int) -> int:
+    """The message kind of a record type (``MULTI`` and ``PLACED`` cleared)."""
+    return rtype & ~(MULTI | PLACED)
+
+
+def placed(rtype: int, payload: Any) -> list:
+    """The handles a ``PLACED`` message's sender listed ([] for another), each a list
+    whose second item is an int (a block id); ValueError (or msgspec's DecodeError) when
+    the payload is not one ``message`` made."""
+    if not rtype & PLACED:
+        return []
+    frames = unpack(memoryview(payload).cast("B"))
+    handles = msgspec.msgpack.decode(frames[-1])
+    if type(handles) is not list or len(handles) > MAX_FRAMES:
+        raise ValueError("a vLLM message's list of placed tensors is not a list of at most "
+                         f"{MAX_FRAMES} handles")
+    return [h for h in handles if type(h) is list and len(h) > 1 and type(h[1]) is int]
+
+
 class _Frames:
     """One record type's decoder: vLLM's ``MsgpackDecoder`` over the record's frames
-    (copied out of the ring: vLLM keeps views of what it decodes)."""
+    (copied out of the ring: vLLM keeps views of what it decodes); ``rtype``'s flags say
+    whether there are several, and a list of placed handles after them."""
 
-    __slots__ = ("dec", "multi", "provider")
+    __slots__ = ("dec", "multi", "placed", "provider", "rtype")
 
-    def __init__(self, dec: Any, multi: bool, provider: Any = None) -> None:
+    def __init__(self, dec: Any, rtype: int, provider: Any = None) -> None:
         self.dec = dec
-        self.multi = multi
+        self.rtype = rtype
+        self.multi = bool(rtype & MULTI)
+        self.placed = bool(rtype & PLACED)
         self.provider = provider  # the arena's (oob.ArenaProvider), or None
 
     def decode(self, view: memoryview) -> Any:
         if self.provider is not None:
             self.provider.opened.clear()
-        return self.dec.decode(unpack(view) if self.multi else bytes(view))
+        if not self.multi:
+            return self.dec.decode(bytes(view))
+        frames = unpack(view)
+        if self.placed:
+            frames.pop()  # the sender's list of handles: for ``salvage`` only
+        return self.dec.decode(frames)
 
     def salvage(self, view: memoryview) -> Any:
         """After ``decode`` raised: the first frame as plain msgpack (None when unreadable);
-        the arena blocks of placeholders the decode did not reach are released."""
+        the blocks of the handles the sender listed that the decode did not open are
+        released (those it opened go back as the tensors it made are dropped)."""
+        if self.placed and self.provider is not None:
+            try:
+                handles = placed(self.rtype, view)
+            except Exception:  # noqa: BLE001 - an unreadable list: nothing we can free
+                handles = []
+            self.provider.release_unopened(handles)
         try:
             first = unpack(view)[0] if self.multi else view
-            raw = msgspec.msgpack.decode(first)
+            return msgspec.msgpack.decode(first)
         except Exception:
             return None
-        if self.provider is not None:
-            self.provider.release_unopened(raw)
-        return raw
 
 
 class _Msgpack:
@@ -267,14 +312,14 @@ class VllmFraming:
             raise ValueError(f"side must be 'frontend' or 'engine', got {side!r}")
         self.decoders: dict[int, Any] = {}
         for kind, dec in typed.items():
-            self.decoders[kind] = _Frames(dec, False, self.provider)
-            self.decoders[kind | MULTI] = _Frames(dec, True, self.provider)
+            for rtype in (kind, kind | MULTI, kind | MULTI | PLACED):
+                self.decoders[rtype] = _Frames(dec, rtype, self.provider)
         if side == "frontend":
             self.decoders[GPUS] = _Msgpack()
         self.decoders[HELLO] = _Msgpack(int)
         add = EngineCoreRequest.__struct_fields__
-        self.fields = {k: {name: i for i, name in enumerate(add)}
-                       for k in (EngineCoreRequestType.ADD.value[0], EngineCoreRequestType.ADD.value[0] | MULTI)}
+        adds = EngineCoreRequestType.ADD.value[0]
+        self.fields = {k: {name: i for i, name in enumerate(add)} for k in (adds, adds | MULTI, adds | MULTI | PLACED)}
         self._fallback_provider: Any = None
 
     def set_fallback(self, provider: Any) -> None:
@@ -290,5 +335,17 @@ class VllmFraming:
 
     def encode(self, obj: Any) -> list:
         """vLLM's frames of ``obj`` (large tensors placed in the arena); ``message``
-        makes them a record."""
+        makes them a record, with ``take_placed()``."""
         return self.encoder.encode(obj)
+
+    def take_placed(self) -> list:
+        """The handles the last encode by ``encoder`` placed out of band, once ([] after
+        that, and for none): the sender of that message lists them (``message``)."""
+        return self.consumer.take() if self.consumer is not None else []
+
+    @staticmethod
+    def handles(rtype: int, payload: Any) -> list:
+        """The handles a record of this framing lists as placed (see ``placed``): the
+        channel frees them when the record is discarded unsent. Exact: the sender's own
+        list, never read from vLLM's frames (which carry user data)."""
+        return placed(rtype, payload)
