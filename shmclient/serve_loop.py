@@ -134,7 +134,11 @@ class EngineProc:
             except Exception as e:  # noqa: BLE001 - a refused request changes nothing
                 self.reject(obj.client_index, obj.request_id, str(e))
         elif rtype == REQ_ABORT:
-            self.core.abort_requests(obj)
+            try:
+                self.core.abort_requests(obj)
+            except Exception:  # noqa: BLE001 - an engine refusing an abort (an unknown id)
+                log.warning("dropped an abort of %d request(s) that the engine core refused",
+                            len(obj), exc_info=True)
         elif rtype == REQ_UTILITY:
             self.utility(obj)
         else:
@@ -204,7 +208,18 @@ class EngineProc:
         gets room and the two processes can never wait on each other. ``handle`` only
         queues, so this never recurses."""
         channel = self.channel
-        payload = channel.encode(outputs)
+        try:
+            payload = channel.encode(outputs)
+        except Exception as e:
+            reply = outputs.utility_output
+            if reply is None or reply.failure_message is not None:
+                raise
+            # A utility's result the codec cannot carry (an object of no wire type, an
+            # int over 64 bits): that call fails alone, as when the utility raises.
+            log.warning("the result of utility call %s cannot be sent: %s", reply.call_id, e)
+            failed = UtilityOutput(call_id=reply.call_id,
+                                   failure_message=f"its result cannot be sent to the client: {e}")
+            payload = channel.encode(EngineCoreOutputs(utility_output=failed))
         while True:
             try:
                 waiting.send(channel, REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)

@@ -299,7 +299,7 @@ class Core:
 
     def abort_requests(self, request_ids):
         for rid in request_ids:
-            self.left.pop(rid, None)
+            del self.left[rid]  # strict: an id it does not have raises KeyError
 
     def has_work(self):
         return bool(self.left)
@@ -389,6 +389,11 @@ async def test_a_third_party_engine_is_served_without_the_projects_engine(kind, 
         tokens = await first_tokens(drv, 3)
         assert tokens == [7, 6, 5]
         assert await drv.call_utility("imported", "shmclient_engine") == []
+        # Its abort_requests raises for an id it does not have: that abort is dropped
+        # with a log line, the engine goes on serving.
+        await drv.abort(["nobody"])
+        await drv.add(req("r2", prompt=[1, 2], max_tokens=8))
+        assert await first_tokens(drv, 2) == [2, 1]
     finally:
         client.shutdown()
 

@@ -229,6 +229,22 @@ async def test_user_registered_utility_is_callable_through_call_utility(drv):
     assert len(res["after-user-utility"]["tokens"]) == 2
 
 
+async def test_utility_whose_result_cannot_be_sent_fails_that_call_alone(drv):
+    # A result the wire cannot carry fails its call (UtilityCallError naming why), as a
+    # utility that raises does; the engine goes on serving. (In-process nothing is
+    # encoded: the object comes back as it is.)
+    for later in (False, True):
+        if drv.is_inproc:
+            assert type(await drv.call_utility("unsendable", later)) is object
+            continue
+        with pytest.raises(UtilityCallError, match="Call to unsendable method failed: its result cannot be sent"):
+            await drv.call_utility("unsendable", later)
+    assert await drv.util("echo", "still serving") == "still serving"
+    await drv.add(req("after-unsendable", max_tokens=2))
+    res = await drv.collect(["after-unsendable"])
+    assert len(res["after-unsendable"]["tokens"]) == 2
+
+
 async def test_utility_returning_a_future_is_answered_when_it_completes(drv):
     # vLLM's engine answers a utility that returns a Future once the Future is done.
     assert await drv.call_utility("done_future", {"k": [1, 2]}) == {"k": [1, 2]}

@@ -42,6 +42,18 @@ def fail_with(core: Any, text: str) -> None:
 
 
 @register_utility
+def unsendable(core: Any, later: bool = False) -> Any:
+    """A result no codec carries (an object of no wire type), at once or as a Future's."""
+    import concurrent.futures
+
+    if not later:
+        return object()
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(object())
+    return fut
+
+
+@register_utility
 def done_future(core: Any, value: Any) -> Any:
     """A Future that is already complete: answered with its result."""
     import concurrent.futures
