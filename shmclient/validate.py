@@ -187,6 +187,8 @@ def _check_embeds(rid: str, embeds: Any, hidden: int | None) -> int:
         )
     if shape[0] == 0:
         raise InvalidRequestError(f"request {rid!r}: empty prompt: prompt_embeds has no rows")
+    if not bool(torch.isfinite(embeds).all()):
+        raise InvalidRequestError(f"request {rid!r}: prompt_embeds holds NaN or infinite values")
     return shape[0]
 
 

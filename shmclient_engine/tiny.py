@@ -211,7 +211,14 @@ def _sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from ``logits`` [vocab] under ``sp`` (greedy, temperature, top-k, top-p)."""
+    """One token from ``logits`` [vocab] under ``sp`` (greedy, temperature, top-k, top-p).
+    Logits that are not all finite (finite prompt embeddings large enough to overflow)
+    give a token too, never an error: NaN counts as the lowest value, inf as the
+    highest."""
+    if not bool(torch.isfinite(logits).all()):
+        logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        if sp.temperature < SAMPLING_EPS or bool(torch.isinf(logits).all()) or bool((logits == float("inf")).any()):
+            return int(logits.argmax())
     if sp.temperature < SAMPLING_EPS:
         return int(logits.argmax())
     logits = logits.float() / sp.temperature

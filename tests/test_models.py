@@ -126,6 +126,38 @@ def test_sampler_top_k_top_p():
     assert len(draws) > 20
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                                SamplingParams(temperature=1.0, top_k=3, top_p=0.5)])
+def test_sampler_gives_a_token_for_logits_that_are_not_finite(sp):
+    """Finite embeddings can still overflow to NaN or inf logits: a token comes out (the
+    highest finite one, or an inf), never an error that would end the engine's step."""
+    g = torch.Generator().manual_seed(0)
+    nan = float("nan")
+    assert sample(torch.tensor([nan, 1.0, 3.0, nan]), sp, g) == 2 if sp.temperature == 0.0 else \
+        sample(torch.tensor([nan, 1.0, 3.0, nan]), sp, g) in (1, 2)
+    assert sample(torch.tensor([nan, nan, nan]), sp, g) in (0, 1, 2)
+    assert sample(torch.tensor([1.0, float("inf"), nan]), sp, g) == 1
+    assert sample(torch.tensor([float("-inf"), 0.5, float("-inf")]), sp, g) == 1
+
+
+def test_a_huge_prompt_embedding_is_served_not_fatal():
+    """Finite values so large that the model's arithmetic overflows: the request is
+    served (whatever its tokens), the engine goes on."""
+    core = EngineCore(TINY)
+    huge = torch.full((3, TINY.hidden_size), 3e38)
+    for i, temperature in enumerate((0.0, 1.0)):
+        core.add_request(EngineCoreRequest(request_id=f"h{i}", prompt_embeds=huge,
+                                           sampling_params=SamplingParams(max_tokens=3, temperature=temperature)))
+    done: dict = {}
+    for _ in range(20):
+        for out in core.step().values():
+            for o in out.outputs:
+                done.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not core.has_work():
+            break
+    assert sorted(done) == ["h0", "h1"] and all(len(t) == 3 for t in done.values()), done
+
+
 def test_prompt_embeds_of_the_token_embeddings_match_ids(greedy_reference):
     core = EngineCore(TINY)
     emb = core.model.weights["wte"][torch.tensor(PROMPTS["r2"])].clone()
