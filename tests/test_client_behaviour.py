@@ -211,6 +211,27 @@ async def test_get_output_when_idle(mock_client):
         assert isinstance(ei.value, ShmClientError)
 
 
+async def test_get_output_with_timeout_zero_reads_what_is_there(mock_client):
+    """A poll (timeout 0) looks at the ring once before it gives up: polling gets the
+    outputs (it raised at once, never reading, before)."""
+    if mock_client.is_inproc or mock_client.is_async:
+        return
+    import time
+
+    client = mock_client.client
+    client.add_request(req("polled", max_tokens=2))
+    tokens: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(tokens) < 2:
+        try:
+            out = client.get_output(timeout=0)
+        except TimeoutError:
+            assert time.monotonic() < deadline, "no output came from polling with timeout 0"
+            continue
+        tokens += [t for o in out.outputs if o.request_id == "polled" for t in o.new_token_ids]
+    assert len(tokens) == 2
+
+
 def _tiny_requests():
     return [req(f"tiny-{i}", prompt=[(7 * i + j) % 97 for j in range(6 + i)], max_tokens=12,
                 temperature=0.0, ignore_eos=True) for i in range(6)]

@@ -99,6 +99,7 @@ class ThreadReader:
         ``done()`` true, ``broken(e)``'s error, PeerNotProducingError at the deadline."""
         lead = self.lead
         dead = self._dead
+        tried = False  # a deadline already past still gets one look at the channel
         while True:
             if done():
                 return
@@ -110,13 +111,15 @@ class ThreadReader:
                     continue
                 raise self._dead_error()
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            expired = left is not None and left <= 0
+            if expired and tried:
                 raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
             if lead.acquire(False):
+                tried = True
                 try:
                     if done() or dead.is_set():
                         continue
-                    got = recv(self.channel, timeout=left, alive=self._alive_and_flush)
+                    got = recv(self.channel, timeout=0.0 if expired else left, alive=self._alive_and_flush)
                     if got:
                         self._dispatch(got)
                 except PeerNotProducingError:
@@ -133,6 +136,8 @@ class ThreadReader:
                     lead.release()
                     if self._followers:
                         self.wake_all()
+            elif expired:  # another thread is reading: nothing more to look at
+                raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
             else:
                 self._follow(done, left)
 
