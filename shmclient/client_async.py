@@ -15,6 +15,7 @@ shutdown from a running loop, which loop it binds to): docs/design.md, "Module n
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any, Callable
 
 from .config import EngineConfig
@@ -22,7 +23,7 @@ from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .client_mp import NOT_SENT, MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
-from .errors import EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError
+from .errors import EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError, WouldBlock
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -44,6 +45,9 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         #: Set by ``forward_outputs``: told of the engine's death, after its last outputs.
         self._forward_dead: Callable[[EngineDeadError], None] | None = None
         self._death_task: asyncio.Task | None = None
+        #: Sends waiting for their turn, the first one the sender now waiting for room
+        #: (``_send_in_order_async``).
+        self._turns: deque[asyncio.Future] = deque()
         super().__init__(config)
         self.resources.before_close(self._reader.unwatch_hook())
 
@@ -127,8 +131,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         try:
             try:
                 self._ensure_alive()
-                await waiting.send_async(self.channel, rtype, payload, timeout=timeout,
-                                         alive=self.resources.alive)
+                await self._send_in_order_async(rtype, payload, timeout)
             except (*NOT_SENT, asyncio.CancelledError):  # (cancelled only while it waited)
                 self.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
@@ -136,6 +139,40 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
+
+    async def _send_in_order_async(self, rtype: int, payload: Any, timeout: float | None) -> None:
+        """``waiting.send_async`` in call order: while a send of this client waits for
+        room, later ones queue behind it (``_turns``, first come first served) instead
+        of overtaking it (an abort of that request, a pause), as vLLM's socket keeps the
+        order of sends. ``timeout`` covers the queue and the wait. Raises as it."""
+        turns = self._turns
+        if not turns:
+            try:
+                return self.channel.send_nowait(rtype, payload)
+            except WouldBlock:
+                pass  # (the fragments that fit are out: this send holds the first turn now)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        turn = loop.create_future()
+        turns.append(turn)
+        try:
+            if turns[0] is turn:
+                turn.set_result(None)
+            else:
+                # asyncio.wait leaves ``turn`` alone at the timeout: no turn handed over
+                # just then is lost (it is handed on below).
+                await asyncio.wait((turn,), timeout=None if deadline is None else max(0.0, deadline - loop.time()))
+                if not turn.done():
+                    raise PeerNotConsumingError(
+                        f"the peer is not consuming: no room for the message within {timeout} s "
+                        "(an earlier message of this client was still waiting for room)")
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await waiting.send_async(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
+        finally:
+            first = turns[0] is turn
+            turns.remove(turn)
+            if first and turns and not turns[0].done():
+                turns[0].set_result(None)
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

@@ -114,6 +114,12 @@ class MPClient(EngineCoreClient):
         self._put: Any = None
         self._live: set[str] = set()
         self._closed = False
+        #: Held by the sender whose message is going into the request ring, for as long
+        #: as it waits for room: a later call's message (an abort of that request, a
+        #: pause) waits behind it instead of overtaking it (vLLM's socket keeps the order
+        #: of sends). ``_behind``: the threads waiting for it.
+        self._send_gate = threading.Lock()
+        self._behind: list[int] = []
         #: The reader of ``shmclient.waiting`` that waits for the channel (it holds
         #: ``_lead`` while it reads); what the engine left after its death is read once.
         self._reader = self._make_reader()
@@ -179,7 +185,7 @@ class MPClient(EngineCoreClient):
         payload = channel.encode(obj)
         try:
             try:
-                waiting.send(channel, rtype, payload, timeout=timeout, alive=self.resources.alive)
+                self._send_in_order(rtype, payload, timeout)
             except NOT_SENT:
                 channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
@@ -187,6 +193,29 @@ class MPClient(EngineCoreClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
+
+    def _send_in_order(self, rtype: int, payload: Any, timeout: float | None) -> None:
+        """``waiting.send`` behind any earlier send of this client still waiting for
+        room (``_send_gate``); ``timeout`` covers both waits. Raises as it."""
+        gate = self._send_gate
+        if not gate.acquire(False):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            me = threading.get_ident()
+            self._behind.append(me)
+            try:
+                # No liveness check needed here: the sender ahead has one, and leaves.
+                if not gate.acquire(timeout=-1 if timeout is None else timeout):
+                    raise PeerNotConsumingError(
+                        f"the peer is not consuming: no room for the message within {timeout} s "
+                        "(an earlier message of this client was still waiting for room)")
+            finally:
+                self._behind.remove(me)
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
+        try:
+            waiting.send(self.channel, rtype, payload, timeout=timeout, alive=self.resources.alive)
+        finally:
+            gate.release()
 
     def _stalled(self, timeout: float | None) -> PeerNotConsumingError:
         return PeerNotConsumingError(
@@ -365,7 +394,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         try:
             # Death may have failed every registered future just before ours went in.
             self._ensure_alive()
-            waiting.send(self.channel, REQ_UTILITY, payload, alive=self.resources.alive)
+            self._send_in_order(REQ_UTILITY, payload, None)
         except PeerDeadError as e:
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)

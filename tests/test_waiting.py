@@ -18,6 +18,7 @@ from shmclient import (
     EngineConfig,
     EngineCoreRequest,
     EngineDeadError,
+    FinishReason,
     InvalidRequestError,
     PeerNotConsumingError,
     PeerNotProducingError,
@@ -224,6 +225,90 @@ async def test_a_cancelled_async_add_gives_its_tensor_blocks_back():
             done |= {o.request_id for o in (await client.get_output_async(timeout=10)).outputs
                      if o.finished}
         assert done == {f"r{k}" for k in range(sent)}
+
+
+def _big(rid: str) -> EngineCoreRequest:
+    """A request of about 1.2 KB: a fourth finds no room in the smallest ring."""
+    return req(rid, prompt=[1000] * 400, max_tokens=50, ignore_eos=True)
+
+
+#: A request of about 300 B: once the engine has read it, the ring's free room is split
+#: between its end and its start; a ``_big`` that fits neither waits, an abort fits.
+PRE = req("pre", prompt=[1000] * 80, max_tokens=1)
+
+
+def _finish_reason(client, rid: str) -> FinishReason:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for o in client.get_output(timeout=10).outputs:
+            if o.request_id == rid and o.finished:
+                return o.finish_reason
+    raise AssertionError(f"{rid} did not finish")
+
+
+def test_a_sync_abort_never_overtakes_its_add_waiting_for_room():
+    """Defect: an abort sent while the add of the same request waited for room in the
+    full request ring went first where it fit in the room left; the engine ignored it
+    (an id it did not know yet) and the request ran to its end, though abort_requests
+    had returned. A send now waits behind the one waiting for room (vLLM's socket keeps
+    the order of sends)."""
+    with make_client(True, False, small_ring_config()) as client:
+        waits = lambda: client.channel.statistics().tx.waits_on_full  # noqa: E731
+        client.add_request(PRE)
+        assert _finish_reason(client, "pre") is FinishReason.LENGTH
+        with Stopped(client.engine_pid):
+            n = 0
+            with pytest.raises(PeerNotConsumingError):
+                while True:
+                    client.add_request(_big(f"fill{n}"), timeout=0)
+                    n += 1
+            before = waits()
+            add = threading.Thread(target=client.add_request, args=(_big("victim"),), kwargs={"timeout": 30})
+            add.start()
+            deadline = time.monotonic() + 10
+            while waits() == before:  # the add is waiting for room
+                assert time.monotonic() < deadline
+            abort = threading.Thread(target=client.abort_requests, args=(["victim"],))
+            abort.start()
+            while abort.is_alive() and not client._behind:  # the abort waits behind the add
+                assert time.monotonic() < deadline
+            assert abort.is_alive(), "the abort went before the add it aborts"
+        add.join(30)
+        abort.join(30)
+        assert not add.is_alive() and not abort.is_alive()
+        assert _finish_reason(client, "victim") is FinishReason.ABORT
+
+
+async def test_an_async_abort_never_overtakes_its_add_waiting_for_room():
+    """The async twin: the abort queues behind the parked add, in call order."""
+    client = await AsyncMPClient.create(small_ring_config())
+    async with client:
+        await client.add_request_async(PRE)
+        while not any(o.finished for o in (await client.get_output_async(timeout=10)).outputs):
+            pass
+        with Stopped(client.engine_pid):
+            n = 0
+            while True:
+                add = asyncio.ensure_future(client.add_request_async(_big(f"r{n}")))
+                await asyncio.sleep(0)  # one turn: the add either went or is parked
+                if not add.done():
+                    break
+                add.result()
+                n += 1
+            victim = f"r{n}"
+            abort = asyncio.ensure_future(client.abort_requests_async([victim]))
+            await asyncio.sleep(0)
+            assert not abort.done(), "the abort went before the add it aborts"
+        await asyncio.wait_for(asyncio.gather(add, abort), 30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out = await client.get_output_async(timeout=10)
+            reasons = {o.request_id: o.finish_reason for o in out.outputs if o.finished}
+            if victim in reasons:
+                assert reasons[victim] is FinishReason.ABORT
+                break
+        else:
+            raise AssertionError(f"{victim} did not finish")
 
 
 def test_sync_timeouts_are_checked():
