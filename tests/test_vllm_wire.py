@@ -340,3 +340,38 @@ def test_the_encoders_consumer_hands_out_its_handles_once_and_frees_those_nobody
     assert sender.statistics().blocks_in_flight == 3
     consumer.new_message()
     assert sender.statistics().blocks_in_flight == 1 and consumer.take() == []
+
+
+def test_a_launch_whose_specs_do_not_fit_in_the_environment_keeps_vllms_transport(monkeypatch, caplog):
+    """The ``vllm serve`` parent hands every pair's spec to its engines and API servers
+    in one environment variable each; one longer than Linux passes (some 115 pairs)
+    made every spawned process die at its start. Such a launch now keeps vLLM's
+    transport, with a warning naming why (the limit is lowered here to this launch's
+    size)."""
+    import logging
+    from types import SimpleNamespace
+
+    import shmclient.vllm as plugin
+    from shmclient.vllm import launch, wire
+
+    monkeypatch.setenv("SHMCLIENT_VLLM", "1")
+    monkeypatch.setenv("SHMCLIENT_VLLM_RING_BYTES", str(1 << 16))
+    monkeypatch.setenv("SHMCLIENT_VLLM_ARENA_BYTES", "0")
+    monkeypatch.setattr(plugin, "_verdict", True)  # the vLLM release check: no vLLM here
+    parallel = SimpleNamespace(data_parallel_size=2, data_parallel_size_local=2, data_parallel_rank=0,
+                               data_parallel_external_lb=False, data_parallel_hybrid_lb=False,
+                               data_parallel_backend="mp")
+    config = SimpleNamespace(parallel_config=parallel)
+    addresses = SimpleNamespace(inputs=["a", "b", "c"])
+    rings = launch.make_rings(config, addresses)
+    assert rings is not None
+    try:
+        assert rings.too_long() is None
+        longest = max(len(name) + len(value) + 2 for name, value in rings.environment.items())
+    finally:
+        rings.release()
+    monkeypatch.setattr(wire, "ENV_STRING_MAX", longest - 1)
+    with caplog.at_level(logging.WARNING, logger="vllm.shmclient"):
+        assert launch.make_rings(config, addresses) is None
+    assert "3 API servers x 2 engine cores" in caplog.text and "vLLM's own ZMQ transport is used" in caplog.text
+    assert f"longer than the {longest - 1} bytes Linux passes" in caplog.text

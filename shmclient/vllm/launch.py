@@ -68,16 +68,26 @@ class _Rings:
                     # travel as host copies.
                     self.engine_specs.append(wire.EngineSpec(channel=channel.engine_spec, frontend_pid=0, **common))
                     self.frontend_specs.append(wire.FrontendSpec(channel=channel.frontend_spec, **common))
+            self.environment = {wire.ENV_SPEC: wire.encode_specs(self.engine_specs),
+                                wire.ENV_FRONTEND_SPEC: wire.encode_specs(self.frontend_specs)}
         except BaseException:
             self.release()
             raise
+
+    def too_long(self) -> "str | None":
+        """Why the specs cannot be handed on in the environment (one variable over what
+        Linux passes: some 115 to 135 pairs of API server and engine), or None."""
+        for variable, value in self.environment.items():
+            reason = wire.too_long(variable, value)
+            if reason is not None:
+                return reason
+        return None
 
     @contextlib.contextmanager
     def in_environment(self):
         """The specs in this process's environment (engines and API servers started
         meanwhile inherit them)."""
-        os.environ[wire.ENV_SPEC] = wire.encode_specs(self.engine_specs)
-        os.environ[wire.ENV_FRONTEND_SPEC] = wire.encode_specs(self.frontend_specs)
+        os.environ.update(self.environment)
         try:
             yield
         finally:
@@ -151,6 +161,11 @@ def make_rings(vllm_config, addresses) -> "_Rings | None":
     first = parallel.data_parallel_rank
     engines = list(range(first, first + parallel.data_parallel_size_local))
     rings = _Rings(api_servers, engines)
+    reason = rings.too_long()
+    if reason is not None:
+        rings.release()
+        _fallback(f"{reason} ({api_servers} API servers x {len(engines)} engine cores)")
+        return None
     log.info("shmclient.vllm: the launcher made shared-memory rings for %d API servers x %d engine core%s",
              api_servers, len(engines), "" if len(engines) == 1 else "s")
     return rings

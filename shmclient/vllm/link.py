@@ -217,8 +217,12 @@ class _Link:
 def _start_with_links(links: "list[_Link]", construct) -> None:
     """Run vLLM's client construction with the specs in the environment while it starts
     the engine core processes (each takes the one naming its engine index)."""
+    value = wire.encode_specs([link.engine_spec() for link in links])
+    reason = wire.too_long(wire.ENV_SPEC, value)
+    if reason is not None:  # some 115 engine cores on this node
+        raise RuntimeError(f"shmclient.vllm: {reason}: start this frontend without SHMCLIENT_VLLM=1")
     with _spawn_lock:
-        os.environ[wire.ENV_SPEC] = wire.encode_specs([link.engine_spec() for link in links])
+        os.environ[wire.ENV_SPEC] = value
         try:
             construct()
         finally:

@@ -42,6 +42,7 @@ __all__ = [
     "decode_spec",
     "decode_specs",
     "encode_specs",
+    "too_long",
     "kind_of",
     "message",
     "pack",
@@ -118,6 +119,21 @@ class FrontendSpec(msgspec.Struct, frozen=True):
 def encode_specs(specs: Sequence[Any]) -> str:
     """An environment variable's value: a list of ``EngineSpec`` (or ``FrontendSpec``)."""
     return msgspec.msgpack.encode(list(specs)).hex()
+
+
+#: The longest ``NAME=value`` string Linux passes to a new program (MAX_ARG_STRLEN, 32
+#: pages of 4 KiB, its terminating NUL included): a longer one makes the exec fail, and
+#: vLLM's spawned processes die at their start without saying why.
+ENV_STRING_MAX = 32 * 4096
+
+
+def too_long(variable: str, value: str) -> "str | None":
+    """Why ``variable=value`` cannot be handed to a new process, or None when it can."""
+    size = len(variable) + 1 + len(value) + 1
+    if size <= ENV_STRING_MAX:
+        return None
+    return (f"the channel specs of this launch ({variable}, {size} bytes) are longer than the "
+            f"{ENV_STRING_MAX} bytes Linux passes in one environment variable")
 
 
 def _decode(text: str, kind: type, variable: str) -> list:
