@@ -133,7 +133,7 @@ def test_a_stalled_frontend_holds_back_neither_the_busy_loop_nor_the_others(chan
     (front0, engine0), (front1, engine1) = channels(), channels()
     links = [make_link(engine0, 0), make_link(engine1, 1)]
     for link in links:
-        link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into))
+        link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into), take_placed=list)
     out = _InlineOutputs(links, engine_index=0, inline_max=8)
     fillers = fill(engine0)
 
@@ -167,7 +167,7 @@ def test_a_kept_batch_keeps_its_bytes_while_the_next_is_encoded(channels):
     that buffer, so the next batch must be encoded into another."""
     front, engine = channels()
     link = make_link(engine)
-    link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into))
+    link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into), take_placed=list)
     out = _InlineOutputs([link], engine_index=0, inline_max=8)
     fillers = fill(engine)
     in_thread(lambda: [out.put_nowait(batch(tag, 0)) for tag in (b"first", b"second", b"third")])
@@ -216,7 +216,7 @@ def test_close_ends_a_flusher_waiting_for_room(channels):
 def test_engine_core_dead_goes_after_what_full_rings_held_back(channels):
     front, engine = channels()
     link = make_link(engine)
-    link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into))
+    link.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=encode_into), take_placed=list)
     out = _InlineOutputs([link], engine_index=0, inline_max=8)
     fillers = fill(engine)
     out.put_nowait(batch(b"last", 0))  # kept: the ring is full
