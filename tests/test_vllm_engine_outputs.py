@@ -24,14 +24,15 @@ class FakeLink:
         self.sent: list[tuple[bytes, str]] = []
         self.held: list[bytes] = []  # sent with wake=False, wake-up not yet given
         self.woken: list[list[bytes]] = []  # what each owed wake-up covered
-        self.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=self._encode))
+        self.framing = SimpleNamespace(encoder=SimpleNamespace(encode_into=self._encode), take_placed=list)
+        self.drained = 0
 
     @staticmethod
     def _encode(outputs, buffer: bytearray) -> bytearray:
         buffer[:] = outputs.tag
         return buffer
 
-    def send(self, rtype: int, payload, *, wake: bool = True) -> None:
+    def send(self, rtype: int, payload, *, wake: bool = True, placed: list = ()) -> None:
         assert rtype == wire.OUTPUTS
         self.sent.append((bytes(payload), threading.current_thread().name))
         if wake:
@@ -45,6 +46,7 @@ class FakeLink:
             self.held = []
 
     def drain(self, deadline: float) -> bool:  # nothing is ever kept back here
+        self.drained += 1
         return True
 
 
@@ -85,6 +87,27 @@ def test_small_batches_inline_big_ones_and_what_follows_through_the_output_threa
 
     out.put_nowait(batch(b"e", 2))   # the queue is empty again: inline
     assert link.sent[-1] == (b"e", me)
+
+
+def test_thread_mode_sends_engine_core_dead_after_what_full_rings_held_back():
+    """Output mode "thread" (vLLM's own output queue): ENGINE_CORE_DEAD goes after the
+    links are drained, as in the other modes. It went at once before, and a frontend
+    that reads only what its ring holds once it sees DEAD lost what a full ring had kept
+    back."""
+    import queue
+
+    link = FakeLink()
+    out = _InlineOutputs([link], engine_index=2, inline_max=4)
+    events: list = []
+    link.drain = lambda deadline: events.append("drain") or True
+    dead = DeadSocket()
+    dead.send = events.append
+    q: queue.Queue = queue.Queue()
+    q.put(batch(b"a", 1))
+    q.put(b"DEAD")
+    out.serve_output_queue(q, b"DEAD", [dead])
+    assert [tag for tag, _ in link.sent] == [b"a"]
+    assert events == ["drain", b"DEAD"]
 
 
 def test_every_batch_is_stamped_with_the_engine_index():

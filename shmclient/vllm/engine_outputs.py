@@ -292,6 +292,24 @@ class _InlineOutputs:
                 with self._count_lock:
                     self._queued -= 1
 
+    def serve_output_queue(self, output_queue, dead: bytes, dead_sockets, coordinator=None) -> None:
+        """Output mode "thread": the output thread's loop over vLLM's own output queue,
+        writing every batch, until ENGINE_CORE_DEAD (``dead``), which goes on each of
+        ``dead_sockets`` after what full rings held back."""
+        while True:
+            output = output_queue.get()
+            if output == dead:
+                drain(self._links)  # what full rings held back goes first, as it was put
+                for socket in dead_sockets:
+                    socket.send(output)
+                return
+            client_index, outputs = output
+            if client_index == -1:
+                outputs.engine_index = self._engine_index
+                coordinator(outputs)
+                continue
+            self.send(client_index, outputs)
+
     def empty(self) -> bool:
         return not self._queued
 
@@ -329,15 +347,4 @@ def _serve_outputs(self, links: "list[_EngineLink]", output_paths: list, coord_p
             # The input thread put the inline object in place of output_queue.
             inline.serve_queued(dead_sockets, to_coordinator)
             return
-        while True:
-            output = self.output_queue.get()
-            if output == dead:
-                for socket in dead_sockets:
-                    socket.send(output)
-                return
-            client_index, outputs = output
-            if client_index == -1:
-                outputs.engine_index = engine_index
-                to_coordinator(outputs)
-                continue
-            inline.send(client_index, outputs)
+        inline.serve_output_queue(self.output_queue, dead, dead_sockets, to_coordinator)
