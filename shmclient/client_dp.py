@@ -218,9 +218,12 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         if outs.scheduler_stats is not None:
             self.lb_engines[pos] = outs.scheduler_stats
         fin = outs.finished_requests
-        if fin:
+        # An engine core that leaves finished_requests unset (vLLM's engines set it only
+        # under data parallelism; a third-party core may not) still finishes requests.
+        done = [o.request_id for o in outs.outputs if o.finish_reason is not None]
+        if fin or done:
             flight = self.reqs_in_flight
-            for rid in fin:
+            for rid in (*fin, *done) if fin else done:
                 entry = flight.get(rid)
                 if entry is not None and entry[0] == pos:
                     del flight[rid]

@@ -398,6 +398,23 @@ async def test_a_third_party_engine_is_served_without_the_projects_engine(kind, 
         client.shutdown()
 
 
+async def test_data_parallel_counts_a_third_party_engines_finished_requests(user_path):
+    """The third-party core leaves ``finished_requests`` unset (vLLM's engines set it only
+    under data parallelism): the DP client still sees its requests finish by their
+    finish reason, so nothing stays counted in flight."""
+    from shmclient import DPLBAsyncMPClient
+
+    cfg = CFG.replace(engine_module="third_party_engine", data_parallel_size=2)
+    async with await DPLBAsyncMPClient.create(cfg) as client:
+        for i in range(4):
+            await client.add_request_async(req(f"r{i}", prompt=[1, 2, 3], max_tokens=8))
+        finished: set[str] = set()
+        while len(finished) < 4:
+            out = await client.get_output_async(timeout=30)
+            finished |= {o.request_id for o in out.outputs if o.finish_reason is not None}
+        assert client.reqs_in_flight == {} and not client.dp_engines_running()
+
+
 @pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
 def test_an_engine_module_that_does_not_exist_is_a_config_error(kind):
     with pytest.raises(ConfigError, match="EngineConfig.engine_module='no_such_engine_mod'"):
