@@ -261,9 +261,11 @@ class MPClient(EngineCoreClient):
             if rtype != REC_OUTPUTS:
                 continue
             if type(outs) is BadMessage:
-                # Only a bug in the engine can cause this; its requests cannot be matched.
+                # Only a bug in the engine can cause this; its requests cannot be matched,
+                # but a utility reply's call can: that call fails instead of waiting.
                 logger.error("dropped an output batch from the engine that does not "
                              "decode: %s", outs.error)
+                self._fail_undecodable_reply(outs)
                 continue
             u = outs.utility_output
             if u is not None:
@@ -281,6 +283,17 @@ class MPClient(EngineCoreClient):
                 if o.finish_reason is not None:
                     self._live.discard(o.request_id)
             put(outs)
+
+    def _fail_undecodable_reply(self, bad: BadMessage) -> None:
+        """Fail the utility call whose reply is ``bad`` (an output batch that did not
+        decode), when its call id can be read."""
+        reply = bad.field("utility_output")
+        call_id = reply[0] if type(reply) is list and reply else None
+        entry = self._futures.pop(call_id, None) if type(call_id) is int else None
+        if entry is not None:
+            method, fut = entry
+            self._set_future(fut, exc=UtilityCallError(
+                f"Call to {method} method failed: its reply did not decode: {bad.error}"))
 
     @staticmethod
     def _set_future(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:

@@ -11,6 +11,8 @@ does not decode is handed up in its place; the messages around it are kept).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import math
 import time
 
@@ -302,6 +304,53 @@ async def test_refused_request_finishes_with_finish_reason_error_and_engine_keep
         await drv.call_utility(123)
     assert await drv.util("echo", "still serving") == "still serving"
     assert not drv.client.is_dead
+
+
+class _RepliesUndecodable:
+    """The client's decoder of output batches, failing on every utility reply as on
+    bytes the engine should never have sent (a bug of a third-party engine)."""
+
+    def __init__(self, dec) -> None:
+        self.dec = dec
+
+    def _check(self, obj):
+        if obj.utility_output is not None:
+            raise ValueError("crafted: this reply does not decode")
+        return obj
+
+    def decode(self, buf):
+        return self._check(self.dec.decode(buf))
+
+    def decode_frames(self, bufs):
+        return self._check(self.dec.decode_frames(bufs))
+
+    def salvage(self, buf):
+        return self.dec.salvage(buf)
+
+
+async def test_a_utility_reply_that_does_not_decode_fails_its_call(mp_drv):
+    """The call whose reply did not decode fails with the decoder's error (it waited
+    for ever before: the reply was dropped); the engine goes on serving."""
+    from shmclient.channel import REC_OUTPUTS
+
+    drv = mp_drv
+    decoders = drv.client.channel._decoders
+    real = decoders[REC_OUTPUTS]
+    decoders[REC_OUTPUTS] = _RepliesUndecodable(real)
+    try:
+        with pytest.raises(UtilityCallError, match="Call to echo method failed: its reply did not decode: "
+                                                   "ValueError: crafted"):
+            if drv.is_async:
+                await asyncio.wait_for(drv.util("echo", 5), 30)
+            else:
+                pool = concurrent.futures.ThreadPoolExecutor(1)
+                try:
+                    pool.submit(drv.client.echo, 5).result(timeout=30)
+                finally:
+                    pool.shutdown(wait=False)
+    finally:
+        decoders[REC_OUTPUTS] = real
+    assert await drv.util("echo", "still serving") == "still serving"
 
 
 # ----------------------------------------------------------------- channel isolation
