@@ -84,6 +84,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise UsageError("this AsyncMPClient is already used by another event loop")
         self._ensure_alive()
         self._loop = loop
+        self._turns.clear()  # a closed loop's sends will never take their turns
         self._reader.bind(loop)
         return loop
 
@@ -145,6 +146,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         room, later ones queue behind it (``_turns``, first come first served) instead
         of overtaking it (an abort of that request, a pause), as vLLM's socket keeps the
         order of sends. ``timeout`` covers the queue and the wait. Raises as it."""
+        timeout = waiting.check_timeout(timeout)
         turns = self._turns
         if not turns:
             try:
@@ -153,26 +155,30 @@ class AsyncMPClient(AsyncUtilities, MPClient):
                 pass  # (the fragments that fit are out: this send holds the first turn now)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        turn = loop.create_future()
-        turns.append(turn)
+        turn = None
         try:
+            turn = loop.create_future()
+            turns.append(turn)
             if turns[0] is turn:
                 turn.set_result(None)
             else:
                 # asyncio.wait leaves ``turn`` alone at the timeout: no turn handed over
                 # just then is lost (it is handed on below).
                 await asyncio.wait((turn,), timeout=None if deadline is None else max(0.0, deadline - loop.time()))
+                if self.resources.dead.is_set() or self._closed:  # what went before failed for that
+                    raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
                 if not turn.done():
                     raise PeerNotConsumingError(
                         f"the peer is not consuming: no room for the message within {timeout} s "
-                        "(an earlier message of this client was still waiting for room)")
+                        "(earlier messages of this client were still waiting for room)")
             left = None if deadline is None else max(0.0, deadline - loop.time())
             await waiting.send_async(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
         finally:
-            first = turns[0] is turn
-            turns.remove(turn)
-            if first and turns and not turns[0].done():
-                turns[0].set_result(None)
+            if turn is not None and turn in turns:
+                first = turns[0] is turn
+                turns.remove(turn)
+                if first and turns and not turns[0].done():
+                    turns[0].set_result(None)
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

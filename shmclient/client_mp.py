@@ -36,7 +36,7 @@ from .client import (
 )
 from .errors import (ClientClosedError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerDeadError, PeerNotConsumingError,
-                     PeerNotProducingError, ProtocolError, UtilityCallError)
+                     PeerNotProducingError, ProtocolError, UtilityCallError, WouldBlock)
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
@@ -114,12 +114,13 @@ class MPClient(EngineCoreClient):
         self._put: Any = None
         self._live: set[str] = set()
         self._closed = False
-        #: Held by the sender whose message is going into the request ring, for as long
-        #: as it waits for room: a later call's message (an abort of that request, a
-        #: pause) waits behind it instead of overtaking it (vLLM's socket keeps the order
-        #: of sends). ``_behind``: the threads waiting for it.
-        self._send_gate = threading.Lock()
-        self._behind: list[int] = []
+        #: Sends waiting for room in the request ring, first come first served (the first
+        #: one's sender is waiting): a later call's message (an abort of that request, a
+        #: pause) waits behind them instead of overtaking them in the room left (vLLM's
+        #: socket keeps the order of sends). See ``_send_in_order``.
+        self._order_lock = threading.Lock()  # (a C lock: ``with`` leaves no signal window)
+        self._order = threading.Condition(self._order_lock)
+        self._waiting: deque[object] = deque()
         #: The reader of ``shmclient.waiting`` that waits for the channel (it holds
         #: ``_lead`` while it reads); what the engine left after its death is read once.
         self._reader = self._make_reader()
@@ -195,27 +196,55 @@ class MPClient(EngineCoreClient):
             raise self._stalled(timeout) from e
 
     def _send_in_order(self, rtype: int, payload: Any, timeout: float | None) -> None:
-        """``waiting.send`` behind any earlier send of this client still waiting for
-        room (``_send_gate``); ``timeout`` covers both waits. Raises as it."""
-        gate = self._send_gate
-        if not gate.acquire(False):
-            deadline = None if timeout is None else time.monotonic() + timeout
-            me = threading.get_ident()
-            self._behind.append(me)
-            try:
-                # No liveness check needed here: the sender ahead has one, and leaves.
-                if not gate.acquire(timeout=-1 if timeout is None else timeout):
-                    raise PeerNotConsumingError(
-                        f"the peer is not consuming: no room for the message within {timeout} s "
-                        "(an earlier message of this client was still waiting for room)")
-            finally:
-                self._behind.remove(me)
-            if deadline is not None:
-                timeout = max(0.0, deadline - time.monotonic())
+        """``waiting.send`` in call order: at once while no send of this client waits
+        for room; else behind those that do, first come first served (``_waiting``, a
+        queue of tickets; the first one's sender is the one waiting for room). The try
+        and the taking of a ticket are one step under ``_order``, so whoever wrote the
+        first fragments of a long message is first in the queue. ``timeout`` (None or
+        inf: none) covers the queue and the wait. Raises as ``waiting.send``, and
+        PeerDeadError at once while queued once the engine is gone."""
+        timeout = waiting.check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lock, queue = self._order_lock, self._waiting
+        ticket = None
         try:
-            waiting.send(self.channel, rtype, payload, timeout=timeout, alive=self.resources.alive)
+            with lock:
+                if not queue:
+                    try:
+                        return self.channel.send_nowait(rtype, payload)
+                    except WouldBlock:
+                        pass  # (the fragments that fit went: this send is first from here)
+                ticket = object()
+                queue.append(ticket)
+                if queue[0] is not ticket:
+                    self._wait_turn(ticket, deadline, timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waiting.send(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
         finally:
-            gate.release()
+            if ticket is not None:
+                with lock:
+                    if ticket in queue:
+                        first = queue[0] is ticket
+                        queue.remove(ticket)
+                        if first:
+                            self._order.notify_all()
+
+    def _wait_turn(self, ticket: object, deadline: float | None, timeout: float | None) -> None:
+        """Wait (holding ``_order_lock``, released while asleep) until ``ticket`` is first,
+        in slices that look at the engine's death; PeerNotConsumingError at
+        ``deadline`` (``time.monotonic()``; ``timeout`` seconds after the call)."""
+        queue, dead = self._waiting, self.resources.dead
+        while queue[0] is not ticket:
+            if dead.is_set() or self._closed:
+                raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
+            left = waiting.LIVENESS_S if deadline is None else min(waiting.LIVENESS_S, deadline - time.monotonic())
+            if left <= 0:
+                raise PeerNotConsumingError(
+                    f"the peer is not consuming: no room for the message within {timeout} s "
+                    "(earlier messages of this client were still waiting for room)")
+            self._order.wait(left)
+        if dead.is_set() or self._closed:  # the ones before it failed for that: at once
+            raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
 
     def _stalled(self, timeout: float | None) -> PeerNotConsumingError:
         return PeerNotConsumingError(

@@ -149,11 +149,17 @@ class _LinkIO:
     def _link_for(self, engine) -> _Link:
         return self._link if engine is None else self._links[engine]
 
-    def _encode(self, link: _Link, request: Any) -> list:
-        """vLLM's frames of ``request`` for ``link``'s engine (large tensors in its arena)."""
+    def _encode(self, link: _Link, request: Any) -> "tuple[list, list]":
+        """vLLM's frames of ``request`` for ``link``'s engine (large tensors in its arena)
+        and the handles of those it placed there (``wire.message``)."""
         if link.arenas and not self._own_oob:
-            return link.framing.encoder.encode(request)
-        return self.encoder.encode(request)
+            return link.framing.encoder.encode(request), link.framing.take_placed()
+        return self.encoder.encode(request), []
+
+    def _placed_by(self, link: _Link) -> list:
+        """The handles the last encode by ``self.encoder`` placed in ``link``'s arena
+        (none unless that is the link's own encoder)."""
+        return link.framing.take_placed() if self.encoder is link.framing.encoder else []
 
     def _make_alive(self):
         resources = self.resources
@@ -168,8 +174,7 @@ class _LinkIO:
         SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
         self.ensure_alive()
         link = self._link
-        frames = self._encode(link, request)
-        rtype, payload = wire.message(request_type.value[0], frames, link.framing.take_placed())
+        rtype, payload = wire.message(request_type.value[0], *self._encode(link, request))
         try:
             try:
                 waiting.send(link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)

@@ -124,7 +124,7 @@ class _AsyncRings(_LinkIO):
             return super()._send_input(request_type, request, engine)
         self.ensure_alive()
         link = self._link_for(engine)
-        return self._send_frames(link, request_type.value[0], self._encode(link, request))
+        return self._send_frames(link, request_type.value[0], *self._encode(link, request))
 
     def _send_input_message(self, message, engine):
         # vLLM builds (type, *frames) itself for utility calls.
@@ -132,15 +132,17 @@ class _AsyncRings(_LinkIO):
             return super()._send_input_message(message, engine)
         self.ensure_alive()
         request_type, *frames = message
-        return self._send_frames(self._link_for(engine), bytes(request_type)[0], frames)
+        link = self._link_for(engine)
+        return self._send_frames(link, bytes(request_type)[0], frames, self._placed_by(link))
 
-    def _send_frames(self, link: _Link, kind: int, frames) -> asyncio.Future:
-        """Send one message to ``link``'s engine without holding the loop: at once when
+    def _send_frames(self, link: _Link, kind: int, frames, placed: list) -> asyncio.Future:
+        """Send one message to ``link``'s engine (``placed``: the handles its encode
+        placed in the link's arena) without holding the loop: at once when
         its request ring has room and nothing waits before it; else it queues behind the
         others and the returned future completes when it is sent (the backlog task parks
         on the ring's space pipe, at most SEND_TIMEOUT_S a message, then
         PeerNotConsumingError). Raises EngineDeadError at once when the engine is gone."""
-        rtype, payload = wire.message(kind, frames, link.framing.take_placed())
+        rtype, payload = wire.message(kind, frames, placed)
         loop = asyncio.get_running_loop()
         key = link.engine_index
         backlog = self._backlogs.get(key)
