@@ -173,6 +173,9 @@ class AsyncMPClient(AsyncUtilities, MPClient):
                         "(earlier messages of this client were still waiting for room)")
             left = None if deadline is None else max(0.0, deadline - loop.time())
             await waiting.send_async(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
+        except BaseException:
+            self.channel.abandon(payload)  # (the fragments the try above wrote, if any)
+            raise
         finally:
             if turn is not None and turn in turns:
                 first = turns[0] is turn

@@ -220,6 +220,11 @@ class MPClient(EngineCoreClient):
                     self._wait_turn(ticket, deadline, timeout)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             waiting.send(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
+        except BaseException:
+            # (a signal after the try above wrote the first fragments of a long message,
+            # before waiting.send took it over: other messages may go first now)
+            self.channel.abandon(payload)
+            raise
         finally:
             if ticket is not None:
                 with lock:

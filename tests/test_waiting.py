@@ -311,6 +311,26 @@ async def test_an_async_abort_never_overtakes_its_add_waiting_for_room():
             raise AssertionError(f"{victim} did not finish")
 
 
+def test_a_signal_between_the_first_fragments_and_the_wait_does_not_wedge_the_channel(monkeypatch):
+    """A long message whose first fragments went by the ordered send's first try, then a
+    KeyboardInterrupt before waiting.send took it over: the half-sent message is given
+    up, so later messages still go (they were refused as behind a half-way message for
+    good)."""
+    with make_client(True, False, small_ring_config()) as client:
+        long_add = req("long", prompt=[1000] * 2000, max_tokens=1)  # ~6 KB: fragments
+        with Stopped(client.engine_pid):
+            def interrupted(*args, **kwargs):
+                raise KeyboardInterrupt("a signal before waiting.send's try")
+
+            monkeypatch.setattr(waiting, "send", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                client.add_request(long_add)
+            monkeypatch.undo()
+            assert client.channel.tx.partial_pending  # its first fragments are in the ring
+        client.add_request(req("after", max_tokens=1), timeout=10)
+        assert _finish_reason(client, "after") is FinishReason.LENGTH
+
+
 def test_sync_timeouts_are_checked():
     with make_client(True, False, EngineConfig()) as client:
         for bad in (-1, "1", True, float("nan")):
