@@ -332,9 +332,12 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort requests on the engines that own them; unknown or finished ids are
         ignored, [] sends nothing, and so does a dead client. InvalidRequestError for
-        anything but a list (or other iterable) of str. Never waits for an engine."""
-        for pos, ids in self._aborts_by_engine(request_ids).items():
-            await self.engines[pos].abort_requests_async(ids)
+        anything but a list (or other iterable) of str. Each engine's abort goes after
+        what was sent to that engine before it (behind an add still waiting for room
+        there), the engines' at once."""
+        by_engine = self._aborts_by_engine(request_ids)
+        if by_engine:
+            await asyncio.gather(*(self.engines[pos].abort_requests_async(ids) for pos, ids in by_engine.items()))
 
     def dp_engines_running(self) -> bool:
         """Whether any engine has a request of this client in flight (vLLM's DP clients

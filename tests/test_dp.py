@@ -461,3 +461,32 @@ async def test_a_group_of_an_shm_engine_and_a_zmq_engine_gives_one_engines_token
     assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}
     assert {v[2] for v in got.values()} == {0, 1}
     assert all(e.is_dead for e in engines)  # stopped with the group
+
+
+async def test_an_abort_is_not_held_up_by_another_engines_full_ring():
+    """An abort naming requests of two engines: each engine's abort goes after what was
+    sent to that engine before it, and not after the other engine's. Engine 0 is stopped
+    with a full request ring and an add parked behind it; the abort of a request on
+    engine 1 still reaches engine 1 at once (the engines' aborts went one after the
+    other before: engine 1's waited for engine 0's)."""
+    # 10 ms steps: "running" would take 4 s to finish by itself
+    async with await DPLBAsyncMPClient.create(cfg(ring_capacity_bytes=4096, step_delay_s=0.01)) as c:
+        await c.add_request_async(req("running", max_tokens=400, rank=1))
+        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        try:
+            n = 0
+            while True:
+                add = asyncio.ensure_future(c.add_request_async(req(f"f{n}", max_tokens=1, rank=0,
+                                                                    prompt=[1000] * 400)))
+                await asyncio.sleep(0)  # one turn: the add either went or is parked
+                if not add.done():
+                    break
+                add.result()
+                n += 1
+            abort = asyncio.ensure_future(c.abort_requests_async([f"f{n}", "running"]))
+            got = await collect(c, ["running"])
+            assert got["running"][1] is FinishReason.ABORT
+            assert not abort.done()  # engine 0's part waits behind its parked add
+        finally:
+            os.kill(c.engine_pids[0], signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(add, abort), 20)
