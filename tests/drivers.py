@@ -91,3 +91,19 @@ def req(rid: str, prompt: list[int] | None = None, max_tokens: int = 20, **sp: A
         prompt_token_ids=prompt if prompt is not None else [5, 6, 7, 8],
         sampling_params=SamplingParams(max_tokens=max_tokens, **sp),
     )
+
+
+async def add_until_one_parks(add_async: Any, make: Any) -> "tuple[Any, int]":
+    """Add ``make(0)``, ``make(1)``, ... with ``add_async`` until one does not go at once
+    (a stopped engine's request ring is full): that add's task, parked, and how many went
+    before it."""
+    import asyncio
+
+    n = 0
+    while True:
+        task = asyncio.ensure_future(add_async(make(n)))
+        await asyncio.sleep(0)  # one turn: the add either went or is parked
+        if not task.done():
+            return task, n
+        task.result()
+        n += 1

@@ -33,6 +33,8 @@ from shmclient import (
 )
 from shmclient.config import EngineConfig
 
+from .drivers import add_until_one_parks
+
 #: Least-loaded routing under a skewed load may put at most this many requests more
 #: than its even share on one engine (the share is rounded up; the margin covers a
 #: request that finishes while the burst is being routed).
@@ -474,15 +476,8 @@ async def test_an_abort_is_not_held_up_by_another_engines_full_ring():
         await c.add_request_async(req("running", max_tokens=400, rank=1))
         os.kill(c.engine_pids[0], signal.SIGSTOP)
         try:
-            n = 0
-            while True:
-                add = asyncio.ensure_future(c.add_request_async(req(f"f{n}", max_tokens=1, rank=0,
-                                                                    prompt=[1000] * 400)))
-                await asyncio.sleep(0)  # one turn: the add either went or is parked
-                if not add.done():
-                    break
-                add.result()
-                n += 1
+            add, n = await add_until_one_parks(
+                c.add_request_async, lambda k: req(f"f{k}", max_tokens=1, rank=0, prompt=[1000] * 400))
             abort = asyncio.ensure_future(c.abort_requests_async([f"f{n}", "running"]))
             got = await collect(c, ["running"])
             assert got["running"][1] is FinishReason.ABORT

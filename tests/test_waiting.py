@@ -31,7 +31,7 @@ from shmclient.channel import REQ_UTILITY, ShmChannel
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
-from .drivers import req
+from .drivers import add_until_one_parks, req
 
 
 def small_ring_config(**kw) -> EngineConfig:
@@ -207,14 +207,7 @@ async def test_a_cancelled_async_add_gives_its_tensor_blocks_back():
     client = await AsyncMPClient.create(small_ring_config())
     async with client:
         with Stopped(client.engine_pid):
-            sent = 0
-            while True:
-                task = asyncio.ensure_future(client.add_request_async(embeds_req(f"r{sent}")))
-                await asyncio.sleep(0)  # one turn: the add either went or is parked
-                if not task.done():
-                    break
-                task.result()
-                sent += 1
+            task, sent = await add_until_one_parks(client.add_request_async, lambda k: embeds_req(f"r{k}"))
             assert _blocks_in_flight(client) == sent + 1  # the parked one's too
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -287,14 +280,7 @@ async def test_an_async_abort_never_overtakes_its_add_waiting_for_room():
         while not any(o.finished for o in (await client.get_output_async(timeout=10)).outputs):
             pass
         with Stopped(client.engine_pid):
-            n = 0
-            while True:
-                add = asyncio.ensure_future(client.add_request_async(_big(f"r{n}")))
-                await asyncio.sleep(0)  # one turn: the add either went or is parked
-                if not add.done():
-                    break
-                add.result()
-                n += 1
+            add, n = await add_until_one_parks(client.add_request_async, lambda k: _big(f"r{k}"))
             victim = f"r{n}"
             abort = asyncio.ensure_future(client.abort_requests_async([victim]))
             await asyncio.sleep(0)
