@@ -21,9 +21,9 @@ from typing import Any, Callable
 from .config import EngineConfig
 from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
-from .client_mp import NOT_SENT, MPClient, _check_timeout
+from .client_mp import MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
-from .errors import EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError, WouldBlock
+from .errors import NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError, WouldBlock
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 

@@ -37,15 +37,11 @@ from .client import (
 from .errors import (ClientClosedError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerDeadError, PeerNotConsumingError,
                      PeerNotProducingError, ProtocolError, UtilityCallError, WouldBlock)
+from .errors import NOT_SENT
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
 logger = logging.getLogger("shmclient")
-
-#: What a send raises when its message certainly did not go whole (a timeout on a full
-#: ring, the engine's death, a closed channel): its tensors' blocks may be freed. Any
-#: other exception (a signal handler's, raised after the record was published) leaves them.
-NOT_SENT = (PeerNotConsumingError, PeerDeadError)
 
 
 def _check_timeout(what: str, timeout: Any) -> float | None:
@@ -199,7 +195,7 @@ class MPClient(EngineCoreClient):
         """``waiting.send`` in call order: at once while no send of this client waits
         for room; else behind those that do, first come first served (``_waiting``, a
         queue of tickets; the first one's sender is the one waiting for room). The try
-        and the taking of a ticket are one step under ``_order``, so whoever wrote the
+        and the taking of a ticket are one step under ``_order_lock``, so whoever wrote the
         first fragments of a long message is first in the queue. ``timeout`` (None or
         inf: none) covers the queue and the wait. Raises as ``waiting.send``, and
         PeerDeadError at once while queued once the engine is gone."""

@@ -123,3 +123,11 @@ class UtilityCallError(ShmClientError, RuntimeError):
 
 class SerializationError(ShmClientError, TypeError):
     """A value cannot cross the boundary (unsupported type, tensor needing grad, ...)."""
+
+
+#: What a send (``shmclient.waiting.send`` / ``send_async``) raises when its message
+#: certainly did not go whole (a timeout on a full ring, the peer's death, a closed
+#: channel): the blocks its tensors were placed in may be freed (``ShmChannel.discard``).
+#: Any other exception (a signal handler's, raised after the record was published)
+#: leaves them.
+NOT_SENT = (PeerNotConsumingError, PeerDeadError)

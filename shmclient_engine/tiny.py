@@ -217,8 +217,8 @@ def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator 
     highest."""
     if not bool(torch.isfinite(logits).all()):
         logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
-        if sp.temperature < SAMPLING_EPS or bool(torch.isinf(logits).all()) or bool((logits == float("inf")).any()):
-            return int(logits.argmax())
+        if not bool(torch.isfinite(logits).any()) or bool((logits == float("inf")).any()):
+            return int(logits.argmax())  # (nothing to weigh: all -inf, or an inf wins)
     if sp.temperature < SAMPLING_EPS:
         return int(logits.argmax())
     logits = logits.float() / sp.temperature

@@ -27,16 +27,13 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError
+from ..errors import NOT_SENT, ClientClosedError, PeerDeadError
 from . import wire
 from .link import _close_links, _engine_pids, _Link, _start_with_links
 
 __all__ = ["ShmSyncMPClient"]
 
 SEND_TIMEOUT_S = 60.0
-#: A send that raised one of these certainly did not go whole and is not retried: the
-#: blocks its tensors were placed in are freed (``ShmChannel.discard``).
-NOT_SENT = (PeerNotConsumingError, PeerDeadError)
 #: Wire positions (vLLM's array-like structs) of an output message's utility reply and of
 #: the reply's call id: whose reply a message that did not decode was.
 _UTILITY_POS = EngineCoreOutputs.__struct_fields__.index("utility_output")
