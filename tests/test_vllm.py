@@ -1180,3 +1180,46 @@ def test_async_reader_fails_the_call_whose_reply_does_not_decode():
         assert isinstance(error, RuntimeError) and "did not decode: unreadable" in str(error)
     finally:
         loop.close()
+
+
+def test_async_engine_core_dead_on_the_socket_comes_after_what_the_rings_hold():
+    """An engine core that fails by an exception writes its last outputs to its ring,
+    then sends ENGINE_CORE_DEAD on vLLM's socket. When vLLM's socket task puts that
+    error in the inbox before the rings' wake-ups were handled, the outputs the rings
+    hold (the dead engine's and, with data parallelism, the others') still come first,
+    as on vLLM's one socket; what arrives after the error is not handed on."""
+    import types
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    from shmclient.vllm import wire
+    from shmclient.vllm.reader import _EngineReader, _Inbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        client = types.SimpleNamespace(resources=types.SimpleNamespace(engine_dead=False))
+        inbox = _Inbox()
+        readers = []
+        for index in (0, 1):
+            batch = [(wire.OUTPUTS, EngineCoreOutputs(engine_index=index, outputs=[
+                EngineCoreOutput(f"r{index}", [7], finish_reason=FinishReason.LENGTH)]))]
+            link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=index,
+                                         on_control=lambda rtype, obj: False)
+            readers.append(_EngineReader(lambda: client, link, inbox, {}))
+        inbox.readers = readers
+
+        async def socket_task_sees_dead():
+            # what vLLM's output socket task does with ENGINE_CORE_DEAD (validate_alive)
+            client.resources.engine_dead = True
+            inbox.put_nowait(EngineDeadError())
+
+        loop.run_until_complete(socket_task_sees_dead())
+        *outputs, error = inbox.items
+        assert [o.outputs[0].request_id for o in outputs] == ["r0", "r1"]
+        assert isinstance(error, EngineDeadError)
+        # a batch read after the death was handled is not handed on: the reader stops
+        readers[0].link.channel.batch = [(wire.OUTPUTS, EngineCoreOutputs(outputs=[EngineCoreOutput("late", [1])]))]
+        readers[0].loop_reader.read_now(0.0)
+        assert readers[0].stopped and len(inbox.items) == 4 and isinstance(inbox.items[-1], EngineDeadError)
+    finally:
+        loop.close()

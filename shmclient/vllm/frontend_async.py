@@ -79,6 +79,7 @@ class _AsyncRings(_LinkIO):
             reader = _EngineReader(weakref.ref(self), link, self.outputs_queue, self.utility_results, handler)
             reader.loop_reader.bind(loop)
             self._readers.append(reader)
+        self.outputs_queue.readers = self._readers  # what an error from vLLM's socket comes after
         for reader in self._readers:
             self._ring_tasks.append(asyncio.create_task(
                 _own_reader(reader), name=f"ShmEngineCoreOutputTask_{reader.link.engine_index}"))

@@ -35,17 +35,30 @@ ASYNC_SPIN_US = 50.0
 
 class _Inbox:
     """Stands in for vLLM's ``outputs_queue`` (an asyncio.Queue): outputs and errors in
-    order; ``put_nowait`` (vLLM's socket task, a failing reader) wakes the tasks parked in
-    ``parking``, which the ring readers wake after each read. Loop thread only (as vLLM's
-    queue)."""
+    order; ``put_nowait`` (vLLM's socket task) and ``put`` (a failing ring reader) wake the
+    tasks parked in ``parking``, which the ring readers wake after each read. Loop thread
+    only (as vLLM's queue).
 
-    __slots__ = ("items", "parking")
+    ``readers``: the ring readers feeding it (the client's list). An error from vLLM's
+    socket task (ENGINE_CORE_DEAD) goes in after what their rings hold: an engine core
+    that fails by an exception writes its last outputs to its ring before it sends
+    ENGINE_CORE_DEAD on the socket, and on vLLM's one socket those outputs would come
+    first."""
 
-    def __init__(self) -> None:
+    __slots__ = ("items", "parking", "readers")
+
+    def __init__(self, readers: "list[_EngineReader] | None" = None) -> None:
         self.items: collections.deque = collections.deque()
         self.parking = waiting.Parking()
+        self.readers = readers if readers is not None else []
 
     def put_nowait(self, item) -> None:
+        if isinstance(item, BaseException):
+            for reader in self.readers:
+                reader.read_remains()
+        self.put(item)
+
+    def put(self, item) -> None:
         self.items.append(item)
         self.parking.wake()
 
@@ -183,18 +196,25 @@ class _EngineReader:
             return
         try:
             if remains:
-                self.draining = True
-                try:
-                    while self.loop_reader.read_now(0.0):
-                        pass
-                finally:
-                    self.draining = False
+                self.read_remains()
         finally:  # stopped and the error queued, whatever the remains did
             self.stopped = True
             self.loop_reader.unwatch_hook()()
             if self.failed is not None and not self.failed.done():
                 self.failed.set_result(None)
-            self.inbox.put_nowait(e if isinstance(e, Exception) else EngineDeadError())
+            self.inbox.put(e if isinstance(e, Exception) else EngineDeadError())
+
+    def read_remains(self) -> None:
+        """Dispatch what the ring holds now, the engine's death notwithstanding (what
+        it wrote before dying). Loop thread only."""
+        if self.stopped or self.draining:
+            return
+        self.draining = True
+        try:
+            while self.loop_reader.read_now(0.0):
+                pass
+        finally:
+            self.draining = False
 
 
 def _never() -> bool:
