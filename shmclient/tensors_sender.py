@@ -189,11 +189,15 @@ class ShmTensorSender:
 
     def put_cuda(self, tensor: Any) -> list | None:
         """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once)."""
-        if self._cuda is None:
+        cuda = self._cuda
+        if cuda is None:
             from .tensors_cuda import CudaIpcSender
 
-            self._cuda = CudaIpcSender(*self._cuda_args)
-        handle = self._cuda.share(tensor, next(self._ids))
+            with self._lock:  # one sender, whoever comes first, with the peer's GPUs of now
+                if self._cuda is None:
+                    self._cuda = CudaIpcSender(*self._cuda_args)
+                cuda = self._cuda
+        handle = cuda.share(tensor, next(self._ids))
         if handle is not None:
             self._n["cuda"] += 1
         return handle

@@ -292,3 +292,45 @@ def test_uuid_map_covers_every_visible_gpu():
     assert len(uuids) == torch.cuda.device_count() == len(set(uuids))
     for i, u in enumerate(uuids):
         assert gpus.local_index_for_uuid(u) == i
+
+
+def test_first_cuda_tensors_from_two_threads_share_one_ipc_sender(monkeypatch):
+    """The IPC sender is made on the first CUDA tensor. Two threads sending their first
+    at once got one each, and the tensor kept by the one overwritten was never released
+    (its release went to the other) and dropped with it while the peer might still open
+    it. Now one is made, and both tensors are kept by it until released."""
+    import threading
+
+    made: list[CudaIpcSender] = []
+    both_in = threading.Barrier(2, timeout=0.5)
+
+    class Counted(CudaIpcSender):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made.append(self)
+            try:
+                both_in.wait()  # without the lock both threads meet here
+            except threading.BrokenBarrierError:
+                pass
+
+    fake_args = (None, [4], [1], 0, None, torch.float32, None, b"h", 16, 0, None, b"rc", 0, b"ev", False)
+    monkeypatch.setattr(tensors_cuda, "CudaIpcSender", Counted)
+    monkeypatch.setattr(tensors_cuda, "device_uuid", lambda i: "GPU-a")
+    monkeypatch.setattr(tensors_cuda._reductions, "reduce_tensor", lambda t: (None, fake_args))
+    seg = Segment.create(64 * 1024)
+    seg.unlink()
+    sender = ShmTensorSender(seg)
+    handles: list = []
+    tensor = types.SimpleNamespace(device=types.SimpleNamespace(index=0), detach=lambda: None)
+    threads = [threading.Thread(target=lambda: handles.append(sender.put_cuda(tensor))) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(made) == 1 and len(handles) == 2 and None not in handles
+        assert made[0].in_flight() == 2
+        sender.on_release(b"".join(h[1].to_bytes(8, "little") for h in handles))
+        assert made[0].in_flight() == 0
+    finally:
+        sender.close()
