@@ -67,21 +67,77 @@ def _copy_in(dst: np.ndarray, src: Any) -> None:
 
 def _split_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """memcpy in ``_WORKERS`` chunks on short-lived threads (numpy drops the GIL while
-    copying). Threads are started and joined here, so none outlives the call; unlike an
-    OpenMP pool they never spin, so a busy host degrades this to about one memcpy."""
+    copying). None copies into ``dst`` after the call: on success all have copied; on an
+    exception (a signal handler's too) those copying are waited for, those not yet
+    started never copy, so the caller may free the block at once. Unlike an OpenMP pool
+    they never spin, so a busy host degrades this to about one memcpy."""
     n = src.nbytes
     step = -(-n // _WORKERS) + 63 & ~63
+    copiers = _Copiers()
     threads = [
-        threading.Thread(target=np.copyto, args=(dst[i : i + step], src[i : i + step]), daemon=True)
+        threading.Thread(target=copiers.copy, args=(dst[i : i + step], src[i : i + step]), daemon=True)
         for i in range(step, n, step)
     ]
-    for t in threads:
-        t.start()
     try:
-        np.copyto(dst[:step], src[:step])
-    finally:
         for t in threads:
-            t.join()
+            t.start()
+        np.copyto(dst[:step], src[:step])
+        copiers.wait_done(len(threads))
+    except BaseException:
+        copiers.abandon()
+        raise
+
+
+class _Copiers:
+    """The copier threads of one split copy: how many copy now and how many are done.
+    Waited for with a Condition, not ``Thread.join``: a join that a signal handler's
+    exception interrupts may leave a running thread marked as stopped, so joining again
+    would not wait for it."""
+
+    __slots__ = ("cond", "running", "done", "abandoned")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.running = self.done = 0
+        self.abandoned = False
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        cond = self.cond
+        with cond:
+            if self.abandoned:  # the call gave up before this thread ran: no copy
+                self.done += 1
+                cond.notify_all()
+                return
+            self.running += 1
+        try:
+            np.copyto(dst, src)
+        finally:
+            with cond:
+                self.running -= 1
+                self.done += 1
+                cond.notify_all()
+
+    def wait_done(self, n: int) -> None:
+        with self.cond:
+            while self.done < n:
+                self.cond.wait()
+
+    def abandon(self) -> None:
+        """No copier starts after this; wait for those copying. Goes on through a signal
+        handler's exceptions (the first is raised once none copies)."""
+        pending: BaseException | None = None
+        while True:
+            try:
+                with self.cond:
+                    self.abandoned = True
+                    while self.running:
+                        self.cond.wait()
+                break
+            except BaseException as e:  # noqa: BLE001 - raised below, after the wait
+                if pending is None:
+                    pending = e
+        if pending is not None:
+            raise pending
 
 
 class ShmTensorSender:

@@ -505,6 +505,53 @@ def test_large_copies_split_over_threads_are_exact():
         p.close()
 
 
+def test_a_signal_during_a_split_copy_leaves_no_copier_writing_into_the_freed_block(monkeypatch):
+    """Ctrl-C while a large tensor is copied over threads: put() frees its block, and the
+    next tensor gets it. The interrupted join left a copier thread still writing the
+    first tensor's bytes into that block (CPython marks a thread whose join was
+    interrupted as stopped): the second tensor arrived corrupted, without an error. The
+    copiers are now waited for before the block is freed."""
+    import signal
+
+    from shmclient import tensors_sender
+
+    main = threading.get_ident()
+    later = threading.Event()  # set once the second tensor is in the block
+    stale_done = threading.Event()
+
+    class HeldCopier:  # numpy, but the first tensor's copier thread interrupts the caller
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def copyto(dst, src, **kw):
+            if threading.get_ident() == main or src[:1].tolist() != [0xAA]:
+                return np.copyto(dst, src, **kw)
+            signal.pthread_kill(main, signal.SIGINT)
+            later.wait(1.0)  # (with the fix the caller waits for this copy instead)
+            try:
+                return np.copyto(dst, src, **kw)
+            finally:
+                stale_done.set()
+
+    monkeypatch.setattr(tensors_sender, "_WORKERS", 2)
+    monkeypatch.setattr(tensors_sender, "np", HeldCopier())
+    n = 2 * tensors_sender.PARALLEL_FROM
+    p = Pair(size=3 * n, view_from=1 << 40)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            p.sender.put(np.full(n, 0xAA, np.uint8), n)
+        assert p.sender.statistics().blocks_in_flight == 0
+        handle = p.sender.put(np.full(n, 0x55, np.uint8), n)
+        later.set()
+        assert stale_done.wait(10)
+        got = p.receiver.get(handle, n)
+        assert int((got != 0x55).sum()) == 0
+    finally:
+        later.set()
+        p.close()
+
+
 def test_no_arena_sends_tensors_as_one_off_segments():
     """``tensor_arena_bytes=0`` ("no arena") makes a channel whose tensors all travel as
     one-off segments (creating it used to fail: a segment of 0 bytes)."""
