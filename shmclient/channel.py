@@ -302,9 +302,11 @@ class ShmChannel:
 
     def _flush_releases_locked(self) -> None:
         rels = self._take_releases()
-        while rels and self.tx.try_send(REC_RELEASE, rels[0]):
-            rels.pop(0)
-        self._held_release = rels or None
+        try:
+            while rels and self.tx.try_send(REC_RELEASE, rels[0]):
+                rels.pop(0)
+        finally:  # kept, whatever stopped the loop (a signal handler's exception too)
+            self._held_release = rels or None
 
     # -- receiving --------------------------------------------------------------------
     def _on_record(self, rtype: int, view: memoryview) -> None:

@@ -552,6 +552,39 @@ def test_a_signal_during_a_split_copy_leaves_no_copier_writing_into_the_freed_bl
         p.close()
 
 
+def test_releases_survive_a_signal_in_their_send():
+    """The engine's pending tensor releases were taken out of its queue, then lost when
+    their send raised (Ctrl-C landing in it): the frontend's arena blocks stayed taken
+    for good. They are kept for the next flush."""
+    from shmclient.channel import REQ_UTILITY, ShmChannel
+    from shmclient.messages import UtilityRequest
+
+    front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    try:
+        front.peer_attached()
+        tensors = [torch.full((64,), i, dtype=torch.float32) for i in range(3)]
+        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", tensors)))
+        [(_, request)] = engine.try_recv()
+        del request  # the engine is done with them: three releases pending
+        assert front.statistics().tensors.blocks_in_flight == 3
+        real = engine.tx.try_send
+
+        def interrupted(rtype, payload):
+            raise KeyboardInterrupt
+
+        engine.tx.try_send = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            engine.flush_releases()
+        engine.tx.try_send = real
+        engine.flush_releases()
+        front.try_recv()
+        assert front.statistics().tensors.blocks_in_flight == 0
+    finally:
+        engine.close()
+        front.close()
+
+
 def test_no_arena_sends_tensors_as_one_off_segments():
     """``tensor_arena_bytes=0`` ("no arena") makes a channel whose tensors all travel as
     one-off segments (creating it used to fail: a segment of 0 bytes)."""
