@@ -221,6 +221,11 @@ class Ring:
         finish (it is woken first)."""
         if self._closed:
             return
+        if not self._finalizer.alive:
+            # Its resources went first: at the interpreter's exit the finalizers run
+            # newest first, this ring's before its client's, which closes it.
+            self._closed = True
+            return
         self._final_statistics = self._read_statistics()
         self._closed = True
         try:

@@ -207,6 +207,35 @@ def test_shutdown_escalates_when_engine_ignores_it():
         c.shutdown()
 
 
+EXIT_WITHOUT_SHUTDOWN = textwrap.dedent(
+    """
+    import sys
+    from shmclient.config import EngineConfig
+    from shmclient import make_client
+    c = make_client(True, sys.argv[1] == "async", EngineConfig(model="mock"))
+    print(c.engine_pid, flush=True)
+    if sys.argv[1] == "sync":
+        c.echo(1)
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_interpreter_exit_without_shutdown_stops_the_engine_without_a_traceback(kind):
+    """A script that ends (or dies of an uncaught exception) without ``shutdown()``: at
+    the interpreter's exit the finalizers run newest first, the rings' before the
+    client's, whose shutdown then read a released segment, printed a traceback and
+    skipped the rest of its work. Now it runs to its end: the engine is stopped."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, kind], capture_output=True, text=True,
+                         cwd=root, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    try:
+        psutil.Process(int(out.stdout.split()[0])).wait(timeout=10)  # (TimeoutExpired: it outlived its frontend)
+    except psutil.NoSuchProcess:
+        pass
+
+
 FRONTEND = textwrap.dedent(
     """
     import sys, threading
