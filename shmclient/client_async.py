@@ -15,7 +15,6 @@ shutdown from a running loop, which loop it binds to): docs/design.md, "Module n
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Any, Callable
 
 from .config import EngineConfig
@@ -23,7 +22,7 @@ from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .client_mp import MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
-from .errors import NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError, WouldBlock
+from .errors import NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -45,11 +44,11 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         #: Set by ``forward_outputs``: told of the engine's death, after its last outputs.
         self._forward_dead: Callable[[EngineDeadError], None] | None = None
         self._death_task: asyncio.Task | None = None
-        #: Sends waiting for their turn, the first one the sender now waiting for room
-        #: (``_send_in_order_async``).
-        self._turns: deque[asyncio.Future] = deque()
         super().__init__(config)
         self.resources.before_close(self._reader.unwatch_hook())
+
+    def _make_sends(self):
+        return waiting.OrderedSendsAsync(self.channel, self.resources.alive, self._is_gone)
 
     def _make_reader(self) -> waiting.LoopReader:
         # Spin on the ring before parking the task (waking an event loop costs tens of µs
@@ -84,7 +83,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise UsageError("this AsyncMPClient is already used by another event loop")
         self._ensure_alive()
         self._loop = loop
-        self._turns.clear()  # a closed loop's sends will never take their turns
+        self._sends.reset()  # a closed loop's sends will never take their turns
         self._reader.bind(loop)
         return loop
 
@@ -132,7 +131,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         try:
             try:
                 self._ensure_alive()
-                await self._send_in_order_async(rtype, payload, timeout)
+                await self._sends.send(rtype, payload, timeout)
             except (*NOT_SENT, asyncio.CancelledError):  # (cancelled only while it waited)
                 self.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
@@ -140,48 +139,6 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
-
-    async def _send_in_order_async(self, rtype: int, payload: Any, timeout: float | None) -> None:
-        """``waiting.send_async`` in call order: while a send of this client waits for
-        room, later ones queue behind it (``_turns``, first come first served) instead
-        of overtaking it (an abort of that request, a pause), as vLLM's socket keeps the
-        order of sends. ``timeout`` covers the queue and the wait. Raises as it."""
-        timeout = waiting.check_timeout(timeout)
-        turns = self._turns
-        if not turns:
-            try:
-                return self.channel.send_nowait(rtype, payload)
-            except WouldBlock:
-                pass  # (the fragments that fit are out: this send holds the first turn now)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        turn = None
-        try:
-            turn = loop.create_future()
-            turns.append(turn)
-            if turns[0] is turn:
-                turn.set_result(None)
-            else:
-                # asyncio.wait leaves ``turn`` alone at the timeout: no turn handed over
-                # just then is lost (it is handed on below).
-                await asyncio.wait((turn,), timeout=None if deadline is None else max(0.0, deadline - loop.time()))
-                if self.resources.dead.is_set() or self._closed:  # what went before failed for that
-                    raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
-                if not turn.done():
-                    raise PeerNotConsumingError(
-                        f"the peer is not consuming: no room for the message within {timeout} s "
-                        "(earlier messages of this client were still waiting for room)")
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            await waiting.send_async(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
-        except BaseException:
-            self.channel.abandon(payload)  # (the fragments the try above wrote, if any)
-            raise
-        finally:
-            if turn is not None and turn in turns:
-                first = turns[0] is turn
-                turns.remove(turn)
-                if first and turns and not turns[0].done():
-                    turns[0].set_result(None)
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

@@ -36,7 +36,7 @@ from .client import (
 )
 from .errors import (ClientClosedError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerDeadError, PeerNotConsumingError,
-                     PeerNotProducingError, ProtocolError, UtilityCallError, WouldBlock)
+                     PeerNotProducingError, ProtocolError, UtilityCallError)
 from .errors import NOT_SENT
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
@@ -110,13 +110,10 @@ class MPClient(EngineCoreClient):
         self._put: Any = None
         self._live: set[str] = set()
         self._closed = False
-        #: Sends waiting for room in the request ring, first come first served (the first
-        #: one's sender is waiting): a later call's message (an abort of that request, a
-        #: pause) waits behind them instead of overtaking them in the room left (vLLM's
-        #: socket keeps the order of sends). See ``_send_in_order``.
-        self._order_lock = threading.Lock()  # (a C lock: ``with`` leaves no signal window)
-        self._order = threading.Condition(self._order_lock)
-        self._waiting: deque[object] = deque()
+        #: The sends in call order: a later call's message (an abort, a pause) waits
+        #: behind one waiting for room instead of overtaking it in the room left (vLLM's
+        #: socket keeps the order of sends).
+        self._sends = self._make_sends()
         #: The reader of ``shmclient.waiting`` that waits for the channel (it holds
         #: ``_lead`` while it reads); what the engine left after its death is read once.
         self._reader = self._make_reader()
@@ -142,6 +139,13 @@ class MPClient(EngineCoreClient):
     # -- state ------------------------------------------------------------------------
     def _is_closed(self) -> bool:
         return self._closed
+
+    def _is_gone(self) -> bool:
+        """The engine is known dead or the client closed (a cheap flag)."""
+        return self._closed or self.resources.dead.is_set()
+
+    def _make_sends(self):
+        return waiting.OrderedSends(self.channel, self.resources.alive, self._is_gone)
 
     def _dead_error(self) -> EngineDeadError:
         if self._forked:
@@ -182,7 +186,7 @@ class MPClient(EngineCoreClient):
         payload = channel.encode(obj)
         try:
             try:
-                self._send_in_order(rtype, payload, timeout)
+                self._sends.send(rtype, payload, timeout)
             except NOT_SENT:
                 channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
@@ -190,62 +194,6 @@ class MPClient(EngineCoreClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
-
-    def _send_in_order(self, rtype: int, payload: Any, timeout: float | None) -> None:
-        """``waiting.send`` in call order: at once while no send of this client waits
-        for room; else behind those that do, first come first served (``_waiting``, a
-        queue of tickets; the first one's sender is the one waiting for room). The try
-        and the taking of a ticket are one step under ``_order_lock``, so whoever wrote the
-        first fragments of a long message is first in the queue. ``timeout`` (None or
-        inf: none) covers the queue and the wait. Raises as ``waiting.send``, and
-        PeerDeadError at once while queued once the engine is gone."""
-        timeout = waiting.check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        lock, queue = self._order_lock, self._waiting
-        ticket = None
-        try:
-            with lock:
-                if not queue:
-                    try:
-                        return self.channel.send_nowait(rtype, payload)
-                    except WouldBlock:
-                        pass  # (the fragments that fit went: this send is first from here)
-                ticket = object()
-                queue.append(ticket)
-                if queue[0] is not ticket:
-                    self._wait_turn(ticket, deadline, timeout)
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            waiting.send(self.channel, rtype, payload, timeout=left, alive=self.resources.alive)
-        except BaseException:
-            # (a signal after the try above wrote the first fragments of a long message,
-            # before waiting.send took it over: other messages may go first now)
-            self.channel.abandon(payload)
-            raise
-        finally:
-            if ticket is not None:
-                with lock:
-                    if ticket in queue:
-                        first = queue[0] is ticket
-                        queue.remove(ticket)
-                        if first:
-                            self._order.notify_all()
-
-    def _wait_turn(self, ticket: object, deadline: float | None, timeout: float | None) -> None:
-        """Wait (holding ``_order_lock``, released while asleep) until ``ticket`` is first,
-        in slices that look at the engine's death; PeerNotConsumingError at
-        ``deadline`` (``time.monotonic()``; ``timeout`` seconds after the call)."""
-        queue, dead = self._waiting, self.resources.dead
-        while queue[0] is not ticket:
-            if dead.is_set() or self._closed:
-                raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
-            left = waiting.LIVENESS_S if deadline is None else min(waiting.LIVENESS_S, deadline - time.monotonic())
-            if left <= 0:
-                raise PeerNotConsumingError(
-                    f"the peer is not consuming: no room for the message within {timeout} s "
-                    "(earlier messages of this client were still waiting for room)")
-            self._order.wait(left)
-        if dead.is_set() or self._closed:  # the ones before it failed for that: at once
-            raise PeerDeadError("the engine is gone (this message was waiting for its turn)")
 
     def _stalled(self, timeout: float | None) -> PeerNotConsumingError:
         return PeerNotConsumingError(
@@ -437,7 +385,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         try:
             # Death may have failed every registered future just before ours went in.
             self._ensure_alive()
-            self._send_in_order(REQ_UTILITY, payload, None)
+            self._sends.send(REQ_UTILITY, payload, None)
         except PeerDeadError as e:
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)

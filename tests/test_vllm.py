@@ -722,7 +722,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
         try:
             calls = [asyncio.ensure_future(client.call_utility_async("no_such_method", big, i)) for i in range(8)]
             await asyncio.sleep(stall_s)
-            backlog = len(client._backlogs[0])
+            backlog = client._link.sends.queued()
         finally:
             os.kill(pid, signal.SIGCONT)
             resumed = time.monotonic()
@@ -738,7 +738,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     assert len(inside) >= 50, (len(inside), max(gaps))
     assert max(gaps) < stall_s / 2, (max(gaps), len(inside))
     assert all("Call to no_such_method method failed" in str(r) for r in results), results
-    assert not client._backlogs[0]
+    assert not client._link.sends.queued()
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-full", [5, 6, 7, 8], 4))
 

@@ -263,7 +263,7 @@ def test_a_sync_abort_never_overtakes_its_add_waiting_for_room():
                 assert time.monotonic() < deadline
             abort = threading.Thread(target=client.abort_requests, args=(["victim"],))
             abort.start()
-            while abort.is_alive() and len(client._waiting) < 2:  # the abort waits behind the add
+            while abort.is_alive() and client._sends.queued() < 2:  # the abort waits behind the add
                 assert time.monotonic() < deadline
             assert abort.is_alive(), "the abort went before the add it aborts"
         add.join(30)
@@ -308,13 +308,101 @@ def test_a_signal_between_the_first_fragments_and_the_wait_does_not_wedge_the_ch
             def interrupted(*args, **kwargs):
                 raise KeyboardInterrupt("a signal before waiting.send's try")
 
-            monkeypatch.setattr(waiting, "send", interrupted)
+            monkeypatch.setattr(waiting.ordered, "send", interrupted)
             with pytest.raises(KeyboardInterrupt):
                 client.add_request(long_add)
             monkeypatch.undo()
             assert client.channel.tx.partial_pending  # its first fragments are in the ring
         client.add_request(req("after", max_tokens=1), timeout=10)
         assert _finish_reason(client, "after") is FinishReason.LENGTH
+
+
+class _RoomWhenOpened:
+    """A sender whose ring is full until ``open()``: its space descriptor (a pipe) turns
+    readable then. Records what went and what was given up."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        self.full = True
+        self.sent: list[str] = []
+        self.abandoned: list[str] = []
+
+    def send_nowait(self, rtype: int, payload: str) -> None:
+        if self.full:
+            raise WouldBlock("full")
+        self.sent.append(payload)
+
+    def wait_send(self, timeout: float, *, spin=None, first: bool = True) -> bool:
+        return bool(select.select([self.r], [], [], timeout)[0])
+
+    def send_fd(self) -> int:
+        return self.r
+
+    def arm_send(self) -> None:
+        pass
+
+    def abandon(self, payload: str) -> None:
+        self.abandoned.append(payload)
+
+    def open(self) -> None:
+        self.full = False
+        os.write(self.w, b"x")
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+async def test_an_ordered_send_cancelled_before_it_ran_hands_its_turn_on():
+    """``OrderedSendsAsync.start`` takes the turn at the call and returns the task that
+    sends in it. A task cancelled before its first step never runs its body: its turn
+    is handed on all the same, so the sends behind it go (they waited for their
+    timeout and failed otherwise)."""
+    channel = _RoomWhenOpened()
+    try:
+        sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
+        first = sends.start(1, "a", 10)
+        dropped = sends.start(1, "b", 10)
+        after = asyncio.ensure_future(sends.send(1, "c", 2))
+        dropped.cancel()
+        await asyncio.sleep(0)  # (one turn of the loop: the tasks reach their waits)
+        assert not after.done()
+        channel.open()
+        await asyncio.wait_for(asyncio.gather(first, after), 10)
+        assert channel.sent == ["a", "c"] and dropped.cancelled() and sends.queued() == 0
+        assert "b" in channel.abandoned
+    finally:
+        channel.close()
+
+
+async def test_an_ordered_send_task_raises_what_failed_makes_of_its_error():
+    """``start``'s ``failed`` turns what ended the send into what the task raises (the
+    vLLM plug-in: EngineDeadError for a gone engine, after freeing the message's
+    blocks); a send queued behind fails at once once the peer is known gone."""
+    channel = _RoomWhenOpened()
+    gone = threading.Event()
+    seen: list[BaseException] = []
+
+    def failed(e: BaseException) -> BaseException:
+        seen.append(e)
+        return EngineDeadError()
+
+    try:
+        sends = waiting.OrderedSendsAsync(channel, lambda: not gone.is_set(), gone.is_set)
+        timed_out = sends.start(1, "a", 0.05, failed)
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(timed_out, 10)
+        assert isinstance(seen[-1], PeerNotConsumingError)
+        waits = sends.start(1, "b", None, failed)
+        behind = sends.start(1, "c", None, failed)
+        await asyncio.sleep(0)
+        gone.set()
+        results = await asyncio.wait_for(asyncio.gather(waits, behind, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert [type(e).__name__ for e in seen[1:]] == ["PeerDeadError", "PeerDeadError"]
+        assert channel.sent == [] and sends.queued() == 0
+    finally:
+        channel.close()
 
 
 def test_sync_timeouts_are_checked():

@@ -133,7 +133,10 @@ class _LinkIO:
         #: engine identity (vLLM's: its index, 2 bytes little-endian) -> its link
         self._links = {link.engine_index.to_bytes(2, "little"): link for link in links}
         self._link = links[0]
-        self._alive = self._make_alive()
+        self._alive = alive = self._make_alive()
+        for link in links:  # each engine's sends in call order (as on vLLM's socket)
+            ordered = waiting.OrderedSendsAsync if wake_fd else waiting.OrderedSends
+            link.sends = ordered(link.channel, alive, lambda: not alive())
         #: vLLM's encoder had an out-of-band path of its own (its multimodal tensor queue)
         self._own_oob = self.encoder.oob_tensor_consumer is not None
         if len(links) == 1 and links[0].arenas and not self._own_oob and not getattr(self, "_remote", ()):
@@ -167,14 +170,15 @@ class _LinkIO:
         return EngineDeadError()
 
     def _ring_send(self, request_type: EngineCoreRequestType, request: Any) -> None:
-        """Send from this thread, waiting while the request ring is full (at most
-        SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is gone."""
+        """Send from this thread in call order, waiting while the request ring is full
+        (at most SEND_TIMEOUT_S, then PeerNotConsumingError); EngineDeadError once it is
+        gone."""
         self.ensure_alive()
         link = self._link
         rtype, payload = wire.message(request_type.value[0], *self._encode(link, request))
         try:
             try:
-                waiting.send(link.channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
+                link.sends.send(rtype, payload, SEND_TIMEOUT_S)
             except NOT_SENT:
                 link.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise

@@ -11,24 +11,22 @@ then parks; a reader callback on each ring's wake pipe reads while it is parked 
 utility replies). The engine may wake a parked task early, as its scheduler starts
 building a step's outputs (a one-byte "parked" flag in shared memory;
 ``SHMCLIENT_VLLM_PREWAKE=0`` switches it off). Sends never hold the event loop: a message
-that finds the ring full waits in a backlog that one task sends in order, parked on the
-ring's space pipe (``waiting.send_async``). The clients watch each engine's process (a
-pidfd on the loop): an engine's death fails them at once, where vLLM's own monitor first
-waits for the other engines to stop.
+that finds the ring full, or others waiting before it, takes its turn and a task sends
+it, parked on the ring's space pipe (``waiting.OrderedSendsAsync``). The clients watch
+each engine's process (a pidfd on the loop): an engine's death fails them at once, where
+vLLM's own monitor first waits for the other engines to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import weakref
 
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from .. import waiting
-from ..errors import ClientClosedError, PeerDeadError, WouldBlock
+from ..errors import ClientClosedError, PeerDeadError
 from . import wire
 from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO
 from .link import _Link
@@ -48,11 +46,9 @@ class _AsyncRings(_LinkIO):
         self._readers: list[_EngineReader] = []
         if not hasattr(self, "_remote"):
             self._remote: frozenset[bytes] = frozenset()
-        #: Per engine index: messages waiting for room in its request ring, oldest
-        #: first, and the task that sends them (sends keep their order, as on vLLM's
-        #: socket).
-        self._backlogs: dict[int, collections.deque] = {}
-        self._backlog_tasks: dict[int, asyncio.Task] = {}
+        #: The tasks of messages waiting for room or for their turn (each link's
+        #: ``sends`` keeps the order of sends, as vLLM's socket does).
+        self._send_tasks: set[asyncio.Task] = set()
         self._init_link(True, construct, engine_indexes, frontend_specs)
         try:
             asyncio.get_running_loop()
@@ -138,63 +134,37 @@ class _AsyncRings(_LinkIO):
 
     def _send_frames(self, link: _Link, kind: int, frames, placed: list) -> asyncio.Future:
         """Send one message to ``link``'s engine (``placed``: the handles its encode
-        placed in the link's arena) without holding the loop: at once when
-        its request ring has room and nothing waits before it; else it queues behind the
-        others and the returned future completes when it is sent (the backlog task parks
-        on the ring's space pipe, at most SEND_TIMEOUT_S a message, then
-        PeerNotConsumingError). Raises EngineDeadError at once when the engine is gone."""
+        placed in the link's arena) without holding the loop: at once when its request
+        ring has room and nothing waits before it; else it takes its turn behind the
+        others and the returned task sends it (parked on the ring's space pipe, at most
+        SEND_TIMEOUT_S from now, then PeerNotConsumingError). Raises EngineDeadError at
+        once when the engine is gone."""
         rtype, payload = wire.message(kind, frames, placed)
-        loop = asyncio.get_running_loop()
-        key = link.engine_index
-        backlog = self._backlogs.get(key)
-        if not backlog:
-            try:
-                link.channel.send_nowait(rtype, payload)
-            except WouldBlock:
-                pass
-            except (PeerDeadError, ClientClosedError):
-                link.channel.discard(rtype, payload)
-                raise self._dead() from None
-            else:
-                return _done(loop)
-        if backlog is None:
-            backlog = self._backlogs[key] = collections.deque()
-        sent = loop.create_future()
-        backlog.append((rtype, payload, sent))
-        task = self._backlog_tasks.get(key)
-        if task is None or task.done():
-            self._backlog_tasks[key] = loop.create_task(self._send_backlog(link, backlog),
-                                                        name=f"ShmEngineCoreSendTask_{key}")
-        return sent
+        try:
+            pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload))
+        except (PeerDeadError, ClientClosedError):
+            link.channel.discard(rtype, payload)
+            raise self._dead() from None
+        if pending is None:
+            return _done(asyncio.get_running_loop())
+        self._send_tasks.add(pending)
+        pending.add_done_callback(self._send_tasks.discard)
+        return pending
 
-    async def _send_backlog(self, link: _Link, backlog: collections.deque) -> None:
-        channel = link.channel
-        while backlog:
-            rtype, payload, sent = backlog[0]
-            error: BaseException | None = None
-            try:
-                await waiting.send_async(channel, rtype, payload, timeout=SEND_TIMEOUT_S, alive=self._alive)
-            except (*NOT_SENT, asyncio.CancelledError) as e:  # (cancelled only while it waited)
-                channel.discard(rtype, payload)  # its tensors' blocks come back now
-                if isinstance(e, asyncio.CancelledError):
-                    error = EngineDeadError()
-                    raise
-                error = self._dead() if isinstance(e, PeerDeadError) else e
-            except Exception as e:  # noqa: BLE001 - handed to whoever awaits the send
-                error = e
-            finally:
-                backlog.popleft()
-                if not sent.done():
-                    if error is None:
-                        sent.set_result(None)
-                    else:
-                        sent.set_exception(error)
-                if isinstance(error, EngineDeadError):
-                    while backlog:
-                        rtype, payload, f = backlog.popleft()
-                        channel.discard(rtype, payload)  # never went
-                        if not f.done():
-                            f.set_exception(EngineDeadError())
+    def _send_failed(self, link: _Link, rtype: int, payload):
+        """What a queued send of ``payload`` raises for what ended it; a message that
+        never went gives its tensors' blocks back."""
+
+        def failed(e: BaseException) -> BaseException:
+            if isinstance(e, (*NOT_SENT, ClientClosedError, asyncio.CancelledError)):
+                link.channel.discard(rtype, payload)  # its tensors' blocks come back now
+            if isinstance(e, asyncio.CancelledError):  # (shutdown)
+                return EngineDeadError()
+            if isinstance(e, (PeerDeadError, ClientClosedError)):
+                return self._dead()
+            return e
+
+        return failed
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self.resources.engine_dead:
@@ -206,7 +176,7 @@ class _AsyncRings(_LinkIO):
         try:
             super().shutdown(timeout)
         finally:
-            for task in (*self._backlog_tasks.values(), *self._ring_tasks):
+            for task in (*self._send_tasks, *self._ring_tasks):
                 _on_its_loop(task, task.cancel)
             if not self._ring_tasks:
                 self._close_link()

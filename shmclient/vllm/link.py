@@ -108,6 +108,9 @@ class _Link:
 
     def __init__(self, wake_fd: bool, engine_index: int = 0, frontend_spec: "wire.FrontendSpec | None" = None) -> None:
         self.engine_pid: int | None = None
+        #: this engine's sends in call order (``waiting.OrderedSends`` or its async
+        #: twin), set by the client that owns the link
+        self.sends: Any = None
         #: called once the engine's pid is known from its HELLO (the async reader's watch)
         self.on_engine_pid: Any = None
         settings = _Settings()

@@ -9,9 +9,10 @@ and comes here to wait; both clients and the engine loop do. This module holds t
 waits (``send``, ``recv``, ``recv_into``, ``recv_spin``, ``wait_fd``, ``send_async``);
 ``thread_reader.ThreadReader`` (threads share one channel, leader and followers) and
 ``loop_reader.LoopReader`` (an event loop's reader callback, parking with deadlines) are
-written over them, each with the client's ``dispatch`` passed in. Its contract (the wait
-handle, timeouts, liveness, signals): docs/design.md, "Module notes",
-``shmclient.waiting``.
+written over them, each with the client's ``dispatch`` passed in, as are
+``ordered.OrderedSends`` and ``OrderedSendsAsync`` (one sender's sends in call order).
+Its contract (the wait handle, timeouts, liveness, signals): docs/design.md, "Module
+notes", ``shmclient.waiting``.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from .protocols import (
 )
 
 __all__ = ["CAPABILITIES", "FLAGS", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities", "EarlyWake", "Flag",
-           "LoopReader", "Parking", "Receiver", "RecordReceiver", "Sender", "ThreadReader",
-           "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
+           "LoopReader", "OrderedSends", "OrderedSendsAsync", "Parking", "Receiver", "RecordReceiver", "Sender",
+           "ThreadReader", "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
@@ -271,3 +272,4 @@ async def _send_parked(channel: AsyncSender, rtype: int, payload: Any, timeout: 
 # ``recv``, ``recv_spin`` and ``LIVENESS_S``).
 from .loop_reader import LoopReader, Parking  # noqa: E402
 from .thread_reader import ThreadReader  # noqa: E402
+from .ordered import OrderedSends, OrderedSendsAsync  # noqa: E402
