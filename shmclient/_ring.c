@@ -75,6 +75,16 @@ PyDoc_STRVAR(RING_DOC,
 "  clears the flag only when it is the last sleeper of its end (a count under the GIL),\n"
 "  so one leaving never takes the flag from another still asleep. A flag left set costs\n"
 "  the poster one spare FUTEX_WAKE, never a lost wake-up.\n"
+"* What a waiter re-checks must turn true at every move of the peer after the attempt\n"
+"  that failed, whatever else this side loads meanwhile. The consumer's condition is a\n"
+"  state: head differs from its read position. The producer's is a change: tail differs\n"
+"  from the tail its last failed reservation loaded, a copy only a failed reservation\n"
+"  writes (pending(), a write that fits and the waiters' own checks never do), so one\n"
+"  release wakes every waiter and one that came before the wait (while a WouldBlock\n"
+"  message was made, say) is seen by the first check. Another thread's later failed\n"
+"  reservation replaces the copy with the tail it loaded (it found no room even after\n"
+"  that release). A wait after no failed reservation may return at once: the retry\n"
+"  fails (and records the tail) or goes through; a spurious wake-up, never a lost one.\n"
 "* Whether a waiter spins before it sleeps is the spin gate's call (_spin_gate.h): it\n"
 "  changes only how long the waiter polls, never the order of the stores and fences\n"
 "  above.\n"
@@ -95,8 +105,9 @@ PyDoc_STRVAR(RING_DOC,
 "  the wait calls PyErr_CheckSignals, and a handler's exception propagates. The GIL is\n"
 "  released only while the thread sleeps in the kernel; the spin holds it.\n"
 "* A wait does not make its end busy: its readiness checks run under the GIL and touch\n"
-"  only the position cache the other calls refresh too, so another thread of this side\n"
-"  may send or receive while one sleeps. The mapping stays until the last waiter left.\n"
+"  at most the head cache the consumer's other calls refresh too (the producer's check\n"
+"  stores nothing), so another thread of this side may send or receive while one sleeps.\n"
+"  The mapping stays until the last waiter left.\n"
 "* A producer may defer the wake-up (``quiet``): it stores head as always, skips the\n"
 "  fence and the flag, and owes a wake-up; ``wake_owed()`` later issues the same fence\n"
 "  and flag check. A consumer that went to sleep meanwhile sleeps until then (or until\n"
@@ -607,6 +618,8 @@ typedef struct {
     End e;
     uint64_t wpos;      /* bytes written (published or not) */
     uint64_t tail;      /* last tail seen */
+    uint64_t full_tail; /* the tail the last failed reservation saw: wait_space waits for
+                           tail to move from it (only p_reserve writes it) */
     uint64_t published; /* last head stored */
     uint64_t pend_records, pend_bytes;
     int quiet;          /* publish without waking the consumer (the wake is owed) */
@@ -648,7 +661,10 @@ static int64_t p_reserve(Producer *p, uint64_t size) {
         uint64_t need = size <= room ? size : room; /* the record, or first the pad */
         if (need > p_free(p)) {
             if (p_load_tail(p) < 0) return -2;
-            if (need > p_free(p)) return -1;
+            if (need > p_free(p)) {
+                p->full_tail = p->tail; /* what a release must move (p_space_ready) */
+                return -1;
+            }
         }
         if (size <= room) return (int64_t)pos;
         /* pad to the end (space the consumer frees once it has read it), then retry at 0 */
@@ -742,7 +758,7 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kw) {
     uint64_t head = ld_acq(self->e.base, OFF_HEAD), tail = ld_acq(self->e.base, OFF_TAIL);
     if (check_positions(&self->e, head, tail) < 0) return -1;
     self->wpos = self->published = head;
-    self->tail = tail;
+    self->tail = self->full_tail = tail;
     return 0;
 }
 
@@ -867,13 +883,15 @@ done:
     return res;
 }
 
+/* Space was released since the last failed reservation: tail differs from the value
+   that reservation loaded. Nothing is stored: what another call or another waiter loads
+   meanwhile (pending(), a write, this check in another thread) cannot make a release
+   that came after the failure look old. A tail that breaks the protocol reads as ready:
+   the retried write loads it and says so. */
 static int p_space_ready(End *e) {
     Producer *p = (Producer *)e;
     if (atomic_load_explicit(U32(e->base, OFF_C_CLOSED), memory_order_acquire)) return 2;
-    uint64_t t = ld_acq(e->base, OFF_TAIL);
-    if (t == p->tail) return 0;
-    if (!p_tail_bad(p, t)) p->tail = t; /* else the retried write loads it and says so */
-    return 1;
+    return ld_acq(e->base, OFF_TAIL) != p->full_tail;
 }
 
 /* wait_space(spin_s, timeout_s) -> W_*: until the consumer releases space (tail moves
@@ -898,11 +916,13 @@ static PyObject *producer_arm_space(Producer *self, PyObject *unused) {
 
 static PyObject *producer_pending(Producer *self, PyObject *unused) {
     if (end_enter(&self->e, E_MINE) < 0) return NULL;
-    /* bytes written but not yet released by the consumer */
-    int bad = p_load_tail(self);
+    /* bytes written but not yet released by the consumer; the tail is loaded into a
+       local, so a query leaves the write path's state as it was */
+    uint64_t t = ld_acq(self->e.base, OFF_TAIL);
+    int bad = p_tail_bad(self, t) ? p_bad_tail(self, t) : 0;
     end_leave(&self->e);
     if (bad) return NULL;
-    return PyLong_FromUnsignedLongLong(self->wpos - self->tail);
+    return PyLong_FromUnsignedLongLong(self->wpos - t);
 }
 
 static PyObject *end_close_common(End *e, size_t my_flag) {

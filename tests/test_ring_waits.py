@@ -1,6 +1,7 @@
 """The ring's C wait with several threads on one end and with odd timeouts: a thread
 leaving its wait never takes the sleep flag from another still asleep (its wake-up would be
-lost); an infinite timeout sleeps without a deadline (no polling); NaN or negative ones
+lost); a release after a failed write ends every wait for room, whatever loaded the tail
+meanwhile; an infinite timeout sleeps without a deadline (no polling); NaN or negative ones
 are refused with ValueError."""
 
 from __future__ import annotations
@@ -75,6 +76,59 @@ def test_a_leaving_waiter_keeps_the_other_sleeper_wakeable(pair):
     assert result["ready"] is True
     assert result["took"] < 10.0
     assert c.try_recv()
+
+
+def _fill(p: RingProducer) -> None:
+    """Write until a record does not fit (the failed write a wait for room follows)."""
+    while p.try_send(1, b"x" * 400):
+        pass
+
+
+def test_a_release_before_the_wait_for_room_is_seen_after_pending(pair):
+    # The producer's wait compared tail with its cached copy, which pending() (called for
+    # a WouldBlock's message) refreshed too: a release between the failed write and that
+    # message made the wait sleep with the ring empty, until its timeout.
+    p, c = pair
+    _fill(p)
+    assert len(c.try_recv()) > 1  # the consumer releases everything
+    assert p._c.pending() == 0
+    t0 = time.monotonic()
+    assert p._c.wait_space(0.0, 5.0) in (_ring.READY, _ring.SLEPT)
+    assert p.wait_writable(5.0, spin=0.0) is True
+    assert time.monotonic() - t0 < 2.0, "the wait for room missed a release it came after"
+    assert p.try_send(1, b"x" * 400)
+
+
+def test_one_release_ends_every_threads_wait_for_room(pair):
+    # Two producer threads wait for room; one release wakes both. The first to re-check
+    # used to store the new tail as the reference, so the second found no change and
+    # slept on until its timeout.
+    p, c = pair
+    _fill(p)
+    waits = p.statistics().waits_on_full
+    out: dict = {}
+
+    def wait_room(name: str) -> None:
+        t0 = time.monotonic()
+        out[name] = (p.wait_writable(10.0, spin=0.0), time.monotonic() - t0)
+
+    threads = [threading.Thread(target=wait_room, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    try:
+        # a wait holds the GIL from its start until it sleeps in the kernel: once both
+        # have counted themselves, both are asleep (or already back)
+        _until(lambda: p.statistics().waits_on_full == waits + 2)
+        assert c.try_recv()
+        for t in threads:
+            t.join(15)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        c.close()  # wakes a waiter still asleep
+        for t in threads:
+            t.join(15)
+    assert out["a"][0] is True and out["b"][0] is True, out
+    assert max(out["a"][1], out["b"][1]) < 5.0, f"a waiter slept past the release: {out}"
 
 
 def test_an_infinite_timeout_sleeps_without_polling(pair):
