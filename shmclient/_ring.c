@@ -135,7 +135,11 @@ PyDoc_STRVAR(RING_DOC,
 "  word that the busy call bumps as it leaves (and close() bumps too).\n"
 "* Fork: an end made before fork() is the parent's. A pthread_atfork hook bumps a\n"
 "  generation in the child; every entry point compares it (one compare) and raises\n"
-"  ForkedError, so a child never writes, reads, releases or closes its parent's ring.\n");
+"  ForkedError, so a child never writes, reads, releases or closes its parent's ring.\n"
+"* An end whose __init__ did not complete (made with __new__, or its __init__ raised)\n"
+"  has no mapping. Its generation is 0, which no process's is, so the same compare\n"
+"  refuses every call with ValueError; the getters check it too. __init__ runs once: a\n"
+"  second one is refused (the first's mapping may be in use).\n");
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the record header is read as one little-endian u64"
@@ -192,8 +196,9 @@ PyDoc_STRVAR(RING_DOC,
 static PyObject *CorruptError; /* shmclient.errors.RingCorruptError (a ProtocolError) */
 static PyObject *ForkedError;  /* shmclient.errors.ForkedError */
 
-/* Bumped in every child made by fork(): an end made before the fork is the parent's. */
-static unsigned long fork_gen;
+/* Bumped in every child made by fork(): an end made before the fork is the parent's.
+   It starts at 1: generation 0 is an end whose __init__ has not completed. */
+static unsigned long fork_gen = 1;
 static void in_forked_child(void) { fork_gen++; }
 
 #if PY_VERSION_HEX < 0x030C0000
@@ -301,20 +306,12 @@ typedef struct {
     PyThreadState *busy_ts; /* the thread whose call made the end busy */
     int idle_waiters;   /* threads waiting for that call to end (end_wait_idle) */
     _Atomic uint32_t idle_seq; /* process-private futex word: bumped when busy clears */
-    unsigned long gen;  /* fork_gen when made: another value means a forked child */
+    unsigned long gen;  /* fork_gen when made: another value means a forked child; 0
+                           until __init__ completes (set last, see end_made) */
     pid_t pid;          /* the process that made this end (for the error message) */
     const char *role;
     PyObject *broken;   /* the message of the protocol violation that closed the end */
 } End;
-
-static PyObject *end_get_held(End *self, void *c) { return PyBool_FromLong(self->held); }
-
-static int end_set_held(End *self, PyObject *v, void *c) {
-    int b = v ? PyObject_IsTrue(v) : 0;
-    if (b < 0) return -1;
-    self->held = b;
-    return 0;
-}
 
 static int end_init_buffer(End *self, PyObject *mapping) {
     if (PyObject_GetBuffer(mapping, &self->buf, PyBUF_WRITABLE) < 0) return -1;
@@ -343,7 +340,6 @@ static int end_init_buffer(End *self, PyObject *mapping) {
         return -1;
     }
     self->cap = cap;
-    self->gen = fork_gen;
     self->pid = getpid();
     self->data = self->base + HEADER_BYTES;
     return 0;
@@ -373,9 +369,44 @@ static void end_dealloc(End *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Use in a forked child: -1 with ForkedError (the end is the parent's), else 0. */
+/* An end whose __init__ has not completed (made with __new__, or its __init__ raised):
+   no mapping, nothing to read or write. */
+__attribute__((cold, noinline)) static int end_unmade(End *self) {
+    PyErr_Format(PyExc_ValueError, "this %s is not initialised (its __init__ did not run, "
+                 "or raised)", Py_TYPE(self)->tp_name);
+    return -1;
+}
+
+/* For calls that do not check for a fork (the getters): -1 with ValueError if __init__
+   has not completed, else 0. */
+static inline int end_made(End *self) { return self->gen ? 0 : end_unmade(self); }
+
+/* __init__ once: a second one would swap the mapping and the positions under the
+   waits and views still using the first. */
+static int end_init_once(End *self) {
+    if (!self->gen) return 0;
+    PyErr_Format(PyExc_RuntimeError, "this %s is initialised already", Py_TYPE(self)->tp_name);
+    return -1;
+}
+
+static PyObject *end_get_held(End *self, void *c) {
+    if (end_made(self) < 0) return NULL;
+    return PyBool_FromLong(self->held);
+}
+
+static int end_set_held(End *self, PyObject *v, void *c) {
+    if (end_made(self) < 0) return -1;
+    int b = v ? PyObject_IsTrue(v) : 0;
+    if (b < 0) return -1;
+    self->held = b;
+    return 0;
+}
+
+/* Use in a forked child, or before __init__ completed: -1 with ForkedError (the end is
+   the parent's) or ValueError (end_unmade), else 0. */
 __attribute__((cold, noinline)) static int end_forked(End *self) {
     if (self->gen == fork_gen) return 0;
+    if (!self->gen) return end_unmade(self);
     PyErr_Format(ForkedError, "this %s end of the ring belongs to process %d; the forked "
                  "child %d cannot use it (nothing was written or read): make a new client in "
                  "the child", self->role, (int)self->pid, (int)getpid());
@@ -750,16 +781,21 @@ static int producer_init(Producer *self, PyObject *args, PyObject *kw) {
     int fd = -1;
     static char *kwlist[] = {"mapping", "pipe_fd", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|i", kwlist, &mapping, &fd)) return -1;
+    if (end_init_once(&self->e) < 0) return -1;
     self->e.role = "producer";
-    if (end_init_buffer(&self->e, mapping) < 0) return -1;
+    if (end_init_buffer(&self->e, mapping) < 0) goto fail;
     self->e.pipe_fd = fd;
     /* a producer attaches to a ring that may already carry data (never in shmclient,
        but stay consistent): start from the published head */
     uint64_t head = ld_acq(self->e.base, OFF_HEAD), tail = ld_acq(self->e.base, OFF_TAIL);
-    if (check_positions(&self->e, head, tail) < 0) return -1;
+    if (check_positions(&self->e, head, tail) < 0) goto fail;
     self->wpos = self->published = head;
     self->tail = self->full_tail = tail;
+    self->e.gen = fork_gen; /* last: the end is usable */
     return 0;
+fail: /* not initialised: every call refuses it (a later __init__ may still succeed) */
+    end_drop_buffer(&self->e);
+    return -1;
 }
 
 /* append(type, payload) -> bool: write one record without publishing; False if it does
@@ -976,9 +1012,13 @@ static PyObject *producer_wake_owed(Producer *self, PyObject *unused) {
     return PyBool_FromLong(owed);
 }
 
-static PyObject *producer_get_quiet(Producer *self, void *c) { return PyBool_FromLong(self->quiet); }
+static PyObject *producer_get_quiet(Producer *self, void *c) {
+    if (end_made(&self->e) < 0) return NULL;
+    return PyBool_FromLong(self->quiet);
+}
 
 static int producer_set_quiet(Producer *self, PyObject *v, void *c) {
+    if (end_made(&self->e) < 0) return -1;
     int b = v ? PyObject_IsTrue(v) : 0;
     if (b < 0) return -1;
     self->quiet = b;
@@ -993,10 +1033,12 @@ static PyObject *producer_close(Producer *self, PyObject *unused) {
 }
 
 static PyObject *producer_get_max_record(Producer *self, void *c) {
+    if (end_made(&self->e) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(max_record(self));
 }
 
 static PyObject *end_get_capacity(End *self, void *c) {
+    if (end_made(self) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(self->cap);
 }
 
@@ -1120,18 +1162,23 @@ static int consumer_init(Consumer *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"mapping", "wake_fd", "space_fd", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|ii", kwlist, &mapping, &fd, &space_fd))
         return -1;
+    if (end_init_once(&self->e) < 0) return -1;
     self->e.role = "consumer";
-    if (end_init_buffer(&self->e, mapping) < 0) return -1;
+    if (end_init_buffer(&self->e, mapping) < 0) goto fail;
     self->e.pipe_fd = fd; /* our own write end of the wake pipe: see c_rearm */
     self->space_fd = space_fd;
     uint64_t tail = ld_acq(self->e.base, OFF_TAIL), head = ld_acq(self->e.base, OFF_HEAD);
-    if (check_positions(&self->e, head, tail) < 0) return -1;
+    if (check_positions(&self->e, head, tail) < 0) goto fail;
     self->rpos = self->released = tail;
     self->head = self->rpos;
     self->pinned = PyList_New(0);
-    if (!self->pinned) return -1;
+    if (!self->pinned) goto fail;
     c_rearm(self);
+    self->e.gen = fork_gen; /* last: the end is usable */
     return 0;
+fail: /* not initialised: every call refuses it (a later __init__ may still succeed) */
+    end_drop_buffer(&self->e);
+    return -1;
 }
 
 static void consumer_dealloc(Consumer *self) {
@@ -1547,10 +1594,12 @@ static PyObject *consumer_unpin(Consumer *self, PyObject *unused) {
 }
 
 static PyObject *consumer_get_pinned(Consumer *self, void *c) {
+    if (end_made(&self->e) < 0) return NULL;
     return PyLong_FromSsize_t(PyList_GET_SIZE(self->pinned));
 }
 
 static PyObject *consumer_get_reassembling(Consumer *self, void *c) {
+    if (end_made(&self->e) < 0) return NULL;
     return PyBool_FromLong(self->frag != NULL);
 }
 

@@ -5,8 +5,8 @@ headers, fragment totals, the capacity) is checked before use: a bad one closes 
 and raises ``RingCorruptError`` (a ``ProtocolError``) naming the field, its value and the
 bound, never a hang, a crash or a read or write outside the mapping. A forked child can
 use none of its parent's rings or clients (``ForkedError``); a second thread of this side
-waits for a call in progress instead of being refused. Each test here failed before its
-fix. The hostile-peer fuzz test is ``slow``.
+waits for a call in progress instead of being refused; a C end whose ``__init__`` did not
+complete refuses every call with ValueError. Each test here failed before its fix. The hostile-peer fuzz test is ``slow``.
 """
 
 from __future__ import annotations
@@ -478,6 +478,86 @@ def test_f2_a_handler_is_refused_even_while_another_threads_slow_path_holds_the_
 
     assert c.recv_into(handler) == 1
     assert len(seen) == 1 and "re-entrant" in seen[0]
+
+
+# ---------------------------------------------------------------- U: ends before __init__
+
+_UNMADE = r"""
+import mmap
+from shmclient import _ring
+
+not_a_ring = mmap.mmap(-1, 8192)  # zeros: __init__ raises after taking the buffer
+calls = {
+    _ring.Producer: [("try_send", (1, b"x")), ("append", (1, b"x")), ("publish", ()),
+                     ("send_part", (1, b"x" * 64, 0, 16)), ("wait_space", (0.0, 0.0)),
+                     ("arm_space", ()), ("pending", ()), ("wake_owed", ()), ("close", ()),
+                     ("detach", ()), ("peer_closed", None), ("max_record", None),
+                     ("capacity", None), ("held", None), ("quiet", None), ("held", True),
+                     ("quiet", True)],
+    _ring.Consumer: [("take", ()), ("take", (True,)), ("recv_views", (print,)),
+                     ("wait", (0.0, 0.0)), ("poll", ()), ("rearm", ()), ("unpin", ()),
+                     ("close", ()), ("detach", ()), ("peer_closed", None),
+                     ("capacity", None), ("held", None), ("pinned", None),
+                     ("reassembling", None), ("held", True)],
+}
+for kind, todo in calls.items():
+    failed_init = kind.__new__(kind)
+    try:
+        failed_init.__init__(not_a_ring)
+    except ValueError:
+        pass
+    for how, end in (("new", kind.__new__(kind)), ("failed init", failed_init)):
+        for name, args in todo:
+            what = f"{how} {kind.__name__}.{name}"
+            try:
+                if args is None:
+                    getattr(end, name)
+                elif type(args) is bool:
+                    setattr(end, name, args)
+                    what += " ="
+                else:
+                    getattr(end, name)(*args)
+                print(what, "went ahead", flush=True)
+            except Exception as e:
+                print(what, type(e).__name__, e, flush=True)
+    del failed_init
+not_a_ring.close()  # the failed __init__ kept no export of it
+print("mapping closed")
+"""
+
+
+def test_u1_an_end_whose_init_did_not_complete_refuses_every_call():
+    """``_ring.Producer`` / ``Consumer`` made with ``__new__`` (or whose ``__init__``
+    raised half-way) have no mapping: every method and getter used to read through a
+    NULL or half-set end and crash the process."""
+    r = _run(_UNMADE, timeout=60)
+    assert r.returncode == 0, f"the interpreter died ({r.returncode}) after: {r.stdout[-1000:]}"
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "mapping closed", r.stdout
+    assert len(lines) == 2 * (17 + 15) + 1, r.stdout
+    assert all(" ValueError " in ln and "not initialised" in ln for ln in lines[:-1]), r.stdout
+
+
+def test_u1_init_runs_once_and_a_failed_one_can_be_retried():
+    mm = mmap.mmap(-1, 8192)
+    _ring.init_header(mm, 4096)
+    try:
+        c = _ring.Consumer.__new__(_ring.Consumer)
+        with pytest.raises(ValueError, match="capacity"):
+            c.__init__(memoryview(mm)[:4096 + 64])  # too small for the capacity
+        c.__init__(mm)
+        assert c.poll() == 0 and c.capacity == 4096
+        p = _ring.Producer(mm)
+        with pytest.raises(RuntimeError, match="initialised already"):
+            p.__init__(mm)  # it would swap the mapping under its calls
+        assert p.try_send(1, b"x") is True
+        assert c.take() == [(1, b"x")]
+        for end in (p, c):
+            end.close()
+            end.detach()
+        del p, c
+    finally:
+        mm.close()  # no export of it is left
 
 
 # ---------------------------------------------------------------- hostile-peer fuzz (slow)
