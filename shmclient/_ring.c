@@ -1678,6 +1678,16 @@ static int gate_parse_mode(PyObject *o) {
     return r;
 }
 
+/* Made without __init__ (SpinGate.__new__), a gate is what SpinGate() makes: its own,
+   adaptive; never one without a gate behind it. */
+static PyObject *gateobj_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    GateObj *self = (GateObj *)PyType_GenericNew(type, args, kw);
+    if (!self) return NULL;
+    gate_init(&self->own, GATE_ADAPTIVE);
+    self->g = &self->own;
+    return (PyObject *)self;
+}
+
 static int gateobj_init(GateObj *self, PyObject *args, PyObject *kw) {
     PyObject *mode = NULL;
     static char *kwlist[] = {"mode", NULL};
@@ -1784,7 +1794,7 @@ static PyTypeObject GateType = {
     .tp_methods = gate_methods,
     .tp_getset = gate_getset,
     .tp_init = (initproc)gateobj_init,
-    .tp_new = PyType_GenericNew,
+    .tp_new = gateobj_new,
 };
 
 /* ------------------------------------------------------------------ module */

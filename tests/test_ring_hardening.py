@@ -560,6 +560,22 @@ def test_u1_init_runs_once_and_a_failed_one_can_be_retried():
         mm.close()  # no export of it is left
 
 
+def test_u1_a_spin_gate_made_without_init_is_the_adaptive_one():
+    # its methods used to read through a NULL gate
+    r = _run(
+        """
+        from shmclient import _ring
+        g = _ring.SpinGate.__new__(_ring.SpinGate)
+        g.preempted(1.0)
+        g.clean()
+        print(g.mode, g.state()["mode"], g.state()["preemptions"])
+        """,
+        timeout=30,
+    )
+    assert r.returncode == 0, f"the interpreter died ({r.returncode}): {r.stderr[-1000:]}"
+    assert r.stdout.split() == ["adaptive", "adaptive", "1"], r.stdout
+
+
 # ---------------------------------------------------------------- hostile-peer fuzz (slow)
 
 _FUZZ = r"""
