@@ -247,7 +247,10 @@ class EngineResources:
             if mon is not None:
                 mon.join(timeout=2.0)
             if self.channel is not None:
-                self.channel.close()
+                try:
+                    self.channel.close()
+                except Exception:  # the engine is stopped and the rest freed all the same
+                    logger.exception("closing the channel to the engine failed")
             if self.proc is not None:
                 engine_process.stop(self.proc, timeout)
             if mon is None and self.ctl is not None:

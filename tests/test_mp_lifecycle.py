@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import signal
 import subprocess
@@ -205,6 +206,24 @@ def test_shutdown_escalates_when_engine_ignores_it():
         assert psutil.Process(c.engine_pid).status() == psutil.STATUS_ZOMBIE if psutil.pid_exists(c.engine_pid) else True
     finally:
         c.shutdown()
+
+
+def test_a_channel_that_fails_to_close_does_not_keep_the_engine_running(monkeypatch, caplog):
+    """One failing step of shutdown() (here the channel's close) skipped the rest: the
+    engine process was never stopped. It is logged and the shutdown goes on."""
+    c = SyncMPClient(cfg())
+    pid = c.engine_pid
+    real_close = c.channel.close
+
+    def broken() -> None:
+        real_close()
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(c.channel, "close", broken)
+    with caplog.at_level(logging.ERROR, logger="shmclient"):
+        c.shutdown(timeout=5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert any("closing the channel to the engine failed" in r.getMessage() for r in caplog.records)
 
 
 EXIT_WITHOUT_SHUTDOWN = textwrap.dedent(
