@@ -353,24 +353,94 @@ class _RoomWhenOpened:
         os.close(self.w)
 
 
-async def test_an_ordered_send_cancelled_before_it_ran_hands_its_turn_on():
-    """``OrderedSendsAsync.start`` takes the turn at the call and returns the task that
-    sends in it. A task cancelled before its first step never runs its body: its turn
-    is handed on all the same, so the sends behind it go (they waited for their
-    timeout and failed otherwise)."""
+async def test_an_ordered_send_whose_caller_stops_waiting_still_goes_in_its_turn():
+    """``OrderedSendsAsync.start`` takes the turn at the call and returns a future a
+    task completes. A caller cancelled while it waits (a client gone, an
+    ``asyncio.timeout``) gets CancelledError and the message still goes, as on vLLM's
+    socket: the vLLM plug-in's queued sends then reported EngineDeadError (vLLM's
+    ``generate`` takes that for the engine's death) and dropped the message."""
     channel = _RoomWhenOpened()
+    failures: list[BaseException] = []
+
+    def failed(e: BaseException) -> BaseException:
+        failures.append(e)
+        return EngineDeadError()
+
     try:
         sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
-        first = sends.start(1, "a", 10)
-        dropped = sends.start(1, "b", 10)
-        after = asyncio.ensure_future(sends.send(1, "c", 2))
-        dropped.cancel()
-        await asyncio.sleep(0)  # (one turn of the loop: the tasks reach their waits)
-        assert not after.done()
+        first = sends.start(1, "a", 10, failed)
+        given_up = sends.start(1, "b", 10, failed)
+        waiter = asyncio.ensure_future(given_up)
+        await asyncio.sleep(0)  # (one turn of the loop: the caller waits)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        after = asyncio.ensure_future(sends.send(1, "c", 10))
         channel.open()
         await asyncio.wait_for(asyncio.gather(first, after), 10)
-        assert channel.sent == ["a", "c"] and dropped.cancelled() and sends.queued() == 0
-        assert "b" in channel.abandoned
+        assert channel.sent == ["a", "b", "c"] and not failures and sends.queued() == 0
+    finally:
+        channel.close()
+
+
+async def test_an_ordered_send_task_cancelled_before_it_ran_hands_its_turn_on():
+    """A shutdown cancels the sending tasks; one cancelled before its first step never
+    ran its body: its turn is handed on all the same (the sends behind it went only at
+    their timeout otherwise) and ``failed`` sees the cancellation (the vLLM plug-in frees
+    the message's tensor blocks there)."""
+    channel = _RoomWhenOpened()
+    failures: list[BaseException] = []
+
+    def failed(e: BaseException) -> BaseException:
+        failures.append(e)
+        return EngineDeadError()
+
+    try:
+        sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
+        dropped = [sends.start(1, "a", 10, failed), sends.start(1, "b", 10, failed)]
+        after = asyncio.ensure_future(sends.send(1, "c", 2))
+        for task in sends.tasks():  # (as a shutdown does, before they ran)
+            task.cancel()
+        await asyncio.sleep(0)  # (one turn of the loop)
+        channel.open()
+        await asyncio.wait_for(after, 10)
+        for future in dropped:
+            with pytest.raises(EngineDeadError):
+                await future
+        assert channel.sent == ["c"] and sends.queued() == 0 and sends.tasks() == []
+        assert len(failures) == 2 and all(isinstance(e, asyncio.CancelledError) for e in failures)
+    finally:
+        channel.close()
+
+
+async def test_a_signal_just_after_an_async_send_took_its_turn_hands_it_on(monkeypatch):
+    """A signal handler's exception right after a queued send took its turn, before the
+    code that hands turns on was in place: the turn stayed first in line and every
+    later send of the sender waited behind it, the ring empty, until its timeout."""
+    from shmclient.waiting import ordered
+
+    channel = _RoomWhenOpened()
+    try:
+        for how in ("send", "start"):
+            sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
+            real = ordered.OrderedSendsAsync._enqueue
+
+            def interrupted(self, turn, loop, timeout):
+                real(self, turn, loop, timeout)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(ordered.OrderedSendsAsync, "_enqueue", interrupted)
+            channel.full = True
+            with pytest.raises(KeyboardInterrupt):
+                if how == "send":
+                    await sends.send(1, "lost", 10)
+                else:
+                    sends.start(1, "lost", 10)
+            monkeypatch.undo()
+            assert sends.queued() == 0, how
+            channel.full = False
+            await asyncio.wait_for(sends.send(1, how, 1), 10)
+        assert channel.sent == ["send", "start"]
     finally:
         channel.close()
 

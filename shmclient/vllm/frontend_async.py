@@ -46,9 +46,6 @@ class _AsyncRings(_LinkIO):
         self._readers: list[_EngineReader] = []
         if not hasattr(self, "_remote"):
             self._remote: frozenset[bytes] = frozenset()
-        #: The tasks of messages waiting for room or for their turn (each link's
-        #: ``sends`` keeps the order of sends, as vLLM's socket does).
-        self._send_tasks: set[asyncio.Task] = set()
         self._init_link(True, construct, engine_indexes, frontend_specs)
         try:
             asyncio.get_running_loop()
@@ -136,20 +133,18 @@ class _AsyncRings(_LinkIO):
         """Send one message to ``link``'s engine (``placed``: the handles its encode
         placed in the link's arena) without holding the loop: at once when its request
         ring has room and nothing waits before it; else it takes its turn behind the
-        others and the returned task sends it (parked on the ring's space pipe, at most
-        SEND_TIMEOUT_S from now, then PeerNotConsumingError). Raises EngineDeadError at
-        once when the engine is gone."""
+        others (each link's ``sends`` keeps the order of sends, as vLLM's socket does)
+        and a task sends it, parked on the ring's space pipe, at most SEND_TIMEOUT_S
+        from now, then PeerNotConsumingError. The returned future says how it went; a
+        caller that stops waiting for it (cancelled) does not stop the send. Raises
+        EngineDeadError at once when the engine is gone."""
         rtype, payload = wire.message(kind, frames, placed)
         try:
             pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload))
         except (PeerDeadError, ClientClosedError):
             link.channel.discard(rtype, payload)
             raise self._dead() from None
-        if pending is None:
-            return _done(asyncio.get_running_loop())
-        self._send_tasks.add(pending)
-        pending.add_done_callback(self._send_tasks.discard)
-        return pending
+        return _done(asyncio.get_running_loop()) if pending is None else pending
 
     def _send_failed(self, link: _Link, rtype: int, payload):
         """What a queued send of ``payload`` raises for what ended it; a message that
@@ -176,7 +171,9 @@ class _AsyncRings(_LinkIO):
         try:
             super().shutdown(timeout)
         finally:
-            for task in (*self._send_tasks, *self._ring_tasks):
+            links = getattr(self, "_links", {}).values()  # (none while vLLM's construction failed)
+            sending = [task for link in links if link.sends is not None for task in link.sends.tasks()]
+            for task in (*sending, *self._ring_tasks):
                 _on_its_loop(task, task.cancel)
             if not self._ring_tasks:
                 self._close_link()

@@ -117,6 +117,7 @@ class OrderedSendsAsync:
         self._alive = alive
         self._gone = gone
         self._turns: deque[asyncio.Future] = deque()
+        self._tasks: set[asyncio.Task] = set()
 
     def queued(self) -> int:
         """How many sends wait for room or for their turn."""
@@ -130,33 +131,69 @@ class OrderedSendsAsync:
         """``waiting.send_async`` in call order; ``timeout`` covers the turn and the wait
         for room. Raises as it, and PeerDeadError once ``gone()`` while queued."""
         timeout = check_timeout(timeout)
-        if self._now(rtype, payload):
-            return
-        turn, deadline = self._queue_up(payload, timeout)
-        await self._in_turn(turn, rtype, payload, deadline, timeout)
+        sent = False
+        turn = None
+        try:  # (from the first try on: a signal anywhere gives the message up)
+            if not self._turns:
+                try:
+                    self.channel.send_nowait(rtype, payload)
+                    sent = True
+                    return
+                except WouldBlock:
+                    pass  # (the fragments that fit are out: this send is first from here)
+            loop = asyncio.get_running_loop()
+            turn = loop.create_future()
+            deadline = self._enqueue(turn, loop, timeout)
+            await self._in_turn(turn, rtype, payload, deadline, timeout)
+        finally:
+            if not sent:
+                self._leave(turn, payload)
 
     def start(self, rtype: int, payload: Any, timeout: float | None = None,
-              failed: "Callable[[BaseException], BaseException] | None" = None) -> "asyncio.Task | None":
+              failed: "Callable[[BaseException], BaseException] | None" = None) -> "asyncio.Future | None":
         """Send now when nothing waits before this message and there is room (None);
-        else take its turn now (the order is the order of the calls) and return the task
-        that sends it in its turn. The task raises as ``send``, or what ``failed(e)``
-        returns for what ended it (its cancellation too). However the task ends
-        (cancelled before it ran too), its turn is handed on."""
+        else take its turn now (the order is the order of the calls) and return a
+        future that a task sending it in its turn completes: with what ``send`` raises,
+        or what ``failed(e)`` returns for it (``failed`` also sees a cancellation of
+        the task, at shutdown, even one before the task ran). Cancelling the
+        future (the caller gave up waiting) does not stop the send: as on a socket, the
+        message goes. However the task ends, its turn is handed on."""
         timeout = check_timeout(timeout)
-        if self._now(rtype, payload):
-            return None
-        turn, deadline = self._queue_up(payload, timeout)
+        sent = False
+        turn = task = None
         try:
-            task = asyncio.get_running_loop().create_task(
-                self._started(turn, rtype, payload, deadline, timeout, failed))
+            if not self._turns:
+                try:
+                    self.channel.send_nowait(rtype, payload)
+                    sent = True
+                    return None
+                except WouldBlock:
+                    pass
+            loop = asyncio.get_running_loop()
+            turn = loop.create_future()
+            deadline = self._enqueue(turn, loop, timeout)
+            done = loop.create_future()
+            ran: list[bool] = []
+            task = loop.create_task(self._started(turn, rtype, payload, deadline, timeout, failed, ran))
+            self._tasks.add(task)
+            task.add_done_callback(lambda t: self._finished(t, turn, payload, failed, ran, done))
+            return done
         except BaseException:
-            self._leave(turn, payload)
+            if not sent:
+                if task is not None:
+                    task.cancel()  # (its callback hands on what it holds)
+                self._leave(turn, payload)
             raise
-        task.add_done_callback(lambda _task: self._leave(turn, payload))
-        return task
+
+    def tasks(self) -> "list[asyncio.Task]":
+        """The tasks of ``start`` still running (any thread may look; a shutdown cancels
+        them on their loop)."""
+        return list(self._tasks)
 
     async def _started(self, turn: asyncio.Future, rtype: int, payload: Any, deadline: float | None,
-                       timeout: float | None, failed: "Callable[[BaseException], BaseException] | None") -> None:
+                       timeout: float | None, failed: "Callable[[BaseException], BaseException] | None",
+                       ran: list) -> None:
+        ran.append(True)
         try:
             await self._in_turn(turn, rtype, payload, deadline, timeout)
         except BaseException as e:
@@ -167,28 +204,34 @@ class OrderedSendsAsync:
                 raise
             raise error from None
 
-    def _now(self, rtype: int, payload: Any) -> bool:
-        if self._turns:
-            return False
-        try:
-            self.channel.send_nowait(rtype, payload)
-        except WouldBlock:
-            return False  # (the fragments that fit are out: this send is first from here)
-        return True
+    def _finished(self, task: asyncio.Task, turn: asyncio.Future, payload: Any,
+                  failed: "Callable[[BaseException], BaseException] | None", ran: list,
+                  done: asyncio.Future) -> None:
+        """``start``'s task is over: its turn handed on, its future completed."""
+        self._tasks.discard(task)
+        self._leave(turn, payload)
+        if task.cancelled():
+            error: BaseException = asyncio.CancelledError()
+            if not ran and failed is not None:  # cancelled before it ran: ``failed`` never saw it
+                error = failed(error)
+        else:
+            error = task.exception()
+        if done.done():  # (the caller gave up waiting)
+            return
+        if error is None:
+            done.set_result(None)
+        elif isinstance(error, asyncio.CancelledError):
+            done.cancel()
+        else:
+            done.set_exception(error)
 
-    def _queue_up(self, payload: Any, timeout: float | None) -> "tuple[asyncio.Future, float | None]":
-        """This message's turn, last in line (first: its turn now), and its deadline."""
-        try:
-            loop = asyncio.get_running_loop()
-            deadline = None if timeout is None else loop.time() + timeout
-            turn = loop.create_future()
-            self._turns.append(turn)
-        except BaseException:
-            self.channel.abandon(payload)  # (the fragments the try wrote, if any)
-            raise
+    def _enqueue(self, turn: asyncio.Future, loop: asyncio.AbstractEventLoop, timeout: float | None) -> float | None:
+        """Put ``turn`` last in line (first: its turn now); its deadline."""
+        deadline = None if timeout is None else loop.time() + timeout
+        self._turns.append(turn)
         if self._turns[0] is turn:
             turn.set_result(None)
-        return turn, deadline
+        return deadline
 
     async def _in_turn(self, turn: asyncio.Future, rtype: int, payload: Any, deadline: float | None,
                        timeout: float | None) -> None:
@@ -207,13 +250,14 @@ class OrderedSendsAsync:
         finally:
             self._leave(turn, payload)
 
-    def _leave(self, turn: asyncio.Future, payload: Any) -> None:
-        """``turn``'s send is over (idempotent): unless it went whole, its half-sent
-        message is given up; the next turn is handed on."""
-        turns = self._turns
-        if turn not in turns:
-            return
+    def _leave(self, turn: "asyncio.Future | None", payload: Any) -> None:
+        """The send of ``payload`` is over (idempotent): unless it went whole, its
+        half-sent message is given up; ``turn`` (None: none taken) leaves the line, and
+        the next turn is handed on."""
         self.channel.abandon(payload)  # (a no-op unless it is half-way)
+        turns = self._turns
+        if turn is None or turn not in turns:
+            return
         first = turns[0] is turn
         turns.remove(turn)
         if first and turns and not turns[0].done():
