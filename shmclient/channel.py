@@ -77,6 +77,10 @@ class ShmChannel:
         #: The payload of a fragmented message half-way through tx whose sender still
         #: waits to finish it (others wait for it), or None.
         self._partial: Any = None
+        #: the thread whose message is half-way; the others wait for it to end
+        #: (``wait_send``), not for room, which would not help them
+        self._partial_owner = 0
+        self._partial_done = threading.Condition(self._send_lock)
         self._held_release: list[bytes] | None = None
         self._released = self._tensor_rx.pending  # tested for emptiness without a lock
         self._got: list[tuple[int, Any]] = []
@@ -205,9 +209,15 @@ class ShmChannel:
         try:
             tx.send_nowait(rtype, payload)
         except WouldBlock:
-            self._partial = payload if tx.partial_pending else None
+            if tx.partial_pending:
+                self._partial = payload
+                self._partial_owner = threading.get_ident()
+            else:
+                self._partial = None
             raise
-        self._partial = None
+        if self._partial is not None:
+            self._partial = None
+            self._partial_done.notify_all()
 
     def abandon(self, payload: Any) -> None:
         """A send of ``payload`` gave up: if it is half-way through the ring, other
@@ -216,6 +226,7 @@ class ShmChannel:
         with self._send_lock:
             if self._partial is payload:
                 self._partial = None
+                self._partial_done.notify_all()
 
     def discard(self, rtype: int, payload: Any) -> None:
         """A send of ``payload`` (from ``encode``) certainly did not go whole and will not
@@ -240,7 +251,14 @@ class ShmChannel:
     # -- the wait handle (see shmclient.waiting) ----------------------------------------
     def wait_send(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:
         """Block this thread, once, until the request ring may have room (True) or
-        ``timeout`` seconds passed (False)."""
+        ``timeout`` seconds passed (False). While another thread's message is half-way
+        through the ring (it refused this one), until that message went or was given
+        up instead: room would not let this one go first, and a wait for room would
+        return at each release meanwhile."""
+        if self._partial is not None and self._partial_owner != threading.get_ident():
+            with self._send_lock:
+                if self._partial is not None and self._partial_owner != threading.get_ident():
+                    return self._partial_done.wait(timeout)
         return self.tx.wait_writable(timeout, spin=spin, first=first)
 
     def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:

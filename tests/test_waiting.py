@@ -135,6 +135,44 @@ def test_a_fragmented_message_is_never_cut_by_another_thread_s_send():
     assert sorted(x for x in got if x != big) == sorted(b"small-%d" % i for i in range(50))
 
 
+def test_a_send_behind_another_thread_s_half_way_message_waits_without_spinning():
+    """Thread B's send is refused while thread A's long message is half-way through the
+    ring. B waited for room, which each of the consumer's releases gave it, and was
+    refused again: it spun, half a CPU, for as long as A's message took. B now waits
+    for A's message to be through."""
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 16, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    big = bytes(range(256)) * 500  # ~128 KB: some 30 ring-fulls
+    b_took: list[float] = []
+
+    def b() -> None:
+        wall, cpu = time.monotonic(), time.thread_time()
+        waiting.send(front, REQ_UTILITY, b"small", timeout=30)
+        b_took.extend((time.monotonic() - wall, time.thread_time() - cpu))
+
+    try:
+        a = threading.Thread(target=waiting.send, args=(front, REQ_UTILITY, big), kwargs={"timeout": 30})
+        a.start()
+        deadline = time.monotonic() + 10
+        while not front.tx.partial_pending:
+            assert time.monotonic() < deadline
+        second = threading.Thread(target=b)
+        second.start()
+        got: list[bytes] = []
+        while a.is_alive() or second.is_alive():
+            time.sleep(0.002)  # (a slow consumer: A's message takes a while)
+            got += engine_raw(engine)
+            assert time.monotonic() < deadline
+        a.join(5)
+        second.join(5)
+    finally:
+        engine.close()
+        front.close()
+    wall, cpu = b_took
+    assert wall > 0.02 and cpu < 0.1 * wall, f"B used {cpu:.3f} s of CPU in {wall:.3f} s"
+
+
 def engine_raw(engine: ShmChannel) -> list[bytes]:
     """Raw payloads of the records there now (the REQ_UTILITY decoder is bypassed)."""
     return [bytes(p) for _, p in engine.rx.try_recv()]
