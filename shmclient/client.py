@@ -21,7 +21,7 @@ from typing import Any
 from .config import EngineConfig
 from .errors import InvalidRequestError
 from .messages import UTILITY_METHODS, EngineCoreOutputs, EngineCoreRequest, LoRARequest
-from .validate import check_abort_ids, check_request, check_utility_call
+from .validate import check_abort_ids, check_request, check_timeout, check_utility_call
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
@@ -30,6 +30,7 @@ __all__ = [
     "UTILITY_METHODS",
     "check_abort_ids",
     "check_request",
+    "check_timeout",
     "check_utility_call",
     "make_async_mp_client",
     "make_client",

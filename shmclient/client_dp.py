@@ -27,7 +27,8 @@ from typing import Any
 from .config import EngineConfig
 from . import forksafe
 from .client_utilities import DPUtilities
-from .client import EngineCoreClient, check_abort_ids, check_request, shutdown_timeout
+from .client import (EngineCoreClient, check_abort_ids, check_request, check_timeout,
+                     shutdown_timeout)
 from .dp_balance import work_estimate
 from .dp_engines import engine_config, start_engines, stop_all
 from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
@@ -235,11 +236,13 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         """The next output batch of any engine (``engine_index`` says which), in the
         order the batches arrived; waits without blocking the loop. ``timeout``: raise
         ``PeerNotProducingError`` (a ``TimeoutError``) after that many seconds with
-        nothing (None: wait as long as it takes). Once an engine died, the batches read
+        nothing (None: wait as long as it takes; InvalidRequestError for anything but
+        None or a number >= 0, as ``AsyncMPClient``'s). Once an engine died, the batches read
         before come first, then ``EngineDeadError``; also after ``shutdown()``."""
         out = self._outputs
         if self._out_head < len(out):
             return self._pop()
+        timeout = check_timeout("get_output_async", timeout)
         loop = self._bind()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -275,18 +278,14 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         return 0
 
     def _route(self, request: EngineCoreRequest) -> tuple[int, int]:
-        """Checks at the door (InvalidRequestError naming the field), then the engine
-        and the work estimate; records the request as in flight on that engine."""
+        """Checks at the door (InvalidRequestError naming the field: the single-engine
+        client's, before routing reads a field or moves the tie-break rotation), then
+        the engine and the work estimate; records the request as in flight on that
+        engine."""
         self._ensure_alive()
-        if type(request) is not EngineCoreRequest or type(request.request_id) is not str:
-            # The full checks run in the engine's client; these are what routing reads.
-            check_request(request, max_model_len=self.max_model_len,
-                          hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
+        check_request(request, max_model_len=self.max_model_len,
+                      hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
         rid = request.request_id
-        dpr = request.data_parallel_rank
-        if dpr is not None and type(dpr) is not int:
-            raise InvalidRequestError(
-                f"request {rid!r}: data_parallel_rank={dpr!r} is invalid: must be None or an int")
         if rid in self.reqs_in_flight:
             raise InvalidRequestError(f"request id {rid!r} is already live")
         pos = self.get_core_engine_for_request(request)
@@ -303,14 +302,18 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             self.engine_work[pos] -= cost
             self.requests_routed[pos] -= 1
 
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
+    async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field; nothing is sent), pick the
         engine and queue the request there; yields to other tasks while that engine's
-        request ring is full. EngineDeadError once an engine died or after shutdown."""
+        request ring is full, ``timeout`` seconds at most (None: as long as the engine
+        lives), then PeerNotConsumingError (a ``TimeoutError``; the request was not sent
+        and may be added again), as ``AsyncMPClient.add_request_async``. EngineDeadError
+        once an engine died or after shutdown."""
+        timeout = check_timeout("add_request_async", timeout)
         self._bind()
         pos, cost = self._route(request)
         try:
-            await self.engines[pos].add_request_async(request)
+            await self.engines[pos].add_request_async(request, timeout)
         except BaseException:
             self._unroute(request, pos, cost)
             raise

@@ -31,6 +31,7 @@ from .client import (
     SyncEngineCoreClient,
     check_abort_ids,
     check_request,
+    check_timeout as _check_timeout,
     check_utility_call,
     shutdown_timeout,
 )
@@ -42,18 +43,6 @@ from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
 logger = logging.getLogger("shmclient")
-
-
-def _check_timeout(what: str, timeout: Any) -> float | None:
-    """``timeout`` as seconds or None; anything but None or a number >= 0 raises
-    InvalidRequestError naming the call."""
-    if timeout is None:
-        return None
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-            or not timeout >= 0):
-        raise InvalidRequestError(
-            f"{what}(): timeout={timeout!r} is invalid: must be a number of seconds >= 0 or None")
-    return float(timeout)
 
 
 #: How long an engine that reported its start-up failure is given to exit by itself.

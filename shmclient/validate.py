@@ -24,6 +24,7 @@ __all__ = [
     "POOLING_TASKS",
     "check_abort_ids",
     "check_request",
+    "check_timeout",
     "check_utility_call",
 ]
 
@@ -285,3 +286,16 @@ def check_utility_call(method: Any) -> None:
             f"call_utility(): method={_short(method)} is invalid: must be a non-empty str "
             "naming an engine method"
         )
+
+
+def check_timeout(what: str, timeout: Any) -> float | None:
+    """``timeout`` of the call ``what`` as seconds or None; anything but None or a
+    number >= 0 (NaN, a negative number, a str, a bool) raises ``InvalidRequestError``
+    naming the call."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not timeout >= 0):
+        raise InvalidRequestError(
+            f"{what}(): timeout={timeout!r} is invalid: must be a number of seconds >= 0 or None")
+    return float(timeout)

@@ -24,6 +24,7 @@ from shmclient import (
     EngineDeadError,
     FinishReason,
     InvalidRequestError,
+    PeerNotConsumingError,
     PeerNotProducingError,
     SamplingParams,
     SchedulerStats,
@@ -34,6 +35,7 @@ from shmclient import (
 from shmclient.config import EngineConfig
 
 from .drivers import add_until_one_parks
+from .test_waiting import Stopped
 
 #: Least-loaded routing under a skewed load may put at most this many requests more
 #: than its even share on one engine (the share is rounded up; the margin covers a
@@ -164,6 +166,55 @@ async def test_least_loaded_routing_evens_out_a_skewed_load():
         got = await collect(c, pinned + free)
         assert all(got[r][2] == 0 for r in pinned)
         assert all(v[1] is FinishReason.ABORT for v in got.values())
+    finally:
+        c.shutdown()
+
+
+async def test_requests_and_timeouts_are_checked_as_the_single_engine_client_checks_them():
+    """A malformed request gets ``AsyncMPClient``'s InvalidRequestError naming the field
+    before routing reads it: nothing is counted in flight and the tie-break rotation does
+    not move. ``add_request_async`` takes ``AsyncMPClient``'s ``timeout`` (checked, then
+    the engine's wait for room in its request ring); ``get_output_async`` checks its
+    ``timeout`` as ``AsyncMPClient``'s does."""
+    c = make_client(True, True, cfg(ring_capacity_bytes=4096))
+    try:
+        sp = lambda **kw: SamplingParams(**{"max_tokens": 2, **kw})  # noqa: E731
+        bad = {
+            "prompt_token_ids": EngineCoreRequest(request_id="a", prompt_token_ids=5, sampling_params=sp()),
+            "sampling_params": EngineCoreRequest(request_id="b", prompt_token_ids=[1],
+                                                 sampling_params={"max_tokens": 2}),
+            "sampling_params.max_tokens": EngineCoreRequest(request_id="c", prompt_token_ids=[1],
+                                                            sampling_params=sp(max_tokens="8")),
+            "sampling_params.max_tokens=None": EngineCoreRequest(request_id="d", prompt_token_ids=[1],
+                                                                 sampling_params=sp(max_tokens=None)),
+        }
+        for field, r in bad.items():
+            with pytest.raises(InvalidRequestError, match=field.replace(".", r"\.")):
+                await c.add_request_async(r)
+        for t in (float("nan"), -1, "0.5", True):
+            with pytest.raises(InvalidRequestError, match=r"add_request_async\(\): timeout="):
+                await c.add_request_async(req("t"), timeout=t)
+            with pytest.raises(InvalidRequestError, match=r"get_output_async\(\): timeout="):
+                await c.get_output_async(timeout=t)
+        assert (c._start, c.requests_routed, c.reqs_in_flight) == (0, [0, 0], {})
+        # The timeout reaches the engine's add: a stopped engine's full request ring.
+        ids = []
+        with Stopped(c.engine_pids[0]):
+            for k in range(50):
+                r = req(f"f{k}", max_tokens=1, rank=0, prompt=[1000] * 400)
+                try:
+                    await c.add_request_async(r, timeout=0.05)
+                except PeerNotConsumingError:
+                    break
+                ids.append(r.request_id)
+            else:
+                pytest.fail("the stopped engine's request ring never filled")
+            assert f"f{len(ids)}" not in c.reqs_in_flight
+            assert c.engine_inflight == [len(ids), 0] and c.requests_routed == [len(ids), 0]
+        await c.add_request_async(req("ok"), timeout=5)
+        await c.abort_requests_async(ids)
+        got = await collect(c, ids + ["ok"])
+        assert got["ok"][1] is FinishReason.LENGTH
     finally:
         c.shutdown()
 
