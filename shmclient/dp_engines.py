@@ -51,16 +51,30 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
     takes about as long as one engine's), each with ``engine_config(config, rank)``.
     Blocks until all are ready. If any fails, the others are shut down and the first
     failure is raised as the client raised it (``ConfigError``,
-    ``PeerNotProducingError``, ``EngineDeadError``)."""
+    ``PeerNotProducingError``, ``EngineDeadError``). Interrupted (a KeyboardInterrupt
+    while it waits), it waits for the starts under way, shuts down every engine that
+    started and re-raises; interrupted again meanwhile, each start still under way
+    shuts its engine down when it completes."""
     cls = _async_client_class()
     configs = [engine_config(config, r) for r in ranks]
     if len(configs) == 1:
         return [cls(configs[0])]
     pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")
+    futs: list[concurrent.futures.Future] = []
     try:
-        futs = [pool.submit(cls, c) for c in configs]
+        try:
+            for c in configs:
+                futs.append(pool.submit(cls, c))
+            concurrent.futures.wait(futs)
+        except BaseException:
+            # Nothing will own the engines that start: each is shut down as its start
+            # completes (at once for those done), whatever interrupts the wait below.
+            for f in futs:
+                f.add_done_callback(_stop_started)
+            concurrent.futures.wait(futs)
+            raise
     finally:
-        pool.shutdown(wait=True)  # also when interrupted: every start is then accounted for
+        pool.shutdown(wait=True)
     started = [f.result() for f in futs if f.exception() is None]
     errors = [f.exception() for f in futs if f.exception() is not None]
     if errors:
@@ -68,6 +82,16 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
             c.shutdown(timeout=0.0)
         raise errors[0]
     return started
+
+
+def _stop_started(fut: concurrent.futures.Future) -> None:
+    """Shut down the engine client ``fut`` started, if it did (its start was abandoned)."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    try:
+        fut.result().shutdown(timeout=0.0)
+    except Exception:  # noqa: BLE001 - best effort: log and go on with the others
+        logger.exception("stopping a data-parallel engine whose start was abandoned failed")
 
 
 def stop_all(clients: list[Any]) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import select
 import signal
+import threading
 import time
 
 import pytest
@@ -415,6 +416,52 @@ async def test_shutdown_fails_pending_calls_and_is_idempotent():
 def test_a_start_up_failure_leaves_nothing_behind():
     with pytest.raises(ConfigError, match="device"):
         make_client(True, True, cfg(device="cuda:7"))
+
+
+def test_an_interrupted_start_stops_every_engine_that_started(monkeypatch):
+    """Ctrl-C while a group starts: rank 0's engine is up, rank 1's starts after the
+    interrupt landed. make_client re-raises the KeyboardInterrupt once both starts are
+    over, with both engines stopped."""
+    from shmclient import dp_engines
+
+    made: list[AsyncMPClient] = []
+    rank0_up, starts_over, armed = threading.Event(), threading.Event(), [True]
+    main = threading.main_thread().ident
+
+    def start(config):
+        try:
+            if config.data_parallel_rank == 1:
+                assert rank0_up.wait(30)
+                signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, while rank 1 starts
+            made.append(AsyncMPClient(config))
+            if config.data_parallel_rank == 0:
+                rank0_up.set()
+            return made[-1]
+        finally:
+            if len(made) == 2:
+                starts_over.set()
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dp_engines, "_async_client_class", lambda: start)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            make_client(True, True, cfg())
+        armed[0] = False
+        assert len(made) == 2, "make_client returned before every start was over"
+        assert all(c.is_dead for c in made)
+        for c in made:  # reaped by the shutdown: no such child any more
+            with pytest.raises(ChildProcessError):
+                os.waitpid(c.engine_pid, os.WNOHANG)
+    finally:
+        armed[0] = False
+        signal.signal(signal.SIGINT, old)
+        starts_over.wait(30)
+        for c in made:
+            c.shutdown(timeout=0.0)
 
 
 # -- the benchmark section ---------------------------------------------------------------
