@@ -30,7 +30,7 @@ from .client_utilities import DPUtilities
 from .client import (EngineCoreClient, check_abort_ids, check_request, check_timeout,
                      shutdown_timeout)
 from .dp_balance import work_estimate
-from .dp_engines import engine_config, start_engines, stop_all
+from .dp_engines import EngineStops, engine_config, start_engines
 from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerNotProducingError, UsageError)
 from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -39,6 +39,14 @@ from .waiting import Parking
 logger = logging.getLogger("shmclient")
 
 _NO_STATS = SchedulerStats()
+
+#: What each engine still running gets to exit once another died (then SIGTERM, and
+#: SIGKILL 2 s later).
+_DEATH_STOP_TIMEOUT_S = 1.0
+#: How long ``shutdown`` waits for the engines' stops beyond their ``timeout``: an engine
+#: client's shutdown takes up to about ``timeout + 2`` s (SIGTERM, then SIGKILL), a
+#: little more when its reader or monitor is slow to leave.
+_STOP_GRACE_S = 10.0
 
 __all__ = ["DPAsyncMPClient", "engine_config", "start_engines"]
 
@@ -62,10 +70,11 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     ``data_parallel_rank`` must be None or this rank (``InvalidRequestError``).
 
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
-    raises. Engines given ready-made need ``AsyncMPClient``'s async API and its
-    ``forward_outputs``. Use the ``*_async`` methods from one event loop (the first that calls one
-    binds the client; another loop gets ``UsageError``); none blocks the loop. As
-    ``AsyncMPClient``, it has no blocking forms. When an engine dies, every pending and
+    raises. Engines given ready-made need ``AsyncMPClient``'s async API, its
+    ``shutdown`` and ``forward_outputs``. Use the ``*_async`` methods from one event
+    loop (the first that calls one binds the client; another loop gets
+    ``UsageError``); none blocks the loop. As ``AsyncMPClient``, it has no blocking
+    forms. When an engine dies, every pending and
     later call raises ``EngineDeadError`` naming it, and the engines still alive are
     stopped, as vLLM does.
     """
@@ -113,7 +122,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._dead_fut: asyncio.Future | None = None
         self._dead_reason: str | None = None
         self._closed = False
-        self._stopper: threading.Thread | None = None
+        self._stops = EngineStops(self.engines)
         self._pid = os.getpid()
         forksafe.register(self)
 
@@ -189,8 +198,9 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     def _engine_died(self, pos: int, err: BaseException) -> None:
         """In the loop, once engine ``pos`` is gone and what it wrote before went to
         ``_take``: the client is dead (vLLM's rule): fail every waiter and pending call,
-        take nothing more from the others, and stop the engines still alive in a thread
-        (their shutdown blocks)."""
+        take nothing more from the others, and stop every engine, all at once (in
+        threads: their shutdown blocks); the dead one's client too, since nothing more
+        is read from it."""
         if self._dead_reason is not None or self._closed:
             return
         rank = self.engine_ranks[pos]
@@ -198,10 +208,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
                              f"died: {err}")
         logger.error("%s; stopping the other engines", self._dead_reason)
         self._fail_in_loop()
-        survivors = [e for i, e in enumerate(self.engines) if i != pos]
-        self._stopper = threading.Thread(
-            target=stop_all, args=(survivors,), name="dp-stop-engines", daemon=True)
-        self._stopper.start()
+        self._stops.stop(range(len(self.engines)), _DEATH_STOP_TIMEOUT_S)
 
     def _fail_in_loop(self) -> None:
         self._halted = True
@@ -350,36 +357,38 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop every engine and free everything; each engine gets up to ``timeout``
-        seconds (None: ``DEFAULT_SHUTDOWN_TIMEOUT_S``) to exit before it is killed, one
-        after the other, so this blocks for at most about N x (``timeout`` + 2) s.
-        Pending and later calls raise EngineDeadError (``ClientClosedError``).
-        Idempotent. InvalidRequestError for a timeout that is not a number >= 0."""
+        """Stop every engine and free everything. Every engine is told to stop at once
+        (each engine client's ``shutdown`` in a thread of its own) and gets ``timeout``
+        seconds (None: ``DEFAULT_SHUTDOWN_TIMEOUT_S``) to exit before it is killed
+        (SIGTERM, then SIGKILL 2 s later), so one that hangs holds up no other and this
+        blocks for about ``timeout`` + 2 s at most, as one engine's shutdown. Pending
+        and later calls raise EngineDeadError (``ClientClosedError``). Idempotent;
+        interrupted (Ctrl-C), the engines' stops go on, and another call waits for
+        them (an engine not yet told is told then). InvalidRequestError for a timeout
+        that is not a number >= 0."""
         timeout = shutdown_timeout(timeout)
-        if self._begin_shutdown():
-            self._join_stopper()
-            for e in self.engines:
-                e.shutdown(timeout)
+        if self._forked:
+            return
+        self._begin_shutdown()
+        self._stops.stop(range(len(self.engines)), timeout)
+        self._stops.join(timeout + _STOP_GRACE_S)
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
-        """As ``shutdown``, without blocking the loop: the engines are stopped at once
-        (each engine client's ``shutdown_async`` where it has one, else its
-        ``shutdown`` in a worker thread), so this takes about one engine's stop."""
+        """As ``shutdown``, without blocking the loop (the wait for the engines' stops
+        runs in a worker thread). Cancelled, the stops go on, and another call waits
+        for them."""
         timeout = shutdown_timeout(timeout)
-        if not self._begin_shutdown():
+        if self._forked:
             return
-        if self._stopper is not None:
-            await asyncio.to_thread(self._join_stopper)
-        stops = []
-        for e in self.engines:
-            stop = getattr(e, "shutdown_async", None)
-            stops.append(stop(timeout) if stop is not None else asyncio.to_thread(e.shutdown, timeout))
-        await asyncio.gather(*stops)
+        self._begin_shutdown()
+        self._stops.stop(range(len(self.engines)), timeout)
+        if not self._stops.over():
+            await asyncio.to_thread(self._stops.join, timeout + _STOP_GRACE_S)
 
-    def _begin_shutdown(self) -> bool:
-        """Mark the client closed and fail what waits on it; False if it already was."""
+    def _begin_shutdown(self) -> None:
+        """Mark the client closed and fail what waits on it (once)."""
         if self._closed:
-            return False
+            return
         self._closed = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -394,12 +403,6 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
                     loop.call_soon_threadsafe(self._fail_in_loop)
                 except RuntimeError:  # closed meanwhile
                     pass
-        return True
-
-    def _join_stopper(self) -> None:
-        # It gives each engine 1 s, then SIGTERM and SIGKILL: done well within this.
-        if self._stopper is not None:
-            self._stopper.join(15.0)
 
     async def __aenter__(self) -> "DPAsyncMPClient":
         return self

@@ -1,5 +1,5 @@
 """The engines of a data-parallel group: each rank's configuration, starting them
-together, stopping the survivors once one died.
+together, stopping them together (at shutdown, or once one died).
 
 Client layer, under ``client_dp``: imports config (and ``client_async``, inside
 ``start_engines``, for the engine clients it starts); never the launcher, the channels or
@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Any
+import threading
+import time
+from typing import Any, Iterable, Sequence
 
 from .config import EngineConfig
 
-__all__ = ["engine_config", "start_engines", "stop_all"]
+__all__ = ["EngineStops", "engine_config", "start_engines"]
 
 logger = logging.getLogger("shmclient")
 
@@ -94,10 +96,57 @@ def _stop_started(fut: concurrent.futures.Future) -> None:
         logger.exception("stopping a data-parallel engine whose start was abandoned failed")
 
 
-def stop_all(clients: list[Any]) -> None:
-    """Shut each engine client down, giving it 1 s; logs what fails. Blocks."""
-    for c in clients:
-        try:
-            c.shutdown(timeout=1.0)
-        except Exception:  # noqa: BLE001 - best effort: the client is dead already
-            logger.exception("stopping a data-parallel engine failed")
+class EngineStops:
+    """The stopping of a group's engine clients: each engine's ``shutdown(timeout)``
+    runs in a thread of its own, so every engine is told to stop at once and one that
+    hangs holds up no other (vLLM's process manager signals every engine first, then
+    waits against one deadline). Each engine is stopped once: ``stop`` starts nothing
+    for an engine already being stopped. ``join`` waits for the stops started; an
+    interrupted ``join`` leaves them running, and a later one waits for them again
+    (each stop says it is over with an Event: an interrupted ``Thread.join`` can leave
+    the thread looking stopped while it runs, bpo-45274's fix in Python 3.11)."""
+
+    def __init__(self, clients: Sequence[Any]) -> None:
+        self._clients = clients
+        self._over: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def stop(self, positions: Iterable[int], timeout: float) -> None:
+        """Start stopping the engines at ``positions`` (in ``clients``) not being
+        stopped yet, each with ``shutdown(timeout)`` in its own thread. Never waits for
+        an engine; any thread."""
+        with self._lock:
+            for pos in positions:
+                if pos not in self._over:
+                    over = threading.Event()
+                    threading.Thread(target=_shutdown, args=(self._clients[pos], timeout, over),
+                                     name=f"dp-stop-engine-{pos}").start()
+                    self._over[pos] = over
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every stop started; True once all are
+        over (a stop still running after that is logged)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            stops = list(self._over.items())
+        for _, over in stops:
+            over.wait(max(0.0, deadline - time.monotonic()))
+        left = [str(pos) for pos, over in stops if not over.is_set()]
+        if left:
+            logger.warning("the stop of data-parallel engine(s) at position %s is still "
+                           "running after %.1f s", ", ".join(left), timeout)
+        return not left
+
+    def over(self) -> bool:
+        """Whether every stop started is over."""
+        with self._lock:
+            return all(over.is_set() for over in self._over.values())
+
+
+def _shutdown(client: Any, timeout: float, over: threading.Event) -> None:
+    try:
+        client.shutdown(timeout)
+    except Exception:  # noqa: BLE001 - best effort: the others are stopped all the same
+        logger.exception("stopping a data-parallel engine failed")
+    finally:
+        over.set()

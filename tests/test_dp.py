@@ -413,6 +413,92 @@ async def test_shutdown_fails_pending_calls_and_is_idempotent():
         await c.add_request_async(req("late"))
 
 
+def _exited(fds: list[int]) -> list[bool]:
+    """For each pidfd: has its process exited (now, without waiting)?"""
+    readable = select.select(fds, [], [], 0)[0]
+    return [fd in readable for fd in fds]
+
+
+def _kill_all(fds: list[int]) -> None:
+    """SIGKILL what is left of the processes behind ``fds`` (a failed test's cleanup)."""
+    for fd in fds:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_shutdown_tells_every_engine_at_once_and_a_retry_after_ctrl_c_ends_the_stops():
+    """Engine 0 hangs (SIGSTOP): shutdown(timeout=2) tells engine 1 to stop without
+    waiting for engine 0, so engine 1 exits at once. Ctrl-C then interrupts only the
+    wait: another shutdown() waits for engine 0's stop (killed once its 2 s ran out)."""
+    c = make_client(True, True, cfg())
+    fds = [os.pidfd_open(p) for p in c.engine_pids]
+    armed, main = [False], threading.main_thread().ident
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def interrupt_once_engine_1_exited():
+        # Bounded: engine 0's stop alone takes 2 s, then SIGTERM, then SIGKILL 2 s later.
+        if select.select([fds[1]], [], [], 4.0)[0]:
+            signal.pthread_kill(main, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=interrupt_once_engine_1_exited)
+    try:
+        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        armed[0] = True
+        watcher.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            c.shutdown(timeout=2)
+        armed[0] = False
+        assert time.monotonic() - t0 < 2.0, "engine 1 was told to stop after engine 0's stop"
+        assert _exited(fds) == [False, True]
+        c.shutdown()  # waits for engine 0's stop under way (2 s, SIGTERM, 2 s, SIGKILL)
+        # (a new stop, with the default 5 s, would end 7 s after this call)
+        assert time.monotonic() - t0 < 6.0
+        assert _exited(fds) == [True, True]
+        assert all(e._closed and e.is_dead for e in c.engines)
+    finally:
+        armed[0] = False
+        watcher.join(10)
+        signal.signal(signal.SIGINT, old)
+        _kill_all(fds)
+        for e in c.engines:
+            e.shutdown(timeout=0)
+        for fd in fds:
+            os.close(fd)
+
+
+async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_call():
+    """Engine 1 dies while engine 0 hangs (its stop: 1 s, then SIGTERM, SIGKILL 2 s
+    later). A shutdown_async() cancelled meanwhile leaves the stops running; the next
+    call waits for them, and every engine client ends shut down, the dead one's too."""
+    c = make_client(True, True, cfg())
+    fds = [os.pidfd_open(p) for p in c.engine_pids]
+    try:
+        assert await c.echo_async(1) == 1  # bound to this loop
+        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        os.kill(c.engine_pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="engine 1"):
+            await c.get_output_async(timeout=5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(c.shutdown_async(), 0.2)
+        assert _exited(fds) == [False, True]
+        await asyncio.wait_for(c.shutdown_async(), 10)
+        assert _exited(fds) == [True, True]
+        assert all(e._closed for e in c.engines)
+    finally:
+        _kill_all(fds)
+        for e in c.engines:
+            e.shutdown(timeout=0)
+        for fd in fds:
+            os.close(fd)
+
+
 def test_a_start_up_failure_leaves_nothing_behind():
     with pytest.raises(ConfigError, match="device"):
         make_client(True, True, cfg(device="cuda:7"))
