@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import threading
+import weakref
 from functools import partial
 from typing import Any
 
@@ -71,12 +72,12 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
     raises. Engines given ready-made need ``AsyncMPClient``'s async API, its
-    ``shutdown`` and ``forward_outputs``. Use the ``*_async`` methods from one event
-    loop (the first that calls one binds the client; another loop gets
+    ``shutdown``, ``forward_outputs`` and ``on_dead``. Use the ``*_async`` methods from
+    one event loop (the first that calls one binds the client; another loop gets
     ``UsageError``); none blocks the loop. As ``AsyncMPClient``, it has no blocking
-    forms. When an engine dies, every pending and
-    later call raises ``EngineDeadError`` naming it, and the engines still alive are
-    stopped, as vLLM does.
+    forms. When an engine dies, every pending and later call raises ``EngineDeadError``
+    naming it, and the engines still alive are stopped at once, as vLLM does, whether
+    or not an event loop uses the client.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, engines: list[Any] | None = None) -> None:
@@ -120,11 +121,23 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._halted = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_fut: asyncio.Future | None = None
+        #: Set in the loop once an engine's death was handled there (after its last
+        #: outputs): from then on ``get_output_async`` raises.
         self._dead_reason: str | None = None
+        #: (position, reason) of the first engine death seen, in whatever thread saw it.
+        self._death: tuple[int, str] | None = None
+        #: Per engine: its outputs and death are forwarded to this client's loop.
+        self._forwarded = [False] * n
         self._closed = False
+        #: Guards ``_death`` against ``_closed``: a death seen after shutdown began is none.
+        self._death_lock = threading.Lock()
         self._stops = EngineStops(self.engines)
         self._pid = os.getpid()
         forksafe.register(self)
+        # Last: an engine already gone calls back at once.
+        ref = weakref.ref(self)
+        for i, e in enumerate(self.engines):
+            e.on_dead(partial(_engine_gone, ref, i))
 
     #: True in a process forked from the one that built the client (see forksafe).
     _forked = False
@@ -168,7 +181,12 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._loop = loop
         self._dead_fut = loop.create_future()
         for i, e in enumerate(self.engines):
-            e.forward_outputs(partial(self._take, i), self._parking, partial(self._engine_died, i))
+            try:
+                e.forward_outputs(partial(self._take, i), self._parking, partial(self._engine_died, i))
+            except EngineDeadError as err:  # it died just now: nothing of it is forwarded
+                self._engine_died(i, err)
+                raise self._dead_error() from err
+            self._forwarded[i] = True
         return loop
 
     # -- state -----------------------------------------------------------------------
@@ -185,28 +203,62 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
                 "make a new client in the child")
         if self._closed:
             return ClientClosedError("the client was shut down")
-        if self._dead_reason is None:
+        reason = self._dead_reason
+        if reason is None and self._death is not None:
+            reason = self._death[1]
+        if reason is None:
             dead = [self.engine_ranks[i] for i, e in enumerate(self.engines) if e.is_dead]
             if dead:
                 return EngineDeadError(f"data-parallel engine {dead[0]} is dead")
-        return EngineDeadError(self._dead_reason)
+        return EngineDeadError(reason)
 
     def _ensure_alive(self) -> None:
         if self.is_dead:
             raise self._dead_error()
 
+    def _death_seen(self, pos: int, err: BaseException) -> bool:
+        """Note engine ``pos``'s death (any thread); False when it is none (the client
+        was shut down) or another was seen first."""
+        with self._death_lock:
+            if self._closed or self._death is not None:
+                return False
+            rank = self.engine_ranks[pos]
+            self._death = (pos, f"data-parallel engine {rank} (pid {self.engine_pids[pos]}) "
+                                f"died: {err}")
+        logger.error("%s; stopping the other engines", self._death[1])
+        return True
+
+    def _note_death(self, pos: int, err: BaseException) -> None:
+        """Engine ``pos`` is gone (its ``on_dead`` callback, in the thread that saw it,
+        mostly its monitor's, whether or not a loop uses this client): the client is
+        dead (vLLM's rule) and every other engine is stopped now. Where the loop reads
+        this engine, it goes on reading what the engine wrote before dying and then
+        reports the death (``_engine_died``), which stops the engine's client too;
+        otherwise nothing more is read from it and it is stopped with the others."""
+        if not self._death_seen(pos, err):
+            return
+        loop = self._loop
+        read = self._forwarded[pos] and loop is not None and not loop.is_closed()
+        self._stops.stop([i for i in range(len(self.engines)) if i != pos or not read],
+                         _DEATH_STOP_TIMEOUT_S)
+
     def _engine_died(self, pos: int, err: BaseException) -> None:
         """In the loop, once engine ``pos`` is gone and what it wrote before went to
         ``_take``: the client is dead (vLLM's rule): fail every waiter and pending call,
-        take nothing more from the others, and stop every engine, all at once (in
-        threads: their shutdown blocks); the dead one's client too, since nothing more
-        is read from it."""
+        take nothing more from the others, and stop every engine (in threads: their
+        shutdown blocks): the others, if their stop has not begun yet, and the dead
+        one's client, nothing more being read from it."""
         if self._dead_reason is not None or self._closed:
             return
-        rank = self.engine_ranks[pos]
-        self._dead_reason = (f"data-parallel engine {rank} (pid {self.engine_pids[pos]}) "
-                             f"died: {err}")
-        logger.error("%s; stopping the other engines", self._dead_reason)
+        first = self._death
+        if first is not None and first[0] != pos and self._forwarded[first[0]]:
+            # Stopped for the death of ``first``, whose own report comes after its last
+            # outputs.
+            return
+        self._death_seen(pos, err)
+        if self._death is None:  # shut down meanwhile
+            return
+        self._dead_reason = self._death[1]
         self._fail_in_loop()
         self._stops.stop(range(len(self.engines)), _DEATH_STOP_TIMEOUT_S)
 
@@ -321,6 +373,9 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         pos, cost = self._route(request)
         try:
             await self.engines[pos].add_request_async(request, timeout)
+        except EngineDeadError as e:
+            self._unroute(request, pos, cost)
+            raise self._dead_error() from e  # which engine died, or shut down
         except BaseException:
             self._unroute(request, pos, cost)
             raise
@@ -387,9 +442,10 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     def _begin_shutdown(self) -> None:
         """Mark the client closed and fail what waits on it (once)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._death_lock:
+            if self._closed:
+                return
+            self._closed = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
@@ -409,3 +465,11 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.shutdown_async()
+
+
+def _engine_gone(ref: "weakref.ReferenceType[DPAsyncMPClient]", pos: int, err: EngineDeadError) -> None:
+    """Engine ``pos``'s ``on_dead`` callback; the engine's resources hold it, so it holds
+    the client weakly (a client dropped without ``shutdown`` is still collected)."""
+    client = ref()
+    if client is not None:
+        client._note_death(pos, err)

@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from .config import EngineConfig
 from . import forksafe, waiting
@@ -162,11 +162,26 @@ class MPClient(EngineCoreClient):
         res = self.resources
         if not res.dead.is_set():
             self._reader.remains_read = True  # nothing more can be trusted from this channel
-            res.dead_reason = f"The channel from the engine core is broken: {e}"
-            logger.error("%s", res.dead_reason)
-            res.dead.set()
-            self._on_engine_dead()
+            # (logged there; ``_on_engine_dead`` and every ``on_dead`` callback run)
+            res.mark_dead(f"The channel from the engine core is broken: {e}")
         return self._dead_error()
+
+    def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        """Call ``callback(error)`` once the engine is gone (its process died, it
+        reported a fatal error, its heartbeats stopped, its channel broke) or the client
+        was shut down, whether or not anything waits on this client; ``error`` is what
+        the client's calls raise from then on (``ClientClosedError`` after
+        ``shutdown()``). It runs in the thread that saw it (the monitor's, mostly; at
+        once when the engine is gone already) and must not block. The engine's
+        resources hold ``callback``, never this client."""
+        ref = weakref.ref(self)
+
+        def call() -> None:
+            client = ref()
+            if client is not None:
+                callback(client._dead_error())
+
+        self.resources.on_dead(call)
 
     # -- sending (never waits for the engine, only for ring space) ---------------------
     def _send(self, rtype: int, obj: Any, timeout: float | None = None) -> None:

@@ -143,8 +143,8 @@ class DPUtilities(AsyncUtilities):
     """The utility calls of a data-parallel client: each goes to every engine of
     ``self.engines`` (engine clients with ``call_utility_async``) at once. The client
     provides ``engine_ranks``, ``engine_pids``, ``_bind()``, ``_ensure_alive()``,
-    ``_dead_error()``, ``_dead_fut`` (done once an engine died), ``_closed`` and
-    ``_dead_reason``."""
+    ``_dead_error()``, ``_dead_fut`` (done once an engine died), ``_closed``,
+    ``_dead_reason`` and ``_death`` (set once any thread saw an engine die)."""
 
     async def _guard(self, aw: Any) -> Any:
         """Await ``aw``, or raise EngineDeadError as soon as any engine died."""
@@ -177,7 +177,7 @@ class DPUtilities(AsyncUtilities):
             return await self.engines[pos].call_utility_async(method, *args)
         except EngineDeadError as e:
             # Its engine's death, said as the client says it (which engine, why).
-            if self._closed or self._dead_reason is not None:
+            if self._closed or self._dead_reason is not None or self._death is not None:
                 raise self._dead_error() from e
             raise EngineDeadError(
                 f"data-parallel engine {self.engine_ranks[pos]} (pid "

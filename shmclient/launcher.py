@@ -154,7 +154,7 @@ class EngineResources:
         self.monitor = EngineMonitor(
             self.ctl, self.proc, self._heartbeat, self._wake_r, pid=info.pid,
             address=self.control_address, rank=self._rank, dead=self.dead,
-            mark_dead=self._mark_dead, expected_exit=lambda: self._shutting_down)
+            mark_dead=self.mark_dead, expected_exit=lambda: self._shutting_down)
         self.monitor.start()
         return info
 
@@ -190,9 +190,12 @@ class EngineResources:
         """From here on an engine exit is expected: waiters and pending calls get
         EngineDeadError("the client was shut down") now, before anything is closed."""
         self._shutting_down = True
-        self._mark_dead("the client was shut down")
+        self.mark_dead("the client was shut down")
 
-    def _mark_dead(self, reason: str) -> None:
+    def mark_dead(self, reason: str) -> None:
+        """The engine is dead for ``reason`` (its monitor saw it, the client shuts down,
+        or the client found its channel broken): set ``dead``, then call each ``on_dead``
+        callback. Only the first call counts."""
         if self.dead.is_set():
             return
         self.dead_reason = reason

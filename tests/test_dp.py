@@ -499,6 +499,26 @@ async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_
             os.close(fd)
 
 
+@pytest.mark.parametrize("loop_before", [False, True], ids=["never-bound", "its-loop-closed"])
+def test_a_death_no_event_loop_sees_still_stops_the_other_engines(loop_before):
+    """An engine dies while no event loop uses the client (built from sync code, or
+    between two asyncio.run calls): the other engines are stopped all the same, and the
+    next call says which engine died and why."""
+    c = make_client(True, True, cfg())
+    survivor = os.pidfd_open(c.engine_pids[0])
+    try:
+        if loop_before:
+            assert asyncio.run(c.echo_async(1)) == 1
+        os.kill(c.engine_pids[1], signal.SIGKILL)
+        readable, _, _ = select.select([survivor], [], [], 10)
+        assert readable, "the surviving engine was not stopped"
+        with pytest.raises(EngineDeadError, match=r"engine 1 \(pid \d+\) died: .*SIGKILL"):
+            asyncio.run(c.echo_async(1))
+    finally:
+        os.close(survivor)
+        c.shutdown()
+
+
 def test_a_start_up_failure_leaves_nothing_behind():
     with pytest.raises(ConfigError, match="device"):
         make_client(True, True, cfg(device="cuda:7"))
