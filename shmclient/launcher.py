@@ -173,9 +173,13 @@ class EngineResources:
 
     # -- death ------------------------------------------------------------------------
     def on_dead(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (from the monitor thread) once the engine is dead."""
-        self._callbacks.append(callback)
-        if self.dead.is_set():
+        """Call ``callback`` once the engine is dead (``mark_dead``; in the thread that
+        marks it, mostly the monitor's), at once in this thread when it is already:
+        once either way."""
+        with self._lock:
+            self._callbacks.append(callback)
+            now = self.dead.is_set()
+        if now:
             callback()
 
     def before_close(self, hook: Callable[[], None]) -> None:
@@ -195,14 +199,19 @@ class EngineResources:
     def mark_dead(self, reason: str) -> None:
         """The engine is dead for ``reason`` (its monitor saw it, the client shuts down,
         or the client found its channel broken): set ``dead``, then call each ``on_dead``
-        callback. Only the first call counts."""
-        if self.dead.is_set():
-            return
-        self.dead_reason = reason
-        self.dead.set()
-        if not self._shutting_down:
+        callback (outside the lock). Only the first call counts: the test and the set
+        are one step under the lock, so two threads that see the death at once (the
+        monitor and a reader finding the channel broken) call the callbacks once."""
+        with self._lock:
+            if self.dead.is_set():
+                return
+            self.dead_reason = reason
+            shutting_down = self._shutting_down
+            self.dead.set()
+            callbacks = list(self._callbacks)
+        if not shutting_down:
             logger.error("%s", reason)
-        for cb in list(self._callbacks):
+        for cb in callbacks:
             try:
                 cb()
             except Exception:  # pragma: no cover - a callback bug must not kill the monitor

@@ -399,3 +399,67 @@ async def test_broken_output_channel_is_engine_dead_error_saying_so(kind, monkey
     finally:
         monkeypatch.undo()
         client.shutdown()
+
+
+class _GatedDead(threading.Event):
+    """An ``EngineResources.dead`` whose first ``is_set()`` after ``arm()`` is held up
+    (0.5 s at most) in the window a check-then-set without a lock leaves open: with
+    ``stale``, it looks, then waits until another thread looked too, and answers what it
+    saw (two ``mark_dead`` calls both find the engine alive); without, it waits until
+    the engine is marked dead, then looks (``on_dead`` registered, then finding it dead
+    after ``mark_dead`` called every callback)."""
+
+    def __init__(self, stale: bool) -> None:
+        super().__init__()
+        self._stale = stale
+        self._armed = False
+        self._gate = threading.Lock()
+        self.first_in = threading.Event()
+        self._second_in = threading.Event()
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def is_set(self) -> bool:
+        if not self._armed:
+            return super().is_set()
+        with self._gate:
+            first = not self.first_in.is_set()
+            (self.first_in if first else self._second_in).set()
+        if not first:
+            return super().is_set()
+        if self._stale:
+            seen = super().is_set()
+            self._second_in.wait(0.5)
+            return seen
+        self.wait(0.5)
+        return super().is_set()
+
+
+@pytest.mark.parametrize("race", ["mark-vs-mark", "register-vs-mark"])
+def test_each_death_callback_runs_once_when_two_threads_race(race):
+    """The monitor and a reader that found the channel broken mark the engine dead at
+    once, or a callback is registered just as it dies: each callback runs once."""
+    from shmclient.launcher import EngineResources
+
+    res = EngineResources()
+    res.dead = gated = _GatedDead(stale=race == "mark-vs-mark")
+    calls: list[int] = []
+    cb = lambda: calls.append(1)  # noqa: E731
+    if race == "mark-vs-mark":
+        res.on_dead(cb)
+        first = threading.Thread(target=res.mark_dead, args=("the monitor saw it",))
+    else:
+        first = threading.Thread(target=res.on_dead, args=(cb,))
+    second = threading.Thread(target=res.mark_dead, args=("the channel is broken",))
+    try:
+        gated.arm()
+        first.start()
+        assert gated.first_in.wait(5)
+        second.start()
+    finally:
+        first.join(5)
+        if second.ident is not None:
+            second.join(5)
+        res.shutdown(timeout=0.0)  # (nothing was started: closes its wake pipe)
+    assert calls == [1]
