@@ -72,7 +72,8 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
     raises. Engines given ready-made need ``AsyncMPClient``'s async API, its
-    ``shutdown``, ``forward_outputs`` and ``on_dead``. Use the ``*_async`` methods from
+    ``shutdown``, ``forward_outputs`` and ``on_dead`` (which reports a death, never the
+    engine client's own shutdown). Use the ``*_async`` methods from
     one event loop (the first that calls one binds the client; another loop gets
     ``UsageError``); none blocks the loop. As ``AsyncMPClient``, it has no blocking
     forms. When an engine dies, every pending and later call raises ``EngineDeadError``
@@ -469,7 +470,10 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
 def _engine_gone(ref: "weakref.ReferenceType[DPAsyncMPClient]", pos: int, err: EngineDeadError) -> None:
     """Engine ``pos``'s ``on_dead`` callback; the engine's resources hold it, so it holds
-    the client weakly (a client dropped without ``shutdown`` is still collected)."""
+    the client weakly (a client dropped without ``shutdown`` is still collected). An
+    engine client's own shutdown is no death (``AsyncMPClient.on_dead`` never reports
+    one; a ready-made engine client that does, with ``ClientClosedError``, is ignored
+    here too)."""
     client = ref()
-    if client is not None:
+    if client is not None and not isinstance(err, ClientClosedError):
         client._note_death(pos, err)

@@ -168,20 +168,25 @@ class MPClient(EngineCoreClient):
 
     def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
         """Call ``callback(error)`` once the engine is gone (its process died, it
-        reported a fatal error, its heartbeats stopped, its channel broke) or the client
-        was shut down, whether or not anything waits on this client; ``error`` is what
-        the client's calls raise from then on (``ClientClosedError`` after
-        ``shutdown()``). It runs in the thread that saw it (the monitor's, mostly; at
-        once when the engine is gone already) and must not block. The engine's
-        resources hold ``callback``, never this client."""
+        reported a fatal error, its heartbeats stopped, its channel broke), whether or
+        not anything waits on this client; ``error`` is what the client's calls raise
+        from then on. A shutdown is no death: once the client's own shutdown began
+        (``shutdown()``, or the finalizer of a client dropped or left to the
+        interpreter's exit) it is never called, and an engine that dies after that is
+        not reported either. It runs in the thread that saw the death, at once when the
+        engine is gone already: the monitor's mostly, or, for a channel found broken,
+        the reading thread (the event loop's, for ``AsyncMPClient``) while it holds the
+        client's read lead; so it must not block, and must not wait on this client.
+        The engine's resources hold ``callback``, never this client."""
         ref = weakref.ref(self)
+        res = self.resources
 
         def call() -> None:
             client = ref()
-            if client is not None:
+            if client is not None and not res.by_shutdown:
                 callback(client._dead_error())
 
-        self.resources.on_dead(call)
+        res.on_dead(call)
 
     # -- sending (never waits for the engine, only for ring space) ---------------------
     def _send(self, rtype: int, obj: Any, timeout: float | None = None) -> None:

@@ -69,6 +69,8 @@ class EngineResources:
         self._rank = 0
         self.dead = threading.Event()
         self.dead_reason = ""
+        #: Set with ``dead``: True when the client's shutdown marked it (no death).
+        self.by_shutdown = False
         self._callbacks: list[Callable[[], None]] = []
         self._before_close: list[Callable[[], None]] = []
         self._shutting_down = False
@@ -201,15 +203,16 @@ class EngineResources:
         or the client found its channel broken): set ``dead``, then call each ``on_dead``
         callback (outside the lock). Only the first call counts: the test and the set
         are one step under the lock, so two threads that see the death at once (the
-        monitor and a reader finding the channel broken) call the callbacks once."""
+        monitor and a reader finding the channel broken) call the callbacks once.
+        ``by_shutdown`` says whether that first call came once shutdown had begun."""
         with self._lock:
             if self.dead.is_set():
                 return
             self.dead_reason = reason
-            shutting_down = self._shutting_down
+            self.by_shutdown = self._shutting_down
             self.dead.set()
             callbacks = list(self._callbacks)
-        if not shutting_down:
+        if not self.by_shutdown:
             logger.error("%s", reason)
         for cb in callbacks:
             try:

@@ -8,6 +8,7 @@ routing score is also tested without engines, on a client whose state is set by 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import select
 import signal
@@ -497,6 +498,20 @@ async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_
             e.shutdown(timeout=0)
         for fd in fds:
             os.close(fd)
+
+
+def test_an_engine_clients_own_shutdown_is_no_engine_death(caplog):
+    """An engine client shut down by its finalizer (what the interpreter's exit runs for
+    a client never shut down) is no death: nothing is logged as one and no other
+    engine is stopped for it."""
+    c = make_client(True, True, cfg())
+    try:
+        with caplog.at_level(logging.WARNING, logger="shmclient"):
+            c.engines[1]._finalizer()
+        assert [r.getMessage() for r in caplog.records] == []
+        assert c._death is None and not c._stops._over and not c.engines[0].is_dead
+    finally:
+        c.shutdown()
 
 
 @pytest.mark.parametrize("loop_before", [False, True], ids=["never-bound", "its-loop-closed"])

@@ -401,6 +401,25 @@ async def test_broken_output_channel_is_engine_dead_error_saying_so(kind, monkey
         client.shutdown()
 
 
+@pytest.mark.parametrize("how", ["shutdown", "finalizer"])
+def test_on_dead_is_not_called_for_the_clients_own_shutdown(how):
+    """``on_dead`` reports an engine's death, never the client's own shutdown: neither
+    ``shutdown()`` nor the finalizer (a client dropped, or left to the interpreter's
+    exit) calls it; an engine killed afterwards is not reported either."""
+    c = make_client(True, True, cfg())
+    called: list[BaseException] = []
+    c.on_dead(called.append)
+    pid = c.engine_pid
+    if how == "shutdown":
+        c.shutdown(timeout=1.0)
+    else:
+        c._finalizer()  # what garbage collection or the interpreter's exit runs
+    assert c.is_dead and not called
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    c.on_dead(called.append)  # registered after: not called either
+    assert not called
+
+
 class _GatedDead(threading.Event):
     """An ``EngineResources.dead`` whose first ``is_set()`` after ``arm()`` is held up
     (0.5 s at most) in the window a check-then-set without a lock leaves open: with
