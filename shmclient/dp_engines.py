@@ -104,24 +104,42 @@ class EngineStops:
     for an engine already being stopped. ``join`` waits for the stops started; an
     interrupted ``join`` leaves them running, and a later one waits for them again
     (each stop says it is over with an Event: an interrupted ``Thread.join`` can leave
-    the thread looking stopped while it runs, bpo-45274's fix in Python 3.11)."""
+    the thread looking stopped while it runs, bpo-45274's fix in Python 3.11).
+
+    A stop is recorded before its thread starts. A ``stop`` interrupted while it
+    starts a thread (Ctrl-C in ``Thread.start``, which may or may not have started it)
+    leaves the stop recorded but not known to run; the next ``stop`` starts another
+    thread for it, and whichever thread comes first runs the engine's shutdown (the
+    other does nothing), so ``join`` waits for the shutdown itself. Where no thread can
+    be started (``Thread.start`` raises RuntimeError: Python 3.12.0/3.12.1 at
+    interpreter shutdown, e.g. from an ``atexit`` handler), the engine's shutdown runs
+    in the calling thread instead."""
 
     def __init__(self, clients: Sequence[Any]) -> None:
         self._clients = clients
-        self._over: dict[int, threading.Event] = {}
+        self._over: dict[int, _Stop] = {}
         self._lock = threading.Lock()
 
     def stop(self, positions: Iterable[int], timeout: float) -> None:
         """Start stopping the engines at ``positions`` (in ``clients``) not being
-        stopped yet, each with ``shutdown(timeout)`` in its own thread. Never waits for
-        an engine; any thread."""
+        stopped yet, each with ``shutdown(timeout)`` in its own thread (inline where no
+        thread can be started). Never waits for an engine otherwise; any thread."""
         with self._lock:
+            inline = []
             for pos in positions:
-                if pos not in self._over:
-                    over = threading.Event()
-                    threading.Thread(target=_shutdown, args=(self._clients[pos], timeout, over),
-                                     name=f"dp-stop-engine-{pos}").start()
-                    self._over[pos] = over
+                job = self._over.get(pos)
+                if job is None:
+                    job = self._over[pos] = _Stop(self._clients[pos], timeout)
+                elif job.started or job.claimed:
+                    continue
+                try:
+                    threading.Thread(target=job.run, name=f"dp-stop-engine-{pos}").start()
+                except RuntimeError:  # no new thread at interpreter shutdown (3.12.0/1)
+                    inline.append(job)
+                else:
+                    job.started = True
+        for job in inline:
+            job.run()
 
     def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every stop started; True once all are
@@ -129,9 +147,9 @@ class EngineStops:
         deadline = time.monotonic() + timeout
         with self._lock:
             stops = list(self._over.items())
-        for _, over in stops:
-            over.wait(max(0.0, deadline - time.monotonic()))
-        left = [str(pos) for pos, over in stops if not over.is_set()]
+        for _, job in stops:
+            job.over.wait(max(0.0, deadline - time.monotonic()))
+        left = [str(pos) for pos, job in stops if not job.over.is_set()]
         if left:
             logger.warning("the stop of data-parallel engine(s) at position %s is still "
                            "running after %.1f s", ", ".join(left), timeout)
@@ -140,13 +158,33 @@ class EngineStops:
     def over(self) -> bool:
         """Whether every stop started is over."""
         with self._lock:
-            return all(over.is_set() for over in self._over.values())
+            return all(job.over.is_set() for job in self._over.values())
 
 
-def _shutdown(client: Any, timeout: float, over: threading.Event) -> None:
-    try:
-        client.shutdown(timeout)
-    except Exception:  # noqa: BLE001 - best effort: the others are stopped all the same
-        logger.exception("stopping a data-parallel engine failed")
-    finally:
-        over.set()
+class _Stop:
+    """One engine client's stop: ``run`` (in whichever thread claims it first) calls its
+    ``shutdown(timeout)`` and sets ``over``; a later ``run`` does nothing."""
+
+    __slots__ = ("client", "timeout", "over", "started", "claimed", "_claim")
+
+    def __init__(self, client: Any, timeout: float) -> None:
+        self.client = client
+        self.timeout = timeout
+        self.over = threading.Event()
+        #: A thread to run it was started (``Thread.start`` returned).
+        self.started = False
+        #: A thread is running it, or ran it.
+        self.claimed = False
+        self._claim = threading.Lock()
+
+    def run(self) -> None:
+        with self._claim:
+            if self.claimed:
+                return
+            self.claimed = True
+        try:
+            self.client.shutdown(self.timeout)
+        except Exception:  # noqa: BLE001 - best effort: the others are stopped all the same
+            logger.exception("stopping a data-parallel engine failed")
+        finally:
+            self.over.set()

@@ -474,6 +474,81 @@ def test_shutdown_tells_every_engine_at_once_and_a_retry_after_ctrl_c_ends_the_s
             os.close(fd)
 
 
+class _StoppingEngine:
+    """An engine client whose first ``shutdown`` blocks until ``release`` is set (5 s
+    at most); later ones return at once, as ``MPClient.shutdown`` once closed."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls = 0
+
+    def shutdown(self, timeout):
+        self.calls += 1
+        if self.calls == 1:
+            self.release.wait(5)
+
+
+class _Threads:
+    """``dp_engines``'s view of ``threading``, with ``Thread.start`` replaced."""
+
+    def __init__(self, start) -> None:
+        self.Thread = type("Thread", (threading.Thread,), {"start": start})
+        self.Event, self.Lock = threading.Event, threading.Lock
+
+
+def test_stops_run_inline_where_no_thread_can_start(monkeypatch):
+    """Python 3.12.0/3.12.1 refuse a new thread at interpreter shutdown (RuntimeError):
+    a DP ``shutdown()`` from an atexit handler still stops every engine, inline."""
+    from shmclient import dp_engines
+
+    def start(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(dp_engines, "threading", _Threads(start))
+    engines = [_StoppingEngine(), _StoppingEngine()]
+    for e in engines:
+        e.release.set()
+    stops = dp_engines.EngineStops(engines)
+    stops.stop(range(2), 1.0)
+    assert [e.calls for e in engines] == [1, 1]
+    assert stops.over() and stops.join(1.0)
+
+
+@pytest.mark.parametrize("thread_started", [True, False], ids=["after", "before"])
+def test_a_stop_interrupted_while_its_thread_starts_is_waited_for(monkeypatch, thread_started):
+    """Ctrl-C inside ``Thread.start`` (after the stop's thread started, or before): the
+    retry neither loses the stop under way (its join waits for that very shutdown) nor
+    leaves the engine unstopped."""
+    from shmclient import dp_engines
+
+    interrupted = []
+
+    def start(self):
+        if not interrupted:
+            interrupted.append(1)
+            if thread_started:
+                threading.Thread.start(self)
+            raise KeyboardInterrupt
+        threading.Thread.start(self)
+
+    monkeypatch.setattr(dp_engines, "threading", _Threads(start))
+    engine = _StoppingEngine()
+    stops = dp_engines.EngineStops([engine])
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stops.stop([0], 1.0)
+        stops.stop([0], 1.0)  # the retry
+        if thread_started:
+            assert not stops.join(0.2), "join reported a stop over that still runs"
+    finally:
+        engine.release.set()
+        over = stops.join(5.0)
+        for t in threading.enumerate():
+            if t.name.startswith("dp-stop-engine-"):
+                t.join(5)
+    assert over and engine.calls == 1
+
+
 async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_call():
     """Engine 1 dies while engine 0 hangs (its stop: 1 s, then SIGTERM, SIGKILL 2 s
     later). A shutdown_async() cancelled meanwhile leaves the stops running; the next
