@@ -100,6 +100,15 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         self._reader.parking = parking
         self._forward_dead = on_dead
 
+    def stop_watching(self) -> None:
+        """Stop the bound loop watching this client's channel (nothing is read in the
+        loop from then on): for a client about to be shut down, from the loop's thread,
+        by another thread (the data-parallel clients' engine stops), which would only
+        queue that to the loop while the loop may not turn before the channel's
+        descriptor is closed and its number reused. At once on the loop's thread
+        (queued to the loop from another); once; never blocks."""
+        self._reader.unwatch_hook()()
+
     def _on_engine_dead(self) -> None:
         """Monitor thread: hand the news to the loop (futures belong to it)."""
         loop = self._loop

@@ -240,8 +240,8 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             return
         loop = self._loop
         read = self._forwarded[pos] and loop is not None and not loop.is_closed()
-        self._stops.stop([i for i in range(len(self.engines)) if i != pos or not read],
-                         _DEATH_STOP_TIMEOUT_S)
+        self._stop_engines([i for i in range(len(self.engines)) if i != pos or not read],
+                           _DEATH_STOP_TIMEOUT_S)
 
     def _engine_died(self, pos: int, err: BaseException) -> None:
         """In the loop, once engine ``pos`` is gone and what it wrote before went to
@@ -261,7 +261,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             return
         self._dead_reason = self._death[1]
         self._fail_in_loop()
-        self._stops.stop(range(len(self.engines)), _DEATH_STOP_TIMEOUT_S)
+        self._stop_engines(range(len(self.engines)), _DEATH_STOP_TIMEOUT_S)
 
     def _fail_in_loop(self) -> None:
         self._halted = True
@@ -426,7 +426,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         if self._forked:
             return
         self._begin_shutdown()
-        self._stops.stop(range(len(self.engines)), timeout)
+        self._stop_engines(range(len(self.engines)), timeout)
         self._stops.join(timeout + _STOP_GRACE_S)
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
@@ -437,9 +437,24 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         if self._forked:
             return
         self._begin_shutdown()
-        self._stops.stop(range(len(self.engines)), timeout)
+        self._stop_engines(range(len(self.engines)), timeout)
         if not self._stops.over():
             await asyncio.to_thread(self._stops.join, timeout + _STOP_GRACE_S)
+
+    def _stop_engines(self, positions: Any, timeout: float) -> None:
+        """Start stopping the engines at ``positions`` (``EngineStops``: each in a
+        thread of its own). On the bound loop's thread, the loop first stops watching
+        their channels, at once: a stop thread could only queue that to the loop, which
+        may not turn (a blocking ``shutdown()`` holds it) before the descriptors are
+        closed and their numbers reused by readers the loop must keep."""
+        positions = list(positions)
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and _running_loop() is loop:
+            for i in positions:
+                unwatch = getattr(self.engines[i], "stop_watching", None)
+                if unwatch is not None:
+                    unwatch()
+        self._stops.stop(positions, timeout)
 
     def _begin_shutdown(self) -> None:
         """Mark the client closed and fail what waits on it (once)."""
@@ -449,11 +464,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             self._closed = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is loop:
+            if _running_loop() is loop:
                 self._fail_in_loop()
             else:
                 try:
@@ -466,6 +477,13 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.shutdown_async()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _engine_gone(ref: "weakref.ReferenceType[DPAsyncMPClient]", pos: int, err: EngineDeadError) -> None:

@@ -414,6 +414,37 @@ async def test_shutdown_fails_pending_calls_and_is_idempotent():
         await c.add_request_async(req("late"))
 
 
+async def test_a_blocking_shutdown_in_the_loop_leaves_no_closed_descriptor_watched():
+    """``shutdown()`` (the blocking form) called in the bound loop's thread: the loop
+    stops watching the engines' channels before they close, so a reader that the loop
+    gets right after on a reused descriptor number (a connection a server accepts)
+    is not removed by a removal queued for the old descriptor."""
+    c = make_client(True, True, cfg())
+    assert await c.echo_async(1) == 1  # bound: the loop watches each engine's channel
+    old = {e.channel.recv_fd() for e in c.engines}
+    c.shutdown()
+    loop, fired = asyncio.get_running_loop(), asyncio.Event()
+    r, w = os.pipe()
+    held, mine = [r], None
+    try:
+        for _ in range(4096):  # the lowest free number first: an old one comes soon
+            d = os.dup(r)
+            if d in old:
+                mine = d
+                break
+            held.append(d)
+        assert mine is not None, "no descriptor number of the engines' channels came back"
+        loop.add_reader(mine, fired.set)
+        os.write(w, b"x")
+        await asyncio.wait_for(fired.wait(), 2.0)
+    finally:
+        if mine is not None:
+            loop.remove_reader(mine)
+            os.close(mine)
+        for fd in (*held, w):
+            os.close(fd)
+
+
 def _exited(fds: list[int]) -> list[bool]:
     """For each pidfd: has its process exited (now, without waiting)?"""
     readable = select.select(fds, [], [], 0)[0]

@@ -67,15 +67,26 @@ class Parking:
 class _Watch:
     """The loop and descriptor being watched: all that a close hook may hold."""
 
-    __slots__ = ("loop", "fd")
+    __slots__ = ("loop", "fd", "_lock")
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.fd: int | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        with self._lock:
+            self.loop, self.fd = loop, fd
 
     def unwatch(self) -> None:
-        """Stop watching, from any thread (from the loop's own at once). Never blocks."""
-        loop, fd = self.loop, self.fd
+        """Stop watching, from any thread: from the loop's own at once, from another
+        queued to the loop (which must run it before the descriptor's number is
+        reused: call it from the loop's thread where the loop may not turn before the
+        descriptor is closed). Once only: a later call does nothing, so it never
+        removes a reader registered meanwhile on a reused number. Never blocks."""
+        with self._lock:
+            loop, fd = self.loop, self.fd
+            self.fd = None
         if loop is None or fd is None or loop.is_closed():
             return
         try:
@@ -151,7 +162,7 @@ class LoopReader:
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Watch ``channel.recv_fd()`` in ``loop`` (the loop holds the reader weakly)."""
         fd = self.channel.recv_fd()
-        self._watch.loop, self._watch.fd = loop, fd
+        self._watch.watch(loop, fd)
         loop.add_reader(fd, self._again)
 
     def unwatch_hook(self) -> Callable[[], None]:
