@@ -156,9 +156,17 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         lives), then PeerNotConsumingError (a ``TimeoutError``; the request was not sent
         and may be added again). EngineDeadError once the engine is gone or the client
         was shut down."""
-        timeout = _check_timeout("add_request_async", timeout)
+        await self._add_async(request, _check_timeout("add_request_async", timeout), False)
+
+    async def _add_checked_async(self, request: EngineCoreRequest, timeout: float | None) -> None:
+        """``add_request_async`` for a caller that ran ``check_request`` on ``request``
+        against this engine's limits (or stricter ones) and checked ``timeout``: the data-
+        parallel clients, so that a request is checked once. The live-id check stays."""
+        await self._add_async(request, timeout, True)
+
+    async def _add_async(self, request: EngineCoreRequest, timeout: float | None, checked: bool) -> None:
         self._bind_loop()
-        self._admit(request)
+        self._admit(request, checked)
         try:
             await self._send_async(REQ_ADD, self.channel.encode(request), timeout)
         except BaseException:

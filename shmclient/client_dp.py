@@ -103,6 +103,15 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self.num_gpu_blocks = sum(e.num_gpu_blocks for e in self.engines)
         self.block_size = self.engines[0].block_size
         self.max_model_len = min(e.max_model_len for e in self.engines)
+        #: What ``check_request`` checks a request against: the limits of the engine its
+        #: ``data_parallel_rank`` names (by rank), else the group's (any engine may get it).
+        self._limits = {rank: (e.max_model_len, getattr(e, "config", config))
+                        for rank, e in zip(self.engine_ranks, self.engines)}
+        self._group_limits = (self.max_model_len, config)
+        #: Per engine: its add, without the request checks where it has one (the checks
+        #: ran here, once; ``AsyncMPClient._add_checked_async``), else its public one.
+        self._adds = [getattr(e, "_add_checked_async", None) or e.add_request_async
+                      for e in self.engines]
         #: Process id of each engine (None where an engine client does not say).
         self.engine_pids = [getattr(e, "engine_pid", None) for e in self.engines]
         n = len(self.engines)
@@ -339,12 +348,18 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
 
     def _route(self, request: EngineCoreRequest) -> tuple[int, int]:
         """Checks at the door (InvalidRequestError naming the field: the single-engine
-        client's, before routing reads a field or moves the tie-break rotation), then
-        the engine and the work estimate; records the request as in flight on that
-        engine."""
+        client's, once, before routing reads a field or moves the tie-break rotation;
+        the engine's client does not check again), then the engine and the work
+        estimate; records the request as in flight on that engine. A request whose
+        ``data_parallel_rank`` names an engine is checked against that engine's limits
+        (its ``max_model_len``, hidden and vocabulary sizes), any other against the
+        group's (the smallest ``max_model_len``; this client's config's sizes)."""
         self._ensure_alive()
-        check_request(request, max_model_len=self.max_model_len,
-                      hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
+        dpr = getattr(request, "data_parallel_rank", None)
+        max_len, config = (self._limits.get(dpr, self._group_limits) if type(dpr) is int
+                           else self._group_limits)
+        check_request(request, max_model_len=max_len,
+                      hidden_size=config.hidden_size, vocab_size=config.vocab_size)
         rid = request.request_id
         if rid in self.reqs_in_flight:
             raise InvalidRequestError(f"request id {rid!r} is already live")
@@ -373,7 +388,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._bind()
         pos, cost = self._route(request)
         try:
-            await self.engines[pos].add_request_async(request, timeout)
+            await self._adds[pos](request, timeout)
         except EngineDeadError as e:
             self._unroute(request, pos, cost)
             raise self._dead_error() from e  # which engine died, or shut down

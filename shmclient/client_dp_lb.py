@@ -42,7 +42,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     engine's result (vLLM's rule), ``call_utility_all_async`` every result;
     ``is_sleeping``, ``is_scheduler_paused`` and ``get_weight_version`` answer the
     engines' common result, ``wake_up`` and ``reset_prefix_cache`` whether all did.
-    Capacity: ``num_gpu_blocks`` is the engines' sum, ``max_model_len`` their minimum.
+    Capacity: ``num_gpu_blocks`` is the engines' sum, ``max_model_len`` their minimum
+    (a request that names a rank is held to that engine's own ``max_model_len``).
     ``config.data_parallel_rank`` must be None or 0 (``ConfigError``). Otherwise as
     ``DPAsyncMPClient``.
     """

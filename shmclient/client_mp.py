@@ -210,11 +210,14 @@ class MPClient(EngineCoreClient):
             f"request ring within {timeout} s: it is stalled or too busy; the message was "
             "not sent")
 
-    def _admit(self, request: EngineCoreRequest) -> None:
-        """Checks before a request travels; marks its id live."""
+    def _admit(self, request: EngineCoreRequest, checked: bool = False) -> None:
+        """Checks before a request travels (``checked``: ``check_request`` ran already,
+        against this engine's limits or stricter ones; only the live-id check is left);
+        marks its id live."""
         self._ensure_alive()
-        check_request(request, max_model_len=self.max_model_len,
-                      hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
+        if not checked:
+            check_request(request, max_model_len=self.max_model_len,
+                          hidden_size=self.config.hidden_size, vocab_size=self.config.vocab_size)
         if request.request_id in self._live:
             raise InvalidRequestError(f"request id {request.request_id!r} is already live")
         self._live.add(request.request_id)

@@ -221,6 +221,42 @@ async def test_requests_and_timeouts_are_checked_as_the_single_engine_client_che
         c.shutdown()
 
 
+async def test_a_request_is_checked_once_against_the_limits_of_the_engine_it_names(monkeypatch):
+    """A group whose engines differ (ready-made engines: rank 0 takes prompts up to 64
+    tokens, rank 1 up to 512): a request that names rank 1 may be longer than rank 0
+    takes; one that names no rank is held to the group's limit (any engine may get
+    it). A rejected request moves neither the counts nor the rotation. Each request is
+    checked once (by the DP client; the engine's client does not check it again)."""
+    from shmclient import client_dp, client_mp
+    from shmclient.client_dp import engine_config
+
+    config = cfg()
+    engines = [AsyncMPClient(engine_config(config, 0).replace(max_model_len=64))]
+    try:
+        engines.append(AsyncMPClient(engine_config(config, 1)))
+    except BaseException:
+        engines[0].shutdown()
+        raise
+    c = DPLBAsyncMPClient(config, engines=engines)
+    try:
+        assert c.max_model_len == 64
+        checks = []
+        for mod in (client_dp, client_mp):
+            monkeypatch.setattr(mod, "check_request",
+                                lambda *a, _f=mod.check_request, **kw: (checks.append(1), _f(*a, **kw))[1])
+        long = [7] * 100
+        await c.add_request_async(req("pinned", max_tokens=2, rank=1, prompt=long))
+        assert len(checks) == 1, f"the request was checked {len(checks)} times"
+        for rid, rank in (("free", None), ("to-0", 0)):
+            with pytest.raises(InvalidRequestError, match="max_model_len=64"):
+                await c.add_request_async(req(rid, rank=rank, prompt=long))
+        assert (c._start, c.requests_routed, list(c.reqs_in_flight)) == (0, [0, 1], ["pinned"])
+        got = await collect(c, ["pinned"])
+        assert got["pinned"][1:] == (FinishReason.LENGTH, 1)
+    finally:
+        c.shutdown()
+
+
 class _NoEngine:
     is_dead = False
 
@@ -234,6 +270,7 @@ def _hand_made(n: int) -> DPLBAsyncMPClient:
     c.lb_engines = [SchedulerStats()] * n
     c.reqs_in_flight, c.requests_routed = {}, [0] * n
     c.max_model_len, c.config, c._closed, c._dead_reason = 512, cfg(), False, None
+    c._limits, c._group_limits = {}, (512, c.config)
     c._start = 0
     return c
 
