@@ -391,6 +391,18 @@ class _RoomWhenOpened:
         os.close(self.w)
 
 
+def _engine_dead_on_failure():
+    """A ``failed`` for ``OrderedSendsAsync.start`` that records what ended a send and
+    makes it EngineDeadError (as the vLLM plug-in's does), and its record."""
+    failures: list[BaseException] = []
+
+    def failed(e: BaseException) -> BaseException:
+        failures.append(e)
+        return EngineDeadError()
+
+    return failures, failed
+
+
 async def test_an_ordered_send_whose_caller_stops_waiting_still_goes_in_its_turn():
     """``OrderedSendsAsync.start`` takes the turn at the call and returns a future a
     task completes. A caller cancelled while it waits (a client gone, an
@@ -398,12 +410,7 @@ async def test_an_ordered_send_whose_caller_stops_waiting_still_goes_in_its_turn
     socket: the vLLM plug-in's queued sends then reported EngineDeadError (vLLM's
     ``generate`` takes that for the engine's death) and dropped the message."""
     channel = _RoomWhenOpened()
-    failures: list[BaseException] = []
-
-    def failed(e: BaseException) -> BaseException:
-        failures.append(e)
-        return EngineDeadError()
-
+    failures, failed = _engine_dead_on_failure()
     try:
         sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
         first = sends.start(1, "a", 10, failed)
@@ -427,12 +434,7 @@ async def test_an_ordered_send_task_cancelled_before_it_ran_hands_its_turn_on():
     their timeout otherwise) and ``failed`` sees the cancellation (the vLLM plug-in frees
     the message's tensor blocks there)."""
     channel = _RoomWhenOpened()
-    failures: list[BaseException] = []
-
-    def failed(e: BaseException) -> BaseException:
-        failures.append(e)
-        return EngineDeadError()
-
+    failures, failed = _engine_dead_on_failure()
     try:
         sends = waiting.OrderedSendsAsync(channel, None, lambda: False)
         dropped = [sends.start(1, "a", 10, failed), sends.start(1, "b", 10, failed)]
