@@ -107,10 +107,16 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         #: ``data_parallel_rank`` names (by rank), else the group's (any engine may get it).
         self._limits = {rank: (e.max_model_len, getattr(e, "config", config))
                         for rank, e in zip(self.engine_ranks, self.engines)}
-        self._group_limits = (self.max_model_len, config)
-        #: Per engine: its add, without the request checks where it has one (the checks
-        #: ran here, once; ``AsyncMPClient._add_checked_async``), else its public one.
-        self._adds = [getattr(e, "_add_checked_async", None) or e.add_request_async
+        # The engines' own sizes where they all share them (a request any of them may
+        # get is checked against those); else this client's config's, and every engine
+        # checks again against its own.
+        configs = [getattr(e, "config", None) for e in self.engines]
+        shared = None not in configs and len({(c.hidden_size, c.vocab_size) for c in configs}) == 1
+        self._group_limits = (self.max_model_len, configs[0] if shared else config)
+        #: Per engine: its add, without the request checks where it has one and the
+        #: checks here were its own (they ran once; ``AsyncMPClient._add_checked_async``),
+        #: else its public one.
+        self._adds = [(getattr(e, "_add_checked_async", None) if shared else None) or e.add_request_async
                       for e in self.engines]
         #: Process id of each engine (None where an engine client does not say).
         self.engine_pids = [getattr(e, "engine_pid", None) for e in self.engines]
@@ -353,7 +359,8 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         estimate; records the request as in flight on that engine. A request whose
         ``data_parallel_rank`` names an engine is checked against that engine's limits
         (its ``max_model_len``, hidden and vocabulary sizes), any other against the
-        group's (the smallest ``max_model_len``; this client's config's sizes)."""
+        group's (the smallest ``max_model_len``; the sizes every engine shares, else this
+        client's config's, and the engine's client checks again)."""
         self._ensure_alive()
         dpr = getattr(request, "data_parallel_rank", None)
         max_len, config = (self._limits.get(dpr, self._group_limits) if type(dpr) is int

@@ -257,6 +257,32 @@ async def test_a_request_is_checked_once_against_the_limits_of_the_engine_it_nam
         c.shutdown()
 
 
+async def test_a_request_no_rank_names_is_checked_against_the_sizes_its_engines_have():
+    """Ready-made engines whose vocabulary (512) is not the one of the client's config
+    (1024): a request naming no rank was checked against the config's only, and the
+    engine's client no longer checked it, so a token id outside the engines' vocabulary
+    reached an engine (a real model indexes out of range). It is checked against the
+    sizes the engines share."""
+    from shmclient.client_dp import engine_config
+
+    config = cfg()
+    assert config.vocab_size == 1024
+    engines = [AsyncMPClient(engine_config(config, 0).replace(vocab_size=512, eos_token_id=2))]
+    try:
+        engines.append(AsyncMPClient(engine_config(config, 1).replace(vocab_size=512, eos_token_id=2)))
+    except BaseException:
+        engines[0].shutdown()
+        raise
+    c = DPLBAsyncMPClient(config, engines=engines)
+    try:
+        for rid, rank in (("free", None), ("to-1", 1)):
+            with pytest.raises(InvalidRequestError, match="vocab"):
+                await c.add_request_async(req(rid, rank=rank, prompt=[1, 700]))
+        assert (c.requests_routed, list(c.reqs_in_flight)) == ([0, 0], [])
+    finally:
+        c.shutdown()
+
+
 class _NoEngine:
     is_dead = False
 
