@@ -13,6 +13,7 @@ sockets are bound on tcp and it connects itself (docs/design.md, "The control pl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import subprocess
@@ -71,7 +72,10 @@ class EngineResources:
         self.dead_reason = ""
         #: Set with ``dead``: True when the client's shutdown marked it (no death).
         self.by_shutdown = False
-        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks: list[_Once] = []
+        #: The first ``mark_dead`` takes 0 (one C call: no thread, signal or garbage
+        #: collection comes between the test and the take).
+        self._death_claims = itertools.count()
         self._before_close: list[Callable[[], None]] = []
         self._shutting_down = False
         self._shutdown_started = False
@@ -178,11 +182,10 @@ class EngineResources:
         """Call ``callback`` once the engine is dead (``mark_dead``; in the thread that
         marks it, mostly the monitor's), at once in this thread when it is already:
         once either way."""
-        with self._lock:
-            self._callbacks.append(callback)
-            now = self.dead.is_set()
-        if now:
-            callback()
+        once = _Once(callback)
+        self._callbacks.append(once)
+        if self.dead.is_set():
+            once()  # (mark_dead, at the same moment, may call it too: it runs once)
 
     def before_close(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` at the start of shutdown, before the channel is closed."""
@@ -204,17 +207,17 @@ class EngineResources:
         callback (outside the lock). Only the first call counts: the test and the set
         are one step under the lock, so two threads that see the death at once (the
         monitor and a reader finding the channel broken) call the callbacks once.
-        ``by_shutdown`` says whether that first call came once shutdown had begun."""
-        with self._lock:
-            if self.dead.is_set():
-                return
-            self.dead_reason = reason
-            self.by_shutdown = self._shutting_down
-            self.dead.set()
-            callbacks = list(self._callbacks)
+        ``by_shutdown`` says whether that first call came once shutdown had begun. No
+        lock: a finalizer that the garbage collector runs here, in this thread (the
+        client's shutdown), must not wait for one this call holds."""
+        if next(self._death_claims):
+            return
+        self.dead_reason = reason
+        self.by_shutdown = self._shutting_down
+        self.dead.set()
         if not self.by_shutdown:
             logger.error("%s", reason)
-        for cb in callbacks:
+        for cb in list(self._callbacks):
             try:
                 cb()
             except Exception:  # pragma: no cover - a callback bug must not kill the monitor
@@ -290,6 +293,21 @@ class EngineResources:
                     pass
         finally:
             self._shutdown_finished.set()
+
+
+class _Once:
+    """A death callback that runs once, whoever calls it (``on_dead`` and ``mark_dead``
+    may both, at the same moment)."""
+
+    __slots__ = ("fn", "_claims")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self._claims = itertools.count()
+
+    def __call__(self) -> None:
+        if next(self._claims) == 0:
+            self.fn()
 
 
 def weak_callback(method: Callable[[], None]) -> Callable[[], None]:

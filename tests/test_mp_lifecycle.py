@@ -421,20 +421,15 @@ def test_on_dead_is_not_called_for_the_clients_own_shutdown(how):
 
 
 class _GatedDead(threading.Event):
-    """An ``EngineResources.dead`` whose first ``is_set()`` after ``arm()`` is held up
-    (0.5 s at most) in the window a check-then-set without a lock leaves open: with
-    ``stale``, it looks, then waits until another thread looked too, and answers what it
-    saw (two ``mark_dead`` calls both find the engine alive); without, it waits until
-    the engine is marked dead, then looks (``on_dead`` registered, then finding it dead
-    after ``mark_dead`` called every callback)."""
+    """An ``EngineResources.dead`` whose first ``is_set()`` after ``arm()`` waits until
+    the engine is marked dead (0.5 s at most), then looks: ``on_dead`` registered, then
+    finding it dead after ``mark_dead`` called every callback."""
 
-    def __init__(self, stale: bool) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._stale = stale
         self._armed = False
         self._gate = threading.Lock()
         self.first_in = threading.Event()
-        self._second_in = threading.Event()
 
     def arm(self) -> None:
         self._armed = True
@@ -444,32 +439,82 @@ class _GatedDead(threading.Event):
             return super().is_set()
         with self._gate:
             first = not self.first_in.is_set()
-            (self.first_in if first else self._second_in).set()
-        if not first:
-            return super().is_set()
-        if self._stale:
-            seen = super().is_set()
-            self._second_in.wait(0.5)
-            return seen
-        self.wait(0.5)
+            self.first_in.set()
+        if first:
+            self.wait(0.5)
         return super().is_set()
 
 
-@pytest.mark.parametrize("race", ["mark-vs-mark", "register-vs-mark"])
-def test_each_death_callback_runs_once_when_two_threads_race(race):
+class _SlowSet(threading.Event):
+    """``dead`` whose ``set`` holds its caller (5 s at most) until ``go``: a second
+    ``mark_dead`` comes while the first is half-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setting = threading.Event()
+        self.go = threading.Event()
+
+    def set(self) -> None:
+        self.setting.set()
+        self.go.wait(5)
+        super().set()
+
+
+def test_a_second_mark_dead_while_the_first_is_half_way_calls_nothing():
     """The monitor and a reader that found the channel broken mark the engine dead at
-    once, or a callback is registered just as it dies: each callback runs once."""
+    once: the second, coming while the first is half-way, calls no callback (a
+    check of ``dead`` before setting it let both through)."""
     from shmclient.launcher import EngineResources
 
     res = EngineResources()
-    res.dead = gated = _GatedDead(stale=race == "mark-vs-mark")
+    res.dead = dead = _SlowSet()
+    calls: list[int] = []
+    res.on_dead(lambda: calls.append(1))
+    first = threading.Thread(target=res.mark_dead, args=("the monitor saw it",))
+    try:
+        first.start()
+        assert dead.setting.wait(5)
+        res.mark_dead("the channel is broken")
+        assert calls == []
+    finally:
+        dead.go.set()
+        first.join(5)
+        res.shutdown(timeout=0.0)  # (nothing was started: closes its wake pipe)
+    assert calls == [1] and res.dead_reason == "the monitor saw it"
+
+
+def test_a_finalizer_run_inside_mark_dead_does_not_deadlock():
+    """A client dropped without shutdown() is freed by the garbage collector, which may
+    run its finalizer (the resources' shutdown) in any thread at any allocation: here
+    inside ``mark_dead`` as the monitor marks the engine dead. A ``mark_dead`` that held
+    the lock shutdown() takes hung there for good (the death never reported)."""
+    from shmclient.launcher import EngineResources
+
+    res = EngineResources()
+
+    class FinalizerRunsHere(list):  # the callbacks' list, whose copy runs the finalizer
+        def __iter__(self):
+            res.shutdown(timeout=0.0)
+            return super().__iter__()
+
+    res._callbacks = FinalizerRunsHere()
+    marking = threading.Thread(target=res.mark_dead, args=("the monitor saw it",), daemon=True)
+    marking.start()
+    marking.join(5)
+    assert not marking.is_alive(), "mark_dead hung"
+    assert res.dead.is_set() and res.dead_reason == "the monitor saw it"
+
+
+def test_a_death_callback_registered_as_the_engine_dies_runs_once():
+    """A callback is registered just as the engine dies: ``mark_dead`` calls it, and
+    ``on_dead`` finds the engine dead: it runs once."""
+    from shmclient.launcher import EngineResources
+
+    res = EngineResources()
+    res.dead = gated = _GatedDead()
     calls: list[int] = []
     cb = lambda: calls.append(1)  # noqa: E731
-    if race == "mark-vs-mark":
-        res.on_dead(cb)
-        first = threading.Thread(target=res.mark_dead, args=("the monitor saw it",))
-    else:
-        first = threading.Thread(target=res.on_dead, args=(cb,))
+    first = threading.Thread(target=res.on_dead, args=(cb,))
     second = threading.Thread(target=res.mark_dead, args=("the channel is broken",))
     try:
         gated.arm()
