@@ -34,7 +34,10 @@ FRONTEND = textwrap.dedent(
 
 
 def _ours(names: set[str]) -> set[str]:
-    return {n for n in names if "shmc" in n}
+    """The project's entries (named ``shmc…``, semaphores ``sem.shmc…``); not another
+    test session's private folder (``pytest-shmclient-…``), which a run beside this one
+    makes and removes."""
+    return {n for n in names if n.startswith(("shmc", "sem.shmc"))}
 
 
 @pytest.mark.slow
