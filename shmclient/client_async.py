@@ -227,21 +227,32 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         """Stop the engine and free everything, blocking the calling thread for up to
         about ``timeout + 2`` s (None meaning ``DEFAULT_SHUTDOWN_TIMEOUT_S``; from a
         running loop use ``shutdown_async``); pending and later calls raise
-        EngineDeadError. Idempotent."""
+        EngineDeadError. Idempotent; interrupted, the stop goes on and another call
+        waits for it."""
+        on_loop = (self._loop is not None and not self._loop.is_closed()
+                   and _running_loop() is self._loop)
+        if on_loop:
+            # The loop cannot turn while this blocks: stop watching the channel's
+            # descriptor here, before the shutdown's thread closes it.
+            self.stop_watching()
         super().shutdown(timeout)
-        if self._loop is not None and not self._loop.is_closed() and _running_loop() is self._loop:
+        if on_loop:
             self._fail_in_loop()
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         """``shutdown`` without blocking the loop (it runs in a thread); pending calls
-        get EngineDeadError at once. Idempotent."""
+        get EngineDeadError at once. Idempotent; cancelled, the stop goes on and another
+        call waits for it."""
         from .client import shutdown_timeout
 
         timeout = shutdown_timeout(timeout)
         loop = asyncio.get_running_loop()
-        if self._closed:
+        if self._forked:
             return
-        await loop.run_in_executor(None, self.shutdown, timeout)
+        if self._loop is loop and not loop.is_closed() and not self._closed:
+            self.stop_watching()
+        if not self.resources.shut_down:
+            await loop.run_in_executor(None, self.shutdown, timeout)
         if self._loop is loop and not loop.is_closed():
             self._fail_in_loop()
 

@@ -106,6 +106,9 @@ class MPClient(EngineCoreClient):
         #: The reader of ``shmclient.waiting`` that waits for the channel (it holds
         #: ``_lead`` while it reads); what the engine left after its death is read once.
         self._reader = self._make_reader()
+        # The channel is closed once a reader inside it has left (readers check the dead
+        # flag at least every liveness interval, 0.1 s).
+        self.resources.guard_close(self._lead)
         self.resources.on_dead(weak_callback(self._on_engine_dead))
         self._pid = os.getpid()
         forksafe.register(self)
@@ -305,22 +308,17 @@ class MPClient(EngineCoreClient):
         """Stop the engine (SHUTDOWN; SIGTERM once ``timeout`` passed, None meaning
         ``DEFAULT_SHUTDOWN_TIMEOUT_S``; SIGKILL 2 s later) and free every resource, so it
         returns within about ``timeout + 2`` s even when the engine hangs. Idempotent;
-        pending calls get EngineDeadError."""
+        pending calls get EngineDeadError. Interrupted (Ctrl-C), the stop goes on in its
+        own thread and another call waits for it."""
         timeout = shutdown_timeout(timeout)
-        if self._closed:
+        if self._forked:
             return
-        self._closed = True
-        self._finalizer.detach()
         res = self.resources
-        res.begin_shutdown()  # waiters leave the channel now
-        # Wait for a reader to leave the channel before it is closed (readers check the
-        # dead flag at least every liveness interval, 0.1 s).
-        got = self._lead.acquire(timeout=2.0)
-        try:
-            res.shutdown(timeout)
-        finally:
-            if got:
-                self._lead.release()
+        if not self._closed:
+            self._closed = True
+            self._finalizer.detach()
+            res.begin_shutdown()  # waiters leave the channel now
+        res.shutdown(timeout)
 
     @property
     def is_dead(self) -> bool:

@@ -77,8 +77,12 @@ class EngineResources:
         #: collection comes between the test and the take).
         self._death_claims = itertools.count()
         self._before_close: list[Callable[[], None]] = []
+        self._close_lock: threading.Lock | None = None
         self._shutting_down = False
-        self._shutdown_started = False
+        #: The shutdown's work is claimed by one ``next`` (the first gets 0).
+        self._stop_claims = itertools.count()
+        self._stop_claimed = False
+        self._stop_thread_started = False
         self._shutdown_finished = threading.Event()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -86,7 +90,9 @@ class EngineResources:
 
     def _forget_after_fork(self) -> None:
         """In a forked child: the engine is the parent's; shutdown() here does nothing."""
-        self._shutdown_started = self._shutting_down = True
+        self._shutting_down = True
+        next(self._stop_claims)
+        self._stop_claimed = True
         self._shutdown_finished.set()
         self.proc = None
 
@@ -226,28 +232,55 @@ class EngineResources:
     # -- stop -------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop everything; idempotent, callable from any thread and from a finalizer.
-        Waits up to ``timeout`` for a clean exit, then SIGTERM, then SIGKILL. A second
-        caller waits until the first has finished."""
+        Waits up to ``timeout`` for a clean exit, then SIGTERM, then SIGKILL. The work
+        runs once, in a thread of its own (``shmclient-shutdown``) that the caller waits
+        for: interrupted (Ctrl-C), the stop goes on and a later call waits for it, as a
+        second caller waits for the first (and the interpreter's exit waits for it).
+        A call interrupted while it starts that thread (which may or may not have
+        started) leaves it to the next call to start another; whichever thread comes
+        first does the work. Inline where no thread can start (Python 3.12.0/1 at
+        interpreter shutdown)."""
+        if self._shutdown_finished.is_set():
+            return
         with self._lock:
-            if self._shutdown_started:
-                first = False
-            else:
-                self._shutdown_started = first = True
-                self._shutting_down = True
-        if not first:
-            if threading.current_thread() is not self.monitor:
-                self._shutdown_finished.wait(timeout + 10.0)
+            self._shutting_down = True
+            start = not self._stop_thread_started and not self._stop_claimed
+        on_monitor = threading.current_thread() is self.monitor
+        if start:
+            try:
+                threading.Thread(
+                    target=self._claim_shutdown, args=(timeout,), name="shmclient-shutdown"
+                ).start()
+            except RuntimeError:  # "can't create new thread at interpreter shutdown"
+                if not on_monitor:  # (the monitor cannot join itself)
+                    self._claim_shutdown(timeout)
+                return
+            self._stop_thread_started = True
+        if not on_monitor:
+            # (On the monitor, the last reference went away inside a death callback: it
+            # must not wait for the work that joins it.)
+            self._shutdown_finished.wait(timeout + 10.0)
+
+    def _claim_shutdown(self, timeout: float) -> None:
+        """Do the shutdown's work if no other thread has claimed it."""
+        if next(self._stop_claims):
             return
-        if threading.current_thread() is self.monitor:
-            # The last reference went away inside a death callback: the monitor cannot
-            # join itself or close its own socket under its feet; hand the work over.
-            threading.Thread(
-                target=self._shutdown, args=(timeout,), name="shmclient-shutdown"
-            ).start()
-            return
+        self._stop_claimed = True
         self._shutdown(timeout)
 
+    @property
+    def shut_down(self) -> bool:
+        """True once shutdown's work is over."""
+        return self._shutdown_finished.is_set()
+
+    def guard_close(self, lock: threading.Lock) -> None:
+        """Hold ``lock`` (the lock of whoever reads the channel) from before the channel
+        is closed to the end of shutdown, so no reader is inside it when it closes:
+        wait up to 2 s for it (readers look at ``dead`` at least every 0.1 s)."""
+        self._close_lock = lock
+
     def _shutdown(self, timeout: float) -> None:
+        held = None
         try:
             for hook in self._before_close:
                 try:
@@ -264,6 +297,9 @@ class EngineResources:
             mon = self.monitor
             if mon is not None:
                 mon.join(timeout=2.0)
+            lock = self._close_lock
+            if lock is not None and lock.acquire(timeout=2.0):
+                held = lock
             if self.channel is not None:
                 try:
                     self.channel.close()
@@ -292,6 +328,8 @@ class EngineResources:
                 except OSError:
                     pass
         finally:
+            if held is not None:
+                held.release()
             self._shutdown_finished.set()
 
 

@@ -570,7 +570,7 @@ def test_shutdown_tells_every_engine_at_once_and_a_retry_after_ctrl_c_ends_the_s
 
 class _StoppingEngine:
     """An engine client whose first ``shutdown`` blocks until ``release`` is set (5 s
-    at most); later ones return at once, as ``MPClient.shutdown`` once closed."""
+    at most); later ones return at once."""
 
     def __init__(self) -> None:
         self.release = threading.Event()

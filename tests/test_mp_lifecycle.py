@@ -10,6 +10,7 @@ import asyncio
 import gc
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ import pytest
 import torch
 
 from shmclient.config import EngineConfig
-from shmclient import ClientClosedError, ConfigError, EngineDeadError, SyncMPClient, make_client, waiting
+from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDeadError, SyncMPClient,
+                       make_client, waiting)
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
@@ -206,6 +208,76 @@ def test_shutdown_escalates_when_engine_ignores_it():
         assert psutil.Process(c.engine_pid).status() == psutil.STATUS_ZOMBIE if psutil.pid_exists(c.engine_pid) else True
     finally:
         c.shutdown()
+
+
+def _exited(pidfd: int) -> bool:
+    """Has the process behind ``pidfd`` exited (now, without waiting)?"""
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop():
+    """A hung engine (SIGSTOP); Ctrl-C lands once shutdown(timeout=1) has begun. The
+    engine's stop used to end there (a retry returned at once, the engine left running
+    and its channel open); now it goes on, and the retry waits for it (1 s, SIGTERM,
+    SIGKILL 2 s later)."""
+    c = SyncMPClient(cfg())
+    fd = os.pidfd_open(c.engine_pid)
+    armed, main = [False], threading.main_thread().ident
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def interrupt_once_shutdown_began():
+        if c.resources.dead.wait(5.0):  # set as shutdown() begins
+            signal.pthread_kill(main, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=interrupt_once_shutdown_began)
+    try:
+        os.kill(c.engine_pid, signal.SIGSTOP)
+        armed[0] = True
+        watcher.start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            c.shutdown(timeout=1)  # (the engine's stop takes 1 s at least: it lands)
+        armed[0] = False
+        assert not _exited(fd), "the interrupt landed after the engine had exited"
+        c.shutdown()
+        assert _exited(fd), "the retry returned with the engine still running"
+        assert time.monotonic() - t0 < 5.0  # (the first stop's 1 s, not a new 5 s)
+        assert c.resources.shut_down
+    finally:
+        armed[0] = False
+        watcher.join(10)
+        signal.signal(signal.SIGINT, old)
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        c.shutdown(timeout=0)
+        os.close(fd)
+
+
+async def test_a_cancelled_shutdown_async_goes_on_and_a_retry_waits_for_it():
+    c = await AsyncMPClient.create(cfg())
+    fd = os.pidfd_open(c.engine_pid)
+    try:
+        os.kill(c.engine_pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c.shutdown_async(timeout=1), 0.2)
+        assert not _exited(fd)
+        await c.shutdown_async()
+        assert _exited(fd), "the retry returned with the engine still running"
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await c.shutdown_async(timeout=0)
+        os.close(fd)
 
 
 def test_a_channel_that_fails_to_close_does_not_keep_the_engine_running(monkeypatch, caplog):
@@ -503,6 +575,59 @@ def test_a_finalizer_run_inside_mark_dead_does_not_deadlock():
     marking.join(5)
     assert not marking.is_alive(), "mark_dead hung"
     assert res.dead.is_set() and res.dead_reason == "the monitor saw it"
+
+
+class _LauncherThreading:
+    """``launcher``'s view of ``threading``, with ``Thread.start`` replaced."""
+
+    def __init__(self, start) -> None:
+        self.Thread = type("Thread", (threading.Thread,), {"start": start})
+        self.current_thread = threading.current_thread
+
+
+@pytest.mark.parametrize("thread_started", [True, False], ids=["after", "before"])
+def test_a_shutdown_interrupted_while_its_thread_starts_is_done_once_by_the_next_call(
+        monkeypatch, thread_started):
+    """Ctrl-C inside ``Thread.start`` (after or before the thread began): the next
+    ``shutdown`` does the work (or waits for the thread doing it), and only once."""
+    from shmclient import launcher
+
+    res = launcher.EngineResources()
+    runs: list[float] = []
+    real = res._shutdown
+    monkeypatch.setattr(res, "_shutdown", lambda t: (runs.append(t), real(t)))
+    interrupted: list[int] = []
+
+    def start(self):
+        if not interrupted:
+            interrupted.append(1)
+            if thread_started:
+                threading.Thread.start(self)
+            raise KeyboardInterrupt
+        threading.Thread.start(self)
+
+    monkeypatch.setattr(launcher, "threading", _LauncherThreading(start))
+    with pytest.raises(KeyboardInterrupt):
+        res.shutdown(timeout=0.0)
+    res.shutdown(timeout=0.0)
+    assert res.shut_down and runs == [0.0]
+    res.shutdown(timeout=0.0)
+    assert runs == [0.0]
+
+
+def test_a_shutdown_where_no_thread_can_start_runs_inline(monkeypatch):
+    """Python 3.12.0/3.12.1 refuse a new thread at interpreter shutdown (RuntimeError):
+    the shutdown of an atexit handler or finalizer then runs in the calling thread."""
+    from shmclient import launcher
+
+    res = launcher.EngineResources()
+
+    def start(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(launcher, "threading", _LauncherThreading(start))
+    res.shutdown(timeout=0.0)
+    assert res.shut_down and res.dead.is_set()
 
 
 def test_a_death_callback_registered_as_the_engine_dies_runs_once():
