@@ -23,6 +23,12 @@ class InvalidRequestError(ShmClientError, ValueError):
     """
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """A request names the id of a request that is live in the engine. An engine core
+    raises it from ``add_request``; the engine loop then answers nothing under that id
+    (what comes under it belongs to the live request) and logs a warning."""
+
+
 class PeerDeadError(ShmClientError, RuntimeError):
     """The process on the other side of a ring or socket is gone."""
 

@@ -26,7 +26,8 @@ from . import control, waiting
 from .channel import REC_OUTPUTS, REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage, ShmChannel
 from .channel_zmq import ZmqChannel
 from .config import EngineConfig
-from .errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, ProtocolError
+from .errors import (DuplicateRequestError, PeerDeadError, PeerNotConsumingError,
+                     PeerNotProducingError, ProtocolError)
 from .messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, UtilityOutput, UtilityRequest
 from .serve_remote import FrontendLink
 
@@ -51,7 +52,10 @@ class EngineCore(Protocol):
     block_size: int
     max_model_len: int
 
-    def add_request(self, request: EngineCoreRequest) -> None: ...
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue ``request``; raise to refuse it (the frontend gets it finished with
+        ERROR, the reason in ``stop_reason``), or raise ``DuplicateRequestError`` for an
+        id that is live (nothing is answered under it)."""
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
@@ -131,6 +135,10 @@ class EngineProc:
         elif rtype == REQ_ADD:
             try:
                 self.core.add_request(obj)
+            except DuplicateRequestError as e:
+                # An ERROR under that id would finish the live request at the frontend
+                # while the engine goes on with it: refused without an answer.
+                log.warning("dropped a request from client %r: %s", obj.client_index, e)
             except Exception as e:  # noqa: BLE001 - a refused request changes nothing
                 self.reject(obj.client_index, obj.request_id, str(e))
         elif rtype == REQ_ABORT:

@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from shmclient.errors import ConfigError, InvalidRequestError, WaitNotSupportedError
+from shmclient.errors import (ConfigError, DuplicateRequestError, InvalidRequestError,
+                              WaitNotSupportedError)
 from shmclient.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -182,8 +183,9 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request. Raises ``InvalidRequestError`` naming the problem; a rejected
-        request changes nothing."""
+        """Queue a request. Raises ``InvalidRequestError`` naming the problem
+        (``DuplicateRequestError`` for an id already live); a rejected request changes
+        nothing."""
         self._check_open()
         req = self._make_request(request)
         self.scheduler.add_request(req)
@@ -300,7 +302,9 @@ class EngineCore:
         check_request(r, vocab_size=self.model.vocab_size, hidden_size=self.model.hidden_size,
                       max_model_len=self.max_model_len)
         rid = r.request_id
-        if rid in self.scheduler.requests or rid in self._aborted_ids:
+        if rid in self.scheduler.requests:
+            raise DuplicateRequestError(f"request_id {rid!r} is already live")
+        if rid in self._aborted_ids:  # (its ABORT output is not out yet)
             raise InvalidRequestError(f"request_id {rid!r} is already live")
         generator = None
         sp = None if r.pooling_params is not None else r.sampling_params or SamplingParams()

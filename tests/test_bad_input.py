@@ -306,6 +306,36 @@ async def test_refused_request_finishes_with_finish_reason_error_and_engine_keep
     assert not drv.client.is_dead
 
 
+def test_a_duplicate_of_a_live_id_is_dropped_without_finishing_the_live_request():
+    """A frontend (not this project's clients, which refuse it first) sends a request
+    whose id is live in the engine: the engine's refusal used to finish that id with
+    ERROR, so the frontend took the live request as over while the engine went on
+    generating for it. Nothing is answered under the id now; the live request ends
+    as it would have."""
+    from shmclient import SyncMPClient
+
+    c = SyncMPClient(CFG.replace(step_delay_s=0.002))
+    try:
+        r = req("live", max_tokens=12)
+        c.add_request(r)
+        send(c.channel, REQ_ADD, r)  # around the client's own check
+        c.add_request(req("after", max_tokens=2))
+        finished: dict[str, FinishReason] = {}
+        tokens = 0
+        deadline = time.monotonic() + 30
+        while len(finished) < 2 and time.monotonic() < deadline:
+            for o in c.get_output(timeout=10).outputs:
+                if o.request_id == "live":
+                    assert "live" not in finished, f"output after its finish: {o!r}"
+                    tokens += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.finish_reason
+        assert finished == {"live": FinishReason.LENGTH, "after": FinishReason.LENGTH}
+        assert tokens == 12
+    finally:
+        c.shutdown()
+
+
 class _RepliesUndecodable:
     """The client's decoder of output batches, failing on every utility reply as on
     bytes the engine should never have sent (a bug of a third-party engine)."""
