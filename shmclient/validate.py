@@ -188,7 +188,18 @@ def _check_embeds(rid: str, embeds: Any, hidden: int | None) -> int:
         )
     if shape[0] == 0:
         raise InvalidRequestError(f"request {rid!r}: empty prompt: prompt_embeds has no rows")
-    if not bool(torch.isfinite(embeds).all()):
+    try:
+        finite = bool(torch.isfinite(embeds).all())
+    except (NotImplementedError, RuntimeError):
+        # No isfinite for this dtype (float8_e4m3fn, float8_e5m2fnuz, ...): in float32,
+        # which holds every value of those; a dtype with no float32 form is refused.
+        try:
+            finite = bool(torch.isfinite(embeds.float()).all())
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            raise InvalidRequestError(
+                f"request {rid!r}: prompt_embeds has dtype {embeds.dtype}, which cannot be "
+                f"checked or computed with ({type(e).__name__}: {e})") from None
+    if not finite:
         raise InvalidRequestError(f"request {rid!r}: prompt_embeds holds NaN or infinite values")
     return shape[0]
 

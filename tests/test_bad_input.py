@@ -152,6 +152,13 @@ BAD_ADDS = [
     ("embeds-inf", lambda r: add(r, prompt_token_ids=None,
                                  prompt_embeds=embeds(2, 32).index_fill_(1, torch.tensor([3]), -math.inf)),
      "NaN or infinite"),
+    # float8_e4m3fn has no isfinite in torch: checked in float32 (a raw
+    # NotImplementedError before); float4_e2m1fn_x2 has no float32 form at all.
+    ("embeds-f8-nan", lambda r: add(r, prompt_token_ids=None, prompt_embeds=embeds(
+        2, 32).fill_(math.nan).to(torch.float8_e4m3fn)), "NaN or infinite"),
+    ("embeds-f4", lambda r: add(r, prompt_token_ids=None,
+                                prompt_embeds=embeds(2, 32, dtype=torch.float4_e2m1fn_x2)),
+     "float4_e2m1fn_x2, which cannot be checked"),
     ("client-index-neg", lambda r: add(r, client_index=-1), "client_index"),
     ("client-index-str", lambda r: add(r, client_index="0"), "client_index"),
     ("client-index-bool", lambda r: add(r, client_index=True), "client_index"),

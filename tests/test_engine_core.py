@@ -253,6 +253,15 @@ def test_prompt_embeds_generate_by_documented_rule(core):
     assert Run(core).drain().tokens["emb"] == predict([], 4, embeds_rows=5)
 
 
+def test_float8_prompt_embeds_that_torch_cannot_check_directly_are_taken():
+    """torch has no isfinite for float8_e4m3fn: the check runs in float32 (it raised a
+    bare NotImplementedError, no field named)."""
+    core = EngineCore(CFG)
+    emb = torch.randn(3, 64).to(torch.float8_e4m3fn)
+    core.add_request(req("f8", prompt=None, prompt_embeds=emb, max_tokens=2))
+    assert len(Run(core).drain().tokens["f8"]) == 2
+
+
 def test_pooling_with_ids_and_embeds():
     c = EngineCore(CFG.replace(max_num_batched_tokens=16))
     emb = torch.randn(40, 64, dtype=torch.bfloat16)
