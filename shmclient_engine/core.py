@@ -110,6 +110,20 @@ def _ident(fn: Callable[..., Any]) -> tuple[str, str]:
     return getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn))
 
 
+
+#: The model's methods the core calls itself, refused to ``collective_rpc``, with what
+#: to call instead.
+_CORE_DRIVEN = {
+    "execute": "each step runs it",
+    "free": "abort the request instead",
+    "pool": "send a request with pooling_params",
+    "make_generator": "set SamplingParams.seed",
+    "reserve": "each step runs it",
+    "sleep": "call the sleep utility",
+    "wake_up": "call the wake_up utility",
+}
+
+
 class EngineCore:
     """Schedules, executes and reports; see the module docstring. Not thread-safe.
 
@@ -463,7 +477,14 @@ class EngineCore:
                 fut.set_result(None)
 
     def resume_scheduler(self) -> None:
-        """Schedule again: what was queued or kept while paused runs from here on."""
+        """Schedule again: what was queued or kept while paused runs from here on.
+        RuntimeError while a ``"wait"`` pause (or sleep) is still in flight, as vLLM's
+        engine process: its call completes later and would undo the resume (a sleep
+        would put the model to sleep after ``wake_up`` said it was awake)."""
+        if self._pause_waiters:
+            raise RuntimeError(
+                "resume_scheduler called while a pause is still in flight: wait for the "
+                "pause (or sleep) call to return before resuming")
         self.scheduler.set_pause_state(PauseState.UNPAUSED)
 
     def is_scheduler_paused(self) -> bool:
@@ -506,8 +527,9 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache", "scheduling"; None: all).
-        Scheduling resumes once nothing is asleep any more. Returns whether the engine
-        is fully awake (vLLM's result)."""
+        Scheduling resumes once nothing is asleep any more (RuntimeError while a
+        ``"wait"`` sleep is still in flight, as ``resume_scheduler``). Returns whether
+        the engine is fully awake (vLLM's result)."""
         if tags is not None and (not isinstance(tags, (list, tuple))
                                  or not all(isinstance(t, str) for t in tags)):
             raise ValueError(f"wake_up tags must be a list of str or None, got {tags!r}")
@@ -549,9 +571,16 @@ class EngineCore:
 
     def collective_rpc(self, method: str, timeout: float | None = None,
                        args: tuple = (), kwargs: dict | None = None) -> list:
-        """Call ``method`` on every model worker (one here); a list of their results."""
+        """Call ``method`` on every model worker (one here); a list of their results.
+        ValueError for a private name or one of the methods the core drives the model
+        with (a call behind the core's back leaves the model out of step with the
+        scheduler: the next step would fail and the engine die)."""
         if not isinstance(method, str) or method.startswith("_"):
             raise ValueError(f"collective_rpc method must be a public name, got {method!r}")
+        if method in _CORE_DRIVEN:
+            raise ValueError(
+                f"collective_rpc cannot call the model's {method!r}: the engine core drives "
+                f"it ({_CORE_DRIVEN[method]})")
         fn = getattr(self.model, method)
         if not callable(fn):
             raise ValueError(f"model attribute {method!r} is not callable")

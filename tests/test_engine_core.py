@@ -331,6 +331,15 @@ def test_echo_and_simple_utilities(core):
         core.collective_rpc("_caches")
     with pytest.raises(AttributeError):
         core.collective_rpc("no_such_method")
+    # The methods the core drives the model with: called behind its back, the next
+    # step failed and the engine process died (a sleeping model, a freed cache).
+    core.add_request(req("live", max_tokens=3))
+    core.step()
+    with pytest.raises(ValueError, match="call the sleep utility"):
+        core.collective_rpc("sleep", None, (2,))
+    with pytest.raises(ValueError, match="abort the request"):
+        core.collective_rpc("free", args=("live",))
+    assert len(Run(core).drain().tokens["live"]) == 2  # (one came with the step above)
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
@@ -400,6 +409,32 @@ def test_sleep_wait_drains_running_requests_then_sleeps_when_a_loop_steps_the_en
         assert c.pause_scheduler("wait") is None and c.is_scheduler_paused()
         c.resume_scheduler()
         assert not c.is_scheduler_paused()
+    finally:
+        c.shutdown()
+
+
+def test_wake_up_or_resume_during_a_wait_sleep_in_flight_is_refused_as_vllm():
+    """wake_up() during a "wait" sleep still draining returned True, then the drain's
+    end put the model to sleep anyway and later requests never ran. As vLLM's engine
+    process, resuming (wake_up's last step) while a pause is in flight raises."""
+    c = EngineCore(CFG, supports_wait=True)
+    try:
+        c.add_request(req("running", max_tokens=4))
+        run = Run(c)
+        run.step()
+        fut = c.sleep(1, "wait")
+        with pytest.raises(RuntimeError, match="still in flight"):
+            c.wake_up()
+        with pytest.raises(RuntimeError, match="still in flight"):
+            c.resume_scheduler()
+        while not fut.done():
+            run.step()
+            assert run.steps < 50
+        assert fut.result() is None and c.is_sleeping()
+        assert c.wake_up() is True and not c.is_sleeping()
+        c.add_request(req("after", max_tokens=2))
+        run.drain()
+        assert run.tokens["after"] == predict([1, 2, 3], 2)
     finally:
         c.shutdown()
 
@@ -632,11 +667,15 @@ def test_wait_pause_behind_a_sleeping_model_idles_until_wake_up():
         c.sleep(1, "keep")
         fut = c.pause_scheduler("wait")
         assert fut is not None and not c.has_work()
-        c.wake_up(["weights", "kv_cache"])  # resumes scheduling too
+        # The model wakes; resuming is refused while the pause is in flight (vLLM).
+        with pytest.raises(RuntimeError, match="still in flight"):
+            c.wake_up(["weights", "kv_cache"])
         while not fut.done():
             assert c.has_work()
             run.step()
             assert run.steps < 50
         assert run.tokens["kept"] == predict([1, 2, 3], 3)
+        c.resume_scheduler()
+        assert not c.is_sleeping()
     finally:
         c.shutdown()
