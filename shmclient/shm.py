@@ -13,7 +13,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import mmap
+import math
 import os
+import select
 import stat
 
 from .capacity import (  # noqa: F401 - memory_limits & co. re-exported from here too
@@ -351,3 +353,14 @@ def make_pipe() -> tuple[int, int, str]:
     which a peer opens with ``open_handle(h, os.O_WRONLY | os.O_NONBLOCK)``."""
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     return r, w, f"pipe:{os.getpid()}:{w}:{os.fstat(w).st_ino}"
+
+
+def fd_ready(fd: int, timeout_s: float = 0.0) -> bool:
+    """Whether ``fd`` is readable, hung up or not open (POLLIN, POLLHUP, POLLERR,
+    POLLNVAL: a pidfd whose process exited, a pipe with data or no writer left), waiting
+    up to ``timeout_s`` seconds. poll(2), so any descriptor number: ``select.select``
+    raises ValueError for one above 1023, which a process with many files open (an
+    engine with its GPU libraries, channels and sockets) reaches."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(math.ceil(max(timeout_s, 0.0) * 1000)))

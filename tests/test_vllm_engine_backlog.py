@@ -281,3 +281,36 @@ def test_the_flusher_leaves_sigterm_and_sigint_to_the_main_thread(channels):
         assert time.monotonic() < deadline, "the flusher takes SIGTERM and SIGINT"
     read(front, fillers + 1)
     link.close()
+
+
+def test_an_api_servers_pidfd_numbered_above_1023_reads_as_alive_while_it_lives():
+    """With several API servers the engine watches each with a pidfd. select() raises
+    ValueError for a descriptor above 1023 (an engine with many files open reaches
+    that), which was taken for the API server's death: its requests went unread and
+    its outputs were dropped while it waited for good. poll() takes any number."""
+    import os
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                              stdin=subprocess.PIPE)
+    fd = -1
+    try:
+        pidfd = os.pidfd_open(server.pid)
+        fd = os.dup2(pidfd, 1500)  # (the file limit here is far above)
+        os.close(pidfd)
+        link = object.__new__(_EngineLink)
+        link.frontend_gone, link.launcher_pid, link._pidfd = False, os.getppid(), fd
+        link.frontend_pid = server.pid
+        assert link.frontend_alive() is True
+        server.stdin.close()  # the API server ends
+        server.wait(10)
+        assert link.frontend_alive() is False
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if server.stdin and not server.stdin.closed:
+            server.stdin.close()
+        if fd >= 0:
+            os.close(fd)

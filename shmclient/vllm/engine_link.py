@@ -16,7 +16,6 @@ the process its HELLO names, watched with a pidfd.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import time
@@ -28,7 +27,7 @@ import msgspec
 from .. import waiting
 from ..channel import ShmChannel
 from ..errors import ClientClosedError, PeerDeadError, WouldBlock
-from ..shm import Segment, close_inherited, open_fds
+from ..shm import Segment, close_inherited, fd_ready, open_fds
 from . import wire
 
 _state_lock = threading.Lock()
@@ -114,11 +113,9 @@ class _EngineLink:
             if os.getppid() != self.launcher_pid:
                 self.frontend_gone = self.launcher_gone = True
             else:
+                # (A pidfd closed by close() meanwhile polls as not open: gone for us.)
                 pidfd = self._pidfd
-                try:
-                    if pidfd is not None and select.select([pidfd], [], [], 0)[0]:
-                        self.frontend_gone = True
-                except (OSError, ValueError):  # closed by close() meanwhile: gone for us
+                if pidfd is not None and fd_ready(pidfd):
                     self.frontend_gone = True
         elif os.getppid() != self.frontend_pid:
             self.frontend_gone = True

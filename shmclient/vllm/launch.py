@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import sys
 import threading
 from typing import Any
 
 from ..channel_handles import ChannelHandles
-from ..shm import Segment, make_pipe
+from ..shm import Segment, fd_ready, make_pipe
 from . import wire
 from .link import PAGE_BYTES, _Settings
 
@@ -110,9 +109,9 @@ class _Rings:
                     return
                 fd = self._read_fd
             try:
-                if select.select([fd], [], [], POLL_S)[0]:
+                if fd_ready(fd, POLL_S):
                     seen += len(os.read(fd, 4096))
-            except (OSError, ValueError):
+            except OSError:  # (closed by release() meanwhile)
                 return
         self.release()
 
