@@ -38,7 +38,7 @@ from .client import (
 from .errors import (ClientClosedError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerDeadError, PeerNotConsumingError,
                      PeerNotProducingError, ProtocolError, UtilityCallError)
-from .errors import NOT_SENT
+from .errors import not_sent
 from .launcher import EngineResources, weak_callback
 from .messages import EngineCoreOutputs, EngineCoreRequest, UtilityRequest
 
@@ -199,8 +199,9 @@ class MPClient(EngineCoreClient):
         try:
             try:
                 self._sends.send(rtype, payload, timeout)
-            except NOT_SENT:
-                channel.discard(rtype, payload)  # its tensors' blocks come back now
+            except BaseException as e:
+                if not_sent(e):  # (a timeout, the engine's death, Ctrl-C while it waited)
+                    channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
             raise self._dead_error() from e
@@ -402,7 +403,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             raise self._dead_error() from e
         except BaseException as e:
             self._futures.pop(call_id, None)
-            if isinstance(e, NOT_SENT):
+            if not_sent(e):
                 self.channel.discard(REQ_UTILITY, payload)
             raise
         self._reader.wait(fut.done, None)

@@ -134,6 +134,23 @@ class SerializationError(ShmClientError, TypeError):
 #: What a send (``shmclient.waiting.send`` / ``send_async``) raises when its message
 #: certainly did not go whole (a timeout on a full ring, the peer's death, a closed
 #: channel): the blocks its tensors were placed in may be freed (``ShmChannel.discard``).
-#: Any other exception (a signal handler's, raised after the record was published)
-#: leaves them.
+#: Any other exception (a signal handler's) may have come after the record was
+#: published: it leaves them, unless ``not_sent`` says otherwise.
 NOT_SENT = (PeerNotConsumingError, PeerDeadError)
+
+
+def mark_not_sent(e: BaseException) -> None:
+    """Note on ``e`` (raised while a send waited for room or for its turn: a signal
+    handler's KeyboardInterrupt) that its message certainly did not go whole."""
+    try:
+        e.shmclient_not_sent = True  # type: ignore[attr-defined]
+    except AttributeError:  # pragma: no cover - an exception type without a __dict__
+        pass
+
+
+def not_sent(e: BaseException) -> bool:
+    """Whether the send that raised ``e`` certainly did not publish its message whole
+    (one of ``NOT_SENT``, or raised while it waited: ``mark_not_sent``), so the blocks its
+    tensors were placed in may be freed. False where it may have gone (an exception
+    from inside the write itself, e.g. right after it published): those blocks stay."""
+    return isinstance(e, NOT_SENT) or getattr(e, "shmclient_not_sent", False) is True

@@ -223,3 +223,57 @@ async def test_tensors_of_aborted_and_finished_requests_are_released(mode):
         assert in_flight() == 0
     finally:
         c.shutdown()
+
+
+def test_ctrl_c_while_an_add_waits_for_room_gives_its_tensors_blocks_back():
+    """An add with prompt_embeds placed in the arena waits for room in a full request
+    ring (the engine is stopped); Ctrl-C lands in that wait. Nothing of the message went,
+    so the blocks its tensors took come back at once (they stayed taken for good: only a
+    timeout or the engine's death freed them)."""
+    import torch
+
+    from shmclient import EngineCoreRequest, PeerNotConsumingError, SamplingParams
+
+    c = make_client(True, False, cfg(ring_capacity_bytes=16384))
+    armed, main = [False], threading.main_thread().ident
+    waiting_for_room = threading.Event()
+    real_wait = c.channel.wait_send
+
+    def wait_send(*args, **kwargs):
+        waiting_for_room.set()
+        return real_wait(*args, **kwargs)
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def interrupt_once_it_waits():
+        if waiting_for_room.wait(10):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=interrupt_once_it_waits)
+    try:
+        os.kill(c.engine_pid, signal.SIGSTOP)
+        n = 0
+        with pytest.raises(PeerNotConsumingError):
+            while True:  # fill the request ring
+                c.add_request(req(f"fill-{n}", prompt=list(range(1, 400))), timeout=0)
+                n += 1
+        assert c.channel.statistics().tensors.blocks_in_flight == 0
+        c.channel.wait_send = wait_send
+        armed[0] = True
+        watcher.start()
+        with pytest.raises(KeyboardInterrupt):
+            c.add_request(EngineCoreRequest(
+                request_id="embeds", prompt_embeds=torch.randn(512, 64),  # 128 KiB: arena
+                sampling_params=SamplingParams(max_tokens=4)))
+        armed[0] = False
+        assert c.channel.statistics().tensors.blocks_in_flight == 0
+    finally:
+        armed[0] = False
+        waiting_for_room.set()
+        watcher.join(10)
+        signal.signal(signal.SIGINT, old)
+        os.kill(c.engine_pid, signal.SIGCONT)
+        c.shutdown()

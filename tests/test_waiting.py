@@ -391,6 +391,101 @@ class _RoomWhenOpened:
         os.close(self.w)
 
 
+@pytest.mark.parametrize("where", ["room", "turn"])
+def test_ctrl_c_while_an_ordered_send_waits_marks_its_message_not_sent(where):
+    """Ctrl-C while a send waits for room (or for its turn behind another): nothing of
+    the message went, and the exception says so (``not_sent``), so the clients free the
+    blocks its tensors took (only a timeout or the peer's death said so before)."""
+    from shmclient.errors import not_sent
+
+    channel = _RoomWhenOpened()
+    sends = waiting.OrderedSends(channel, None, lambda: False)
+    waits = threading.Event()
+    armed, main = [False], threading.main_thread().ident
+    first = threading.Thread(target=sends.send, args=(1, "a", 10))
+    if where == "room":
+        real_wait = channel.wait_send
+
+        def wait_send(*args, **kwargs):
+            waits.set()
+            return real_wait(*args, **kwargs)
+
+        channel.wait_send = wait_send
+    else:
+        first.start()  # waits for room, first in line
+        real_turn = sends._wait_turn
+
+        def wait_turn(*args):
+            waits.set()
+            return real_turn(*args)
+
+        sends._wait_turn = wait_turn
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def interrupt_once_it_waits():
+        if waits.wait(10):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=interrupt_once_it_waits)
+    try:
+        armed[0] = True
+        watcher.start()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            sends.send(1, "b", 10)
+        armed[0] = False
+        assert not_sent(raised.value)
+        channel.open()
+        if where == "turn":
+            first.join(10)
+        assert channel.sent == (["a"] if where == "turn" else [])
+    finally:
+        armed[0] = False
+        waits.set()
+        watcher.join(10)
+        signal.signal(signal.SIGINT, old)
+        channel.open()
+        if first.ident is not None:
+            first.join(10)
+        channel.close()
+
+
+def test_an_exception_from_inside_the_write_is_not_taken_for_not_sent():
+    """A signal handler's exception raised as the write returns (the record published)
+    must not let the clients free blocks the peer is about to read."""
+    from shmclient.errors import not_sent
+
+    class PublishesThenInterrupted(_RoomWhenOpened):
+        def send_nowait(self, rtype, payload):
+            if self.full:
+                raise WouldBlock("full")
+            self.sent.append(payload)
+            raise KeyboardInterrupt  # (landed right after the publish)
+
+        def wait_send(self, timeout, *, spin=None, first=True):
+            ready = super().wait_send(timeout, spin=spin, first=first)
+            self.full = not ready
+            return ready
+
+    channel = PublishesThenInterrupted()
+    try:
+        channel.full = False
+        with pytest.raises(KeyboardInterrupt) as raised:  # the first try
+            waiting.OrderedSends(channel, None, lambda: False).send(1, "a", 1)
+        assert not not_sent(raised.value)
+        channel.full = True
+        channel.open()  # (room comes as the wait begins: the retry after it goes)
+        channel.full = True
+        with pytest.raises(KeyboardInterrupt) as raised:
+            waiting.OrderedSends(channel, None, lambda: False).send(1, "b", 1)
+        assert not not_sent(raised.value) and channel.sent == ["a", "b"]
+    finally:
+        channel.close()
+
+
 def _engine_dead_on_failure():
     """A ``failed`` for ``OrderedSendsAsync.start`` that records what ended a send and
     makes it EngineDeadError (as the vLLM plug-in's does), and its record."""

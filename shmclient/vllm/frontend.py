@@ -27,7 +27,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import NOT_SENT, ClientClosedError, PeerDeadError
+from ..errors import NOT_SENT, ClientClosedError, PeerDeadError, not_sent
 from . import wire
 from .link import _close_links, _engine_pids, _Link, _start_with_links
 
@@ -179,8 +179,9 @@ class _LinkIO:
         try:
             try:
                 link.sends.send(rtype, payload, SEND_TIMEOUT_S)
-            except NOT_SENT:
-                link.channel.discard(rtype, payload)  # its tensors' blocks come back now
+            except BaseException as e:
+                if not_sent(e):  # (a timeout, the engine's death, Ctrl-C while it waited)
+                    link.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except (PeerDeadError, ClientClosedError):
             raise self._dead() from None

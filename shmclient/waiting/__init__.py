@@ -21,7 +21,8 @@ import asyncio
 import time
 from typing import Any, Callable, TypeVar
 
-from ..errors import PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock
+from ..errors import (PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock,
+                      mark_not_sent)
 from .protocols import (
     CAPABILITIES,
     FLAGS,
@@ -66,35 +67,47 @@ def _block(
     timeout: float | None,
     alive: Alive | None,
     timed_out: Callable[[], Exception],
+    mark: bool = False,
 ) -> T:
     """``attempt()`` until it does not raise WouldBlock, waiting with ``wait_once``
     between tries; a deadline of ``timeout`` seconds (None: none) and ``alive()``
-    between slices."""
+    between slices. ``mark``: an exception raised between the attempts (a signal
+    handler's, in the wait) is marked ``mark_not_sent`` (no attempt was under way)."""
     try:
         return attempt()
     except WouldBlock:
         pass
     deadline = None if timeout is None else time.monotonic() + timeout
     first = True
-    while True:
-        if deadline is None:
-            slice_s = LIVENESS_S
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise timed_out()
-            slice_s = min(left, LIVENESS_S)
-        ready = wait_once(slice_s, first=first)
-        first = False
-        try:
-            return attempt()
-        except WouldBlock:
-            pass
-        if not ready and alive is not None and not alive():
+    trying = False  # an attempt may be under way (set before it, cleared after WouldBlock)
+    try:
+        while True:
+            if deadline is None:
+                slice_s = LIVENESS_S
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise timed_out()
+                slice_s = min(left, LIVENESS_S)
+            ready = wait_once(slice_s, first=first)
+            first = False
+            trying = True
             try:
-                return attempt()  # it may have written just before it went
+                return attempt()
             except WouldBlock:
-                raise PeerDeadError("the peer is gone: its liveness check failed while we waited") from None
+                pass
+            trying = False
+            if not ready and alive is not None and not alive():
+                trying = True
+                try:
+                    return attempt()  # it may have written just before it went
+                except WouldBlock:
+                    raise PeerDeadError(
+                        "the peer is gone: its liveness check failed while we waited") from None
+    except BaseException as e:
+        if mark and not trying:
+            mark_not_sent(e)
+        raise
 
 
 def send(
@@ -112,7 +125,8 @@ def send(
             f"the peer is not consuming: no room for the message within {timeout} s")
 
     try:
-        _block(lambda: channel.send_nowait(rtype, payload), channel.wait_send, timeout, alive, timed_out)
+        _block(lambda: channel.send_nowait(rtype, payload), channel.wait_send, timeout, alive,
+               timed_out, mark=True)
     except BaseException:
         channel.abandon(payload)  # half-sent: the next other message may go first
         raise

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from ..errors import PeerDeadError, PeerNotConsumingError, WouldBlock
+from ..errors import PeerDeadError, PeerNotConsumingError, WouldBlock, mark_not_sent
 from . import LIVENESS_S, Alive, check_timeout, send, send_async
 from .protocols import AsyncSender, Sender
 
@@ -75,7 +75,11 @@ class OrderedSends:
                 ticket = object()
                 queue.append(ticket)
                 if queue[0] is not ticket:
-                    self._wait_turn(ticket, deadline, timeout)
+                    try:
+                        self._wait_turn(ticket, deadline, timeout)
+                    except BaseException as e:  # (nothing of this message went)
+                        mark_not_sent(e)
+                        raise
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             send(self.channel, rtype, payload, timeout=left, alive=self._alive)
         except BaseException:
