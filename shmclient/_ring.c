@@ -1114,7 +1114,11 @@ static int recview_getbuffer(RecView *self, Py_buffer *view, int flags) {
     return 0;
 }
 
-static void recview_releasebuffer(RecView *self, Py_buffer *view) { self->exports--; }
+static void recview_let_go(RecView *self);
+
+static void recview_releasebuffer(RecView *self, Py_buffer *view) {
+    if (--self->exports == 0) recview_let_go(self);
+}
 
 static void recview_dealloc(RecView *self) {
     End *e = (End *)self->owner;
@@ -1258,6 +1262,23 @@ static int c_release(Consumer *c, uint64_t nrec, uint64_t nbytes) {
         notify(b, OFF_P_WAIT, OFF_SPACE_SEQ, c->space_fd);
     }
     return 0;
+}
+
+/* The last export of a view a handler kept is gone (the array made from it dropped):
+   release the space it pinned now, and wake a producer waiting for it, rather than at
+   the consumer's next call, which may never come while that producer waits (a consumer
+   parked on an empty ring). Only between the consumer's calls (a call in progress,
+   which may be reading records past the pins, releases at its end) and in the process
+   that made the end (a forked child's copy moves nothing of the parent's). Runs with
+   the GIL held, as every call that moves the release point. */
+static void recview_let_go(RecView *self) {
+    Consumer *c = (Consumer *)self->owner;
+    if (!c || c->e.busy || c->e.closed || c->e.broken || c->e.gen != fork_gen || !c->pinned ||
+        PyList_GET_SIZE(c->pinned) == 0)
+        return;
+    PyObject *exc = get_raised(); /* a buffer may be released while an exception is set */
+    if (c_release(c, 0, 0) < 0) PyErr_WriteUnraisable((PyObject *)c);
+    if (exc) set_raised(exc);
 }
 
 /* One record at c->rpos (below head). Sets *msg to a new reference to the complete

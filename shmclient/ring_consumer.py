@@ -72,7 +72,9 @@ class RingConsumer(Ring):
         (``shmclient.waiting.recv_into`` waits for it). ``view`` points into the ring and
         is valid only during the call (it is released afterwards). A view the handler
         kept an export of (``numpy.frombuffer``, ``torch.frombuffer``) pins its record:
-        its space is not reused until that export is dropped. If the handler raises,
+        its space is not reused until that export is dropped (which frees it and wakes
+        a producer waiting for it, or, during a receive call, that call's end frees it).
+        If the handler raises,
         that record counts as consumed and the exception propagates; the rest come with
         the next call. The handler must not use this ring (RuntimeError). ``limit`` > 0:
         at most that many messages per call (the rest stay; the wake pipe stays

@@ -217,6 +217,58 @@ def test_a_view_kept_past_the_handler_pins_its_bytes():
         c.close()
 
 
+def test_dropping_a_kept_view_wakes_the_producer_waiting_for_its_space():
+    """A handler kept an array made from its view; the consumer then makes no call (it
+    would park on the empty ring) while the producer waits for the space that view
+    pins. Dropping the array used to release nothing until the consumer's next call,
+    so both waited out their timeouts; it now releases the space and wakes the
+    producer."""
+    c = RingConsumer.create(256)
+    p = RingProducer.attach(c.spec)
+    sent: list = []
+    producer = threading.Thread(
+        target=lambda: sent.append(waiting.send(p, 3, b"C" * 100, timeout=10)))
+    try:
+        waiting.send(p, 1, b"A" * 100)
+        kept = []
+        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
+        assert p.try_send(2, b"B" * 100)
+        c.recv_into(lambda t, v: None)  # B is read; A's array still pins the space
+        assert c.pinned == 1 and not p.try_send(3, b"C" * 100)
+        producer.start()
+        kept.clear()  # the consumer's last call was the one above
+        producer.join(5)
+        assert not producer.is_alive() and len(sent) == 1, "the producer was not woken"
+        assert c.pinned == 0
+        assert waiting.recv(c, timeout=1) == [(3, b"C" * 100)]
+    finally:
+        producer.join(15)
+        p.close()
+        c.close()
+
+
+def test_a_forked_child_dropping_a_kept_view_moves_nothing_of_the_parents():
+    c = RingConsumer.create(256)
+    p = RingProducer.attach(c.spec)
+    try:
+        waiting.send(p, 1, b"A" * 100)
+        kept = []
+        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
+        tail = c.statistics().tail
+        pid = os.fork()
+        if pid == 0:  # the child: drop its copy of the array, then leave at once
+            kept.clear()
+            gc.collect()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert c.statistics().tail == tail and c.pinned == 1
+        kept.clear()
+        assert c.statistics().tail > tail and c.pinned == 0
+    finally:
+        p.close()
+        c.close()
+
+
 def test_a_closed_producer_is_read_to_the_end_first():
     c = RingConsumer.create(4096)
     p = RingProducer.attach(c.spec)
