@@ -110,11 +110,18 @@ class EngineCoreDead(msgspec.Struct, frozen=True, tag=True):
 
     @classmethod
     def of(cls, e: BaseException) -> EngineCoreDead:
-        """The report of ``e``: typed when ``e`` is one of ``ERROR_TYPES``."""
+        """The report of ``e``: typed when ``e`` is one of ``ERROR_TYPES``. Always
+        encodable: a text that is not valid UTF-8 (a lone surrogate from a file name)
+        has it escaped, and an error whose ``str()`` fails is named by its type."""
+        try:
+            text = str(e)
+        except Exception:  # noqa: BLE001 - the report must go out whatever the error is
+            text = f"<{type(e).__name__} whose str() failed>"
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
         for name, kind in ERROR_TYPES.items():
             if isinstance(e, kind):
-                return cls(message=str(e)[:MAX_ERROR_CHARS], error_type=name)  # type: ignore[arg-type]
-        return cls(message=f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS])
+                return cls(message=text[:MAX_ERROR_CHARS], error_type=name)  # type: ignore[arg-type]
+        return cls(message=f"{type(e).__name__}: {text}"[:MAX_ERROR_CHARS])
 
     def text(self) -> str:
         """``<type>: <message>``, as the engine would print the error."""

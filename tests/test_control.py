@@ -378,3 +378,19 @@ def test_local_engine_answers_a_bad_first_message_and_exits(reply, code):
         front.close(0)
         ctx.term()
         ipc.remove()
+
+
+def test_engine_core_dead_of_any_error_can_be_sent():
+    """The engine's last word must encode whatever the error: a lone surrogate (a file
+    name that is not UTF-8) made the encoder raise, and the report was lost; an error
+    whose str() fails raised from ``of`` itself."""
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no text")
+
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")  # (as os.listdir gives it)
+    odd = control.EngineCoreDead.of(OSError(f"cannot open {name}"))
+    assert control.decode([control.encode(odd)]) == odd and "caf\\udce9" in odd.message
+    bad = control.EngineCoreDead.of(Unprintable())
+    assert control.decode([control.encode(bad)]).message == "Unprintable: <Unprintable whose str() failed>"
