@@ -293,6 +293,65 @@ def test_arena_tensors_through_vllms_encoder_and_decoder():
         seg.release_handle()
 
 
+def test_two_threads_encoding_on_one_link_each_list_only_their_own_arena_blocks():
+    """The sync frontend's threads share a link's encoder (a utility call from one while
+    another adds requests). Encoding and taking the handles it placed were two steps:
+    one thread's message could list the other's arena blocks (freed under the engine if
+    that message were then discarded) and vLLM's encoder mixed their frames."""
+    import threading
+
+    import torch
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.serial_utils import MsgpackDecoder
+
+    from shmclient.shm import Segment
+    from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
+    from shmclient.vllm.oob import ArenaProvider
+    from shmclient.vllm.wire import VllmFraming
+
+    seg = Segment.create(1 << 22)
+    sender = ShmTensorSender(seg)
+    receiver = ShmTensorReceiver(Segment.attach(seg.name))
+    try:
+        framing = VllmFraming(sender, receiver, side="frontend", tensor_min_bytes=TENSOR_MIN_BYTES)
+        inside = {name: threading.Event() for name in ("a", "b")}
+        consumer = framing.consumer
+
+        class Meeting(type(consumer)):
+            def __call__(self, *args, **kwargs):  # place, then wait for the other to come
+                placed = super().__call__(*args, **kwargs)
+                me = threading.current_thread().name
+                inside[me].set()
+                inside["b" if me == "a" else "a"].wait(1.0)  # (bounded: never met with the fix)
+                return placed
+
+        consumer.__class__ = Meeting
+        got: dict[str, tuple] = {}
+
+        sent = {"a": embeds(300, 3), "b": embeds(300, 4)}
+
+        def encode(name: str) -> None:
+            out = EngineCoreOutputs(outputs=[EngineCoreOutput(name, [1], pooling_output=sent[name])])
+            got[name] = framing.encode_placed(out)
+
+        threads = [threading.Thread(target=encode, args=(n,), name=n) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sorted(got) == ["a", "b"]
+        assert len(got["a"][1]) == 1 and len(got["b"][1]) == 1 and got["a"][1] != got["b"][1]
+        dec = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))
+        for name, (frames, _) in got.items():
+            [out] = dec.decode([bytes(f) for f in frames]).outputs
+            assert out.request_id == name and torch.equal(out.pooling_output, sent[name])
+            del out
+    finally:
+        receiver.close()
+        sender.close()
+        seg.release_handle()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():

@@ -153,7 +153,7 @@ class _LinkIO:
         """vLLM's frames of ``request`` for ``link``'s engine (large tensors in its arena)
         and the handles of those it placed there (``wire.message``)."""
         if link.arenas and not self._own_oob:
-            return link.framing.encoder.encode(request), link.framing.take_placed()
+            return link.framing.encode_placed(request)
         return self.encoder.encode(request), []
 
     def _placed_by(self, link: _Link) -> list:

@@ -21,6 +21,7 @@ notes", ``shmclient.vllm.wire``.
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any, Sequence
 
 import msgspec
@@ -304,7 +305,8 @@ class VllmFraming:
     ``tensor_min_bytes`` and CUDA tensors go out of band through the channel's arenas
     (``oob``); ``provider`` is whoever opens placeholders that are not the arena's
     (vLLM's own tensor IPC receiver on the engine side; settable later). Called by one
-    encoder at a time (vLLM's encoder is not thread-safe either)."""
+    encoder at a time (vLLM's encoder is not thread-safe either; ``encode_placed``
+    serializes a frontend's threads)."""
 
     def __init__(self, tensor_tx: Any, tensor_rx: Any, *, side: str, tensor_min_bytes: int = 64 * 1024,
                  cuda_ipc: bool = True, arenas: bool = True) -> None:
@@ -337,6 +339,7 @@ class VllmFraming:
         adds = EngineCoreRequestType.ADD.value[0]
         self.fields = {k: {name: i for i, name in enumerate(add)} for k in (adds, adds | MULTI, adds | MULTI | PLACED)}
         self._fallback_provider: Any = None
+        self._encode_lock = threading.Lock()
 
     def set_fallback(self, provider: Any) -> None:
         """Who opens out-of-band placeholders that are not the arena's (vLLM's own)."""
@@ -353,6 +356,15 @@ class VllmFraming:
         """vLLM's frames of ``obj`` (large tensors placed in the arena); ``message``
         makes them a record, with ``take_placed()``."""
         return self.encoder.encode(obj)
+
+    def encode_placed(self, obj: Any) -> "tuple[list, list]":
+        """``encode(obj)`` and ``take_placed()`` as one step, for a frontend whose
+        threads share this framing (a utility call from one thread while another adds
+        requests): the encoder and its list of placed handles are not thread-safe, and
+        one message listing another's handles would have them freed under the engine
+        when it is discarded."""
+        with self._encode_lock:
+            return self.encoder.encode(obj), self.take_placed()
 
     def take_placed(self) -> list:
         """The handles the last encode by ``encoder`` placed out of band, once ([] after
