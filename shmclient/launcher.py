@@ -83,6 +83,8 @@ class EngineResources:
         self._stop_claims = itertools.count()
         self._stop_claimed = False
         self._stop_thread_started = False
+        #: The thread doing the shutdown's work (its ident), once one claimed it.
+        self._stop_worker: int | None = None
         self._shutdown_finished = threading.Event()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -245,6 +247,8 @@ class EngineResources:
         with self._lock:
             self._shutting_down = True
             start = not self._stop_thread_started and not self._stop_claimed
+        if self._stop_worker == threading.get_ident():
+            return  # (from inside the work: a finalizer the garbage collector ran there)
         on_monitor = threading.current_thread() is self.monitor
         if start:
             try:
@@ -265,6 +269,7 @@ class EngineResources:
         """Do the shutdown's work if no other thread has claimed it."""
         if next(self._stop_claims):
             return
+        self._stop_worker = threading.get_ident()
         self._stop_claimed = True
         self._shutdown(timeout)
 

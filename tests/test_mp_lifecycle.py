@@ -582,7 +582,7 @@ class _LauncherThreading:
 
     def __init__(self, start) -> None:
         self.Thread = type("Thread", (threading.Thread,), {"start": start})
-        self.current_thread = threading.current_thread
+        self.current_thread, self.get_ident = threading.current_thread, threading.get_ident
 
 
 @pytest.mark.parametrize("thread_started", [True, False], ids=["after", "before"])
@@ -613,6 +613,25 @@ def test_a_shutdown_interrupted_while_its_thread_starts_is_done_once_by_the_next
     assert res.shut_down and runs == [0.0]
     res.shutdown(timeout=0.0)
     assert runs == [0.0]
+
+
+def test_a_shutdown_called_from_inside_the_shutdown_returns_at_once():
+    """A finalizer the garbage collector runs inside the shutdown's own work (a client
+    freed by a step of it) calls shutdown again: it used to wait for the work it was
+    part of (timeout + 10 s)."""
+    from shmclient import launcher
+
+    res = launcher.EngineResources()
+    inner: list[float] = []
+
+    def hook() -> None:
+        t0 = time.monotonic()
+        res.shutdown(timeout=0.0)
+        inner.append(time.monotonic() - t0)
+
+    res.before_close(hook)
+    res.shutdown(timeout=0.0)
+    assert res.shut_down and len(inner) == 1 and inner[0] < 2.0
 
 
 def test_a_shutdown_where_no_thread_can_start_runs_inline(monkeypatch):
