@@ -30,6 +30,7 @@ from shmclient import AsyncMPClient, EngineCoreRequest, SamplingParams
 from shmclient.config import EngineConfig
 
 from .fairness_results import Fairness, Lateness
+from .stats import quantile
 from .section_results import SectionHost, typed
 
 TICK_S = 0.001
@@ -37,8 +38,7 @@ STEP_S = 0.0005
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return quantile(xs, q)
 
 
 async def _ticks(n: int) -> list[float]:

@@ -81,8 +81,10 @@ class Block:
     other_cpu_s: float | None = None
     own_cpu_s: float | None = None
     other_cores: float | None = None
-    #: True / False, or None where the counters were unavailable.
+    #: True / False, or None where the counters were unavailable or the block was too
+    #: short to judge alone (``too_short``).
     noisy: bool | None = None
+    too_short: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,6 +122,12 @@ class LoadMonitor:
         blk.other_cores = other / blk.wall_s
         # The counters move in clock ticks: allow one per CPU and one per process of ours.
         slack = _TICK_S * ((os.cpu_count() or 1) + max(a[3], b[3]))
+        if self.threshold_cores * blk.wall_s < slack:
+            # Too short for the ticks to show the threshold (a 0.1 s block on 2 CPUs
+            # with 6 processes would need a whole core): not judged alone; the whole
+            # run's window judges it with the rest.
+            blk.too_short = True
+            return blk
         blk.noisy = other > self.threshold_cores * blk.wall_s + slack
         return blk
 
@@ -147,6 +155,7 @@ class LoadMonitor:
             "threshold_cores": self.threshold_cores,
             "blocks": [b.as_dict() for b in self.blocks],
             "blocks_judged": len(judged),
+            "blocks_too_short": sum(b.too_short for b in self.blocks),
             "noisy_blocks": len(noisy),
             "max_other_cores": max(cores) if cores else None,
             "whole_run": whole.as_dict(),

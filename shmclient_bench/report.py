@@ -17,9 +17,10 @@ from .tables import compare, faster, table
 
 def _noisy_cell(e: dict[str, Any]) -> str:
     n, blocks = e.get("noisy_blocks"), e.get("blocks")
-    if not blocks:
-        return "-"
-    return f"{n}/{blocks}" if n else "0"
+    judged = e.get("judged", blocks)
+    if not blocks or not judged:
+        return "-"  # (none judged alone: too short, or no counters; the run's line judges)
+    return f"{n}/{judged}" if n else "0"
 
 
 #: A target's verdict on figures taken while other processes loaded the CPU: they say
@@ -55,7 +56,8 @@ def _latency_section(res: dict[str, Any]) -> list[str]:
         f"{meta.get('rounds', '?')} rounds in rotation, {meta.get('warmup', '?')} warm-up "
         "round trips per block excluded)",
         "'vs zmq': how much faster (or slower) than the zmq client of the same mode and "
-        "model; 'noisy': blocks in which other processes loaded the CPU",
+        "model; 'noisy': blocks in which other processes loaded the CPU ('-': none long "
+        "enough to judge alone, the whole run's window judges them)",
     ]
     rows = []
     for cfg, entry in lat.items():

@@ -22,6 +22,7 @@ from shmclient.errors import WouldBlock
 from shmclient.ring import Ring, RingSpec
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
+from .stats import quantile
 
 CTX = mp.get_context("spawn")
 STOP = 255
@@ -43,7 +44,7 @@ def _parent_alive(ppid: int):
 
 
 def _pct(sorted_ns: list[int], q: float) -> float:
-    return sorted_ns[min(len(sorted_ns) - 1, int(len(sorted_ns) * q))] / 1e3
+    return quantile(sorted_ns, q) / 1e3
 
 
 def _send(tx: RingProducer, rtype: int, payload, alive) -> None:

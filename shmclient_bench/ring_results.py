@@ -30,7 +30,8 @@ class RoundTrip(msgspec.Struct, frozen=True):
 
 class Throughput(msgspec.Struct, frozen=True):
     """One way, producer in a child: 64 B messages per second (one doorbell each, and in
-    batches of 64) and 1 MiB GB/s (read zero-copy, and copied out), zmq beside them."""
+    batches of 64) and 1 MiB GB/s (handed over as views, not read; and copied out), zmq
+    beside them."""
 
     ring_64B_msgs_per_s: float
     ring_64B_batched64_msgs_per_s: float

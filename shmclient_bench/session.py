@@ -141,7 +141,10 @@ class Session:
 
 
 def _noisy_count(flags: list[bool | None]) -> dict[str, int]:
-    return {"noisy_blocks": sum(1 for f in flags if f), "blocks": len(flags)}
+    """How many blocks were noisy, of how many, and of how many judged (None: the
+    counters were unavailable or the block too short to judge alone)."""
+    return {"noisy_blocks": sum(1 for f in flags if f), "blocks": len(flags),
+            "judged": sum(1 for f in flags if f is not None)}
 
 
 def latency_result(s: Session) -> dict[str, Any]:

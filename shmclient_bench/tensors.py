@@ -43,6 +43,7 @@ from shmclient.ring_producer import RingProducer
 from shmclient.shm import Segment
 from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
 
+from .stats import quantile
 from .tensor_results import Copies, TensorHost, TensorSweep, Timing
 
 CTX = mp.get_context("spawn")
@@ -71,7 +72,7 @@ def _summary(samples: list[float]) -> Timing:
     s = sorted(samples)
     return Timing(
         median_us=statistics.median(s) * 1e6,
-        p99_us=s[min(len(s) - 1, int(len(s) * 0.99))] * 1e6,
+        p99_us=quantile(s, 0.99) * 1e6,
         min_us=s[0] * 1e6,
         n=len(s),
     )

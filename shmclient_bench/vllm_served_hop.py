@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 from .cpu_time import run_queue_ns
+from .stats import quantile
 
 __all__ = ["HOP_ENV", "RECORD", "format_table", "main", "pair_ratios", "read_records", "summarise"]
 
@@ -112,8 +113,7 @@ def read_records(folder: str, offsets: dict[str, int] | None = None
 
 
 def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(len(v) * q))]
+    return quantile(values, q)
 
 
 def summarise(records: list[tuple[float, float | None]]) -> dict[str, Any]:

@@ -857,3 +857,34 @@ def test_the_vllm_section_run_alone_cleans_up_on_sigterm(tmp_path):
                 os.killpg(child_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_block_too_short_for_the_cpu_counters_is_not_judged_alone():
+    """The counters move in 10 ms ticks, allowed as slack (one per CPU and per process):
+    a 0.1 s block could not show a quarter of a core over that slack, so it passed as
+    quiet with other processes using most of a core. Such a block is left to the whole
+    run's window; a long one is judged as before."""
+    from shmclient_bench import load, report
+
+    mon = load.LoadMonitor()
+    slack = load._TICK_S * ((os.cpu_count() or 1) + 6)
+    short = mon._judge(load.Block("short"), (0.0, 0.0, 0.0, 6), (slack, 0.9 * slack, 0.0, 6))
+    assert short.too_short and short.noisy is None
+    long_s = 4 * slack / mon.threshold_cores
+    busy = mon._judge(load.Block("long"), (0.0, 0.0, 0.0, 6), (long_s, 0.5 * long_s, 0.0, 6))
+    assert not busy.too_short and busy.noisy is True
+    quiet = mon._judge(load.Block("quiet"), (0.0, 0.0, 0.0, 6), (long_s, 0.0, 0.0, 6))
+    assert quiet.noisy is False
+    assert report._noisy_cell({"noisy_blocks": 0, "blocks": 3, "judged": 0}) == "-"
+    assert report._noisy_cell({"noisy_blocks": 1, "blocks": 3, "judged": 2}) == "1/2"
+
+
+def test_quantiles_interpolate_as_the_summaries_do():
+    from shmclient_bench.stats import quantile, summarize
+
+    xs = list(range(1, 101))
+    assert quantile(xs, 0.5) == 50.5 and quantile(xs, 0.99) == pytest.approx(99.01)
+    assert quantile(xs, 0.99) == pytest.approx(summarize([x * 1000 for x in xs])["p99"])
+    assert quantile([3.0], 0.99) == 3.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
