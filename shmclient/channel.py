@@ -336,6 +336,12 @@ class ShmChannel:
                 obj = dec.decode(view)
             except Exception as e:  # this message alone is bad; the ring is intact
                 obj = BadMessage(rtype, describe(e), dec.salvage(view), self._fields)
+            except BaseException:
+                # A signal handler's exception (Ctrl-C) in the decode: the ring counts
+                # this record as read, so the blocks of the tensors it names that were
+                # not opened yet go back now (the peer would wait for them for good).
+                dec.salvage(view)
+                raise
             self._got.append((rtype, obj))
         elif rtype == REC_RELEASE:
             try:

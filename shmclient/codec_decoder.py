@@ -155,7 +155,16 @@ class Decoder:
                     "message carries an out-of-band tensor but this Decoder has no tensor receiver"
                 )
             self._opened.append(where)  # before get: a failed get releases the block itself
-            buf = self.tensors.get(where, nbytes)
+            try:
+                buf = self.tensors.get(where, nbytes)
+            except Exception:
+                raise
+            except BaseException:
+                # A signal handler's exception in get: maybe not opened, so the salvage
+                # opens it (and drops it) again; a block opened twice is released twice,
+                # which the sender ignores (ids are never reused).
+                self._opened.pop()
+                raise
         if code == EXT_NUMPY:
             if nbytes:
                 arr = np.frombuffer(buf, np_dtype)

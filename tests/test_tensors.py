@@ -646,3 +646,43 @@ def test_an_encode_that_fails_in_one_thread_frees_only_its_own_blocks(pair):
     got = Decoder(tensors=pair.receiver).decode(out["a"])
     assert torch.equal(got[0], torch.full((128, 128), 7.0))
     assert torch.equal(got[1], torch.full((128, 128), 8.0))
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_ctrl_c_while_a_message_decodes_gives_back_the_blocks_it_names(where):
+    """Ctrl-C in the decode of a message naming three arena tensors (here in opening the
+    second, before or after the receiver took it): the ring counts the record as read,
+    and the blocks not opened stayed taken in the sender's arena for good (only an
+    Exception ran the salvage). Every block comes back now."""
+    from shmclient.channel import REQ_UTILITY, ShmChannel
+    from shmclient.messages import UtilityRequest
+
+    front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    try:
+        front.peer_attached()
+        tensors = [torch.full((64,), i, dtype=torch.float32) for i in range(3)]
+        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", tensors)))
+        assert front.statistics().tensors.blocks_in_flight == 3
+        receiver, calls = engine._tensor_rx, []
+        real_get = receiver.get
+
+        def get(handle, nbytes):
+            calls.append(handle)
+            if len(calls) == 2:
+                if where == "after":
+                    real_get(handle, nbytes)  # (taken, then dropped with the frame)
+                raise KeyboardInterrupt
+            return real_get(handle, nbytes)
+
+        receiver.get = get
+        with pytest.raises(KeyboardInterrupt):
+            engine.try_recv()
+        del receiver.get
+        gc.collect()
+        engine.flush_releases()
+        front.try_recv()
+        assert front.statistics().tensors.blocks_in_flight == 0
+    finally:
+        engine.close()
+        front.close()
