@@ -74,6 +74,7 @@ def numpy_dtype(name: Any):
         or dt.fields is not None
         or dt.subdtype is not None
         or dt.hasobject
+        or dt.itemsize == 0  # ("S0", "U0": the encoder never sends one; no shape fits it)
     ):
         raise SerializationError(f"unsupported numpy dtype {name!r} in message")
     _numpy_cache[name] = dt

@@ -188,14 +188,19 @@ class CudaIpcReceiver:
                 f"received a CUDA IPC handle for GPU {uuid}, which this process does not see; "
                 "the sender must be given peer_gpu_uuids=local_gpu_uuids() from this side"
             )
-        if h is not None and _reductions.storage_from_cache(None, (h, st_offset)) is None:
-            self.opened += 1
-        # TypedStorage, as reduce_tensor sends: the class whose methods torch expects here.
-        t = _reductions.rebuild_cuda_tensor(
-            torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
-            dtype, index, h, st_size, st_offset, False, rc_handle, rc_offset, ev_handle,
-            ev_sync,
-        )
+        try:
+            if h is not None and _reductions.storage_from_cache(None, (h, st_offset)) is None:
+                self.opened += 1
+            # TypedStorage, as reduce_tensor sends: the class whose methods torch expects here.
+            t = _reductions.rebuild_cuda_tensor(
+                torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
+                dtype, index, h, st_size, st_offset, False, rc_handle, rc_offset, ev_handle,
+                ev_sync,
+            )
+        except Exception as e:  # the handle or its event did not open, out of memory, ...
+            released.append(bid)  # the sender may drop its reference: nothing here holds it
+            raise SerializationError(f"CUDA IPC handle of block {bid} could not be opened: "
+                                     f"{type(e).__name__}: {e}") from e
         live = self._live
 
         def dropped(_ref, bid=bid):

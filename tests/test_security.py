@@ -56,6 +56,7 @@ BAD_HEADERS = [
     ("np-structured", EXT_NUMPY, ["i4,i4", [4], None, None]),
     ("np-subarray", EXT_NUMPY, ["(2,)<i4", [4], None, None]),
     ("np-void", EXT_NUMPY, ["|V8", [4], None, None]),
+    ("np-zero-width", EXT_NUMPY, ["|S0", [1 << 40], None, None]),  # (a ValueError before)
     ("shape-negative", EXT_TORCH, ["float32", [-1], None, None]),
     ("shape-float", EXT_TORCH, ["float32", [1.5], None, None]),
     ("shape-huge", EXT_TORCH, ["float32", [1 << 40, 1 << 40], [ARENA, 7, 0], None]),
@@ -131,9 +132,11 @@ def test_decoder_refuses_an_empty_tensor_whose_strides_overflow_with_a_typed_err
         Decoder().decode(buf)
 
 
-def test_decoder_refuses_bad_dtype_with_a_typed_error():
-    hdr = msgspec.msgpack.encode(["_inductor", [1], None, None])
-    buf = msgspec.msgpack.encode(msgspec.msgpack.Ext(EXT_TORCH, struct.pack("<H", len(hdr)) + hdr + b"x"))
+@pytest.mark.parametrize("code, dtype", [(EXT_TORCH, "_inductor"), (EXT_NUMPY, "|S0"), (EXT_NUMPY, "<U0")])
+def test_decoder_refuses_bad_dtype_with_a_typed_error(code, dtype):
+    # (a zero-width numpy dtype, which the encoder never sends, escaped as a ValueError)
+    hdr = msgspec.msgpack.encode([dtype, [1 << 40], None, None])
+    buf = msgspec.msgpack.encode(msgspec.msgpack.Ext(code, struct.pack("<H", len(hdr)) + hdr))
     with pytest.raises(SerializationError, match="dtype"):
         Decoder().decode(buf)
 

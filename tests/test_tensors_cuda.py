@@ -98,6 +98,23 @@ def test_receiver_refuses_a_gpu_it_does_not_see(monkeypatch):
     assert released == [17]  # the sender may drop its reference
 
 
+def test_a_handle_that_fails_to_open_is_released(monkeypatch):
+    """A CUDA IPC handle that passed its checks but did not open (its memory or event
+    handle refused, out of memory): nothing held it, yet no release was queued, so the
+    sender kept that GPU tensor alive until the channel closed."""
+    monkeypatch.setattr(tensors_cuda, "local_index_for_uuid", lambda u: 0)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+    monkeypatch.setattr(tensors_cuda._reductions, "storage_from_cache", refused)
+    released: list[int] = []
+    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, b"e", True]
+    with pytest.raises(SerializationError, match="block 17 could not be opened: RuntimeError"):
+        CudaIpcReceiver().open(handle, released)
+    assert released == [17]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_no_gpus_without_cuda():
     assert gpus.local_gpu_uuids() == []
