@@ -217,9 +217,8 @@ class Encoder:
     def _place(self, code, dtype, shape, extra, src, nbytes, torch_src):
         if nbytes >= self.inline_threshold:
             if self.tensors is not None:
-                handle = self.tensors.put(src, nbytes)
+                handle = self.tensors.put(src, nbytes, self._call.placed)  # (listed by put)
                 if handle is not None:
-                    self._call.placed.append(handle)
                     return self._ext(code, [dtype, shape, handle, extra], None)
             else:
                 frames = self._call.frames

@@ -242,8 +242,9 @@ class Segment:
             raise ValueError(f"segment size must be an int >= 1 byte, got {size!r}")
         if reserve:
             check_reservation(size, f"a {prefix!r} segment")
-        fd = os.memfd_create(prefix, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
+        fd, mm, seg = -1, None, None
+        try:  # (from the fd's creation on: a signal handler's exception anywhere frees it)
+            fd = os.memfd_create(prefix, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, size)
                 if reserve:
@@ -253,12 +254,22 @@ class Segment:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = _map(fd, size, _flags(populate and reserve))
             ino = os.fstat(fd).st_ino
+            seg = cls(f"{HANDLE_PREFIX}{os.getpid()}:{fd}:{ino}", size, True, mm, fd)
+            seg.reserved = reserve
+            return seg
         except BaseException:
-            os.close(fd)
+            if seg is not None:
+                seg.close()
+                seg.release_handle()
+            else:
+                if mm is not None:
+                    try:
+                        mm.close()
+                    except BufferError:  # (a view of a half-made Segment: freed with it)
+                        pass
+                if fd >= 0:
+                    os.close(fd)
             raise
-        seg = cls(f"{HANDLE_PREFIX}{os.getpid()}:{fd}:{ino}", size, True, mm, fd)
-        seg.reserved = reserve
-        return seg
 
     @classmethod
     def attach(cls, name: str, *, populate: bool = False) -> "Segment":

@@ -164,6 +164,8 @@ class ShmTensorSender:
         #: A segment not yet reserved is reserved on the first tensor that needs it.
         self._lazy = usable > 0 and not segment.reserved
         self._free: list[list[int]] = [[0, usable]] if usable and not self._lazy else []  # sorted [offset, size]
+        #: The arena takes blocks (reserved); ``_free`` then covers what ``_blocks`` does not.
+        self._arena_live = bool(self._free)
         self._blocks: dict[int, tuple[int, int]] = {}  # id -> (offset, size)
         self._oneoffs: dict[int, Segment] = {}  # id -> segment, its handle still open
         self._ids = itertools.count(1)
@@ -182,32 +184,41 @@ class ShmTensorSender:
 
     # -- sending --------------------------------------------------------------------------
 
-    def put(self, src: Any, nbytes: int) -> list | None:
+    def put(self, src: Any, nbytes: int, placed: "list | None" = None) -> list | None:
         """Copy ``src`` (CPU tensor or ndarray, any strides) into shared memory.
 
         Returns the handle to put in the message, or None when neither the arena nor a
-        one-off segment can take it (the codec then sends it inline). Does not block.
+        one-off segment can take it (the codec then sends it inline); ``placed``: the
+        encoder's list of the message's handles, which gets it before it is returned.
+        Any exception (a signal handler's too, wherever it lands) leaves nothing taken
+        that no list names. Does not block.
         """
         if self._closed:
             raise SerializationError("tensor sender is closed")
         if nbytes <= 0:
             return None  # nothing to place: inline is free
-        with self._lock:
-            if self._lazy:
-                self._reserve_arena()
-            offset = self._alloc(nbytes)
-            if offset is not None:
-                bid = next(self._ids)
-                self._blocks[bid] = (offset, round_block(nbytes))
-                self._n["arena"] += 1
-        if offset is not None:
-            try:
-                _copy_in(self._arena[offset : offset + nbytes], src)
-            except BaseException:
-                self.cancel([ARENA, bid, offset])
-                raise
-            return [ARENA, bid, offset]
-        return self._put_oneoff(src, nbytes)
+        handle = None
+        try:
+            with self._lock:
+                if self._lazy:
+                    self._reserve_arena()
+                offset = self._alloc(nbytes)
+                if offset is not None:
+                    handle = [ARENA, next(self._ids), offset]
+                    self._blocks[handle[1]] = (offset, round_block(nbytes))
+                    self._n["arena"] += 1
+            if handle is None:
+                return self._put_oneoff(src, nbytes, placed)
+            _copy_in(self._arena[offset : offset + nbytes], src)
+            if placed is not None:
+                placed.append(handle)
+            return handle
+        except BaseException:
+            if handle is not None:
+                self.cancel(handle)  # (idempotent: the encoder cancels what it lists too)
+            with self._lock:  # an allocation a signal parted from its record comes back
+                self._rebuild_free()
+            raise
 
     def _reserve_arena(self) -> None:
         """First tensor: reserve the arena's memory (checked against the memory limits;
@@ -220,28 +231,36 @@ class ShmTensorSender:
             log.warning("tensor arena of %d bytes not used: %s", self._seg.size, e)
             return
         self._free = [[0, self._usable]]
+        self._arena_live = True
 
-    def _put_oneoff(self, src: Any, nbytes: int) -> list | None:
+    def _put_oneoff(self, src: Any, nbytes: int, placed: "list | None") -> list | None:
         try:
             seg = Segment.create(nbytes, prefix="shmc-t")
         except (ShmCapacityError, OSError) as e:
             self._n["inline_fallback"] += 1
             log.warning("tensor of %d bytes sent inline: %s", nbytes, e)
             return None
+        bid = None
         try:
             dst = np.frombuffer(seg.buf, np.uint8)
             _copy_in(dst, src)
             del dst
+            seg.close()  # unmapped here; the handle stays open until the receiver releases it
+            bid = next(self._ids)
+            with self._lock:
+                self._oneoffs[bid] = seg
+                self._n["one_off"] += 1
+            handle = [ONE_OFF, bid, seg.name]
+            if placed is not None:
+                placed.append(handle)
+            return handle
         except BaseException:
+            if bid is not None:
+                with self._lock:
+                    self._oneoffs.pop(bid, None)
             seg.close()
             seg.release_handle()
             raise
-        seg.close()  # unmapped here; the handle stays open until the receiver releases it
-        bid = next(self._ids)
-        with self._lock:
-            self._oneoffs[bid] = seg
-            self._n["one_off"] += 1
-        return [ONE_OFF, bid, seg.name]
 
     def put_cuda(self, tensor: Any) -> list | None:
         """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once)."""
@@ -304,6 +323,23 @@ class ShmTensorSender:
                 self._peak = max(self._peak, self._used)
                 return offset
         return None
+
+    def _rebuild_free(self) -> None:
+        """The free list and the bytes used, made again from ``_blocks`` (caller holds
+        the lock; after an exception that may have parted an allocation from its
+        record: no other allocation is under way, each runs under the lock)."""
+        if not self._arena_live:
+            return
+        free: list[list[int]] = []
+        pos = used = 0
+        for offset, size in sorted(self._blocks.values()):
+            if offset > pos:
+                free.append([pos, offset - pos])
+            pos = max(pos, offset + size)
+            used += size
+        if pos < self._usable:
+            free.append([pos, self._usable - pos])
+        self._free, self._used = free, used
 
     def _release(self, offset: int, size: int) -> None:
         self._used -= size

@@ -254,8 +254,9 @@ def test_parameter_without_grad_is_sent_as_tensor():
 
 def test_out_of_band_handle_without_receiver_fails_clearly():
     class Sender:
-        def put(self, src, nbytes):
-            return [0, 1, 2]
+        def put(self, src, nbytes, placed):
+            placed.append([0, 1, 2])
+            return placed[-1]
 
         def put_cuda(self, t):  # pragma: no cover
             return None
@@ -272,8 +273,9 @@ def test_failed_encode_frees_what_it_placed():
     placed, cancelled = [], []
 
     class Sender:
-        def put(self, src, nbytes):
+        def put(self, src, nbytes, listed):  # (the encoder's list of the message's handles)
             placed.append([len(placed)])
+            listed.append(placed[-1])
             return placed[-1]
 
         def put_cuda(self, t):  # pragma: no cover
@@ -292,7 +294,7 @@ def test_failed_encode_frees_what_it_placed():
 
 def test_declined_put_goes_inline():
     class Full:
-        def put(self, src, nbytes):
+        def put(self, src, nbytes, placed):
             return None
 
         def put_cuda(self, t):  # pragma: no cover

@@ -617,13 +617,13 @@ def test_an_encode_that_fails_in_one_thread_frees_only_its_own_blocks(pair):
 
     puts_a = []
 
-    def put_then_wait(src, nbytes):  # thread A, its second tensor: let B fail meanwhile
+    def put_then_wait(src, nbytes, placed):  # thread A, its second tensor: let B fail meanwhile
         if threading.current_thread().name == "encode-a":
             puts_a.append(nbytes)
             if len(puts_a) == 2:
                 placed_a.set()
                 assert b_done.wait(10)
-        return put(src, nbytes)
+        return put(src, nbytes, placed)
 
     pair.sender.put = put_then_wait
     out: dict = {}
@@ -686,3 +686,56 @@ def test_ctrl_c_while_a_message_decodes_gives_back_the_blocks_it_names(where):
     finally:
         engine.close()
         front.close()
+
+
+class _Interrupted(list):
+    """The encoder's list of placed handles, with Ctrl-C landing as a handle is listed."""
+
+    def append(self, item) -> None:
+        super().append(item)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["in the allocation", "as the handle is listed", "in the one-off's close"])
+def test_ctrl_c_anywhere_in_a_put_leaves_nothing_taken(monkeypatch, where):
+    """A signal handler's exception can land in any statement of ``put``: between taking
+    arena space and recording it (the space was lost for the channel's life), between
+    recording a block and listing its handle (kept until the channel closed), or in the
+    one-off segment's close (its descriptor and memory kept until the process exits).
+    Whatever was taken comes back, and the arena is whole again."""
+    p = Pair(size=1 * MiB)
+    before = mine()
+    try:
+        placed: list = []
+        src = torch.randn(1 << 14)
+        if where == "in the allocation":
+            real = p.sender._alloc
+
+            def alloc(nbytes):
+                real(nbytes)  # (the space is taken, not yet recorded)
+                raise KeyboardInterrupt
+
+            monkeypatch.setattr(p.sender, "_alloc", alloc)
+        elif where == "as the handle is listed":
+            placed = _Interrupted()
+        else:
+            src = torch.randn(1 << 19)  # 2 MiB: over the arena, a one-off segment
+            real_close, calls = Segment.close, []
+
+            def close(seg):  # (one signal: the first close)
+                real_close(seg)
+                calls.append(1)
+                if len(calls) == 1:
+                    raise KeyboardInterrupt
+
+            monkeypatch.setattr(Segment, "close", close)
+        with pytest.raises(KeyboardInterrupt):
+            p.sender.put(src, src.nbytes, placed)
+        monkeypatch.undo()
+        s = p.statistics()
+        assert (s.used_bytes, s.blocks_in_flight, s.one_offs_in_flight, s.free_extents) == (0, 0, 0, 1)
+        assert mine() == before  # no one-off segment left open
+        whole = torch.randn(MiB // 4)  # the whole arena: one block again
+        assert torch.equal(p.send(whole), whole) and p.statistics().sent_one_off == 0
+    finally:
+        p.close()

@@ -69,10 +69,9 @@ class ArenaTensors(_Consumer):  # type: ignore[misc,valid-type]
             tensor = tensor.detach().to("cpu")  # host copy: always out of band from here
         elif tensor.nbytes < self.threshold:
             return None  # vLLM's own extra frame
-        handle = self.sender.put(tensor.detach(), tensor.nbytes)
+        handle = self.sender.put(tensor.detach(), tensor.nbytes, self.placed)  # (listed by put)
         if handle is None:
             return None
-        self.placed.append(handle)
         return {KEY: handle}
 
 
