@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import mmap
 import math
 import os
@@ -230,8 +231,9 @@ class Segment:
 
         Raises ``ShmCapacityError`` when the memory cannot be reserved (checked first
         against every memory limit of the process, see ``check_reservation``),
-        ``ValueError`` for a size < 1. ``prefix`` names the memfd for /proc/<pid>/maps
-        readers; ``name`` is accepted for compatibility and ignored. ``populate``: map
+        ``ValueError`` for a size < 1. ``prefix`` starts the memfd's name (``<prefix>.<n>``,
+        n its own in this process) for /proc/<pid>/maps readers; ``name`` is accepted
+        for compatibility and ignored. ``populate``: map
         every page now (MAP_POPULATE), so that the first touch of each page later costs
         no page fault (a few µs each: the tail of a ring's latency until it has wrapped
         once). ``reserve=False``: size it but reserve nothing yet (no memory is used
@@ -243,8 +245,11 @@ class Segment:
         if reserve:
             check_reservation(size, f"a {prefix!r} segment")
         fd, mm, seg = -1, None, None
+        # A name of its own: a signal handler's exception can come as memfd_create
+        # returns, before its number is kept; the descriptor is then found by its name.
+        label = f"{prefix}.{next(_labels)}"
         try:  # (from the fd's creation on: a signal handler's exception anywhere frees it)
-            fd = os.memfd_create(prefix, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             try:
                 os.ftruncate(fd, size)
                 if reserve:
@@ -269,6 +274,8 @@ class Segment:
                         pass
                 if fd >= 0:
                     os.close(fd)
+                else:
+                    _close_stray_memfd(label)
             raise
 
     @classmethod
@@ -375,3 +382,23 @@ def fd_ready(fd: int, timeout_s: float = 0.0) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(math.ceil(max(timeout_s, 0.0) * 1000)))
+
+
+#: Numbers that make each segment's memfd name its own (``Segment.create``).
+_labels = itertools.count(1)
+
+
+def _close_stray_memfd(label: str) -> None:
+    """Close this process's descriptor of the memfd named ``label``, if there is one:
+    it was created, but an exception came before its number was kept."""
+    target = f"/memfd:{label} (deleted)"
+    try:
+        entries = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if os.readlink(f"/proc/self/fd/{entry}") == target:
+                os.close(int(entry))
+        except (OSError, ValueError):
+            pass

@@ -739,3 +739,22 @@ def test_ctrl_c_anywhere_in_a_put_leaves_nothing_taken(monkeypatch, where):
         assert torch.equal(p.send(whole), whole) and p.statistics().sent_one_off == 0
     finally:
         p.close()
+
+
+def test_ctrl_c_as_a_segment_is_created_leaves_no_descriptor(monkeypatch):
+    """The interpreter runs a signal handler as a C call returns, before its result is
+    kept: a Ctrl-C landing as memfd_create returned left the new descriptor (and, for a
+    one-off tensor, its memory) open until the process exited. It is found by its name
+    and closed."""
+    real = os.memfd_create
+
+    def interrupted(name, flags=0):
+        real(name, flags)  # created; its number never reaches the caller
+        raise KeyboardInterrupt
+
+    before = mine()
+    monkeypatch.setattr(os, "memfd_create", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Segment.create(1 << 16, prefix="shmc-t")
+    monkeypatch.undo()
+    assert mine() == before
