@@ -477,15 +477,19 @@ class EngineCore:
                 fut.set_result(None)
 
     def resume_scheduler(self) -> None:
-        """Schedule again: what was queued or kept while paused runs from here on.
-        RuntimeError while a ``"wait"`` pause (or sleep) is still in flight, as vLLM's
-        engine process: its call completes later and would undo the resume (a sleep
-        would put the model to sleep after ``wake_up`` said it was awake)."""
-        if self._pause_waiters:
-            raise RuntimeError(
-                "resume_scheduler called while a pause is still in flight: wait for the "
-                "pause (or sleep) call to return before resuming")
+        """Schedule again: what was queued or kept while paused runs from here on. A
+        ``"wait"`` pause or sleep still draining ends here: its call fails with
+        RuntimeError (a sleep frees nothing then: the model stays awake) instead of
+        completing later, after the resume (a sleep would then put the model to sleep
+        after ``wake_up`` said it was awake, and under steady traffic a pause's call
+        might never return)."""
         self.scheduler.set_pause_state(PauseState.UNPAUSED)
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for fut, _ in waiters:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError(
+                    "the scheduler was resumed (resume_scheduler or wake_up) before the "
+                    "running requests had drained: this pause ended there"))
 
     def is_scheduler_paused(self) -> bool:
         return self.scheduler.pause_state is not PauseState.UNPAUSED
@@ -527,9 +531,9 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache", "scheduling"; None: all).
-        Scheduling resumes once nothing is asleep any more (RuntimeError while a
-        ``"wait"`` sleep is still in flight, as ``resume_scheduler``). Returns whether
-        the engine is fully awake (vLLM's result)."""
+        Scheduling resumes once nothing is asleep any more (which ends a ``"wait"``
+        sleep still draining, see ``resume_scheduler``). Returns whether the engine is
+        fully awake (vLLM's result)."""
         if tags is not None and (not isinstance(tags, (list, tuple))
                                  or not all(isinstance(t, str) for t in tags)):
             raise ValueError(f"wake_up tags must be a list of str or None, got {tags!r}")
