@@ -317,9 +317,11 @@ class MPClient(EngineCoreClient):
         res = self.resources
         if not self._closed:
             self._closed = True
-            self._finalizer.detach()
             res.begin_shutdown()  # waiters leave the channel now
         res.shutdown(timeout)
+        # (Only now: interrupted before the stop's thread started, the finalizer still
+        # stops the engine when the client goes.)
+        self._finalizer.detach()
 
     @property
     def is_dead(self) -> bool:

@@ -122,7 +122,13 @@ class Decoder:
             if type(where) is not list:
                 raise SerializationError("malformed CUDA tensor header: no handle")
             self._opened.append(where)
-            return self.tensors.get_cuda(where)
+            try:
+                return self.tensors.get_cuda(where)
+            except Exception:
+                raise
+            except BaseException:  # (Ctrl-C: maybe not opened; the salvage opens it again)
+                self._opened.pop()
+                raise
         np = numpy_module()
         if code == EXT_TORCH:
             t_dtype = torch_dtype(dtype)

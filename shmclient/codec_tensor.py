@@ -41,9 +41,13 @@ hdr_decode = msgspec.msgpack.Decoder().decode
 class TensorSender(Protocol):
     """Where an ``Encoder`` puts large tensors (implemented by ``tensors.ShmTensorSender``)."""
 
-    def put(self, src: Any, nbytes: int) -> list | None:
-        """Copy ``src`` (CPU torch.Tensor or ndarray) in C order; return a handle or None
-        to decline (the encoder then sends the bytes inline). Must not block."""
+    def put(self, src: Any, nbytes: int, placed: list) -> list | None:
+        """Copy ``src`` (CPU torch.Tensor or ndarray) in C order; append its handle to
+        ``placed`` (the message's list, which the encoder cancels if the encode fails and
+        a discarded message's sender frees) and return it, or return None to decline
+        (the encoder then sends the bytes inline). Whatever exception it raises, a
+        signal handler's included, it leaves nothing taken that ``placed`` does not
+        name. Must not block."""
 
     def put_cuda(self, tensor: Any) -> list | None:
         """Share a CUDA tensor; return a handle, or None to make the encoder send a host copy."""

@@ -40,6 +40,10 @@ __all__ = ["DEFAULT_READY_TIMEOUT_S", "EngineResources", "READY_TIMEOUT_ENV",
 
 logger = logging.getLogger("shmclient")
 
+#: What a caller of ``shutdown`` waits beyond its timeout for the stop to end (the
+#: monitor's join, the reader's lock, SIGTERM, then SIGKILL 2 s later).
+_STOP_GRACE_S = 10.0
+
 def remote_control_port(config: EngineConfig) -> int:
     """The control port of a remote rank: ``data_parallel_rpc_port + rank - local``
     (the first remote rank on the port itself), or 0 (a free port) when the port is 0."""
@@ -83,8 +87,11 @@ class EngineResources:
         self._stop_claims = itertools.count()
         self._stop_claimed = False
         self._stop_thread_started = False
-        #: The thread doing the shutdown's work (its ident), once one claimed it.
+        #: The thread doing the shutdown's work (its ident), and the timeout it runs
+        #: with, once one claimed it.
         self._stop_worker: int | None = None
+        self._stop_timeout: float | None = None
+        self._hook_claims = itertools.count()
         self._shutdown_finished = threading.Event()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -250,6 +257,11 @@ class EngineResources:
         if self._stop_worker == threading.get_ident():
             return  # (from inside the work: a finalizer the garbage collector ran there)
         on_monitor = threading.current_thread() is self.monitor
+        # The hooks (they never block) run here, in the caller's thread: on an event
+        # loop's thread, stopping its watch of the channel is done at once, where the
+        # worker could only queue it to a loop that waits below while the descriptor is
+        # closed and its number reused.
+        self._run_hooks()
         if start:
             try:
                 threading.Thread(
@@ -262,16 +274,31 @@ class EngineResources:
             self._stop_thread_started = True
         if not on_monitor:
             # (On the monitor, the last reference went away inside a death callback: it
-            # must not wait for the work that joins it.)
-            self._shutdown_finished.wait(timeout + 10.0)
+            # must not wait for the work that joins it.) A shorter timeout than the one
+            # the work runs with (a retry with 0 after Ctrl-C) waits for that one.
+            if not self._shutdown_finished.wait(timeout + _STOP_GRACE_S):
+                longer = self._stop_timeout
+                if longer is not None and longer > timeout:
+                    self._shutdown_finished.wait(longer - timeout)
 
     def _claim_shutdown(self, timeout: float) -> None:
         """Do the shutdown's work if no other thread has claimed it."""
         if next(self._stop_claims):
             return
         self._stop_worker = threading.get_ident()
+        self._stop_timeout = timeout
         self._stop_claimed = True
         self._shutdown(timeout)
+
+    def _run_hooks(self) -> None:
+        """The ``before_close`` hooks, once, whoever calls first."""
+        if next(self._hook_claims):
+            return
+        for hook in self._before_close:
+            try:
+                hook()
+            except Exception:  # pragma: no cover
+                logger.exception("shutdown hook failed")
 
     @property
     def shut_down(self) -> bool:
@@ -287,11 +314,7 @@ class EngineResources:
     def _shutdown(self, timeout: float) -> None:
         held = None
         try:
-            for hook in self._before_close:
-                try:
-                    hook()
-                except Exception:  # pragma: no cover
-                    logger.exception("shutdown hook failed")
+            self._run_hooks()  # (run already by shutdown(), in its caller's thread)
             # Waiters and pending calls learn of it first (EngineDeadError), before the
             # channel they may be blocked on goes away.
             self.begin_shutdown()

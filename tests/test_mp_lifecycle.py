@@ -215,11 +215,13 @@ def _exited(pidfd: int) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
-def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop():
-    """A hung engine (SIGSTOP); Ctrl-C lands once shutdown(timeout=1) has begun. The
+def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop(monkeypatch):
+    """A hung engine (SIGSTOP); Ctrl-C lands while shutdown(timeout=1) stops it. The
     engine's stop used to end there (a retry returned at once, the engine left running
     and its channel open); now it goes on, and the retry waits for it (1 s, SIGTERM,
     SIGKILL 2 s later)."""
+    from shmclient import launcher
+
     c = SyncMPClient(cfg())
     fd = os.pidfd_open(c.engine_pid)
     armed, main = [False], threading.main_thread().ident
@@ -228,12 +230,20 @@ def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop():
         if armed[0]:
             raise KeyboardInterrupt
 
-    def interrupt_once_shutdown_began():
-        if c.resources.dead.wait(5.0):  # set as shutdown() begins
+    stopping = threading.Event()
+    real_stop = launcher.engine_process.stop
+
+    def stop(proc, timeout):  # (the shutdown's thread, stopping the engine)
+        stopping.set()
+        return real_stop(proc, timeout)
+
+    def interrupt_once_the_stop_runs():
+        if stopping.wait(5.0):
             signal.pthread_kill(main, signal.SIGINT)
 
+    monkeypatch.setattr(launcher.engine_process, "stop", stop)
     old = signal.signal(signal.SIGINT, on_sigint)
-    watcher = threading.Thread(target=interrupt_once_shutdown_began)
+    watcher = threading.Thread(target=interrupt_once_the_stop_runs)
     try:
         os.kill(c.engine_pid, signal.SIGSTOP)
         armed[0] = True
@@ -628,6 +638,99 @@ def test_a_shutdown_called_from_inside_the_shutdown_returns_at_once():
     res.before_close(hook)
     res.shutdown(timeout=0.0)
     assert res.shut_down and len(inner) == 1 and inner[0] < 2.0
+
+
+async def test_a_shutdown_blocking_the_loop_stops_its_watch_before_returning():
+    """A client freed by the garbage collector on an event loop's thread shuts down
+    there, blocking the loop. Its hook that stops the loop watching the channel ran in
+    the shutdown's own thread, which could only queue that to the blocked loop: the
+    descriptor was closed and its number reused by a reader registered next, which the
+    queued removal then unregistered (a lost wake-up). The hooks run in the caller's
+    thread: the watch is gone when shutdown returns."""
+    from shmclient import launcher
+
+    loop = asyncio.get_running_loop()
+    r, w = os.pipe()
+    loop.add_reader(r, lambda: None)
+
+    def unwatch() -> None:  # as the async client's reader does (waiting.loop_reader)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.remove_reader(r)
+        else:
+            loop.call_soon_threadsafe(loop.remove_reader, r)
+
+    res = launcher.EngineResources()
+    res.before_close(unwatch)
+    try:
+        res.shutdown(timeout=0.0)  # (blocking, on the loop's thread)
+        assert not loop.remove_reader(r), "the loop still watched the descriptor"
+    finally:
+        loop.remove_reader(r)
+        os.close(r)
+        os.close(w)
+
+
+def test_a_retry_with_a_shorter_timeout_waits_for_the_stop_under_way(monkeypatch):
+    """Ctrl-C in shutdown(timeout=30), then shutdown(timeout=0): the retry waited only
+    its own timeout plus the grace, and returned while the stop (with its 30 s) was
+    still under way. It waits for the stop as the first call would have."""
+    from shmclient import launcher
+
+    monkeypatch.setattr(launcher, "_STOP_GRACE_S", 0.1)
+    res = launcher.EngineResources()
+    release, running = threading.Event(), threading.Event()
+    real = res._shutdown
+
+    def slow(timeout):  # a stop that takes longer than 0 + the grace
+        running.set()
+        release.wait(10)
+        real(timeout)
+
+    monkeypatch.setattr(res, "_shutdown", slow)
+    first = threading.Thread(target=res.shutdown, args=(30.0,))
+    retry = threading.Thread(target=res.shutdown, args=(0.0,))
+    first.start()
+    try:
+        assert running.wait(10)  # the first call's stop is under way
+        retry.start()
+        retry.join(1.0)
+        assert retry.is_alive(), "the retry returned before the stop was over"
+    finally:
+        release.set()
+        first.join(10)
+        retry.join(10)
+    assert res.shut_down and not retry.is_alive()
+
+
+def test_ctrl_c_before_the_stop_started_leaves_the_finalizer_to_stop_the_engine(monkeypatch):
+    """Ctrl-C as shutdown() began (before its thread started the stop): the finalizer was
+    already detached, so nothing stopped the engine when the client went."""
+    c = SyncMPClient(cfg())
+    fd = os.pidfd_open(c.engine_pid)
+    try:
+        real = c.resources.begin_shutdown
+
+        def interrupted():
+            real()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(c.resources, "begin_shutdown", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.shutdown()
+        monkeypatch.undo()
+        del c
+        gc.collect()  # the finalizer: the resources' shutdown
+        assert select.select([fd], [], [], 10)[0], "the engine was left running"
+    finally:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
 
 
 def test_a_shutdown_where_no_thread_can_start_runs_inline(monkeypatch):

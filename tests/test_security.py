@@ -825,3 +825,28 @@ def test_remote_start_up_without_a_secret_is_refused_unless_opted_in(secret_env,
         c.shutdown()
     assert finish(engine)[0] == 0
     assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)
+
+
+def test_ctrl_c_opening_a_cuda_handle_leaves_it_to_the_salvage():
+    """Ctrl-C while a CUDA IPC handle opens: the handle counted as opened, so the
+    salvage skipped it and the sender kept that GPU tensor until the channel closed.
+    The salvage opens it again (and drops it: its release goes back)."""
+    from shmclient.codec import EXT_TORCH_CUDA
+
+    class Receiver:
+        calls: list = []
+
+        def get_cuda(self, handle):
+            self.calls.append(handle)
+            if len(self.calls) == 1:
+                raise KeyboardInterrupt
+            raise SerializationError("(no GPU here: nothing opened)")
+
+    rx = Receiver()
+    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, b"e", True]
+    buf = msgspec.msgpack.encode([ext(EXT_TORCH_CUDA, ["float32", [1], handle, None])])
+    dec = Decoder(tensors=rx)
+    with pytest.raises(KeyboardInterrupt):
+        dec.decode(buf)
+    dec.salvage(buf)
+    assert len(rx.calls) == 2

@@ -412,7 +412,16 @@ def test_ctrl_c_while_an_ordered_send_waits_marks_its_message_not_sent(where):
 
         channel.wait_send = wait_send
     else:
-        first.start()  # waits for room, first in line
+        first_waits, real_wait = threading.Event(), channel.wait_send
+
+        def first_wait_send(*args, **kwargs):
+            if threading.current_thread() is first:
+                first_waits.set()
+            return real_wait(*args, **kwargs)
+
+        channel.wait_send = first_wait_send
+        first.start()
+        assert first_waits.wait(10)  # it waits for room, first in line
         real_turn = sends._wait_turn
 
         def wait_turn(*args):
