@@ -15,7 +15,8 @@ shmclient_bench``. Measures, in one run:
   alongside (its receiver does not read the frames either);
 * a stream of 10^6 64 B messages through the default ring: the producer's time per send
   call (p50 / p99 / p99.99 / max), where any stall would show;
-* idle CPU of a consumer blocked past its spin budget (its threads' schedstat run time, over ~2 s);
+* idle CPU of a consumer blocked past its spin budget (its threads' schedstat run time, over ~2 s,
+  from 1 s after it blocked);
 * the cost per publish of a ring with a wake pipe (for event-loop consumers): one byte per
   read at most, so a producer that runs ahead of its consumer pays it once.
 
@@ -179,7 +180,8 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVTIMEO, ZMQ_RECV_TIMEOUT_MS)  # a lost peer raises zmq.Again
     pull.bind(addr)
-    child = _start(_zmq_flood, addr, size, count)
+    received = CTX.Event()
+    child = _start(_zmq_flood, addr, size, count, received)
     copy = size < 64 * KiB
     try:
         pull.recv(copy=copy)
@@ -187,8 +189,10 @@ def zmq_one_way(size: int, count: int, tmp: str) -> float:
         while len(pull.recv(copy=copy)):
             pass
         t1 = time.perf_counter_ns()
+        received.set()
         _finish(child)
     finally:
+        received.set()
         if child.is_alive():
             child.kill()
             child.join(5)
@@ -228,15 +232,17 @@ def ring_stream(count: int) -> Stream:
     return Stream(**out, received=got)
 
 
-def idle_cpu(seconds: float) -> float:
-    """Percent of one core used by a consumer blocked past its spin budget: its
+def idle_cpu(seconds: float, settle: float = 1.0) -> float:
+    """Percent of one core used by a consumer blocked past its spin budget, ``settle``
+    seconds after it said it blocks (the rest of its start-up is not idle time): its
     threads' run time from /proc schedstat (ns; psutil's clock ticks are 10 ms, half a
-    percent of a 2 s window), psutil's where schedstat is missing."""
+    percent of a 2 s window, and miss short runs), psutil's where schedstat is missing."""
     to_child = RingProducer.create()
     from_child = RingConsumer.create()
     child = _start(_ring_idle, _enc(to_child), _enc(from_child), os.getpid())
     try:
         waiting.recv(from_child, timeout=60, alive=child.is_alive)  # it is about to block
+        time.sleep(settle)  # (the window starts once its start-up is over; not a synchronisation)
         c0, t0 = process_cpu(child.pid), time.perf_counter()
         time.sleep(seconds)  # the measurement window, not a synchronisation
         c1, t1 = process_cpu(child.pid), time.perf_counter()
