@@ -7,8 +7,11 @@ event loop is fine: nothing else runs there).
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from shmclient import EngineCoreOutputs, EngineCoreRequest, SamplingParams, make_client
 
@@ -107,3 +110,31 @@ async def add_until_one_parks(add_async: Any, make: Any) -> "tuple[Any, int]":
             return task, n
         task.result()
         n += 1
+
+
+@contextlib.contextmanager
+def ctrl_c_when(event: threading.Event, timeout: float = 10.0) -> Iterator[None]:
+    """Within the block, Ctrl-C lands in the main thread (a KeyboardInterrupt from the
+    SIGINT handler) once ``event`` is set, at most ``timeout`` seconds from the start;
+    a SIGINT after the block raises nothing. Sets ``event`` on the way out (to end the
+    watcher). Main thread only."""
+    armed, main = [True], threading.main_thread().ident
+
+    def on_sigint(*_):
+        if armed[0]:
+            raise KeyboardInterrupt
+
+    def watch() -> None:
+        if event.wait(timeout) and armed[0]:
+            signal.pthread_kill(main, signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    watcher = threading.Thread(target=watch, name="ctrl-c-when")
+    watcher.start()
+    try:
+        yield
+    finally:
+        armed[0] = False
+        event.set()
+        watcher.join(timeout)
+        signal.signal(signal.SIGINT, old)

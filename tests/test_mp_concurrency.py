@@ -24,7 +24,7 @@ import pytest
 from shmclient.config import EngineConfig
 from shmclient import EngineDeadError, make_client
 
-from .drivers import req
+from .drivers import ctrl_c_when, req
 
 TRANSPORTS = ("shm", "zmq")
 
@@ -235,7 +235,6 @@ def test_ctrl_c_while_an_add_waits_for_room_gives_its_tensors_blocks_back():
     from shmclient import EngineCoreRequest, PeerNotConsumingError, SamplingParams
 
     c = make_client(True, False, cfg(ring_capacity_bytes=16384))
-    armed, main = [False], threading.main_thread().ident
     waiting_for_room = threading.Event()
     real_wait = c.channel.wait_send
 
@@ -243,16 +242,6 @@ def test_ctrl_c_while_an_add_waits_for_room_gives_its_tensors_blocks_back():
         waiting_for_room.set()
         return real_wait(*args, **kwargs)
 
-    def on_sigint(*_):
-        if armed[0]:
-            raise KeyboardInterrupt
-
-    def interrupt_once_it_waits():
-        if waiting_for_room.wait(10):
-            signal.pthread_kill(main, signal.SIGINT)
-
-    old = signal.signal(signal.SIGINT, on_sigint)
-    watcher = threading.Thread(target=interrupt_once_it_waits)
     try:
         os.kill(c.engine_pid, signal.SIGSTOP)
         n = 0
@@ -262,18 +251,11 @@ def test_ctrl_c_while_an_add_waits_for_room_gives_its_tensors_blocks_back():
                 n += 1
         assert c.channel.statistics().tensors.blocks_in_flight == 0
         c.channel.wait_send = wait_send
-        armed[0] = True
-        watcher.start()
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_when(waiting_for_room), pytest.raises(KeyboardInterrupt):
             c.add_request(EngineCoreRequest(
                 request_id="embeds", prompt_embeds=torch.randn(512, 64),  # 128 KiB: arena
                 sampling_params=SamplingParams(max_tokens=4)))
-        armed[0] = False
         assert c.channel.statistics().tensors.blocks_in_flight == 0
     finally:
-        armed[0] = False
-        waiting_for_room.set()
-        watcher.join(10)
-        signal.signal(signal.SIGINT, old)
         os.kill(c.engine_pid, signal.SIGCONT)
         c.shutdown()

@@ -28,7 +28,7 @@ from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDead
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
-from .drivers import KINDS, Driver, build, req
+from .drivers import KINDS, Driver, build, ctrl_c_when, req
 
 TRANSPORTS = ("shm", "zmq")
 
@@ -224,12 +224,6 @@ def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop(monkeypatch
 
     c = SyncMPClient(cfg())
     fd = os.pidfd_open(c.engine_pid)
-    armed, main = [False], threading.main_thread().ident
-
-    def on_sigint(*_):
-        if armed[0]:
-            raise KeyboardInterrupt
-
     stopping = threading.Event()
     real_stop = launcher.engine_process.stop
 
@@ -237,28 +231,16 @@ def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop(monkeypatch
         stopping.set()
         return real_stop(proc, timeout)
 
-    def interrupt_once_the_stop_runs():
-        if stopping.wait(5.0):
-            signal.pthread_kill(main, signal.SIGINT)
-
     monkeypatch.setattr(launcher.engine_process, "stop", stop)
-    old = signal.signal(signal.SIGINT, on_sigint)
-    watcher = threading.Thread(target=interrupt_once_the_stop_runs)
     try:
         os.kill(c.engine_pid, signal.SIGSTOP)
-        armed[0] = True
-        watcher.start()
-        with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_when(stopping), pytest.raises(KeyboardInterrupt):
             c.shutdown(timeout=1)  # (the engine's stop takes 1 s at least: it lands)
-        armed[0] = False
         assert not _exited(fd), "the interrupt landed after the engine had exited"
         c.shutdown()
         assert _exited(fd), "the retry returned with the engine still running"
         assert c.resources.shut_down
     finally:
-        armed[0] = False
-        watcher.join(10)
-        signal.signal(signal.SIGINT, old)
         try:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
         except ProcessLookupError:

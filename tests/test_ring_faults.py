@@ -191,13 +191,20 @@ def test_a_handler_that_receives_on_its_own_ring_is_refused():
         c.close()
 
 
-def test_a_view_kept_past_the_handler_pins_its_bytes():
+def _a_kept_view():
+    """A 256-byte ring whose first record (100 bytes of "A") a handler kept an array
+    of: ``(consumer, producer, kept)``."""
     c = RingConsumer.create(256)
     p = RingProducer.attach(c.spec)
+    waiting.send(p, 1, b"A" * 100)
+    kept: list = []
+    c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
+    return c, p, kept
+
+
+def test_a_view_kept_past_the_handler_pins_its_bytes():
+    c, p, kept = _a_kept_view()
     try:
-        waiting.send(p, 1, b"A" * 100)
-        kept = []
-        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
         assert c.pinned == 1
         # the producer cannot reuse those bytes while the array lives
         assert p.try_send(2, b"B" * 100)
@@ -223,15 +230,11 @@ def test_dropping_a_kept_view_wakes_the_producer_waiting_for_its_space():
     pins. Dropping the array used to release nothing until the consumer's next call,
     so both waited out their timeouts; it now releases the space and wakes the
     producer."""
-    c = RingConsumer.create(256)
-    p = RingProducer.attach(c.spec)
+    c, p, kept = _a_kept_view()
     sent: list = []
     producer = threading.Thread(
         target=lambda: sent.append(waiting.send(p, 3, b"C" * 100, timeout=10)))
     try:
-        waiting.send(p, 1, b"A" * 100)
-        kept = []
-        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
         assert p.try_send(2, b"B" * 100)
         c.recv_into(lambda t, v: None)  # B is read; A's array still pins the space
         assert c.pinned == 1 and not p.try_send(3, b"C" * 100)
@@ -248,12 +251,8 @@ def test_dropping_a_kept_view_wakes_the_producer_waiting_for_its_space():
 
 
 def test_a_forked_child_dropping_a_kept_view_moves_nothing_of_the_parents():
-    c = RingConsumer.create(256)
-    p = RingProducer.attach(c.spec)
+    c, p, kept = _a_kept_view()
     try:
-        waiting.send(p, 1, b"A" * 100)
-        kept = []
-        c.recv_into(lambda t, v: kept.append(np.frombuffer(v, np.uint8)))
         tail = c.statistics().tail
         pid = os.fork()
         if pid == 0:  # the child: drop its copy of the array, then leave at once

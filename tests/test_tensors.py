@@ -552,19 +552,26 @@ def test_a_signal_during_a_split_copy_leaves_no_copier_writing_into_the_freed_bl
         p.close()
 
 
-def test_releases_survive_a_signal_in_their_send():
-    """The engine's pending tensor releases were taken out of its queue, then lost when
-    their send raised (Ctrl-C landing in it): the frontend's arena blocks stayed taken
-    for good. They are kept for the next flush."""
+def _three_tensors_sent():
+    """A channel pair (frontend, engine) and one message of three 256-byte tensors in
+    the frontend's arena sent on it, not yet read."""
     from shmclient.channel import REQ_UTILITY, ShmChannel
     from shmclient.messages import UtilityRequest
 
     front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
     engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    tensors = [torch.full((64,), i, dtype=torch.float32) for i in range(3)]
+    front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", tensors)))
+    return front, engine
+
+
+def test_releases_survive_a_signal_in_their_send():
+    """The engine's pending tensor releases were taken out of its queue, then lost when
+    their send raised (Ctrl-C landing in it): the frontend's arena blocks stayed taken
+    for good. They are kept for the next flush."""
+    front, engine = _three_tensors_sent()
     try:
-        front.peer_attached()
-        tensors = [torch.full((64,), i, dtype=torch.float32) for i in range(3)]
-        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", tensors)))
         [(_, request)] = engine.try_recv()
         del request  # the engine is done with them: three releases pending
         assert front.statistics().tensors.blocks_in_flight == 3
@@ -654,15 +661,8 @@ def test_ctrl_c_while_a_message_decodes_gives_back_the_blocks_it_names(where):
     second, before or after the receiver took it): the ring counts the record as read,
     and the blocks not opened stayed taken in the sender's arena for good (only an
     Exception ran the salvage). Every block comes back now."""
-    from shmclient.channel import REQ_UTILITY, ShmChannel
-    from shmclient.messages import UtilityRequest
-
-    front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
-    engine = ShmChannel.attach(spec)
+    front, engine = _three_tensors_sent()
     try:
-        front.peer_attached()
-        tensors = [torch.full((64,), i, dtype=torch.float32) for i in range(3)]
-        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", tensors)))
         assert front.statistics().tensors.blocks_in_flight == 3
         receiver, calls = engine._tensor_rx, []
         real_get = receiver.get

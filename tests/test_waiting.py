@@ -31,7 +31,7 @@ from shmclient.channel import REQ_UTILITY, ShmChannel
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
-from .drivers import add_until_one_parks, req
+from .drivers import add_until_one_parks, ctrl_c_when, req
 
 
 def small_ring_config(**kw) -> EngineConfig:
@@ -401,7 +401,6 @@ def test_ctrl_c_while_an_ordered_send_waits_marks_its_message_not_sent(where):
     channel = _RoomWhenOpened()
     sends = waiting.OrderedSends(channel, None, lambda: False)
     waits = threading.Event()
-    armed, main = [False], threading.main_thread().ident
     first = threading.Thread(target=sends.send, args=(1, "a", 10))
     if where == "room":
         real_wait = channel.wait_send
@@ -430,32 +429,15 @@ def test_ctrl_c_while_an_ordered_send_waits_marks_its_message_not_sent(where):
 
         sends._wait_turn = wait_turn
 
-    def on_sigint(*_):
-        if armed[0]:
-            raise KeyboardInterrupt
-
-    def interrupt_once_it_waits():
-        if waits.wait(10):
-            signal.pthread_kill(main, signal.SIGINT)
-
-    old = signal.signal(signal.SIGINT, on_sigint)
-    watcher = threading.Thread(target=interrupt_once_it_waits)
     try:
-        armed[0] = True
-        watcher.start()
-        with pytest.raises(KeyboardInterrupt) as raised:
+        with ctrl_c_when(waits), pytest.raises(KeyboardInterrupt) as raised:
             sends.send(1, "b", 10)
-        armed[0] = False
         assert not_sent(raised.value)
         channel.open()
         if where == "turn":
             first.join(10)
         assert channel.sent == (["a"] if where == "turn" else [])
     finally:
-        armed[0] = False
-        waits.set()
-        watcher.join(10)
-        signal.signal(signal.SIGINT, old)
         channel.open()
         if first.ident is not None:
             first.join(10)
