@@ -120,18 +120,28 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             pass
 
     def _fail_in_loop(self) -> None:
+        """Loop thread, once the engine is gone or the client shut down: every call
+        still waiting fails. After a death, what the engine wrote before dying is read
+        first (a utility's reply then resolves its call, as vLLM's does; a data-parallel
+        client gets the outputs before the death report); after a shutdown at once
+        (nothing more is read)."""
+        if self._closed or self._loop is None:
+            self._fail_waiting()
+        elif self._death_task is None:
+            self._death_task = self._loop.create_task(self._after_death())
+
+    async def _after_death(self) -> None:
+        try:
+            await self._reader.read_remains()
+        finally:
+            self._fail_waiting()
+
+    def _fail_waiting(self) -> None:
         self._fail_all_futures()
         self._reader.parking.wake()
         report, self._forward_dead = self._forward_dead, None
         if report is not None:
-            if self._closed or self._loop is None:
-                report(self._dead_error())  # shut down: nothing more is read
-            else:
-                self._death_task = self._loop.create_task(self._report_death(report))
-
-    async def _report_death(self, report: Callable[[EngineDeadError], None]) -> None:
-        await self._reader.read_remains()  # what the engine wrote before dying goes first
-        report(self._dead_error())
+            report(self._dead_error())
 
     # -- async API --------------------------------------------------------------------
     async def _send_async(self, rtype: int, payload: Any, timeout: float | None = None) -> None:

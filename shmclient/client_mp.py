@@ -345,7 +345,10 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             broken=self._channel_broken)
 
     def _on_engine_dead(self) -> None:
-        self._reader.wake_all(first=self._fail_all_futures)
+        # The waiters look again: each reads what the engine wrote before dying (a
+        # utility's reply too: its call then returns it, as vLLM's does), then raises.
+        # After a shutdown (nothing more is read) the futures fail at once.
+        self._reader.wake_all(first=self._fail_all_futures if self._closed else None)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next output batch; blocks until one arrives. Once the engine died, the
@@ -408,5 +411,9 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             if not_sent(e):
                 self.channel.discard(REQ_UTILITY, payload)
             raise
-        self._reader.wait(fut.done, None)
+        try:
+            self._reader.wait(fut.done, None)
+        except BaseException:
+            self._futures.pop(call_id, None)
+            raise
         return fut.result()

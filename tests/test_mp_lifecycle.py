@@ -167,6 +167,69 @@ async def test_sigkill_engine_async(transport):
         c.shutdown()
 
 
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_a_utility_reply_written_before_the_engine_died_is_returned_sync():
+    """The engine answered, then died before anyone read the answer: the call returns
+    it (vLLM reads its socket in order), as the outputs written before the death come
+    first. The reading is held off (the lead taken) until the death was handled."""
+    c = SyncMPClient(cfg())
+    handled = threading.Event()
+    c.on_dead(lambda e: handled.set())  # runs after the client's own death handling
+    result: dict = {}
+
+    def call():
+        try:
+            result["value"] = c.echo("the answer")
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=call)
+    try:
+        with c._lead:
+            t.start()
+            _until(c.channel.readable)  # the reply is in the ring, unread
+            os.kill(c.engine_pid, signal.SIGKILL)
+            assert handled.wait(10)
+        t.join(10)
+        assert not t.is_alive()
+        assert result == {"value": "the answer"}
+        with pytest.raises(EngineDeadError):
+            c.echo(1)
+    finally:
+        t.join(10)
+        c.shutdown()
+
+
+async def test_a_utility_reply_written_before_the_engine_died_is_returned_async():
+    c = await AsyncMPClient.create(cfg())
+    loop = asyncio.get_running_loop()
+    handled = asyncio.Event()
+    c.on_dead(lambda e: loop.call_soon_threadsafe(handled.set))  # queued after the client's own
+    try:
+        c._lead.acquire()  # the loop's reader cannot take the reply meanwhile
+        try:
+            call = asyncio.ensure_future(c.echo_async("the answer"))
+            deadline = time.monotonic() + 10
+            while not c.channel.readable():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.001)
+            os.kill(c.engine_pid, signal.SIGKILL)
+            await asyncio.wait_for(handled.wait(), 10)
+        finally:
+            c._lead.release()
+        assert await asyncio.wait_for(call, 10) == "the answer"
+        with pytest.raises(EngineDeadError):
+            await c.echo_async(1)
+    finally:
+        await c.shutdown_async()
+
+
 async def test_cancelled_async_utility_leaves_client_usable():
     c = make_client(True, True, cfg(step_delay_s=0.01))
     try:
