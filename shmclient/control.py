@@ -161,6 +161,11 @@ def decode(frames: list[bytes]) -> Message:
         return _decoder.decode(frame)
     except msgspec.DecodeError as e:
         raise ControlMessageError(_what_is_wrong(frame, e)) from None
+    except RecursionError:  # nested deeper than this thread's stack allows
+        raise ControlMessageError(_TOO_DEEP) from None
+
+
+_TOO_DEEP = "a control message nested too deeply to decode"
 
 
 def _what_is_wrong(frame: bytes, error: msgspec.DecodeError) -> str:
@@ -169,6 +174,8 @@ def _what_is_wrong(frame: bytes, error: msgspec.DecodeError) -> str:
     except msgspec.DecodeError:
         return (f"a control message that is not msgpack ({error}): the peer does not speak "
                 f"control protocol {PROTOCOL_VERSION} (another shmclient version?)")
+    except RecursionError:
+        return _TOO_DEEP
     if not isinstance(obj, dict):
         return f"a control message that is a msgpack {type(obj).__name__}, not a map"
     kind = obj.get("type")

@@ -61,6 +61,14 @@ def _map(**fields) -> bytes:
     return msgspec.msgpack.encode(fields)
 
 
+def _nested(depth: int) -> bytes:
+    """A Start whose config is ``depth`` one-element arrays deep (2 bytes a level fit
+    far below the size limit, far beyond what a thread's stack decodes)."""
+    return (b"\x84" + msgspec.msgpack.encode("type") + msgspec.msgpack.encode("Start")
+            + msgspec.msgpack.encode("config") + b"\x91" * depth + b"\xc0"
+            + _map(transport="shm")[1:] + msgspec.msgpack.encode("channel") + b"\xc4\x00")
+
+
 BAD = [
     ("old multipart HELLO", [b"HELLO", b"4242"], "2 frames"),
     ("old one-frame SHUTDOWN", [b"SHUTDOWN"], "not msgpack"),
@@ -82,6 +90,8 @@ BAD = [
     ("message too long", [_map(type="EngineCoreDead", message="x" * (control.MAX_ERROR_CHARS + 1))],
      "`$.message`"),
     ("too big", [b"\x00" * (MAX_MESSAGE_BYTES + 1)], "bytes (at most"),
+    ("nested too deeply", [_nested(100_000)], "nested too deeply"),
+    ("not msgpack, nested too deeply", [_nested(100_000) + b"\xc1"], "nested too deeply"),
 ]
 
 
@@ -242,6 +252,7 @@ def test_after_start_up_bad_messages_are_logged_and_dropped_and_death_still_seen
             ready.set()
             assert go.wait(20)
             fake.sock.send(b"junk")
+            fake.sock.send(_nested(100_000))
             fake.sock.send_multipart([b"ENGINE_CORE_DEAD", b"old wire"])
             hello(fake)
             control.send(fake.sock, control.EngineCoreDead(message="RuntimeError: boom"))
@@ -260,9 +271,10 @@ def test_after_start_up_bad_messages_are_logged_and_dropped_and_death_still_seen
         assert client.resources.dead_reason == (
             "Engine core process reported a fatal error: RuntimeError: boom")
         dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-        assert len(dropped) == 3, dropped
-        assert "not msgpack" in dropped[0] and "2 frames" in dropped[1]
-        assert "unexpected Hello control message after its start-up" in dropped[2]
+        assert len(dropped) == 4, dropped
+        assert "not msgpack" in dropped[0] and "nested too deeply" in dropped[1]
+        assert "2 frames" in dropped[2]
+        assert "unexpected Hello control message after its start-up" in dropped[3]
     finally:
         go.set()
         if not isinstance(client, Exception):
@@ -394,3 +406,4 @@ def test_engine_core_dead_of_any_error_can_be_sent():
     assert control.decode([control.encode(odd)]) == odd and "caf\\udce9" in odd.message
     bad = control.EngineCoreDead.of(Unprintable())
     assert control.decode([control.encode(bad)]).message == "Unprintable: <Unprintable whose str() failed>"
+
