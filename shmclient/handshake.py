@@ -76,23 +76,19 @@ class Handshake:
         self.started = False
         #: (engine's nonce, frontend's nonce) while the engine's proof is awaited.
         self.challenge: tuple[bytes, bytes] | None = None
+        self._deadline = self._timeout = 0.0  # (run() sets them)
 
     def run(self, timeout: float) -> control.Ready:
         """Blocks until the engine is ready (its ``Ready``), up to ``timeout`` seconds;
         raises one of the errors of the module docstring."""
-        deadline = time.monotonic() + timeout
+        deadline = self._deadline = time.monotonic() + timeout
+        self._timeout = timeout
         clock = self.clock
         while True:
             wait = max(0.0, deadline - time.monotonic())
             if clock is not None and self.hello:
                 clock.beat(self.ctl)
-                if clock.expired():
-                    raise EngineDeadError(
-                        f"Engine core initialization failed: the remote engine at "
-                        f"{self.address} sent nothing for {clock.silence_s():.1f} s "
-                        f"(heartbeat_interval_s={self.config.heartbeat_interval_s:g} x "
-                        f"heartbeat_misses={self.config.heartbeat_misses}) while starting: "
-                        "it died or the network is down. See its output for the root cause.")
+                self._check_silence()
                 wait = min(wait, clock.poll_s())
             try:
                 msg = control.recv(self.ctl, min(_POLL_S, wait))
@@ -116,6 +112,34 @@ class Handshake:
                 raise self._failed(msg)
             self._on(msg)
 
+    def _check_silence(self) -> None:
+        clock = self.clock
+        if clock is not None and clock.expired():
+            raise EngineDeadError(
+                f"Engine core initialization failed: the remote engine at "
+                f"{self.address} sent nothing for {clock.silence_s():.1f} s "
+                f"(heartbeat_interval_s={self.config.heartbeat_interval_s:g} x "
+                f"heartbeat_misses={self.config.heartbeat_misses}) while starting: "
+                "it died or the network is down. See its output for the root cause.")
+
+    def _send(self, msg: control.Message) -> None:
+        """Send ``msg`` without waiting past the start-up's deadline: the socket holds a
+        message for a peer that went away until another connects, so a send that
+        cannot go now is retried while the engine lives, its heartbeats come and the
+        deadline is ahead."""
+        while True:
+            try:
+                control.send(self.ctl, msg, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            self._check_exit()
+            self._check_silence()
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise self._timed_out(self._timeout)
+            self.ctl.poll(max(1, int(min(_POLL_S, left) * 1000)), zmq.POLLOUT)
+
     def _on(self, msg: control.Message) -> None:
         if isinstance(msg, control.Hello) and not self.hello:
             self.hello = True
@@ -133,7 +157,7 @@ class Handshake:
                         f"{auth.SECRET_FILE_ENV} or {auth.SECRET_ENV} as this frontend")
                 nonce_f = auth.nonce()
                 self.challenge = (msg.nonce, nonce_f)
-                control.send(self.ctl, control.Auth(
+                self._send(control.Auth(
                     nonce=nonce_f, proof=auth.proof(self.secret, b"frontend", msg.nonce, nonce_f)))
                 return
             self._send_start()
@@ -151,7 +175,7 @@ class Handshake:
                 msg, f"from the engine at {self.address} during its start-up")
 
     def _send_start(self) -> None:
-        control.send(self.ctl, control.Start(
+        self._send(control.Start(
             config=msgspec.Raw(msgspec.msgpack.encode(self.config)),
             transport=self.config.transport,
             channel=msgspec.Raw(msgspec.msgpack.encode(self.spec)),

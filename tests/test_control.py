@@ -210,6 +210,61 @@ def test_a_bad_message_fails_the_start_up_at_once_naming_it(insecure, script, wo
         assert not any(isinstance(m, control.Start) for m in fake.got), fake.got
 
 
+class _Exited:
+    """An engine process that has exited (``Handshake`` asks ``poll()``)."""
+    pid = 4242
+
+    def poll(self) -> int:
+        return 3
+
+
+def test_an_engine_gone_right_after_its_hello_fails_the_start_up_instead_of_blocking():
+    """The frontend's control socket keeps a message for a peer that went away until
+    another connects: a Start sent after the engine's connection dropped blocked the
+    start-up for good, past its deadline and the engine's exit."""
+    from shmclient.control_sockets import bound_address, frontend_socket
+    from shmclient.handshake import Handshake
+
+    ctx = zmq.Context()
+    front = frontend_socket(ctx, f"tcp://{HOST}:*")
+    address = bound_address(front)
+    watch = front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    engine = ctx.socket(zmq.PAIR)
+    outcome: list = []
+    t = None
+    try:
+        engine.connect(address)
+        control.send(engine, control.Hello(pid=4242, protocol_version=PROTOCOL_VERSION))
+        assert front.poll(10_000, zmq.POLLIN)  # the Hello is in; then the engine goes
+        engine.close(linger=0)
+        assert watch.poll(10_000, zmq.POLLIN)
+        hs = Handshake(front, EngineConfig(model="mock"), {}, address=address, proc=_Exited(),
+                       secret=None, clock=None)
+
+        def run() -> None:
+            try:
+                outcome.append(hs.run(30.0))
+            except Exception as e:  # noqa: BLE001 - looked at below
+                outcome.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the start-up blocked sending Start to a peer that is gone"
+        assert isinstance(outcome[0], EngineDeadError), outcome
+        assert "exited before it was ready" in str(outcome[0])
+    finally:
+        if t is not None and t.is_alive():  # (unblock the send that waits for a peer)
+            other = ctx.socket(zmq.PAIR)
+            other.connect(address)
+            t.join(10)
+            other.close(0)
+        front.disable_monitor()
+        watch.close(0)
+        front.close(0)
+        ctx.term()
+
+
 def _dead_after_start(message: str, error_type: str | None):
     def script(fake: FakeEngine) -> None:
         hello(fake)
