@@ -120,12 +120,14 @@ class EngineResources:
         else:
             self._secret = auth.require_secret("frontend")
         self.ctx = zmq.Context()
-        tcp = remote or (host is not None and config.transport == "zmq")
-        if not tcp:
+        # A local engine's data may go over tcp (zmq with data_parallel_address); its
+        # control socket never does: it carries the config and is not authenticated.
+        data_tcp = remote or (host is not None and config.transport == "zmq")
+        if not remote:
             # Only this uid may reach the sockets; removed once the engine is connected.
             self.ipc_dir = control_sockets.IpcDir()
-        address = (control_sockets.tcp_address(host, remote_control_port(config) if remote else 0)
-                   if tcp else self.ipc_dir.address("ctl"))
+        address = (control_sockets.tcp_address(host, remote_control_port(config))
+                   if remote else self.ipc_dir.address("ctl"))
         try:
             self.ctl = control_sockets.frontend_socket(self.ctx, address)
         except zmq.ZMQError as e:
@@ -133,7 +135,7 @@ class EngineResources:
                 f"EngineConfig.data_parallel_address={host!r} / data_parallel_rpc_port="
                 f"{getattr(config, 'data_parallel_rpc_port', 0)!r} is invalid: cannot listen "
                 f"on {address}: {e}") from e
-        if tcp:
+        if remote:
             address = control_sockets.bound_address(self.ctl)
         self.control_address = address
         if config.transport == "shm" and not remote:
@@ -144,7 +146,7 @@ class EngineResources:
                 wake_fd=wake_fd,
                 enable_cuda_ipc=config.enable_cuda_ipc,
             )
-        elif tcp:
+        elif data_tcp:
             self.channel, spec = ZmqChannel.create(self.ctx, host=host)
         else:
             self.channel, spec = ZmqChannel.create(self.ctx, self.ipc_dir.address("data"))
