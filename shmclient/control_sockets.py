@@ -124,13 +124,18 @@ def bound_address(sock: zmq.Socket) -> str:
 
 def reachable(address: str, via: str) -> str:
     """``address`` as a peer that reached us at ``via`` can connect to it: a wildcard
-    host (``0.0.0.0``, ``*``, ``[::]``) is replaced by the host of ``via``."""
+    host (``0.0.0.0``, ``*``, ``[::]``) is replaced by the host of ``via``, or by the
+    loopback address when ``via`` is not tcp (a local engine's ipc control socket)."""
     scheme, _, rest = address.partition("://")
     if scheme != "tcp":
         return address
     host, _, port = rest.rpartition(":")
     if host in ("0.0.0.0", "*", "[::]"):
-        host = via.partition("://")[2].rpartition(":")[0]
+        via_scheme, _, via_rest = via.partition("://")
+        if via_scheme == "tcp":
+            host = via_rest.rpartition(":")[0]
+        else:
+            host = "[::1]" if host == "[::]" else "127.0.0.1"
     return f"tcp://{host}:{port}"
 
 
