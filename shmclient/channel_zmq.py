@@ -15,7 +15,9 @@ WouldBlock), ``recv_nowait`` raises WouldBlock when nothing is queued. The wait 
 
 from __future__ import annotations
 
+import secrets
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -28,10 +30,14 @@ from .stats import ChannelStatistics
 
 
 class ZmqChannelSpec(msgspec.Struct, frozen=True):
-    """The two socket addresses the engine connects to."""
+    """The two socket addresses the engine connects to, and the engine's identity on
+    the request socket: random for each channel and known only to whoever was sent the
+    spec (a remote engine: once it proved the secret), so the requests go to that
+    engine, never to another process that connected to the port first."""
 
     input_address: str
     output_address: str
+    identity: bytes
 
 
 def _data_socket_options(sock: zmq.Socket) -> None:
@@ -42,8 +48,6 @@ def _data_socket_options(sock: zmq.Socket) -> None:
 
 class ZmqChannel:
     """One side of the ZMQ data path (see the module docstring)."""
-
-    ENGINE_IDENTITY = b"\x00\x00"
 
     # Capabilities a ZMQ channel does not have (``waiting.ChannelCapabilities``): nothing
     # to unlink (abstract socket names), no handle fds to pass, tensors travel as frames
@@ -59,8 +63,9 @@ class ZmqChannel:
     set_peer_gpus = None
     flush_releases = None
 
-    def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool) -> None:
+    def __init__(self, tx: zmq.Socket, rx: zmq.Socket, frontend: bool, identity: bytes) -> None:
         self._tx = tx
+        self._identity = identity
         self._rx = rx
         self._frontend = frontend
         self._encoder = Encoder()
@@ -94,30 +99,37 @@ class ZmqChannel:
                 rx.bind(f"{base}-out")
             spec = ZmqChannelSpec(
                 input_address=tx.getsockopt_string(zmq.LAST_ENDPOINT),
-                output_address=rx.getsockopt_string(zmq.LAST_ENDPOINT))
+                output_address=rx.getsockopt_string(zmq.LAST_ENDPOINT),
+                identity=b"E" + secrets.token_bytes(16))  # (ZMQ reserves a leading 0)
         except BaseException:
             tx.close(linger=0)
             rx.close(linger=0)
             raise
-        return cls(tx, rx, frontend=True), spec
+        return cls(tx, rx, frontend=True, identity=spec.identity), spec
 
     @classmethod
     def attach(cls, ctx: zmq.Context, spec: ZmqChannelSpec) -> "ZmqChannel":
         rx = ctx.socket(zmq.DEALER)
-        rx.setsockopt(zmq.IDENTITY, cls.ENGINE_IDENTITY)
+        rx.setsockopt(zmq.IDENTITY, spec.identity)
         tx = ctx.socket(zmq.PUSH)
         for s in (tx, rx):
             _data_socket_options(s)
         rx.connect(spec.input_address)
         tx.connect(spec.output_address)
         rx.send(b"")  # registration: lets the ROUTER route to us
-        return cls(tx, rx, frontend=False)
+        return cls(tx, rx, frontend=False, identity=spec.identity)
 
     def wait_registered(self, timeout: float) -> None:
-        """Frontend: wait for the engine DEALER's registration message."""
-        if not self._tx.poll(int(timeout * 1000), zmq.POLLIN):
-            raise PeerNotProducingError("engine did not connect to the request socket")
-        self._tx.recv_multipart()
+        """Frontend: wait for the engine DEALER's registration message (one from
+        another identity is dropped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._tx.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                raise PeerNotProducingError("engine did not connect to the request socket")
+            frames = self._tx.recv_multipart()
+            if frames[0] == self._identity:
+                return
 
     def fits_whole(self, nbytes: int) -> bool:  # sends never block on zmq
         return True
@@ -129,7 +141,7 @@ class ZmqChannel:
         """Queue the frames from ``encode``; always goes ahead (no high-water mark, as
         vLLM's sockets). Raises PeerDeadError (the engine's socket is gone),
         ClientClosedError. Never blocks."""
-        head = [self.ENGINE_IDENTITY] if self._frontend else []
+        head = [self._identity] if self._frontend else []
         with self._send_lock:
             if self._closed:
                 raise ClientClosedError("this zmq channel was closed")

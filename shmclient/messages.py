@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 #: Bumped on an incompatible change of the wire format; checked at the engine's ``Hello``.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class EngineCoreRequestType(enum.Enum):

@@ -142,7 +142,8 @@ def run_process(argv: list[str], *, make_core: MakeCore,
             spec = _decode(start.channel, ZmqChannelSpec, "channel")
             reachable = control_sockets.reachable
             spec = ZmqChannelSpec(input_address=reachable(spec.input_address, address),
-                                  output_address=reachable(spec.output_address, address))
+                                  output_address=reachable(spec.output_address, address),
+                                  identity=spec.identity)
             channel = ZmqChannel.attach(ctx, spec)
         if channel.set_peer_gpus is not None:
             channel.set_peer_gpus(list(start.gpu_uuids))

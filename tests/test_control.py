@@ -39,7 +39,7 @@ ALL = [
     control.Hello(pid=12, protocol_version=PROTOCOL_VERSION, nonce=b"n" * 32),
     control.Auth(proof=b"p" * 32, nonce=b"n" * 32),
     control.Start(config=msgspec.Raw(msgspec.msgpack.encode(EngineConfig())), transport="zmq",
-                  channel=msgspec.Raw(msgspec.msgpack.encode(ZmqChannelSpec("a", "b"))),
+                  channel=msgspec.Raw(msgspec.msgpack.encode(ZmqChannelSpec("a", "b", b"Eid"))),
                   gpu_uuids=["GPU-1"]),
     control.Ready(pid=12, num_gpu_blocks=3, block_size=16, max_model_len=64, gpu_uuids=[]),
     control.EngineCoreDead(message="boom", error_type="ConfigError"),
@@ -191,7 +191,7 @@ def start_client(port: int, script, until_shutdown: bool = True, **kw):
 
 @pytest.mark.parametrize("script,words", [
     (lambda f: f.sock.send_multipart([b"HELLO", b"4242"]), "2 frames"),
-    (lambda f: hello(f, version=1), "speaks protocol 1, this client 2"),
+    (lambda f: hello(f, version=1), f"speaks protocol 1, this client {PROTOCOL_VERSION}"),
     (lambda f: (hello(f), f.sock.send(_map(type="Bogus"))), "unknown kind 'Bogus'"),
     (lambda f: (hello(f), control.send(f.sock, control.Shutdown())),
      "unexpected Shutdown control message"),

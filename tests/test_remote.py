@@ -220,6 +220,9 @@ def test_wildcard_data_addresses_are_reached_at_the_host_of_connect():
     assert reachable("tcp://*:41000", via) == "tcp://10.1.2.3:41000"
     assert reachable("tcp://192.168.0.9:41000", via) == "tcp://192.168.0.9:41000"
     assert reachable("ipc://@x-in", via) == "ipc://@x-in"
+    # a local engine: its control socket is ipc, the data is reached on loopback
+    assert reachable("tcp://0.0.0.0:41000", "ipc:///tmp/d/ctl") == "tcp://127.0.0.1:41000"
+    assert reachable("tcp://[::]:41000", "ipc:///tmp/d/ctl") == "tcp://[::1]:41000"
 
 
 def test_a_remote_engine_dying_while_it_starts_fails_the_client_at_once():
@@ -375,6 +378,42 @@ def test_a_local_zmq_engine_binds_on_tcp_when_an_address_is_given():
             c.get_output(timeout=5)
     finally:
         c.shutdown()
+
+
+def test_a_process_on_the_data_port_before_the_engine_gets_no_request(monkeypatch):
+    """The request socket routes to the identity given in the engine's Start: a process
+    that connected to the tcp port first and registered (under the identity every
+    engine used before, or any other) is sent nothing, and the engine is served."""
+    ctx = zmq.Context()
+    rogues: list[zmq.Socket] = []
+    create = ZmqChannel.create
+
+    def create_then_connect_rogues(*args, **kw):
+        channel, spec = create(*args, **kw)
+        for identity in (b"\x00\x00", b"rogue"):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, identity)
+            sock.connect(spec.input_address)
+            sock.send(b"")  # registers first: the engine is not even spawned yet
+            rogues.append(sock)
+        assert all(s.poll(0, zmq.POLLOUT) for s in rogues)
+        return channel, spec
+
+    monkeypatch.setattr(ZmqChannel, "create", create_then_connect_rogues)
+    try:
+        c = SyncMPClient(EngineConfig(model="mock", max_model_len=512, transport="zmq",
+                                      data_parallel_address=HOST))
+        try:
+            c.add_request(req("a", max_tokens=3))
+            assert len(sync_collect(c, ["a"], timeout=10)["a"]) == 3
+        finally:
+            c.shutdown()
+        assert [s.poll(0, zmq.POLLIN) for s in rogues] == [0, 0]
+    finally:
+        for sock in rogues:
+            sock.close(0)
+        ctx.term()
 
 
 # -- a data-parallel group over two transports ----------------------------------------------
