@@ -196,6 +196,64 @@ def test_thread_reader_hands_over_what_the_dead_peer_left_then_raises(channel):
     assert owner.got == [1, 2]
 
 
+class _WatchedLock:
+    """A lock that tells when someone other than ``owner`` asks for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+        self.asked = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.get_ident() != self.owner:
+            self.asked.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+def test_a_waiter_arriving_while_another_reads_the_remains_gets_what_they_bring(channel):
+    """One thread reads what the dead peer left; a second one that comes meanwhile must
+    not raise before that reading has dispatched (it raised at once: the remains were
+    marked read when the reading began)."""
+    owner = Owner()
+    lock = _WatchedLock()
+    reader = waiting.ThreadReader(
+        channel, None, lead=lock, dead=owner.dead, alive=lambda: not owner.dead.is_set(),
+        closed=lambda: False, dead_error=owner.dead_error, broken=lambda e: owner.dead_error())
+    second_done = threading.Event()
+
+    def slow_dispatch(batch: list) -> None:
+        lock.owner = threading.get_ident()
+        second.start()
+        # (the second waiter asked for the lead, or already gave up)
+        assert lock.asked.wait(10) or second_done.is_set()
+        owner.dispatch(batch)
+
+    reader._dispatch = slow_dispatch
+    errors: list = []
+
+    def run_second() -> None:
+        try:
+            reader.wait(lambda: "b" in owner.got, time.monotonic() + 10.0)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            second_done.set()
+
+    second = threading.Thread(target=run_second)
+    channel.put("a", "b")
+    owner.dead.set()
+    reader.wait(lambda: "a" in owner.got, time.monotonic() + 10.0)
+    second.join(10)
+    assert not second.is_alive()
+    assert errors == [] and owner.got == ["a", "b"]
+
+
 def test_thread_reader_waits_the_grace_for_late_remains(late_channel):
     owner = Owner()
     reader = owner.thread_reader(late_channel)

@@ -106,9 +106,11 @@ class ThreadReader:
             if self._closed():
                 raise self._dead_error()  # shut down, or a forked child's copy
             if dead.is_set():
-                # What the peer wrote before it died comes first, then the error.
-                if self.read_remains():
-                    continue
+                # What the peer wrote before it died comes first, then the error (also
+                # after another thread's reading of it, which read_remains waits for).
+                self.read_remains()
+                if done():
+                    return
                 raise self._dead_error()
             left = None if deadline is None else deadline - time.monotonic()
             expired = left is not None and left <= 0
@@ -171,8 +173,9 @@ class ThreadReader:
     def read_remains(self) -> bool:
         """Once the peer is gone: read, once, what it wrote before it died and dispatch
         it. True if that brought anything. Waits up to ``LEAD_WAIT_S`` for the current
-        reader, then up to the grace; nothing once ``closed()``."""
-        if self.remains_read or self._closed():
+        reader (a thread reading the remains included: returned, they are dispatched),
+        then up to the grace; nothing once ``closed()``."""
+        if self._closed():
             return False
         if not self.lead.acquire(timeout=self.LEAD_WAIT_S):
             return False
