@@ -367,6 +367,84 @@ async def test_loop_reader_remains_of_a_ring_are_read_at_once(channel):
     assert owner.got == [1, 2]
 
 
+async def test_loop_reader_reads_a_dead_peers_backlog_a_batch_per_turn(channel):
+    """What a dead peer left is dispatched ``READ_LIMIT`` at a time, the loop turning
+    between batches (one read of the whole backlog held the loop for as long as that
+    took to decode: thousands of batches in a full output ring)."""
+    owner = Owner()
+    batches: list = []
+    owner.dispatch = lambda batch: (batches.append(len(batch)), owner.got.extend(x for _, x in batch))
+    reader = owner.loop_reader(channel)
+    loop = asyncio.get_running_loop()
+    reader.bind(loop)
+    reader.unwatch_hook()()  # no callback: the remains' reading alone
+    n = 3 * reader.READ_LIMIT + 5
+    channel.put(*range(n))
+    owner.dead.set()
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    counter = asyncio.ensure_future(count_turns())
+    try:
+        await asyncio.wait_for(reader.read_remains(), 5.0)
+    finally:
+        counter.cancel()
+    assert owner.got == list(range(n))
+    assert max(batches) == reader.READ_LIMIT and len(batches) == 4, batches
+    assert turns >= 3
+
+
+@pytest.mark.parametrize("arm_after_read", [False, True])
+async def test_loop_callback_reads_on_after_the_peer_closed_until_nothing_is_left(channel, arm_after_read):
+    """A peer that closed its end (exiting) left more than one read's worth: the
+    callback reads it all before it stops watching (it stopped after the first 16,
+    leaving the rest to whoever waited next: a utility's reply then went unread)."""
+    channel.arm_after_read = arm_after_read
+    owner = Owner()
+    reader = owner.loop_reader(channel)
+    loop = asyncio.get_running_loop()
+    reader.bind(loop)
+    try:
+        n = 3 * reader.READ_LIMIT + 5
+        channel.put(*range(n))
+        channel.peer_closed = True
+        await asyncio.wait_for(_loop_until(lambda: len(owner.got) == n), 5.0)
+        assert owner.got == list(range(n))
+        await asyncio.wait_for(_loop_until(lambda: reader._watch.fd is None), 5.0)  # then stops
+    finally:
+        reader.unwatch_hook()()
+
+
+async def test_loop_callback_of_a_broken_channel_stops_watching_without_raising_into_the_loop(channel):
+    """Once the channel broke (its ring end closed), arming its descriptor raises: the
+    callback stops watching instead of raising into the loop's exception handler."""
+    from shmclient.errors import RingCorruptError
+
+    owner = Owner()
+    reader = owner.loop_reader(channel)
+    loop = asyncio.get_running_loop()
+    raised: list = []
+    loop.set_exception_handler(lambda lp, ctx: raised.append(ctx))
+    reader.bind(loop)
+    try:
+        def broken() -> None:
+            raise RingCorruptError("ring protocol violation: this consumer end is closed")
+
+        channel.arm_recv = broken
+        channel.put("x")
+        await asyncio.wait_for(_loop_until(lambda: reader._watch.fd is None), 5.0)
+        await _turns()
+        assert raised == []
+    finally:
+        loop.set_exception_handler(None)
+        reader.unwatch_hook()()
+
+
 async def _turns(n: int = 5) -> None:
     for _ in range(n):
         await asyncio.sleep(0)

@@ -183,8 +183,8 @@ class LoopReader:
             self.wakes += 1
             channel = self.channel
             after = self._arm_after_read
-            if not after:
-                channel.arm_recv()  # then try: a publish after this signals the fd again
+            if not after and not self._arm():  # then try: a publish after this signals the fd again
+                return
             got = self._take(0.0)
             early = self.early
             if not got and early is not None and self.parking.waiters:
@@ -193,20 +193,28 @@ class LoopReader:
                     got = self._take(spin)
                     early.after(bool(got))
             if after:
-                try:
-                    channel.arm_recv()  # a record still unread makes the fd readable again
-                except (ClientClosedError, OSError):
-                    pass
+                self._arm()  # a record still unread makes the fd readable again
             if got:
                 self._deliver(got)
             else:
                 self.empty_wakes += 1
-            if channel.peer_closed:
-                # The peer closed its end (it is exiting): stop watching a descriptor
-                # that now stays readable; its owner reports the death.
+            if channel.peer_closed and len(got) < self.READ_LIMIT:
+                # The peer closed its end (it is exiting) and what it wrote has been
+                # read: stop watching a descriptor that now stays readable; its owner
+                # reports the death.
                 self._watch.unwatch()
         finally:
             lead.release()
+
+    def _arm(self) -> bool:
+        """Arm the channel's descriptor; False (and no longer watched) once the channel
+        is closed or broken (``broken`` was told)."""
+        try:
+            self.channel.arm_recv()
+            return True
+        except (ClientClosedError, OSError, ProtocolError):
+            self._watch.unwatch()
+            return False
 
     def _take(self, spin: float) -> list[tuple[int, Any]]:
         """What is there (spinning up to ``spin`` seconds for it); [] once the peer is
@@ -312,17 +320,19 @@ class LoopReader:
                     if self.remains_read or self._closed():
                         return
                     try:
-                        got = self.channel.try_recv()
+                        got = self.channel.try_recv(self.READ_LIMIT)
                     except (PeerDeadError, ClientClosedError, ProtocolError):
                         got = []
                     if got:
                         self._deliver(got)
-                        continue
-                    if loop.time() >= end:
+                    elif loop.time() >= end:
                         self.remains_read = True
                         return
                 finally:
                     self.lead.release()
+                if got:
+                    await asyncio.sleep(0)  # the loop's other tasks run between batches
+                    continue
             # Parked, not polling: a delivery by the callback wakes it; the slice bounds
             # the wait for a channel held by another thread.
             await self.parking.park(loop, loop.time() + self.REMAINS_POLL_S)
