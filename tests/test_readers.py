@@ -557,3 +557,25 @@ async def test_parking_deadline_releases_one_wake_releases_all():
     parking.wake()
     await asyncio.wait_for(asyncio.gather(*long_), 5.0)
     assert parking.waiters == set()
+
+
+async def test_a_waiter_left_parked_by_a_closed_loop_does_not_stop_the_wake_of_the_others():
+    """A client moves to a new loop once its first is closed: a task that was parked
+    when that loop closed must not make wake() raise and leave the new loop's waiter
+    asleep with its output queued."""
+    parking = waiting.Parking()
+    old = asyncio.new_event_loop()
+    stranded = parking.park(old, None)
+    waiter = stranded.send(None)  # parked: it awaits its waiter
+    waiter.add_done_callback(lambda f: None)  # as the task that awaits it
+    old.close()
+    try:
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(parking.park(loop, None))
+        await _loop_until(lambda: len(parking.waiters) == 2)
+        parking.wake()
+        await asyncio.wait_for(task, 5.0)
+        assert parking.waiters == set()  # the closed loop's waiter was dropped
+    finally:
+        stranded.close()
+

@@ -45,10 +45,18 @@ class Parking:
         self.waiters: set[asyncio.Future] = set()
 
     def wake(self) -> None:
-        """Release every parked task. Never blocks."""
+        """Release every parked task. Never blocks. A waiter whose loop was closed with
+        its task parked (the owner then bound another loop) is dropped."""
+        stale = None
         for w in self.waiters:
             if not w.done():
-                w.set_result(None)
+                try:
+                    w.set_result(None)
+                except RuntimeError:  # its loop is closed: nothing will ever run it
+                    stale = stale or []
+                    stale.append(w)
+        if stale:
+            self.waiters.difference_update(stale)
 
     async def park(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Suspend the running task until ``wake()`` or ``loop.time() >= deadline``
