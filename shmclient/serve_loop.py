@@ -59,6 +59,11 @@ class EngineCore(Protocol):
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is live here (its finish not sent yet): a request
+        under that id that does not decode is then dropped, not answered with ERROR
+        under the live request's id. Optional: a core without it is not asked."""
+
     def step(self) -> dict[int, EngineCoreOutputs]: ...
 
     def has_work(self) -> bool: ...
@@ -165,7 +170,13 @@ class EngineProc:
         """Answer a message that did not decode, if it can be matched to its sender."""
         if rtype == REQ_ADD:
             rid = bad.field("request_id")
-            if type(rid) is str and rid:
+            is_live = getattr(self.core, "is_live", None)
+            if type(rid) is str and rid and is_live is not None and is_live(rid):
+                # An ERROR under that id would finish the live request at the frontend
+                # while the engine goes on with it (as for a duplicate that decodes).
+                log.warning("dropped a request that does not decode, under the id of a "
+                            "live request %r: %s", rid, bad.error)
+            elif type(rid) is str and rid:
                 self.reject(bad.field("client_index"), rid,
                             f"the engine could not decode this request: {bad.error}")
             else:

@@ -213,6 +213,11 @@ class EngineCore:
                  EngineCoreOutput(request_id=req.request_id, finish_reason=FinishReason.ABORT)))
             self._aborted_ids.add(req.request_id)
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is live: queued, running, or aborted with its ABORT
+        output not sent yet."""
+        return request_id in self.scheduler.requests or request_id in self._aborted_ids
+
     def step(self) -> dict[int, EngineCoreOutputs]:
         """Schedule, execute and update once; outputs keyed by ``client_index``.
 

@@ -313,19 +313,23 @@ async def test_refused_request_finishes_with_finish_reason_error_and_engine_keep
     assert not drv.client.is_dead
 
 
-def test_a_duplicate_of_a_live_id_is_dropped_without_finishing_the_live_request():
+@pytest.mark.parametrize("duplicate", ["decodes", "does not decode"])
+def test_a_duplicate_of_a_live_id_is_dropped_without_finishing_the_live_request(duplicate):
     """A frontend (not this project's clients, which refuse it first) sends a request
     whose id is live in the engine: the engine's refusal used to finish that id with
     ERROR, so the frontend took the live request as over while the engine went on
-    generating for it. Nothing is answered under the id now; the live request ends
-    as it would have."""
+    generating for it. Nothing is answered under the id now, whether the duplicate
+    decodes or not (a float token id); the live request ends as it would have."""
     from shmclient import SyncMPClient
 
     c = SyncMPClient(CFG.replace(step_delay_s=0.002))
     try:
         r = req("live", max_tokens=12)
         c.add_request(r)
-        send(c.channel, REQ_ADD, r)  # around the client's own check
+        if duplicate == "decodes":  # around the client's own check
+            send(c.channel, REQ_ADD, r)
+        else:
+            waiting.send(c.channel, REQ_ADD, msgspec.msgpack.encode(["live", [1.0]]), timeout=5.0)
         c.add_request(req("after", max_tokens=2))
         finished: dict[str, FinishReason] = {}
         tokens = 0
