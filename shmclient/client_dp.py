@@ -22,7 +22,9 @@ import logging
 import os
 import threading
 import weakref
+from collections import deque
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 from .config import EngineConfig
@@ -35,7 +37,7 @@ from .dp_engines import EngineStops, engine_config, start_engines
 from .errors import (ClientClosedError, ConfigError, EngineDeadError, ForkedError,
                      InvalidRequestError, PeerNotProducingError, UsageError)
 from .messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from .waiting import Parking
+from .waiting import LoopReader, Parking
 
 logger = logging.getLogger("shmclient")
 
@@ -130,8 +132,9 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self.lb_engines: list[SchedulerStats] = [_NO_STATS] * n
         #: Requests routed to each engine since start (the balance the benchmark reports).
         self.requests_routed = [0] * n
-        self._outputs: list[EngineCoreOutputs] = []
-        self._out_head = 0
+        self._outputs: deque[EngineCoreOutputs] = deque()
+        #: When the task reading outputs was last suspended (see ``get_output_async``).
+        self._last_turn = 0.0
         self._parking = Parking()
         #: Set once an engine died or the client shut down: no more batches are taken.
         self._halted = False
@@ -165,7 +168,6 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._forked = True
         self._closed = True
         self._outputs.clear()
-        self._out_head = 0
 
     @classmethod
     async def create(cls, config: EngineConfig | None = None) -> "DPAsyncMPClient":
@@ -315,14 +317,21 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         None or a number >= 0, as ``AsyncMPClient``'s). Once an engine died, the batches read
         before come first, then ``EngineDeadError``; also after ``shutdown()``."""
         out = self._outputs
-        if self._out_head < len(out):
-            return self._pop()
+        # A consumer that keeps pace with the engines would find a batch queued at
+        # every call and never let the loop run its other tasks: a call yields first
+        # when the task has not been suspended for a while (as AsyncMPClient's).
+        now = perf_counter()
+        if now - self._last_turn > LoopReader.YIELD_EVERY_S:
+            self._last_turn = now
+            await asyncio.sleep(0)
+        if out:
+            return out.popleft()
         timeout = check_timeout("get_output_async", timeout)
         loop = self._bind()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
-            if self._out_head < len(out):
-                return self._pop()
+            if out:
+                return out.popleft()
             # Not ``is_dead``: what a dead engine wrote before dying comes first, and its
             # reader has forwarded all of it by the time it reports the death.
             if self._closed or self._dead_reason is not None:
@@ -331,15 +340,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
                 raise PeerNotProducingError(
                     f"no output from the engines within {timeout} s (they are alive)")
             await self._parking.park(loop, deadline)
-
-    def _pop(self) -> EngineCoreOutputs:
-        out = self._outputs
-        item = out[self._out_head]
-        self._out_head += 1
-        if self._out_head == len(out):
-            out.clear()
-            self._out_head = 0
-        return item
+            self._last_turn = perf_counter()
 
     # -- requests --------------------------------------------------------------------
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> int:

@@ -22,6 +22,7 @@ from shmclient import (
     ConfigError,
     DPAsyncMPClient,
     DPLBAsyncMPClient,
+    EngineCoreOutputs,
     EngineCoreRequest,
     EngineDeadError,
     FinishReason,
@@ -460,6 +461,44 @@ async def test_one_engine_killed_fails_everything_pending_and_stops_the_others()
             os.close(survivor)
     finally:
         c.shutdown()
+
+
+async def test_the_merged_output_stream_keeps_only_what_is_unread_and_lets_the_loop_turn():
+    """Two findings on the merged stream of the engines' batches: a consumer that stayed
+    a few batches behind kept every batch it had taken referenced (memory grew with the
+    output, not the backlog), and one that found a batch queued at every call never
+    let the loop run its other tasks."""
+    c = await DPLBAsyncMPClient.create(cfg())
+    try:
+        for _ in range(3):
+            c._take(0, EngineCoreOutputs(engine_index=0))
+        for _ in range(100):  # three behind all along
+            c._take(1, EngineCoreOutputs(engine_index=1))
+            await c.get_output_async(timeout=5)
+        assert len(c._outputs) == 3
+
+        turns = 0
+
+        async def ticker() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        for _ in range(100):
+            c._take(0, EngineCoreOutputs(engine_index=0))
+        t = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        start = turns
+        for _ in range(100):
+            await c.get_output_async(timeout=5)
+            end = time.perf_counter() + 0.0005  # the consumer's own work on a batch
+            while time.perf_counter() < end:
+                pass
+        t.cancel()
+        assert turns - start >= 50, turns - start
+    finally:
+        await c.shutdown_async()
 
 
 async def test_shutdown_fails_pending_calls_and_is_idempotent():
