@@ -55,6 +55,38 @@ def shutdown_timeout(timeout: Any) -> float:
     return float(timeout)
 
 
+async def build_in_thread(cls: Any, config: Any) -> Any:
+    """``cls(config)`` in the loop's default executor, without blocking the loop (an
+    asynchronous client's ``create``). Cancelled meanwhile (``asyncio.wait_for`` ran
+    out), the client built after all is shut down in that executor, never left with
+    its engines running for the garbage collector to find."""
+    import asyncio
+    import threading
+
+    lock = threading.Lock()
+    state: dict = {"abandoned": False, "client": None}
+
+    def build() -> Any:
+        client = cls(config)
+        with lock:
+            if not state["abandoned"]:
+                state["client"] = client
+                return client
+        client.shutdown()
+        return None
+
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(None, build)
+    except asyncio.CancelledError:
+        with lock:
+            state["abandoned"] = True
+            client = state["client"]
+        if client is not None:  # built as the wait was cancelled
+            loop.run_in_executor(None, client.shutdown)
+        raise
+
+
 class EngineCoreClient(ABC):
     """Talks to an EngineCore; the frontend never touches the core directly.
 

@@ -64,9 +64,11 @@ class AsyncMPClient(AsyncUtilities, MPClient):
     @classmethod
     async def create(cls, config: EngineConfig) -> "AsyncMPClient":
         """Build the client from a running loop without blocking it: the engine starts
-        in a thread (seconds for a model). Raises what the constructor raises."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, cls, config)
+        in a thread (seconds for a model). Raises what the constructor raises;
+        cancelled, the client built after all is shut down."""
+        from .client import build_in_thread
+
+        return await build_in_thread(cls, config)
 
     async def __aenter__(self) -> "AsyncMPClient":
         return self

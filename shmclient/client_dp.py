@@ -173,9 +173,10 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     async def create(cls, config: EngineConfig | None = None) -> "DPAsyncMPClient":
         """Build the client from a running loop without blocking it: the engines start
         in a thread (each in one of its own, at once). Raises what the constructor
-        raises."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, cls, config)
+        raises; cancelled, the client built after all is shut down."""
+        from .client import build_in_thread
+
+        return await build_in_thread(cls, config)
 
     # -- set-up ----------------------------------------------------------------------
     @staticmethod

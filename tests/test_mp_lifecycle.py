@@ -230,6 +230,28 @@ async def test_a_utility_reply_written_before_the_engine_died_is_returned_async(
         await c.shutdown_async()
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_cancelled_create_shuts_down_the_client_it_builds_after_all(dp):
+    """``create`` runs the constructor in the loop's executor; cancelled (a wait_for
+    that ran out), the client it built was dropped with its engines running until a
+    garbage collection found its cycles. It is shut down now, in that executor, which
+    asyncio.run waits for."""
+    from shmclient import DPLBAsyncMPClient
+
+    cls = AsyncMPClient if dp == 1 else DPLBAsyncMPClient
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cls.create(cfg(data_parallel_size=dp)), 0.01)
+
+    gc.disable()  # (a collection would stop the engines whatever create did)
+    try:
+        asyncio.run(main())
+        assert psutil.Process().children() == []
+    finally:
+        gc.enable()
+
+
 async def test_cancelled_async_utility_leaves_client_usable():
     c = make_client(True, True, cfg(step_delay_s=0.01))
     try:
