@@ -258,7 +258,8 @@ class ShmChannel:
         if self._partial is not None and self._partial_owner != threading.get_ident():
             with self._send_lock:
                 if self._partial is not None and self._partial_owner != threading.get_ident():
-                    return self._partial_done.wait(timeout)
+                    # (threading's waits take no inf: a timeout that long is none)
+                    return self._partial_done.wait(None if timeout >= threading.TIMEOUT_MAX else timeout)
         return self.tx.wait_writable(timeout, spin=spin, first=first)
 
     def wait_recv(self, timeout: float, *, spin: float | None = None, first: bool = True) -> bool:

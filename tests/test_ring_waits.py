@@ -253,3 +253,47 @@ def test_vetoed_spins_leave_the_adaptive_budget_as_it_was(gate_never):
         p.close()
         c.unlink()
         p.unlink()
+
+
+@pytest.mark.parametrize("timeout", [math.inf, 1e300])
+def test_a_channels_wait_for_room_behind_another_threads_half_sent_message_takes_no_limit(timeout):
+    """The wait handle's "no limit" (inf, or any huge number) while another thread's
+    long message is half-way through the ring: the wait for that message raised
+    OverflowError (threading's waits take no such timeout)."""
+    from shmclient.channel import REQ_UTILITY, ShmChannel
+
+    front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 16, spin_us=0.0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    big = b"x" * 20_000  # five times the ring: sent in parts as the engine reads
+    outcome: list = []
+    threads: list[threading.Thread] = []
+    try:
+        sender = threading.Thread(target=lambda: waiting.send(front, REQ_UTILITY, big, timeout=30.0))
+        threads.append(sender)
+        sender.start()
+        _until(lambda: front._partial is not None)
+
+        def wait() -> None:
+            try:
+                outcome.append(front.wait_send(timeout))
+            except BaseException as e:  # noqa: BLE001 - looked at below
+                outcome.append(e)
+
+        waiter = threading.Thread(target=wait)
+        threads.append(waiter)
+        waiter.start()
+        # The engine reads once the waiter waits behind the half-sent message (or failed).
+        _until(lambda: outcome or front._partial_done._waiters)
+        got: list = []
+        _until(lambda: got.extend(engine.try_recv()) or not sender.is_alive())
+        for t in threads:
+            t.join(10)
+        got.extend(engine.try_recv())
+        assert outcome == [True]
+        assert [rtype for rtype, _ in got] == [REQ_UTILITY]  # (bytes, not a call: it came whole)
+    finally:
+        for t in threads:
+            t.join(10)
+        engine.close()
+        front.close()
