@@ -1892,9 +1892,14 @@ PyMODINIT_FUNC PyInit__ring(void) {
         return NULL;
     const char *env_mode = getenv("SHMCLIENT_SPIN");
     int mode = gate_mode_of(env_mode);
-    if (mode < 0) {
-        PyErr_Format(PyExc_ValueError,
+    if (mode < 0) { /* shmclient.errors.ConfigError (a ValueError), naming the variable */
+        PyObject *errors = PyImport_ImportModule("shmclient.errors");
+        PyObject *config_error = errors ? PyObject_GetAttrString(errors, "ConfigError") : NULL;
+        Py_XDECREF(errors);
+        if (!config_error) return NULL;
+        PyErr_Format(config_error,
                      "SHMCLIENT_SPIN must be 'adaptive', 'always' or 'never', got '%s'", env_mode);
+        Py_DECREF(config_error);
         return NULL;
     }
     gate_init(&the_gate, mode);

@@ -48,7 +48,7 @@ def load_secret() -> bytes | None:
             raise AuthenticationError(f"{SECRET_FILE_ENV}={path!r} is empty")
         return secret
     value = os.environ.get(SECRET_ENV)
-    return value.encode() if value else None
+    return os.fsencode(value) if value else None  # (bytes that are not UTF-8 included)
 
 
 def require_secret(side: str) -> bytes | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import ShmCapacityError
+from .errors import ConfigError, ShmCapacityError
 
 __all__ = ["DEFAULT_MARGIN", "MARGIN_ENV", "capacity_error", "check_reservation", "margin_bytes",
            "memory_limits"]
@@ -118,7 +118,7 @@ def margin_bytes() -> int:
         if value < 0:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{MARGIN_ENV} must be a number of bytes >= 0, got {raw!r}") from None
+        raise ConfigError(f"{MARGIN_ENV} must be a number of bytes >= 0, got {raw!r}") from None
     return value
 
 

@@ -14,6 +14,8 @@ import secrets
 
 import zmq
 
+from .errors import ConfigError
+
 #: The most bytes one control message may have: a larger one makes zmq drop the peer
 #: (``ZMQ_MAXMSGSIZE``), before anything of it is read.
 MAX_MESSAGE_BYTES = 1 << 20
@@ -45,7 +47,13 @@ class IpcDir:
 
         base = os.environ.get(IPC_DIR_ENV) or tempfile.gettempdir()
         _sweep(base)
-        self.path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=base)
+        try:
+            self.path = tempfile.mkdtemp(prefix=f"{_IPC_PREFIX}{os.getpid()}-", dir=base)
+        except OSError as e:
+            if not os.environ.get(IPC_DIR_ENV):
+                raise
+            raise ConfigError(f"{IPC_DIR_ENV}={base!r} cannot hold the control sockets' "
+                              f"folder: {e.strerror or e}") from None
         os.chmod(self.path, 0o700)
         self._names: list[str] = []
 

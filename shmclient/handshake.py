@@ -12,6 +12,7 @@ a channel, a client or an engine.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import time
@@ -44,7 +45,8 @@ _REPORTED_EXIT_S = 5.0
 
 def ready_timeout_s(config: EngineConfig) -> float:
     """The ready timeout: EngineConfig.engine_ready_timeout_s, else the env variable.
-    Raises ``ConfigError`` for a variable that is not a number."""
+    Raises ``ConfigError`` for a variable that is not a finite number of seconds > 0
+    (the config field's rule: NaN never ran out, 0 or less gave up at once)."""
     value = getattr(config, "engine_ready_timeout_s", None)
     if value is not None:
         return float(value)
@@ -52,9 +54,12 @@ def ready_timeout_s(config: EngineConfig) -> float:
     if raw is None:
         return DEFAULT_READY_TIMEOUT_S
     try:
-        return float(raw)
+        seconds = float(raw)
     except ValueError:
-        raise ConfigError(f"{READY_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{READY_TIMEOUT_ENV} must be a finite number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 class Handshake:

@@ -12,6 +12,7 @@ notes", ``shmclient.validate``.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any
 
@@ -309,4 +310,7 @@ def check_timeout(what: str, timeout: Any) -> float | None:
             or not timeout >= 0):
         raise InvalidRequestError(
             f"{what}(): timeout={timeout!r} is invalid: must be a number of seconds >= 0 or None")
-    return float(timeout)
+    try:
+        return float(timeout)
+    except OverflowError:  # an int past the largest float: no limit, as inf
+        return math.inf

@@ -59,3 +59,46 @@ def test_every_invalid_value_of_every_field_names_its_field():
                 assert f"{field}=" in str(e), (field, value, str(e))
                 checked += 1
     assert checked > 300
+
+
+@pytest.mark.parametrize("raw", ["nan", "-1", "0", "inf", "soon"])
+def test_a_ready_timeout_variable_that_is_no_finite_positive_number_is_a_config_error(monkeypatch, raw):
+    """NaN never ran out (a start-up polled without end), 0 and less gave up at once:
+    the variable follows the config field's rule."""
+    from shmclient.handshake import READY_TIMEOUT_ENV, ready_timeout_s
+
+    monkeypatch.setenv(READY_TIMEOUT_ENV, raw)
+    with pytest.raises(ConfigError, match=READY_TIMEOUT_ENV):
+        ready_timeout_s(EngineConfig())
+    monkeypatch.setenv(READY_TIMEOUT_ENV, "2.5")
+    assert ready_timeout_s(EngineConfig()) == 2.5
+
+
+def test_other_bad_variables_are_config_errors_naming_them(monkeypatch, tmp_path):
+    """Every error a client raises is a ShmClientError: the variables too."""
+    from shmclient import capacity, control_sockets
+
+    monkeypatch.setenv(capacity.MARGIN_ENV, "lots")
+    with pytest.raises(ConfigError, match=capacity.MARGIN_ENV):
+        capacity.margin_bytes()
+    monkeypatch.setenv(control_sockets.IPC_DIR_ENV, str(tmp_path / "no such folder"))
+    with pytest.raises(ConfigError, match=control_sockets.IPC_DIR_ENV):
+        control_sockets.IpcDir()
+
+
+def test_a_secret_variable_of_bytes_that_are_not_utf8_is_used_as_it_is(monkeypatch):
+    """A secret taken from random bytes (the environment holds bytes): the frontend and
+    the engine both failed with UnicodeEncodeError."""
+    import os
+
+    from shmclient import auth
+
+    monkeypatch.delenv(auth.SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(auth.SECRET_ENV, os.fsdecode(b"\xa7\xffsecret"))
+    assert auth.load_secret() == b"\xa7\xffsecret"
+
+
+def test_a_timeout_past_the_largest_float_is_no_limit():
+    from shmclient.validate import check_timeout
+
+    assert check_timeout("get_output", 10**400) == float("inf")

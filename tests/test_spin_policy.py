@@ -191,9 +191,12 @@ def _child(code: str, env: dict | None = None, timeout: float = 60) -> subproces
 
 
 def test_bad_spin_mode_in_the_environment_is_named():
+    """A ConfigError (every error a client raises is a ShmClientError; the ring's
+    module is imported by the first client)."""
     r = _child("import shmclient._ring", {"SHMCLIENT_SPIN": "fast"})
     assert r.returncode != 0
-    assert "SHMCLIENT_SPIN must be 'adaptive', 'always' or 'never', got 'fast'" in r.stderr
+    assert ("shmclient.errors.ConfigError: SHMCLIENT_SPIN must be 'adaptive', 'always' or "
+            "'never', got 'fast'") in r.stderr
 
 
 WAIT_ON_EMPTY_RING = """
