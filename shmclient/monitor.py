@@ -71,40 +71,54 @@ class EngineMonitor(threading.Thread):
             except (AttributeError, OSError):  # pragma: no cover - old kernels
                 pidfd = None
         try:
-            while True:
-                if hb is not None:
-                    wait: float | None = hb.poll_s() * 1000
-                else:
-                    wait = None if pidfd is not None else _POLL_S * 1000
-                events = dict(poller.poll(wait))
-                if ctl in events:
-                    self._read_control()
-                if self.wake_fd in events:
-                    if proc is None or proc.poll() is None:
-                        send_shutdown(ctl)
-                    return
-                if hb is not None:
-                    if self.dead.is_set():
-                        return  # it reported its death; it is gone
-                    hb.beat(ctl)
-                    if hb.expired():
-                        self.mark_dead(
-                            f"Remote engine core of data-parallel rank {self.rank} at "
-                            f"{self.address} sent no heartbeat for {hb.silence_s():.1f} s: "
-                            "it died, or the network to it is down.")
-                        return
-                elif (pidfd is not None and pidfd in events) or proc.poll() is not None:
-                    rc = proc.wait()
-                    if not self.expected_exit():
-                        self.mark_dead(f"Engine core process {proc.pid} died unexpectedly "
-                                       f"({engine_process.describe_exit(rc)}).")
-                    return
+            self._watch(ctl, proc, hb, poller, pidfd)
+        except Exception as e:  # a bug: nothing would watch the engine any more
+            logger.exception("the watch of the engine at %s failed", self.address)
+            if not self.expected_exit():
+                self.mark_dead(f"The client's watch of the engine core failed: {e!r}")
         finally:
             if pidfd is not None:
                 os.close(pidfd)
             # Over tcp the Shutdown needs a moment to leave (ctx.term() waits for it); a
             # remote engine that does not get it stops on the missing heartbeats.
             ctl.close(linger=REMOTE_LINGER_MS if hb is not None else 0)
+
+    def _watch(self, ctl: zmq.Socket, proc: subprocess.Popen | None,
+               hb: control.HeartbeatClock | None, poller: zmq.Poller, pidfd: int | None) -> None:
+        """Until the engine is dead or the wake fd is readable (run's loop)."""
+        while True:
+            if hb is not None:
+                wait: float | None = hb.poll_s() * 1000
+            else:
+                wait = None if pidfd is not None else _POLL_S * 1000
+            events = dict(poller.poll(wait))
+            if ctl in events:
+                self._read_control()
+            if self.wake_fd in events:
+                if proc is None or proc.poll() is None:
+                    send_shutdown(ctl)
+                return
+            if hb is not None:
+                if self.dead.is_set():
+                    # It reported its death (it is gone), or the client's shutdown
+                    # began: that one's Shutdown goes now, whether or not its wake
+                    # byte came yet (this return would otherwise drop it).
+                    if self.expected_exit():
+                        send_shutdown(ctl)
+                    return
+                hb.beat(ctl)
+                if hb.expired():
+                    self.mark_dead(
+                        f"Remote engine core of data-parallel rank {self.rank} at "
+                        f"{self.address} sent no heartbeat for {hb.silence_s():.1f} s: "
+                        "it died, or the network to it is down.")
+                    return
+            elif (pidfd is not None and pidfd in events) or proc.poll() is not None:
+                rc = proc.wait()
+                if not self.expected_exit():
+                    self.mark_dead(f"Engine core process {proc.pid} died unexpectedly "
+                                   f"({engine_process.describe_exit(rc)}).")
+                return
 
     def _read_control(self) -> None:
         """Take every queued control message. ``EngineCoreDead`` marks the engine dead;

@@ -462,3 +462,55 @@ def test_engine_core_dead_of_any_error_can_be_sent():
     bad = control.EngineCoreDead.of(Unprintable())
     assert control.decode([control.encode(bad)]).message == "Unprintable: <Unprintable whose str() failed>"
 
+
+
+def test_a_remote_engines_monitor_that_finds_the_shutdown_begun_sends_shutdown(pair):
+    """The client's shutdown marks the engine dead before it wakes the monitor; a
+    monitor that woke in between (a heartbeat due) returned without the Shutdown, and
+    the remote engine stopped only on the heartbeats' silence, logging its frontend as
+    dead."""
+    from shmclient.monitor import EngineMonitor
+
+    front, engine = pair
+    r, w = os.pipe()
+    dead = threading.Event()
+    dead.set()  # begin_shutdown() ran; its wake byte is not written
+    mon = EngineMonitor(front, None, control.HeartbeatClock(0.05, 1.0), r, pid=4242,
+                        address="inproc://ctl", rank=1, dead=dead,
+                        mark_dead=lambda reason: None, expected_exit=lambda: True)
+    try:
+        mon.start()
+        mon.join(10)
+        assert not mon.is_alive()
+        assert isinstance(control.recv(engine, 5.0), control.Shutdown)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_monitor_that_fails_marks_the_engine_dead_rather_than_leaving_it_unwatched(pair, monkeypatch):
+    """A bug in the watch (here: decoding raises what it never should) ended the
+    monitor thread: a later engine death went unseen and get_output() without a
+    timeout blocked for good. The engine is marked dead instead, saying why."""
+    from shmclient import monitor
+
+    front, engine = pair
+    r, w = os.pipe()
+    reasons: list[str] = []
+
+    def broken_decode(frames):
+        raise RuntimeError("a bug in decode")
+
+    monkeypatch.setattr(monitor.control, "decode", broken_decode)
+    mon = monitor.EngineMonitor(front, None, control.HeartbeatClock(0.05, 5.0), r, pid=4242,
+                                address="inproc://ctl", rank=1, dead=threading.Event(),
+                                mark_dead=reasons.append, expected_exit=lambda: False)
+    try:
+        mon.start()
+        control.send(engine, control.Heartbeat())
+        mon.join(10)
+        assert not mon.is_alive()
+        assert reasons == ["The client's watch of the engine core failed: RuntimeError('a bug in decode')"]
+    finally:
+        os.close(r)
+        os.close(w)
