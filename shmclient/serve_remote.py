@@ -63,6 +63,13 @@ class FrontendLink:
                 return False
 
     def _run(self) -> None:
+        try:
+            self._beat_and_read()
+        except Exception as e:  # a bug: the engine would never learn its frontend went
+            log.exception("remote engine: the link to the frontend failed")
+            self.stop_reason = f"the link to the frontend failed: {e!r}"
+
+    def _beat_and_read(self) -> None:
         hb = self._hb
         while not self._done.wait(hb.poll_s()):
             with self._lock:

@@ -389,6 +389,23 @@ def test_frontend_link_drops_bad_messages_and_stops_on_shutdown(pair, caplog):
     assert len(dropped) == 2 and "not msgpack" in dropped[0] and "Start" in dropped[1], dropped
 
 
+def test_a_frontend_link_that_fails_stops_the_engine(pair, monkeypatch):
+    """A bug in the remote engine's link thread ended it, and the engine never stopped:
+    neither Shutdown nor the heartbeats' silence reached it any more."""
+    from shmclient import serve_remote
+
+    def broken_decode(frames):
+        raise RuntimeError("a bug in decode")
+
+    front, engine = pair
+    monkeypatch.setattr(serve_remote.control, "decode", broken_decode)
+    control.send(front, control.Heartbeat())
+    link = serve_remote.FrontendLink(engine, 0.05, 10.0)
+    link._thread.join(10)
+    assert link.stop_reason == "the link to the frontend failed: RuntimeError('a bug in decode')"
+    link.close()
+
+
 def test_local_engine_loop_drops_bad_messages_and_stops_on_shutdown(pair, caplog):
     from shmclient.serve_loop import EngineProc
     from shmclient_engine import make_core
