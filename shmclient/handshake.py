@@ -16,7 +16,7 @@ import math
 import os
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import zmq
@@ -116,6 +116,31 @@ class Handshake:
             if isinstance(msg, EngineCoreDead):
                 raise self._failed(msg)
             self._on(msg)
+
+    def watch_until(self, done: Callable[[float], bool], timeout: float, what: str) -> None:
+        """After ``Ready``: until ``done(slice_s)`` (which may wait that long), keep the
+        start-up's watch of the engine (its exit, its ``EngineCoreDead``, its heartbeats,
+        ours), then PeerNotProducingError(``what``) after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        clock = self.clock
+        while not done(_POLL_S):
+            if clock is not None:
+                clock.beat(self.ctl)
+            while True:
+                try:
+                    msg = control.recv(self.ctl, 0)
+                except ControlMessageError:
+                    msg = control.Heartbeat()  # (a bad one still says it is there)
+                if msg is None:
+                    break
+                if clock is not None:
+                    clock.heard()
+                if isinstance(msg, EngineCoreDead):
+                    raise self._failed(msg)
+            self._check_silence()
+            self._check_exit()
+            if time.monotonic() >= deadline:
+                raise PeerNotProducingError(what)
 
     def _check_silence(self) -> None:
         clock = self.clock

@@ -19,14 +19,14 @@ import os
 import subprocess
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
 from . import auth, control, control_sockets, engine_process, forksafe
 from .channel import ShmChannel
 from .channel_zmq import ZmqChannel
-from .errors import ConfigError
+from .errors import ConfigError, PeerNotProducingError
 from .handshake import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, Handshake, ready_timeout_s
 from .monitor import REMOTE_LINGER_MS, EngineMonitor, send_shutdown
 
@@ -162,10 +162,13 @@ class EngineResources:
         else:
             fds = self.channel.handle_fds() if self.channel.handle_fds is not None else ()
             self.proc = engine_process.spawn(config.engine_module, address, fds)
-        info = self._handshake(config, spec, timeout)
+        handshake = self._handshake(config, spec)
+        info = handshake.run(timeout)
         channel = self.channel
         if channel.wait_registered is not None:
-            channel.wait_registered(timeout=max(1.0, timeout))
+            # (registered before its Ready: only a death or a lost connection holds it up)
+            handshake.watch_until(lambda slice_s: _registered(channel, slice_s), max(1.0, timeout),
+                                  "engine did not connect to the request socket")
         if channel.peer_attached is not None:
             channel.peer_attached()
         if self.ipc_dir is not None:
@@ -181,8 +184,7 @@ class EngineResources:
         self.monitor.start()
         return info
 
-    def _handshake(self, config: EngineConfig, spec: ShmChannelSpec | ZmqChannelSpec,
-                   timeout: float) -> control.Ready:
+    def _handshake(self, config: EngineConfig, spec: ShmChannelSpec | ZmqChannelSpec) -> Handshake:
         assert self.ctl is not None and (self.proc is not None or self.remote)
         # A remote engine watches the frontend by its heartbeats from Start on (its
         # model may load for minutes); its own beats say it is still loading.
@@ -192,7 +194,7 @@ class EngineResources:
         if self.remote:
             control.load_torch_before_heartbeats()
         return Handshake(self.ctl, config, spec, address=self.control_address, proc=self.proc,
-                         secret=self._secret, clock=self._heartbeat).run(timeout)
+                         secret=self._secret, clock=self._heartbeat)
 
     # -- death ------------------------------------------------------------------------
     def on_dead(self, callback: Callable[[], None]) -> None:
@@ -388,3 +390,12 @@ def weak_callback(method: Callable[[], None]) -> Callable[[], None]:
             m()
 
     return call
+
+
+def _registered(channel: Any, slice_s: float) -> bool:
+    """Whether the engine's registration came within ``slice_s`` seconds."""
+    try:
+        channel.wait_registered(timeout=slice_s)
+        return True
+    except PeerNotProducingError:
+        return False

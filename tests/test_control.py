@@ -265,6 +265,27 @@ def test_an_engine_gone_right_after_its_hello_fails_the_start_up_instead_of_bloc
         ctx.term()
 
 
+@pytest.mark.parametrize("then", ["reports its death", "goes silent"])
+def test_an_engine_lost_between_its_ready_and_its_data_connection_fails_the_start_up(insecure, then):
+    """After Ready the frontend waited for the engine's registration on the request
+    socket for the whole ready timeout, deaf to the control socket: an engine that died
+    there held make_client that long, and the error said it never connected."""
+    def script(fake: FakeEngine) -> None:
+        hello(fake)
+        fake.expect(control.Start)  # (it never connects to the data sockets)
+        control.send(fake.sock, control.Ready(pid=os.getpid(), num_gpu_blocks=4,
+                                              block_size=16, max_model_len=64))
+        if then == "reports its death":
+            control.send(fake.sock, control.EngineCoreDead(message="RuntimeError: boom"))
+
+    t0 = time.monotonic()
+    err, fake = start_client(free_port(), script, until_shutdown=False)
+    fake.join()
+    assert isinstance(err, EngineDeadError), err
+    assert ("boom" if then == "reports its death" else "sent nothing for") in str(err), str(err)
+    assert time.monotonic() - t0 < 10  # not the 30 s ready timeout
+
+
 def _dead_after_start(message: str, error_type: str | None):
     def script(fake: FakeEngine) -> None:
         hello(fake)

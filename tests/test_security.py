@@ -549,13 +549,13 @@ def test_control_and_data_sockets_refuse_another_uid(transport, monkeypatch):
     seen: dict[str, int] = {}
     real = launcher.EngineResources._handshake
 
-    def probe(self, config, spec, timeout):
+    def probe(self, config, spec):
         addrs = [self.control_address]
         if transport == "zmq":
             addrs += [spec.input_address, spec.output_address]
         for a in addrs:
             seen[a] = _connect_as_nobody(a[len("ipc://"):])
-        return real(self, config, spec, timeout)
+        return real(self, config, spec)
 
     monkeypatch.setattr(launcher.EngineResources, "_handshake", probe)
     client = build(f"sync-{transport}", CFG)
