@@ -45,6 +45,8 @@ from .codec_tensor import (
     hdr_encode,
 )
 
+from .dtypes import numpy_dtype
+
 __all__ = [
     "Decoder",
     "Encoder",
@@ -206,6 +208,12 @@ class Encoder:
                 f"cannot serialize a numpy array of dtype {dt!r} (object/structured dtypes "
                 "do not cross)"
             )
+        try:
+            numpy_dtype(dt.str)  # what the receiving side takes, exactly
+        except SerializationError:
+            raise SerializationError(
+                f"cannot serialize a numpy array of dtype {dt!r}: the receiving side does not "
+                f"take the dtype {dt.str!r}") from None
         extra = "s" if scalar else None
         if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous:
             extra = "F"

@@ -96,8 +96,11 @@ class Decoder:
             return None
         try:
             dtype, shape, where, _extra, _end = read_header(data)
-            if type(where) is not list or where in self._opened:
-                return None
+        except Exception:  # no handle can be read
+            return None
+        if type(where) is not list or where in self._opened:
+            return None
+        try:
             if code == EXT_TORCH_CUDA:
                 self.tensors.get_cuda(where)
             else:
@@ -106,8 +109,14 @@ class Decoder:
                 )
                 nbytes = nbytes_of(itemsize, shape)
                 self.tensors.get(where, nbytes)  # dropped at once: the block is released
-        except Exception:  # best effort: a handle we cannot open is not ours to free
+        except Exception:
+            # Not opened (a dtype or size refused, a handle that does not open): its
+            # block still goes back, by id (a failed open released it already: the
+            # sender ignores an id released twice).
             log.debug("could not open a tensor of an undecodable message", exc_info=True)
+            release = getattr(self.tensors, "release_unopened", None)
+            if release is not None:
+                release(where)
         return None
 
     def _ext_hook(self, code: int, data: memoryview) -> Any:

@@ -37,9 +37,10 @@ from shmclient import (
     client_mp,
 )
 from shmclient import waiting
-from shmclient.channel import REQ_ABORT, REQ_ADD, BadMessage, ShmChannel
+from shmclient.channel import REQ_ABORT, REQ_ADD, REQ_UTILITY, BadMessage, ShmChannel
 from shmclient.channel_zmq import ZmqChannel
 from shmclient.errors import PeerDeadError
+from shmclient.messages import UtilityRequest
 
 from .drivers import KINDS, Driver, build, req
 
@@ -437,6 +438,39 @@ def test_shm_undecodable_message_gives_its_tensor_block_back(shm_pair):
     engine.flush_releases()
     front.try_recv()  # reads the release record
     assert front._tensor_tx.statistics().blocks_in_flight == 0
+
+
+@pytest.mark.parametrize("nbytes", [400_000, 4 << 20], ids=["arena", "one-off"])
+def test_shm_a_tensor_whose_dtype_is_refused_still_gives_its_block_back(shm_pair, nbytes):
+    """The salvage of a message that did not decode frees the blocks of its tensors by
+    opening them, which repeats the dtype check that failed: the block (or the one-off
+    segment, past the arena's size) stayed taken for good. It is released by id now."""
+    import numpy as np
+
+    front, engine = shm_pair
+    arr = np.zeros(nbytes // 8, "<M8[ns]")
+    payload = front.encode(UtilityRequest(0, 1, "echo", (arr,)))
+    raw = bytes(payload)
+    assert raw.count(b"<M8[ns]") == 1
+    waiting.send(front, REQ_UTILITY, raw.replace(b"<M8[ns]", b"<M8[xs]"), timeout=5.0)
+    stats = front._tensor_tx.statistics
+    assert stats().blocks_in_flight + stats().one_offs_in_flight == 1
+    (_, bad), = waiting.recv(engine, timeout=5.0)
+    assert type(bad) is BadMessage and "'<M8[xs]'" in bad.error
+    engine.flush_releases()
+    front.try_recv()  # reads the release record
+    assert stats().blocks_in_flight + stats().one_offs_in_flight == 0
+
+
+def test_a_numpy_dtype_the_receiver_refuses_is_refused_when_encoding():
+    """A datetime of a long unit (its dtype string past the 16 characters the decoder
+    takes) was sent, and refused by the receiver only."""
+    import numpy as np
+
+    from shmclient.codec import Encoder
+
+    with pytest.raises(SerializationError, match="the receiving side does not take"):
+        Encoder().encode(np.zeros(3, "M8[1234567890ns]"))
 
 
 def test_shm_unknown_record_type_is_a_protocol_error_after_what_came_before(shm_pair):
