@@ -86,6 +86,10 @@ class Decoder:
         back to the sender instead of staying taken. Never raises; does not block."""
         try:
             return self._any.decode(buf)
+        except RecursionError:
+            # Nested deeper than this thread's stack decodes (the sender's encode ran
+            # higher up its stack): its leading fields may still say whom to answer.
+            return shallow_fields(buf)
         except Exception:
             return None
         finally:
@@ -190,3 +194,147 @@ class Decoder:
             arr = arr.reshape(shape)
             return arr[()] if extra == "s" else arr
         return as_torch(buf, t_dtype, shape, extra, self.tensors)
+
+
+def shallow_fields(buf: Any) -> list | None:
+    """The fields of a msgpack array (a wire struct) read without recursion: each
+    scalar (nil, bool, int, float, str) as itself, each array as the list of its
+    leading scalars (an id inside a reply), anything else, and whatever follows a
+    value that cannot be read, as None. None if ``buf`` is not an array. Every length
+    is checked against the buffer; never raises."""
+    try:
+        data = memoryview(buf).cast("B")
+    except (TypeError, ValueError):
+        return None
+    r = _Reader(data)
+    try:
+        n = r.array_len()
+        if n is None:
+            return None
+        out: list = []
+        for _ in range(n):
+            m = r.array_len()
+            if m is None:
+                out.append(r.scalar())
+                continue
+            inner: list = []
+            for _ in range(m):
+                v = r.scalar()
+                if v is _NOT_SCALAR:
+                    r.skip(m - len(inner) - 1)  # (that value was skipped)
+                    break
+                inner.append(v)
+            out.append(inner)
+        return [None if v is _NOT_SCALAR else v for v in out]
+    except _Truncated:
+        return None
+
+
+_NOT_SCALAR = object()
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Reader:
+    """A bounds-checked msgpack reader over ``data`` (no recursion)."""
+
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def _take(self, n: int) -> memoryview:
+        end = self.pos + n
+        if end > len(self.data):
+            raise _Truncated
+        out = self.data[self.pos:end]
+        self.pos = end
+        return out
+
+    def _uint(self, n: int) -> int:
+        return int.from_bytes(self._take(n), "big")
+
+    def array_len(self) -> int | None:
+        """The length of the array at the position (consumed), or None (not consumed)."""
+        if self.pos >= len(self.data):
+            raise _Truncated
+        b = self.data[self.pos]
+        if 0x90 <= b <= 0x9F:
+            self.pos += 1
+            return b & 0x0F
+        if b in (0xDC, 0xDD):
+            self.pos += 1
+            return self._uint(2 if b == 0xDC else 4)
+        return None
+
+    def scalar(self) -> Any:
+        """The scalar at the position, or ``_NOT_SCALAR``: either way the value is
+        consumed (skipped)."""
+        if self.pos >= len(self.data):
+            raise _Truncated
+        b = self.data[self.pos]
+        if b <= 0x7F:
+            self.pos += 1
+            return b
+        if b >= 0xE0:
+            self.pos += 1
+            return b - 0x100
+        if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
+            self.pos += 1
+            n = b & 0x1F if b <= 0xBF else self._uint({0xD9: 1, 0xDA: 2, 0xDB: 4}[b])
+            try:
+                return str(self._take(n), "utf-8")
+            except UnicodeDecodeError:
+                return _NOT_SCALAR
+        if b in (0xC0, 0xC2, 0xC3):
+            self.pos += 1
+            return {0xC0: None, 0xC2: False, 0xC3: True}[b]
+        if 0xCC <= b <= 0xD3:
+            self.pos += 1
+            size = 1 << ((b - 0xCC) & 3)
+            v = self._uint(size)
+            if b >= 0xD0 and v >= 1 << (8 * size - 1):
+                v -= 1 << (8 * size)
+            return v
+        if b in (0xCA, 0xCB):
+            self.pos += 1
+            import struct
+
+            return struct.unpack(">f" if b == 0xCA else ">d", self._take(4 if b == 0xCA else 8))[0]
+        self.skip(1)
+        return _NOT_SCALAR
+
+    def skip(self, count: int) -> None:
+        """Skip ``count`` values, however nested (a count of what is still to skip)."""
+        data = self.data
+        while count > 0:
+            if self.pos >= len(data):
+                raise _Truncated
+            b = data[self.pos]
+            self.pos += 1
+            count -= 1
+            if b <= 0x7F or b >= 0xE0 or b in (0xC0, 0xC2, 0xC3):
+                continue
+            if 0x80 <= b <= 0x8F:
+                count += 2 * (b & 0x0F)
+            elif 0x90 <= b <= 0x9F:
+                count += b & 0x0F
+            elif 0xA0 <= b <= 0xBF:
+                self._take(b & 0x1F)
+            elif b in (0xDC, 0xDD):
+                count += self._uint(2 if b == 0xDC else 4)
+            elif b in (0xDE, 0xDF):
+                count += 2 * self._uint(2 if b == 0xDE else 4)
+            elif b in (0xC4, 0xC5, 0xC6, 0xD9, 0xDA, 0xDB):
+                self._take(self._uint({0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}[b]))
+            elif b in (0xC7, 0xC8, 0xC9):
+                self._take(self._uint({0xC7: 1, 0xC8: 2, 0xC9: 4}[b]) + 1)
+            elif 0xCA <= b <= 0xD3:
+                self._take({0xCA: 4, 0xCB: 8}.get(b) or 1 << ((b - 0xCC) & 3))
+            elif 0xD4 <= b <= 0xD8:
+                self._take(1 + (1 << (b - 0xD4)))
+            else:  # 0xC1: never used
+                raise _Truncated

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import random
 import time
 
 import msgspec
@@ -251,6 +252,38 @@ async def test_too_deep_utility_argument_is_a_serialization_error(drv):
     with pytest.raises(SerializationError, match="nested"):
         await drv.util("echo", deep)
     assert await drv.util("echo", 5) == 5
+
+
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+async def test_a_call_nested_too_deep_for_the_engine_to_decode_is_answered(transport):
+    """A value the client could encode but the engine cannot decode (its decode runs
+    deeper in its stack; here bytes passed through as they are): the salvage of the
+    failed decode failed the same way, the call id went unread and the call waited for
+    good. The call's leading fields are read without recursion now: it fails, saying
+    why."""
+    from shmclient import AsyncMPClient, UtilityCallError
+
+    c = await AsyncMPClient.create(CFG.replace(transport=transport))
+    try:
+        deep = msgspec.Raw(b"\x91" * 5_000 + b"\xc0")  # (small: a zmq frame is copied)
+        with pytest.raises(UtilityCallError, match="could not decode the call"):
+            await asyncio.wait_for(c.call_utility_async("echo", deep), 10)
+        assert await c.echo_async(5) == 5
+    finally:
+        await c.shutdown_async()
+
+
+def test_the_salvage_of_a_message_too_deep_to_decode_reads_its_leading_fields():
+    from shmclient.codec_decoder import Decoder, shallow_fields
+
+    head = b"\x96" + msgspec.msgpack.encode(7) + msgspec.msgpack.encode("id-1") + b"\xcb" + bytes(8)
+    deep = head + b"\x92\x05" + b"\x91" * 100_000 + b"\xc0" + b"\xc3\xa1x"
+    assert Decoder(UtilityRequest).salvage(deep) == [7, "id-1", 0.0, [5], True, "x"]
+    assert shallow_fields(deep[:-3]) is None  # cut short: nothing is guessed
+    assert shallow_fields(b"\x81\x01\x02") is None  # not an array
+    rng = random.Random(7)  # a hostile peer's bytes: never an exception
+    for _ in range(5_000):
+        shallow_fields(bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 48))))
 
 
 @pytest.fixture
