@@ -96,7 +96,7 @@ static void gate_preempted(Gate *g, double now) {
 static int gate_gap(Gate *g, double now, double gap_s, int switched) {
     if (gap_s <= GATE_PREEMPT_S || !switched) return 0;
     gate_preempted(g, now);
-    return 1;
+    return g->mode != GATE_ALWAYS; /* (counted; "always" spins on, as configured) */
 }
 
 /* A spin ran to its end (or to the data) without losing its CPU. */
