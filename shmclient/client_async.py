@@ -212,7 +212,7 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         # first when the task has not been suspended for a while (``turn_due``).
         if reader.turn_due():
             await asyncio.sleep(0)
-        if outputs:
+        if outputs and not self._closed:
             return outputs.popleft()
         timeout = _check_timeout("get_output_async", timeout)
         loop = self._bind_loop()

@@ -325,17 +325,19 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         if now - self._last_turn > LoopReader.YIELD_EVERY_S:
             self._last_turn = now
             await asyncio.sleep(0)
-        if out:
+        if out and not self._closed:
             return out.popleft()
         timeout = check_timeout("get_output_async", timeout)
         loop = self._bind()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
+            if self._closed:  # shut down: what was queued is not handed out any more
+                raise self._dead_error()
             if out:
                 return out.popleft()
             # Not ``is_dead``: what a dead engine wrote before dying comes first, and its
             # reader has forwarded all of it by the time it reports the death.
-            if self._closed or self._dead_reason is not None:
+            if self._dead_reason is not None:
                 raise self._dead_error()
             if deadline is not None and loop.time() >= deadline:
                 raise PeerNotProducingError(

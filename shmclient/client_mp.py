@@ -358,6 +358,8 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         outputs = self._outputs
         deadline = None
         while True:
+            if self._closed:  # shut down: what was queued is not handed out any more
+                raise self._dead_error()
             try:
                 return outputs.popleft()  # another thread may have taken the one we saw
             except IndexError:

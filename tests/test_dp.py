@@ -501,6 +501,14 @@ async def test_the_merged_output_stream_keeps_only_what_is_unread_and_lets_the_l
         await c.shutdown_async()
 
 
+async def test_a_batch_queued_at_shutdown_is_not_handed_out_after_it():
+    c = await DPLBAsyncMPClient.create(cfg())
+    c._take(0, EngineCoreOutputs(engine_index=0))  # read, not taken
+    await c.shutdown_async()
+    with pytest.raises(EngineDeadError):
+        await c.get_output_async(timeout=1.0)
+
+
 async def test_shutdown_fails_pending_calls_and_is_idempotent():
     c = make_client(True, True, cfg(step_delay_s=0.01))
     await c.add_request_async(req("r", max_tokens=400))

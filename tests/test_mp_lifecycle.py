@@ -456,6 +456,30 @@ async def test_calls_after_shutdown_raise_engine_dead_error(kind):
     client.shutdown()  # still idempotent
 
 
+@pytest.mark.parametrize("kind", ["sync-shm", "async-shm"])
+async def test_outputs_queued_at_shutdown_are_not_handed_out_after_it(kind):
+    """Every call after shutdown() raises (the clients' docstrings): get_output handed
+    out a batch read before it first."""
+    client = build(kind, cfg())
+    drv = Driver(kind, client)
+    try:
+        await drv.add(req("a", max_tokens=3))
+        deadline = time.monotonic() + 10
+        while not client._outputs:  # a batch read, not taken
+            assert time.monotonic() < deadline
+            if drv.is_async:
+                await asyncio.sleep(0.001)
+            else:
+                try:
+                    client._reader.wait(lambda: bool(client._outputs), time.monotonic() + 0.1)
+                except waiting.PeerNotProducingError:
+                    pass
+    finally:
+        client.shutdown()
+    with pytest.raises(ClientClosedError):
+        await drv.get_output(timeout=1.0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
 @pytest.mark.parametrize("kind", ["inproc", "sync-shm", "async-zmq"])
 def test_cuda_device_without_gpu_is_the_documented_config_error_on_every_client(kind):
