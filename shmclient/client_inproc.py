@@ -20,6 +20,7 @@ from .client import (
     SyncEngineCoreClient,
     check_abort_ids,
     check_request,
+    check_timeout,
     check_utility_call,
     shutdown_timeout,
 )
@@ -50,10 +51,11 @@ class InprocClient(SyncEngineCoreClient):
         if self._closed:
             raise ClientClosedError("this InprocClient was shut down")
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate and add; raises InvalidRequestError naming the field (or the engine's
         reason, e.g. a duplicate live id), EngineDeadError after ``shutdown()``. Never
-        blocks."""
+        blocks (``timeout`` is checked, as the other clients check it, and unused)."""
+        check_timeout("add_request", timeout)
         self._check_open()
         check_request(
             request,

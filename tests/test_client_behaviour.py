@@ -277,3 +277,22 @@ async def test_tiny_seeded_sampling_reproducible(tiny_client):
         await tiny_client.add(req(f"seed-{n}", prompt=[1, 2, 3], max_tokens=10, temperature=1.0, seed=1234))
         toks.append((await tiny_client.collect([f"seed-{n}"]))[f"seed-{n}"]["tokens"])
     assert toks[0] == toks[1]
+
+
+async def test_add_request_takes_a_timeout_on_every_client(mock_client):
+    """The README: every wait takes a timeout, ``add_request(req, timeout=...)``; the
+    in-process client, which never waits, refused the argument with TypeError. Each
+    checks it as the others do."""
+    from shmclient import InvalidRequestError
+
+    drv = mock_client
+    add = drv.client.add_request_async if drv.is_async else drv.client.add_request
+
+    async def call(*args, **kw):
+        r = add(*args, **kw)
+        return await r if drv.is_async else r
+
+    await call(req("timed", max_tokens=2), timeout=5.0)
+    assert len((await drv.collect(["timed"]))["timed"]["tokens"]) == 2
+    with pytest.raises(InvalidRequestError, match="timeout"):
+        await call(req("bad-timeout", max_tokens=2), timeout=-1)
