@@ -63,20 +63,31 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
         return [cls(configs[0])]
     pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")
     futs: list[concurrent.futures.Future] = []
+    all_over = False
     try:
         try:
             for c in configs:
                 futs.append(pool.submit(cls, c))
             concurrent.futures.wait(futs)
+            all_over = True
         except BaseException:
             # Nothing will own the engines that start: each is shut down as its start
-            # completes (at once for those done), whatever interrupts the wait below.
+            # completes, whatever interrupts the wait below; the starts still under way
+            # are told first, then those done are stopped (here: a second Ctrl-C may
+            # land in one of those stops, which goes on in its own thread).
+            done = [f for f in futs if f.done()]
             for f in futs:
-                f.add_done_callback(_stop_started)
+                if f not in done:
+                    f.add_done_callback(_stop_started)
+            for f in done:
+                _stop_started(f)
             concurrent.futures.wait(futs)
+            all_over = True
             raise
     finally:
-        pool.shutdown(wait=True)
+        # (Interrupted again in that wait: the caller goes now; the starts' threads end
+        # as the starts do, each stopping its engine.)
+        pool.shutdown(wait=all_over)
     started = [f.result() for f in futs if f.exception() is None]
     errors = [f.exception() for f in futs if f.exception() is not None]
     if errors:

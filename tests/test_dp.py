@@ -801,6 +801,61 @@ def test_an_interrupted_start_stops_every_engine_that_started(monkeypatch):
             c.shutdown(timeout=0.0)
 
 
+def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypatch):
+    """The first Ctrl-C makes start_engines wait for the starts under way (to stop what
+    they start); a second one must let the caller go, each start stopping its engine
+    when it completes. The pool's shutdown waited for them again: it took a third."""
+    from shmclient import dp_engines
+
+    made: list[AsyncMPClient] = []
+    rank0_up, winding_down, released, returned = (threading.Event() for _ in range(4))
+    main = threading.main_thread().ident
+    real_stop = dp_engines._stop_started
+
+    def stop_started(fut):
+        winding_down.set()  # (called at once for rank 0's start, which is done)
+        real_stop(fut)
+
+    def start(config):
+        if config.data_parallel_rank == 1:
+            assert rank0_up.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, while rank 1 starts
+            assert winding_down.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)  # and again
+            released.wait(10)  # (without the fix make_client waits for this)
+        made.append(AsyncMPClient(config))
+        if config.data_parallel_rank == 0:
+            rank0_up.set()
+        return made[-1]
+
+    def on_sigint(*_):
+        if not returned.is_set():
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dp_engines, "_async_client_class", lambda: start)
+    monkeypatch.setattr(dp_engines, "_stop_started", stop_started)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            make_client(True, True, cfg())
+        assert not released.is_set(), "the second Ctrl-C waited for the start under way"
+        returned.set()
+        released.set()
+        deadline = time.monotonic() + 30
+        while not (len(made) == 2 and all(c.is_dead for c in made)):
+            assert time.monotonic() < deadline, "an engine of the group was left running"
+            time.sleep(0.01)
+    finally:
+        returned.set()
+        released.set()
+        signal.signal(signal.SIGINT, old)
+        for t in threading.enumerate():
+            if t.name.startswith("dp-start"):
+                t.join(30)
+        for c in made:
+            c.shutdown(timeout=0.0)
+
+
 # -- the benchmark section ---------------------------------------------------------------
 
 
