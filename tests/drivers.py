@@ -138,3 +138,29 @@ def ctrl_c_when(event: threading.Event, timeout: float = 10.0) -> Iterator[None]
         event.set()
         watcher.join(timeout)
         signal.signal(signal.SIGINT, old)
+
+
+class LoopTurns:
+    """Counts the running event loop's turns from ``start()`` to ``stop()`` (a task that
+    yields at every turn): whether a call let the loop run its other tasks."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self._task: Any = None
+
+    def start(self) -> "LoopTurns":
+        import asyncio
+
+        self._task = asyncio.ensure_future(self._count())
+        return self
+
+    async def _count(self) -> None:
+        import asyncio
+
+        while True:
+            self.turns += 1
+            await asyncio.sleep(0)
+
+    def stop(self) -> int:
+        self._task.cancel()
+        return self.turns

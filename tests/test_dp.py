@@ -37,7 +37,7 @@ from shmclient import (
 )
 from shmclient.config import EngineConfig
 
-from .drivers import add_until_one_parks
+from .drivers import LoopTurns, add_until_one_parks
 from .test_waiting import Stopped
 
 #: Least-loaded routing under a skewed load may put at most this many requests more
@@ -477,26 +477,17 @@ async def test_the_merged_output_stream_keeps_only_what_is_unread_and_lets_the_l
             await c.get_output_async(timeout=5)
         assert len(c._outputs) == 3
 
-        turns = 0
-
-        async def ticker() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
         for _ in range(100):
             c._take(0, EngineCoreOutputs(engine_index=0))
-        t = asyncio.ensure_future(ticker())
+        counter = LoopTurns().start()
         await asyncio.sleep(0)
-        start = turns
+        start = counter.turns
         for _ in range(100):
             await c.get_output_async(timeout=5)
             end = time.perf_counter() + 0.0005  # the consumer's own work on a batch
             while time.perf_counter() < end:
                 pass
-        t.cancel()
-        assert turns - start >= 50, turns - start
+        assert counter.stop() - start >= 50, counter.turns - start
     finally:
         await c.shutdown_async()
 

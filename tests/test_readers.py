@@ -16,6 +16,8 @@ import pytest
 from shmclient import waiting
 from shmclient.errors import EngineDeadError, PeerNotProducingError, WouldBlock
 
+from .drivers import LoopTurns
+
 
 class FakeChannel:
     """A channel's receiving half in memory: ``put`` publishes; ``recv_fd`` is readable
@@ -381,19 +383,11 @@ async def test_loop_reader_reads_a_dead_peers_backlog_a_batch_per_turn(channel):
     n = 3 * reader.READ_LIMIT + 5
     channel.put(*range(n))
     owner.dead.set()
-    turns = 0
-
-    async def count_turns() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
-    counter = asyncio.ensure_future(count_turns())
+    counter = LoopTurns().start()
     try:
         await asyncio.wait_for(reader.read_remains(), 5.0)
     finally:
-        counter.cancel()
+        turns = counter.stop()
     assert owner.got == list(range(n))
     assert max(batches) == reader.READ_LIMIT and len(batches) == 4, batches
     assert turns >= 3
