@@ -177,7 +177,7 @@ TRANSPORT = ("shm.py", "capacity.py", "ring*.py", "codec*.py", "dtypes.py", "ten
 #: What each codec module and the statistics records may import from the package: the
 #: codec reaches tensors only through its protocols, never the transport's modules.
 LEAF_LAYER = {
-    "codec": {"codec_decoder", "codec_tensor", "errors"},
+    "codec": {"codec_decoder", "codec_tensor", "dtypes", "errors"},
     "codec_decoder": {"codec_tensor", "dtypes", "errors"},
     "codec_tensor": {"errors"},
     "stats": set(),
