@@ -13,7 +13,7 @@ per thread. Nothing here blocks.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 
@@ -88,8 +88,9 @@ class Decoder:
             return self._any.decode(buf)
         except RecursionError:
             # Nested deeper than this thread's stack decodes (the sender's encode ran
-            # higher up its stack): its leading fields may still say whom to answer.
-            return shallow_fields(buf)
+            # higher up its stack): its leading fields may still say whom to answer,
+            # and the handles of its tensors are released as this walk passes them.
+            return shallow_fields(buf, self._salvage_hook)
         except Exception:
             return None
         finally:
@@ -196,17 +197,19 @@ class Decoder:
         return as_torch(buf, t_dtype, shape, extra, self.tensors)
 
 
-def shallow_fields(buf: Any) -> list | None:
+def shallow_fields(buf: Any, on_ext: Callable[[int, memoryview], Any] | None = None) -> list | None:
     """The fields of a msgpack array (a wire struct) read without recursion: each
     scalar (nil, bool, int, float, str) as itself, each array as the list of its
     leading scalars (an id inside a reply), anything else, and whatever follows a
     value that cannot be read, as None. None if ``buf`` is not an array. Every length
-    is checked against the buffer; never raises."""
+    is checked against the buffer; never raises (but what ``on_ext(code, data)``
+    raises: it is called for each extension value passed, the rest of the message
+    too, while the message can be read). """
     try:
         data = memoryview(buf).cast("B")
     except (TypeError, ValueError):
         return None
-    r = _Reader(data)
+    r = _Reader(data, on_ext)
     try:
         n = r.array_len()
         if n is None:
@@ -225,6 +228,8 @@ def shallow_fields(buf: Any) -> list | None:
                     break
                 inner.append(v)
             out.append(inner)
+        if on_ext is not None:
+            r.skip_all()  # the extensions after the fields (their handles)
         return [None if v is _NOT_SCALAR else v for v in out]
     except _Truncated:
         return None
@@ -240,11 +245,12 @@ class _Truncated(Exception):
 class _Reader:
     """A bounds-checked msgpack reader over ``data`` (no recursion)."""
 
-    __slots__ = ("data", "pos")
+    __slots__ = ("data", "pos", "on_ext")
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, data: memoryview, on_ext: Callable[[int, memoryview], Any] | None = None) -> None:
         self.data = data
         self.pos = 0
+        self.on_ext = on_ext
 
     def _take(self, n: int) -> memoryview:
         end = self.pos + n
@@ -331,10 +337,22 @@ class _Reader:
             elif b in (0xC4, 0xC5, 0xC6, 0xD9, 0xDA, 0xDB):
                 self._take(self._uint({0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}[b]))
             elif b in (0xC7, 0xC8, 0xC9):
-                self._take(self._uint({0xC7: 1, 0xC8: 2, 0xC9: 4}[b]) + 1)
+                self._ext(self._uint({0xC7: 1, 0xC8: 2, 0xC9: 4}[b]))
             elif 0xCA <= b <= 0xD3:
                 self._take({0xCA: 4, 0xCB: 8}.get(b) or 1 << ((b - 0xCC) & 3))
             elif 0xD4 <= b <= 0xD8:
-                self._take(1 + (1 << (b - 0xD4)))
+                self._ext(1 << (b - 0xD4))
             else:  # 0xC1: never used
                 raise _Truncated
+
+    def _ext(self, n: int) -> None:
+        """An extension value of ``n`` data bytes (after its type byte): to ``on_ext``."""
+        code = self._take(1)[0]
+        data = self._take(n)
+        if self.on_ext is not None:
+            self.on_ext(code if code < 128 else code - 256, data)
+
+    def skip_all(self) -> None:
+        """Skip every value left in the buffer."""
+        while self.pos < len(self.data):
+            self.skip(1)

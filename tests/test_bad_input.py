@@ -273,6 +273,23 @@ async def test_a_call_nested_too_deep_for_the_engine_to_decode_is_answered(trans
         await c.shutdown_async()
 
 
+@pytest.mark.parametrize("nbytes", [400_000, 4 << 20], ids=["arena", "one-off"])
+def test_shm_a_message_too_deep_to_decode_gives_its_tensors_blocks_back(shm_pair, nbytes):
+    """The salvage's walk without recursion passed the tensors' handles by: the block
+    of a tensor after the deep part stayed taken in the sender's arena for good."""
+    front, engine = shm_pair
+    deep = msgspec.Raw(b"\x91" * 5_000 + b"\xc0")
+    payload = front.encode(UtilityRequest(0, 9, "echo", (deep, np.zeros(nbytes // 8))))
+    waiting.send(front, REQ_UTILITY, payload, timeout=5.0)
+    stats = front._tensor_tx.statistics
+    assert stats().blocks_in_flight + stats().one_offs_in_flight == 1
+    (_, bad), = waiting.recv(engine, timeout=5.0)
+    assert type(bad) is BadMessage and bad.field("call_id") == 9
+    engine.flush_releases()
+    front.try_recv()  # reads the release record
+    assert stats().blocks_in_flight + stats().one_offs_in_flight == 0
+
+
 def test_the_salvage_of_a_message_too_deep_to_decode_reads_its_leading_fields():
     from shmclient.codec_decoder import Decoder, shallow_fields
 
