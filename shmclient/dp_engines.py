@@ -79,8 +79,7 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
             for f in futs:
                 if f not in done:
                     f.add_done_callback(_stop_started)
-            for f in done:
-                _stop_started(f)
+            _stop_each(done)
             concurrent.futures.wait(futs)
             all_over = True
             raise
@@ -95,6 +94,16 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
             c.shutdown(timeout=0.0)
         raise errors[0]
     return started
+
+
+def _stop_each(futs: list[concurrent.futures.Future]) -> None:
+    """``_stop_started`` for each of ``futs``: one interrupted (a Ctrl-C; its stop goes
+    on in its own thread) does not skip those after it."""
+    if futs:
+        try:
+            _stop_started(futs[0])
+        finally:
+            _stop_each(futs[1:])
 
 
 def _stop_started(fut: concurrent.futures.Future) -> None:

@@ -847,6 +847,64 @@ def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypa
             c.shutdown(timeout=0.0)
 
 
+def test_a_second_ctrl_c_in_the_stop_of_one_started_engine_skips_no_other(monkeypatch):
+    """Ranks 0 and 1 are up, rank 2 starting, at the first Ctrl-C; the second lands
+    in the stop of rank 0's engine: rank 1's must still be stopped (the loop over the
+    engines that were up ended there)."""
+    from shmclient import dp_engines
+
+    made: dict[int, AsyncMPClient] = {}
+    up, winding_down, second_sent, returned = (threading.Event() for _ in range(4))
+    main = threading.main_thread().ident
+    real_stop = dp_engines._stop_started
+    stops: list[int] = []
+
+    def stop_started(fut):
+        real_stop(fut)
+        stops.append(fut.result().config.data_parallel_rank)
+        if len(stops) == 1:
+            winding_down.set()
+            second_sent.wait(10)  # the second Ctrl-C lands here, in the first stop
+
+    def start(config):
+        rank = config.data_parallel_rank
+        if rank == 2:
+            assert up.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)
+            assert winding_down.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)
+            second_sent.set()
+        made[rank] = AsyncMPClient(config)
+        if len(made) == 2 and rank != 2:
+            up.set()
+        return made[rank]
+
+    def on_sigint(*_):
+        if not returned.is_set():
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dp_engines, "_async_client_class", lambda: start)
+    monkeypatch.setattr(dp_engines, "_stop_started", stop_started)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            make_client(True, True, cfg(data_parallel_size=3))
+        returned.set()
+        deadline = time.monotonic() + 30
+        while not (len(made) == 3 and all(c.is_dead for c in made.values())):
+            assert time.monotonic() < deadline, f"left running: {[r for r, c in made.items() if not c.is_dead]}"
+            time.sleep(0.01)
+    finally:
+        returned.set()
+        second_sent.set()
+        signal.signal(signal.SIGINT, old)
+        for t in threading.enumerate():
+            if t.name.startswith("dp-start"):
+                t.join(30)
+        for c in made.values():
+            c.shutdown(timeout=0.0)
+
+
 # -- the benchmark section ---------------------------------------------------------------
 
 
