@@ -569,10 +569,13 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
                meanwhile (an involuntary switch), the spin costs someone a CPU; else the
                time went to the hypervisor (steal) or an interrupt, which the spin did not
                cause and a sleep would not avoid. */
-            if (now - prev > GATE_PREEMPT_S &&
-                gate_gap(&the_gate, now, now - prev, involuntary_switches() != switched)) {
-                preempted = 1;
-                break;
+            if (now - prev > GATE_PREEMPT_S) {
+                long sw = involuntary_switches();
+                if (gate_gap(&the_gate, now, now - prev, sw != switched)) {
+                    preempted = 1;
+                    break;
+                }
+                switched = sw; /* (mode "always" spins on: the next gap is judged alone) */
             }
             prev = now;
         } while (now < end);
