@@ -489,8 +489,8 @@ def test_a_request_that_does_not_decode_fails_alone(shm_llm, stock_llm):
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
 
 
-_ABORT, _START_DP_WAVE, _UTILITY, _EXECUTOR_FAILED = (
-    EngineCoreRequestType[n].value[0] for n in ("ABORT", "START_DP_WAVE", "UTILITY", "EXECUTOR_FAILED"))
+_ADD, _ABORT, _START_DP_WAVE, _UTILITY, _EXECUTOR_FAILED = (
+    EngineCoreRequestType[n].value[0] for n in ("ADD", "ABORT", "START_DP_WAVE", "UTILITY", "EXECUTOR_FAILED"))
 
 
 def _core_request(rid: str, prompt: list[int], client_index: int = 0) -> EngineCoreRequest:
@@ -525,6 +525,8 @@ def test_wrong_shaped_requests_are_refused_and_the_engine_keeps_serving(shm_llm,
     # A request in flight (sent past LLM's bookkeeping: this test reads its outputs):
     # neither the bad ABORTs nor the rest may finish it.
     client.add_request(_core_request("inflight", [5, 6, 7, 8]))
+    # An ADD that does not decode, under the live id: nothing may be answered under it.
+    _send_raw(client, _ADD, ["inflight", "not a request"])
 
     _send_raw(client, _ABORT, None)  # vLLM: the busy loop dies, or finish_requests(None) ends all
     _send_raw(client, _ABORT, 5)  # vLLM: TypeError in the busy loop, the engine dies
@@ -540,6 +542,9 @@ def test_wrong_shaped_requests_are_refused_and_the_engine_keeps_serving(shm_llm,
     assert "client_index 1" in str(other_client.exception()), other_client.exception()
     no_args = _utility_reply(client, 9003, [0, 9003, FT_UTILITY_METHOD, []])  # vLLM: IndexError, engine dies
     assert "failed" in str(no_args.exception()), no_args.exception()
+    # Nested too deep for the engine to decode: its call id is still read (it waited for good).
+    too_deep = _utility_reply(client, 9004, [0, 9004, "is_sleeping", [msgspec.Raw(b"\x91" * 5000 + b"\xc0")]])
+    assert "refused" in str(too_deep.exception()), too_deep.exception()
 
     # An ADD claiming another frontend's index gets its error here (vLLM would send
     # its outputs to a frontend that never asked).

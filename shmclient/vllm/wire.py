@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import msgspec
 
 from ..channel import ShmChannelSpec
+from ..codec_decoder import shallow_fields
 
 __all__ = [
     "ENV_FRONTEND_SPEC",
@@ -278,6 +279,8 @@ class _Frames:
         try:
             first = unpack(view)[0] if self.multi else view
             return msgspec.msgpack.decode(first)
+        except RecursionError:  # nested too deep to decode here: its leading fields
+            return shallow_fields(first)
         except Exception:
             return None
 
