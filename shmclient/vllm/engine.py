@@ -331,12 +331,7 @@ def _refuse(self, link: _EngineLink, request_type, why: str, raw: Any, request_i
     client = link.client_index
     _log().error("shmclient.vllm: a %s request from frontend %d is refused: %s", request_type.name, client, why)
     if request_type == EngineCoreRequestType.ADD:
-        if type(request_id) is str and request_id in getattr(getattr(self, "scheduler", None), "requests", ()):
-            # An error output under a live request's id would finish that request at
-            # the frontend while the engine goes on with it.
-            _log().error("shmclient.vllm: nothing is answered under request id %r: a request "
-                         "with that id is live", request_id)
-        elif type(request_id) is str:
+        if type(request_id) is str:
             self._send_error_outputs_to_client([request_id], client)
     elif request_type == EngineCoreRequestType.UTILITY and type(raw) is list and len(raw) == 4:
         call_id, method = raw[1], raw[2]
