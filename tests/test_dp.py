@@ -8,6 +8,7 @@ routing score is also tested without engines, on a client whose state is set by 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -792,32 +793,16 @@ def test_an_interrupted_start_stops_every_engine_that_started(monkeypatch):
             c.shutdown(timeout=0.0)
 
 
-def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypatch):
-    """The first Ctrl-C makes start_engines wait for the starts under way (to stop what
-    they start); a second one must let the caller go, each start stopping its engine
-    when it completes. The pool's shutdown waited for them again: it took a third."""
+@contextlib.contextmanager
+def _group_start_interrupted(monkeypatch, start, stop_started, made: dict, *waiting_on: threading.Event):
+    """start_engines with ``start`` building each rank's client and ``stop_started``
+    as its stop of an abandoned start, SIGINT raising KeyboardInterrupt in the main
+    thread until the Event yielded is set. At the end that Event and ``waiting_on``
+    are set, the starts' threads joined and every engine in ``made`` (rank: client)
+    stopped."""
     from shmclient import dp_engines
 
-    made: list[AsyncMPClient] = []
-    rank0_up, winding_down, released, returned = (threading.Event() for _ in range(4))
-    main = threading.main_thread().ident
-    real_stop = dp_engines._stop_started
-
-    def stop_started(fut):
-        winding_down.set()  # (called at once for rank 0's start, which is done)
-        real_stop(fut)
-
-    def start(config):
-        if config.data_parallel_rank == 1:
-            assert rank0_up.wait(30)
-            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, while rank 1 starts
-            assert winding_down.wait(30)
-            signal.pthread_kill(main, signal.SIGINT)  # and again
-            released.wait(10)  # (without the fix make_client waits for this)
-        made.append(AsyncMPClient(config))
-        if config.data_parallel_rank == 0:
-            rank0_up.set()
-        return made[-1]
+    returned = threading.Event()
 
     def on_sigint(*_):
         if not returned.is_set():
@@ -827,24 +812,61 @@ def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypa
     monkeypatch.setattr(dp_engines, "_stop_started", stop_started)
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
+        yield returned
+    finally:
+        returned.set()
+        for e in waiting_on:
+            e.set()
+        signal.signal(signal.SIGINT, old)
+        for t in threading.enumerate():
+            if t.name.startswith("dp-start"):
+                t.join(30)
+        for c in made.values():
+            c.shutdown(timeout=0.0)
+
+
+def _until_every_engine_stopped(made: dict, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while not (len(made) == n and all(c.is_dead for c in made.values())):
+        assert time.monotonic() < deadline, f"left running: {[r for r, c in made.items() if not c.is_dead]}"
+        time.sleep(0.01)
+
+
+def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypatch):
+    """The first Ctrl-C makes start_engines wait for the starts under way (to stop what
+    they start); a second one must let the caller go, each start stopping its engine
+    when it completes. The pool's shutdown waited for them again: it took a third."""
+    from shmclient import dp_engines
+
+    made: dict[int, AsyncMPClient] = {}
+    rank0_up, winding_down, released = (threading.Event() for _ in range(3))
+    main = threading.main_thread().ident
+    real_stop = dp_engines._stop_started
+
+    def stop_started(fut):
+        winding_down.set()  # (called at once for rank 0's start, which is done)
+        real_stop(fut)
+
+    def start(config):
+        rank = config.data_parallel_rank
+        if rank == 1:
+            assert rank0_up.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, while rank 1 starts
+            assert winding_down.wait(30)
+            signal.pthread_kill(main, signal.SIGINT)  # and again
+            released.wait(10)  # (without the fix make_client waits for this)
+        made[rank] = AsyncMPClient(config)
+        if rank == 0:
+            rank0_up.set()
+        return made[rank]
+
+    with _group_start_interrupted(monkeypatch, start, stop_started, made, released) as returned:
         with pytest.raises(KeyboardInterrupt):
             make_client(True, True, cfg())
         assert not released.is_set(), "the second Ctrl-C waited for the start under way"
         returned.set()
         released.set()
-        deadline = time.monotonic() + 30
-        while not (len(made) == 2 and all(c.is_dead for c in made)):
-            assert time.monotonic() < deadline, "an engine of the group was left running"
-            time.sleep(0.01)
-    finally:
-        returned.set()
-        released.set()
-        signal.signal(signal.SIGINT, old)
-        for t in threading.enumerate():
-            if t.name.startswith("dp-start"):
-                t.join(30)
-        for c in made:
-            c.shutdown(timeout=0.0)
+        _until_every_engine_stopped(made, 2)
 
 
 def test_a_second_ctrl_c_in_the_stop_of_one_started_engine_skips_no_other(monkeypatch):
@@ -854,7 +876,7 @@ def test_a_second_ctrl_c_in_the_stop_of_one_started_engine_skips_no_other(monkey
     from shmclient import dp_engines
 
     made: dict[int, AsyncMPClient] = {}
-    up, winding_down, second_sent, returned = (threading.Event() for _ in range(4))
+    up, winding_down, second_sent = (threading.Event() for _ in range(3))
     main = threading.main_thread().ident
     real_stop = dp_engines._stop_started
     stops: list[int] = []
@@ -879,30 +901,11 @@ def test_a_second_ctrl_c_in_the_stop_of_one_started_engine_skips_no_other(monkey
             up.set()
         return made[rank]
 
-    def on_sigint(*_):
-        if not returned.is_set():
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(dp_engines, "_async_client_class", lambda: start)
-    monkeypatch.setattr(dp_engines, "_stop_started", stop_started)
-    old = signal.signal(signal.SIGINT, on_sigint)
-    try:
+    with _group_start_interrupted(monkeypatch, start, stop_started, made, second_sent) as returned:
         with pytest.raises(KeyboardInterrupt):
             make_client(True, True, cfg(data_parallel_size=3))
         returned.set()
-        deadline = time.monotonic() + 30
-        while not (len(made) == 3 and all(c.is_dead for c in made.values())):
-            assert time.monotonic() < deadline, f"left running: {[r for r, c in made.items() if not c.is_dead]}"
-            time.sleep(0.01)
-    finally:
-        returned.set()
-        second_sent.set()
-        signal.signal(signal.SIGINT, old)
-        for t in threading.enumerate():
-            if t.name.startswith("dp-start"):
-                t.join(30)
-        for c in made.values():
-            c.shutdown(timeout=0.0)
+        _until_every_engine_stopped(made, 3)
 
 
 # -- the benchmark section ---------------------------------------------------------------
