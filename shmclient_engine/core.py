@@ -318,13 +318,15 @@ class EngineCore:
     # ---------------------------------------------------------------- validation
 
     def _make_request(self, r: EngineCoreRequest) -> Request:
+        # The live-id check comes first, whatever else is wrong with the request: a
+        # frontend told of any other fault under a live id would take that request as
+        # finished while it goes on (or see it finish twice, ERROR then ABORT).
+        rid = r.request_id
+        if type(rid) is str and (rid in self.scheduler.requests or rid in self._aborted_ids):
+            # (an aborted id is live until its ABORT output is out)
+            raise DuplicateRequestError(f"request_id {rid!r} is already live")
         check_request(r, vocab_size=self.model.vocab_size, hidden_size=self.model.hidden_size,
                       max_model_len=self.max_model_len)
-        rid = r.request_id
-        if rid in self.scheduler.requests:
-            raise DuplicateRequestError(f"request_id {rid!r} is already live")
-        if rid in self._aborted_ids:  # (its ABORT output is not out yet)
-            raise InvalidRequestError(f"request_id {rid!r} is already live")
         generator = None
         sp = None if r.pooling_params is not None else r.sampling_params or SamplingParams()
         if sp is not None and sp.temperature >= SAMPLING_EPS:

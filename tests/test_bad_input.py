@@ -364,13 +364,15 @@ async def test_refused_request_finishes_with_finish_reason_error_and_engine_keep
     assert not drv.client.is_dead
 
 
-@pytest.mark.parametrize("duplicate", ["decodes", "does not decode"])
+@pytest.mark.parametrize("duplicate", ["decodes", "does not decode", "is invalid"])
 def test_a_duplicate_of_a_live_id_is_dropped_without_finishing_the_live_request(duplicate):
     """A frontend (not this project's clients, which refuse it first) sends a request
     whose id is live in the engine: the engine's refusal used to finish that id with
     ERROR, so the frontend took the live request as over while the engine went on
     generating for it. Nothing is answered under the id now, whether the duplicate
-    decodes or not (a float token id); the live request ends as it would have."""
+    decodes or not (a float token id), and also where it decodes but is invalid (a token
+    outside the vocabulary: that check came before the live-id check, so it was answered
+    with ERROR); the live request ends as it would have."""
     from shmclient import SyncMPClient
 
     c = SyncMPClient(CFG.replace(step_delay_s=0.002))
@@ -379,6 +381,8 @@ def test_a_duplicate_of_a_live_id_is_dropped_without_finishing_the_live_request(
         c.add_request(r)
         if duplicate == "decodes":  # around the client's own check
             send(c.channel, REQ_ADD, r)
+        elif duplicate == "is invalid":
+            send(c.channel, REQ_ADD, req("live", prompt=[CFG.vocab_size], max_tokens=12))
         else:
             waiting.send(c.channel, REQ_ADD, msgspec.msgpack.encode(["live", [1.0]]), timeout=5.0)
         c.add_request(req("after", max_tokens=2))

@@ -13,7 +13,7 @@ from shmclient.config import EngineConfig
 from shmclient_engine.core import UTILITY_METHODS, EngineCore
 from shmclient_engine.request import derive_seed
 from shmclient_engine.model import mock_next_token
-from shmclient.errors import ConfigError, InvalidRequestError
+from shmclient.errors import ConfigError, DuplicateRequestError, InvalidRequestError
 from shmclient.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -126,6 +126,22 @@ def test_abort_twice_emits_once_and_blocks_id_reuse_until_reported(core):
     assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("a", FinishReason.ABORT)]
     core.add_request(req("a", max_tokens=2))  # reported: the id is free again
     assert Run(core).drain().tokens["a"] == predict([1, 2, 3], 2)
+
+
+def test_a_live_or_aborted_id_is_refused_as_a_duplicate_before_any_other_check(core):
+    """The serving loop drops a DuplicateRequestError without an answer and answers any
+    other refusal with ERROR under the request's id: an invalid request under a live id
+    (or one aborted whose ABORT output is not out) must be refused as a duplicate, else
+    that id is finished at the frontend while it goes on (or finishes twice)."""
+    core.add_request(req("a"))
+    core.add_request(req("b"))
+    core.abort_requests(["b"])
+    for rid in ("a", "b"):
+        with pytest.raises(DuplicateRequestError, match="already live"):
+            core.add_request(req(rid, prompt=[CFG.vocab_size]))
+    with pytest.raises(InvalidRequestError) as e:  # a free id: the other check speaks
+        core.add_request(req("c", prompt=[CFG.vocab_size]))
+    assert type(e.value) is InvalidRequestError and "vocabulary" in str(e.value)
 
 
 def test_outputs_are_routed_by_client_index(core):
