@@ -3,7 +3,8 @@
 Engine layer, beside ``shmclient_engine.model`` (whose ``Model`` interface it implements): imports
 torch, ``shmclient.config``, ``shmclient_engine.model`` and ``shmclient.messages`` only; never the
 scheduler, the core or a shmclient client module. It owns its weights and a KV cache per
-request (grown on demand; the scheduler's block accounting bounds its total size).
+request (grown a block at a time as the scheduler grants blocks, so its block accounting
+bounds the caches' total size).
 
 Architecture: token embedding plus sinusoidal positions, ``num_layers`` pre-norm blocks
 (causal multi-head self-attention, GELU MLP of 4x width), a final LayerNorm and a
@@ -41,11 +42,16 @@ class _KVCache:
         self.v = [torch.empty(shape, device=device) for _ in range(num_layers)]
         self.length = 0
 
-    def reserve(self, needed: int) -> None:
+    def reserve(self, needed: int, block_size: int) -> None:
+        """Room for ``needed`` positions, in whole blocks of ``block_size``: the blocks the
+        scheduler has granted the request, so the caches never hold more than its block
+        accounting (grown by doubling they held up to ~1.6x the KV budget). A grow copies
+        the cache once per block of new positions, a small share of attention's own
+        reads of it."""
         cap = self.k[0].shape[1]
         if needed <= cap:
             return
-        new_cap = max(needed, 2 * cap)
+        new_cap = -(-needed // block_size) * block_size
         for bufs in (self.k, self.v):
             for i, old in enumerate(bufs):
                 new = old.new_empty((old.shape[0], new_cap, old.shape[2]))
@@ -173,12 +179,14 @@ class TinyModel(Model):
         n, start = x.shape[0], chunk.start_pos
         cache = self._caches.get(chunk.request_id)
         if cache is None:
+            blocks = -(-(start + n) // self.config.block_size)
             cache = self._caches[chunk.request_id] = _KVCache(
-                self.num_layers, self.num_heads, self.head_dim, max(16, start + n), self.device)
+                self.num_layers, self.num_heads, self.head_dim, blocks * self.config.block_size,
+                self.device)
         if cache.length != start:
             raise RuntimeError(f"request {chunk.request_id!r}: chunk starts at {start} but "
                                f"{cache.length} positions are cached")
-        cache.reserve(start + n)
+        cache.reserve(start + n, self.config.block_size)
         end = start + n
         pos = torch.arange(start, end, device=self.device)
         x = x + _sinusoid(pos, self.hidden_size)

@@ -77,6 +77,27 @@ def test_preemption_recomputes_to_the_same_tokens(greedy_reference):
     assert set(finish.values()) == {FinishReason.LENGTH}
 
 
+def test_kv_caches_stay_within_the_blocks_the_scheduler_granted():
+    """The tiny model's caches grew by doubling: twelve requests under a 1 MiB KV budget
+    held 1.59x that budget while the scheduler counted 60 of its 64 blocks in use (on a
+    GPU, memory beyond gpu_memory_utilization's share). They hold at most the positions
+    of the blocks in use now, after every step."""
+    cfg = TINY.replace(kv_cache_memory_bytes=1 << 20, max_model_len=128)
+    core = EngineCore(cfg)
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i in range(12):
+        core.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=list(range(3, 20)),
+                                           sampling_params=sp))
+    peak = 0
+    while core.has_unfinished_requests():
+        core.step()
+        held = sum(c.k[0].shape[1] for c in core.model._caches.values())
+        granted = (core.num_gpu_blocks - core.scheduler.num_free_blocks) * core.block_size
+        assert held <= granted, (held, granted)
+        peak = max(peak, held)
+    assert peak > core.num_gpu_blocks * core.block_size // 2  # the budget was really used
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     def run(seed, **cfg):
         sp = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, top_p=0.95, seed=seed)
