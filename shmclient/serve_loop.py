@@ -66,6 +66,11 @@ class EngineCore(Protocol):
 
     def step(self) -> dict[int, EngineCoreOutputs]: ...
 
+    def pending_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """The outputs decided and not sent yet (an abort's ABORT outputs), without a
+        step. Optional: with it a utility's reply is sent before the next step, after
+        these; a core without it has its replies sent after the next step."""
+
     def has_work(self) -> bool: ...
 
     def call_utility(self, method: str, args: tuple) -> Any: ...
@@ -249,6 +254,27 @@ class EngineProc:
                 if self._stop:
                     raise PeerDeadError("the frontend is gone") from None
 
+    def reply_before_step(self) -> None:
+        """Send the queued utility replies now rather than after the next step, which
+        may take long (vLLM's engine puts a reply on its output queue before it steps).
+        What the core decided before a call goes first: ``pause_scheduler("abort")``'s
+        ABORT outputs come before its reply. A core without ``pending_outputs`` has its
+        replies sent after the step."""
+        pending_outputs = getattr(self.core, "pending_outputs", None)
+        if pending_outputs is None:
+            return
+        while True:  # (a send waiting for room may handle more requests meanwhile)
+            pending = pending_outputs()
+            if pending:
+                for client_index, outputs in pending.items():
+                    self.send(client_index, outputs)
+            elif self.rejected:
+                self.flush_rejected()
+            elif self.replies:
+                self.send(0, self.replies.popleft())
+            else:
+                return
+
     # -- loop -------------------------------------------------------------------------
     def run(self) -> None:
         core = self.core
@@ -270,6 +296,8 @@ class EngineProc:
                 self.handle(rtype, obj)
             if self.rejected:
                 self.flush_rejected()
+            if self.replies:
+                self.reply_before_step()
             if core.has_work():
                 self.steps += 1
                 for client_index, outputs in core.step().items():

@@ -231,11 +231,7 @@ class EngineCore:
         self._check_open()
         per_client: dict[int, list[EngineCoreOutput]] = {}
         finished: dict[int, set[str]] = {}
-        for client, out in self._aborted:
-            per_client.setdefault(client, []).append(out)
-            finished.setdefault(client, set()).add(out.request_id)
-        self._aborted.clear()
-        self._aborted_ids.clear()
+        self._take_aborted(per_client, finished)
 
         if not self._asleep and self.scheduler.has_schedulable_requests():
             batch = self.scheduler.schedule()
@@ -246,6 +242,27 @@ class EngineCore:
                     self._profile_step(batch, time.perf_counter() - t0)
         if self._pause_waiters and not self.scheduler.has_schedulable_requests():
             self._finish_waiting_pauses()
+        return self._batches(per_client, finished)
+
+    def pending_outputs(self) -> dict[int, EngineCoreOutputs]:
+        """The outputs already decided and not sent (the ABORT outputs of aborted
+        requests), without a step: what ``step()`` would send first, keyed by
+        ``client_index``; an empty dict when there are none. The engine loop sends them
+        before a utility's reply, which it sends before the next step (as vLLM)."""
+        self._check_open()
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        finished: dict[int, set[str]] = {}
+        self._take_aborted(per_client, finished)
+        return self._batches(per_client, finished)
+
+    def _take_aborted(self, per_client: dict, finished: dict) -> None:
+        for client, out in self._aborted:
+            per_client.setdefault(client, []).append(out)
+            finished.setdefault(client, set()).add(out.request_id)
+        self._aborted.clear()
+        self._aborted_ids.clear()
+
+    def _batches(self, per_client: dict, finished: dict) -> dict[int, EngineCoreOutputs]:
         if not per_client:
             return {}
         # Every batch says which data-parallel engine sent it and its load after the
