@@ -30,8 +30,8 @@ from .client_configs import ConfigSpec
 from .contention_results import Cell, Contention, RoundTrips
 from .section_results import SectionHost, typed
 from .session import Session
+from . import stopping
 
-BUSY = "while True: pass"
 KINDS = ("sync-shm", "sync-zmq", "async-shm", "async-zmq")
 #: Target: shm p99 at most this times zmq's p99 in the same cell.
 P99_SLACK = 1.1
@@ -124,7 +124,7 @@ def cpu_quota(pids: list[int], cpus: float = 1.0) -> Iterator[str]:
 
 @contextlib.contextmanager
 def busy(n: int) -> Iterator[list[subprocess.Popen]]:
-    hogs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(n)]
+    hogs = [stopping.busy_process() for _ in range(n)]
     try:
         yield hogs
     finally:

@@ -86,6 +86,8 @@ def _external(
         if proc is not None:
             if proc.poll() is None:
                 stopping.stop_group(proc, pids)
+            else:  # (a child that died leaves its group running: its busy processes)
+                stopping.stop_group_left(proc.pid)
             # The group's processes may not have lived to unlink what they created.
             stopping.sweep_shm(pids | {proc.pid})
         try:

@@ -16,6 +16,7 @@ import importlib
 import os
 import shutil
 import signal
+import threading
 import tempfile
 import traceback
 from typing import Any, Generic, Iterator, Sequence, TypeVar
@@ -160,8 +161,17 @@ def section_main(argv: Sequence[str] | None, doc: str, run: Any, render: Any, qu
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON here")
     args = ap.parse_args(argv)
-    with private_tmpdir():
-        res = run(args.quick)
+    # SIGTERM ends the section as Ctrl-C does: its clean-up runs (busy processes, a
+    # quota's cgroup, the temporary folder).
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with private_tmpdir():
+            res = run(args.quick)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     print(render(res))
     if args.json:
         with open(args.json, "wb") as f:

@@ -12,7 +12,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
+import time
 from typing import Any
 
 import psutil
@@ -122,6 +124,47 @@ def stop_group(proc: subprocess.Popen, pids: set[int], grace_s: float = 5.0) -> 
             pass
     proc.wait()
     psutil.wait_procs(rest, timeout=2)
+
+
+def stop_group_left(pgid: int, grace_s: float = 2.0) -> bool:
+    """Stop what is left of a process group whose leader has exited (e.g. killed with
+    SIGKILL: its children were not stopped by its clean-up, and they are no longer this
+    process's descendants): SIGTERM, then SIGKILL after ``grace_s``. The group's id is
+    safe to signal where recorded pids are not (a pid is not reused while a group of
+    that id exists). Returns whether anything was left."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.02)  # (not our children: nothing to wait on)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def busy_process(*popen_args: Any, **popen_kw: Any) -> subprocess.Popen:
+    """A process that keeps one CPU busy until it is killed or this process exits
+    (``PR_SET_PDEATHSIG``: a run killed with SIGKILL does not leave it spinning)."""
+    return subprocess.Popen([sys.executable, "-c", _BUSY, str(os.getpid())], *popen_args,
+                            **popen_kw)
+
+
+_BUSY = """\
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv[1]):
+    raise SystemExit  # (the parent was gone before the line above)
+while True:
+    pass
+"""
 
 
 def stop_descendants(before: set[int], grace_s: float = 5.0) -> set[int]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from . import stopping
 from .vllm_results import BusyHost, ConfigFigures, DataParallel, Percentiles, VllmComparison
 
 CONFIG = {
@@ -343,7 +344,7 @@ def _pinned_busy(n: int) -> list[subprocess.Popen]:
     hogs = []
     try:
         for i in range(n):
-            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            hogs.append(stopping.busy_process())
             os.sched_setaffinity(hogs[-1].pid, {cpus[i % len(cpus)]})
     except BaseException:
         for h in hogs:

@@ -786,6 +786,75 @@ def test_a_section_run_alone_keeps_its_temporary_files_in_a_folder_it_removes(ca
     assert "{'ok': True}" in capsys.readouterr().out
 
 
+def test_a_section_run_on_its_own_cleans_up_on_sigterm():
+    """``python -m shmclient_bench.contention`` killed with a plain ``kill`` died at
+    once, leaving its busy processes spinning (and its temporary folder, and a quota
+    cell's cgroup): SIGTERM runs the section's clean-up now, as Ctrl-C does."""
+    code = (
+        "import os, signal, tempfile\n"
+        "from shmclient_bench import sections\n"
+        "def run(quick):\n"
+        "    print(tempfile.gettempdir(), flush=True)\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        signal.sigtimedwait([], 10)\n"
+        "    finally:\n"
+        "        print('cleaned up', flush=True)\n"
+        "sections.section_main([], 'doc\\n', run, str, 'quick')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    tmp, *rest = p.stdout.splitlines()
+    assert rest == ["cleaned up"], (p.returncode, p.stdout, p.stderr)
+    assert "KeyboardInterrupt" in p.stderr and not os.path.exists(tmp)
+
+
+def test_a_busy_process_ends_with_the_process_that_started_it():
+    """The contention section's busy processes outlived a section child killed with
+    SIGKILL (re-parented, spinning for good, the rest of the run measured beside them)."""
+    code = ("import time\nfrom shmclient_bench import stopping\n"
+            "print(stopping.busy_process().pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        busy = psutil.Process(int(parent.stdout.readline()))
+        # Past its start (which checks that its parent is still there): spinning.
+        deadline = time.monotonic() + 30
+        while busy.cpu_times().user < 0.3:
+            assert time.monotonic() < deadline, "the busy process does not spin"
+            time.sleep(0.01)  # (polling its CPU time)
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    try:
+        busy.wait(timeout=30)
+    except psutil.TimeoutExpired:
+        busy.kill()
+        raise AssertionError("the busy process outlived its parent") from None
+
+
+def test_what_is_left_of_a_group_whose_leader_died_is_stopped():
+    """A section child that died (SIGKILL, the OOM killer) left the processes of its
+    group running: they were stopped only while the child itself still ran."""
+    from shmclient_bench import stopping
+
+    code = ("import subprocess, sys\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print(p.pid, flush=True)\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    left = psutil.Process(int(leader.stdout.readline()))
+    leader.wait(timeout=30)
+    leader.stdout.close()
+    try:
+        assert left.is_running() and os.getpgid(left.pid) == leader.pid
+        assert stopping.stop_group_left(leader.pid, grace_s=10)
+        left.wait(timeout=30)
+        assert not stopping.stop_group_left(leader.pid)
+    finally:
+        if left.is_running():
+            left.kill()
+
+
 def test_the_vllm_sections_child_keeps_vllms_files_out_of_the_shared_tmp(monkeypatch):
     """The vllm section's child (and the engines it starts) put vLLM's ipc sockets and
     temporary files in the section's own folder, removed with it: run on its own, it
