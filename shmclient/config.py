@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from typing import Any
 
@@ -36,6 +37,28 @@ _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 #: The ring's bounds on ``ring_capacity_bytes`` (``shmclient.ring``'s MAX_CAPACITY and its
 #: multiple of 8; not imported: this module must stay below the ring in the layers).
 _RING_MAX_CAPACITY = 1 << 40
+
+#: How long a frontend waits for an engine to be ready, and a remote engine for its
+#: frontend's ``Start``, where nothing else says (``EngineConfig.engine_ready_timeout_s``,
+#: ``--ready-timeout``).
+READY_TIMEOUT_ENV = "SHMCLIENT_ENGINE_READY_TIMEOUT_S"
+DEFAULT_READY_TIMEOUT_S = 600.0
+
+
+def ready_timeout_env_s() -> float:
+    """``SHMCLIENT_ENGINE_READY_TIMEOUT_S`` in seconds (600 when unset). Raises
+    ``ConfigError`` for a value that is not a finite number of seconds > 0 (NaN never
+    ran out, 0 or less gave up at once)."""
+    raw = os.environ.get(READY_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_READY_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{READY_TIMEOUT_ENV} must be a finite number of seconds > 0, got {raw!r}")
+    return seconds
 
 
 class UnknownFieldError(ConfigError, TypeError):

@@ -12,7 +12,6 @@ a channel, a client or an engine.
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import time
@@ -25,6 +24,7 @@ from . import auth, control
 from .control import ControlMessageError, EngineCoreDead
 from .engine_process import describe_exit
 from .errors import AuthenticationError, ConfigError, EngineDeadError, PeerNotProducingError
+from .config import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, ready_timeout_env_s
 from .messages import PROTOCOL_VERSION
 from .gpus import local_gpu_uuids
 
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_READY_TIMEOUT_S", "Handshake", "READY_TIMEOUT_ENV", "ready_timeout_s"]
 
-READY_TIMEOUT_ENV = "SHMCLIENT_ENGINE_READY_TIMEOUT_S"
-DEFAULT_READY_TIMEOUT_S = 600.0
 _POLL_S = 0.1
 #: How long an engine that reported its start-up failure is given to exit by itself (a
 #: SIGTERM in its exit would print a second traceback).
@@ -50,16 +48,7 @@ def ready_timeout_s(config: EngineConfig) -> float:
     value = getattr(config, "engine_ready_timeout_s", None)
     if value is not None:
         return float(value)
-    raw = os.environ.get(READY_TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_READY_TIMEOUT_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{READY_TIMEOUT_ENV} must be a finite number of seconds > 0, got {raw!r}")
-    return seconds
+    return ready_timeout_env_s()
 
 
 class Handshake:

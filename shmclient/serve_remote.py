@@ -1,6 +1,6 @@
 """The engine side of a remote engine's control link: its command line, the ``Hello`` /
 ``Auth`` / ``Start`` handshake with a frontend over tcp, and the heartbeat thread that
-owns the socket from ``Start`` on. Protocol layer, engine side: imports ``auth``,
+owns the socket from ``Start`` on. Protocol layer, engine side: imports ``auth``, ``config``,
 ``control``, ``messages`` and ``errors``; never a client, ``waiting`` or an engine. A
 remote engine (``--connect``) has no parent to watch: it connects to the frontend's
 control socket (retrying until the frontend listens, up to
@@ -13,6 +13,7 @@ from the frontend.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -20,8 +21,9 @@ import time
 import zmq
 
 from . import auth, control
+from .config import ready_timeout_env_s
 from .control import ControlMessageError
-from .errors import AuthenticationError, PeerDeadError
+from .errors import AuthenticationError, ConfigError, PeerDeadError
 from .messages import PROTOCOL_VERSION
 
 __all__ = ["FrontendLink", "connect_and_hello", "parse_argv"]
@@ -135,9 +137,12 @@ def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]
         p.error(f"--connect {args.connect!r}: expected tcp://HOST:PORT")
     wait = args.ready_timeout
     if wait is None:
-        wait = float(os.environ.get("SHMCLIENT_ENGINE_READY_TIMEOUT_S", "600"))
-    if not wait > 0:
-        p.error(f"--ready-timeout {wait!r}: must be > 0")
+        try:
+            wait = ready_timeout_env_s()
+        except ConfigError as e:
+            p.error(str(e))
+    elif not (math.isfinite(wait) and wait > 0):
+        p.error(f"--ready-timeout {wait!r}: must be a finite number of seconds > 0")
     return args.connect, None, wait, tuple(args.allow_module)
 
 

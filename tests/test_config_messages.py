@@ -74,6 +74,28 @@ def test_a_ready_timeout_variable_that_is_no_finite_positive_number_is_a_config_
     assert ready_timeout_s(EngineConfig()) == 2.5
 
 
+@pytest.mark.parametrize("raw", ["nan", "-1", "0", "inf", "soon"])
+def test_a_remote_engine_reads_the_ready_timeout_variable_by_the_same_rule(monkeypatch, capsys, raw):
+    """``python -m shmclient_engine --connect`` read the variable with a bare float():
+    "soon" ended in a ValueError traceback, "inf" waited for a frontend for good, "nan"
+    and "0" blamed an option the user did not give. A usage error naming the variable
+    now; ``--ready-timeout`` itself must be finite too."""
+    from shmclient.config import READY_TIMEOUT_ENV
+    from shmclient.serve_remote import parse_argv
+
+    monkeypatch.setenv(READY_TIMEOUT_ENV, raw)
+    with pytest.raises(SystemExit):
+        parse_argv(["--connect", "tcp://127.0.0.1:1"])
+    assert READY_TIMEOUT_ENV in capsys.readouterr().err
+    monkeypatch.setenv(READY_TIMEOUT_ENV, "2.5")
+    assert parse_argv(["--connect", "tcp://127.0.0.1:1"])[2] == 2.5
+    monkeypatch.delenv(READY_TIMEOUT_ENV)
+    assert parse_argv(["--connect", "tcp://127.0.0.1:1"])[2] == 600.0
+    with pytest.raises(SystemExit):
+        parse_argv(["--connect", "tcp://127.0.0.1:1", "--ready-timeout", "inf"])
+    assert "--ready-timeout inf" in capsys.readouterr().err
+
+
 def test_other_bad_variables_are_config_errors_naming_them(monkeypatch, tmp_path):
     """Every error a client raises is a ShmClientError: the variables too."""
     from shmclient import capacity, control_sockets
