@@ -198,6 +198,7 @@ PyDoc_STRVAR(RING_DOC,
 
 static PyObject *CorruptError; /* shmclient.errors.RingCorruptError (a ProtocolError) */
 static PyObject *ForkedError;  /* shmclient.errors.ForkedError */
+static PyObject *ClosedError;  /* shmclient.errors.ClientClosedError (an EngineDeadError) */
 
 /* Bumped in every child made by fork(): an end made before the fork is the parent's.
    It starts at 1: generation 0 is an end whose __init__ has not completed. */
@@ -419,7 +420,7 @@ __attribute__((cold, noinline)) static int end_forked(End *self) {
 /* The error of a closed end: the protocol violation that closed it, if one did. */
 __attribute__((cold, noinline)) static int end_closed_error(End *self) {
     if (self->broken) PyErr_SetObject(CorruptError, self->broken);
-    else PyErr_SetString(PyExc_ValueError, "this ring end is closed");
+    else PyErr_Format(ClosedError, "this %s end of the ring was closed", self->role);
     return -1;
 }
 
@@ -633,7 +634,7 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
         return NULL;
     }
     if (e->closed || !e->base) {
-        PyErr_SetString(PyExc_ValueError, "this ring end is closed");
+        PyErr_Format(ClosedError, "this %s end of the ring was closed", e->role);
         return NULL;
     }
     e->waiters++;
@@ -1912,8 +1913,9 @@ PyMODINIT_FUNC PyInit__ring(void) {
     if (!errors) return NULL;
     CorruptError = PyObject_GetAttrString(errors, "RingCorruptError");
     ForkedError = PyObject_GetAttrString(errors, "ForkedError");
+    ClosedError = PyObject_GetAttrString(errors, "ClientClosedError");
     Py_DECREF(errors);
-    if (!CorruptError || !ForkedError) return NULL;
+    if (!CorruptError || !ForkedError || !ClosedError) return NULL;
     Py_INCREF(CorruptError);
     if (PyModule_AddObject(m, "RingCorruptError", CorruptError) < 0) return NULL;
     static int hooked;
