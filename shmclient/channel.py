@@ -293,19 +293,6 @@ class ShmChannel:
         """Drain ``recv_fd()``; it turns readable again at once if a record is unread."""
         self.rx.drain_wake_fd()
 
-    def _take_releases(self) -> list[bytes]:
-        """Pending releases, oldest first: those held back before, then new ones, in
-        records of at most ``max_record`` bytes (a release is never fragmented: one
-        longer than a record would never go, and every later one would wait behind it).
-        Caller holds the send lock."""
-        held = self._held_release or []
-        self._held_release = None
-        rel = self._tensor_rx.take_releases()
-        if rel is None:
-            return held
-        step = self.tx.max_record & ~7  # whole ids
-        return held + [rel[i:i + step] for i in range(0, len(rel), step)]
-
     def flush_releases(self) -> None:
         """Send pending tensor releases without blocking; if the ring is full, a
         fragmented message is half-way, or another thread is sending, they are kept and
@@ -320,7 +307,21 @@ class ShmChannel:
             self._send_lock.release()
 
     def _flush_releases_locked(self) -> None:
-        rels = self._take_releases()
+        """Send the pending releases, oldest first: those held back before, then new
+        ones, in records of at most ``max_record`` bytes (a release is never fragmented:
+        one longer than a record would never go, and every later one would wait behind
+        it). Caller holds the send lock. A signal handler's exception anywhere in here
+        loses no id (one may go twice: the sender ignores an id it has freed)."""
+        rx = self._tensor_rx
+        got = rx.peek_releases()
+        if got is not None:
+            count, rel = got
+            step = self.tx.max_record & ~7  # whole ids
+            # Held before the ids leave the receiver's queue.
+            self._held_release = (self._held_release or []) + [
+                rel[i:i + step] for i in range(0, len(rel), step)]
+            rx.drop_releases(count)
+        rels = self._held_release
         try:
             while rels and self.tx.try_send(REC_RELEASE, rels[0]):
                 rels.pop(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import struct
+import threading
 import weakref
 from typing import Any
 
@@ -47,6 +48,7 @@ class ShmTensorReceiver:
         self._size = segment.size
         self.view_from = view_from
         self._released: collections.deque[int] = collections.deque()
+        self._take_lock = threading.Lock()
         #: Ids waiting for ``take_releases``; a transport may test it for emptiness
         #: without a lock to skip the flush on its hot path.
         self.pending = self._released
@@ -143,17 +145,37 @@ class ShmTensorReceiver:
 
     def take_releases(self) -> bytes | None:
         """The ids finished with since the last call, packed for ``on_release``; None if
-        there are none. Thread-safe, does not block."""
-        q = self._released
-        if not q:
+        there are none. Thread-safe, does not block. A signal handler's exception inside
+        it loses no id (``peek_releases``)."""
+        with self._take_lock:
+            got = self.peek_releases()
+            if got is None:
+                return None
+            count, payload = got
+            try:
+                self.drop_releases(count)
+            except BaseException:  # (queued again: those not dropped yet go twice)
+                self._released.extendleft(reversed(struct.unpack(f"<{count}Q", payload)))
+                raise
+            return payload
+
+    def peek_releases(self) -> tuple[int, bytes] | None:
+        """How many ids are finished with, and those ids packed for ``on_release``,
+        leaving them queued: the caller keeps the payload where it cannot be lost, then
+        calls ``drop_releases(count)``. An exception anywhere on the way (Ctrl-C) then
+        loses none; at worst an id is sent twice, which the sender ignores (ids are
+        never reused). One caller at a time (a channel's send lock); None if none."""
+        ids = list(self._released)  # (one C call: no signal lands inside it)
+        if not ids:
             return None
-        ids = []
-        try:
-            while True:
-                ids.append(q.popleft())
-        except IndexError:
-            pass
-        return struct.pack(f"<{len(ids)}Q", *ids)
+        return len(ids), struct.pack(f"<{len(ids)}Q", *ids)
+
+    def drop_releases(self, count: int) -> None:
+        """Take the ``count`` oldest ids, which ``peek_releases`` handed out, off the
+        queue (ids queued since stay)."""
+        q = self._released
+        for _ in range(count):
+            q.popleft()
 
     def in_use(self) -> int:
         """How many zero-copy views of the arena are still alive."""

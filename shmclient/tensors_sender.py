@@ -290,22 +290,47 @@ class ShmTensorSender:
         self._free_ids(ids)
 
     def _free_ids(self, ids) -> None:
-        segs = []
-        with self._lock:
-            for bid in ids:
-                blk = self._blocks.pop(bid, None)
-                if blk is not None:
-                    self._release(*blk)
-                    self._n["released"] += 1
-                    continue
-                seg = self._oneoffs.pop(bid, None)
-                if seg is not None:
-                    segs.append(seg)
-                    self._n["released"] += 1
-                elif self._cuda is not None and self._cuda.release(bid):
-                    self._n["released"] += 1
-        for seg in segs:
-            seg.release_handle()
+        segs: list = []
+        try:
+            with self._lock:
+                todo = iter(ids)
+                try:
+                    for bid in todo:
+                        self._free_id(bid, segs)
+                except BaseException:
+                    # A signal handler's exception (Ctrl-C) mid-way: the release record
+                    # was read and will not come again, so the rest are freed now, and
+                    # the free list is made again (a block may have left ``_blocks``
+                    # without reaching it).
+                    for bid in todo:
+                        self._free_id(bid, segs)
+                    self._rebuild_free()
+                    raise
+        finally:
+            self._release_segments(segs)
+
+    def _free_id(self, bid: int, segs: list) -> None:
+        blk = self._blocks.pop(bid, None)
+        if blk is not None:
+            self._release(*blk)
+            self._n["released"] += 1
+            return
+        seg = self._oneoffs.pop(bid, None)
+        if seg is not None:
+            segs.append(seg)
+            self._n["released"] += 1
+        elif self._cuda is not None and self._cuda.release(bid):
+            self._n["released"] += 1
+
+    @staticmethod
+    def _release_segments(segs: list) -> None:
+        try:
+            for seg in segs:
+                seg.release_handle()
+        except BaseException:
+            for seg in segs:  # (a signal mid-way: none is left open; idempotent)
+                seg.release_handle()
+            raise
 
     # -- allocator (first fit over a sorted free list, coalescing on free) -------------------
 

@@ -3,6 +3,7 @@ bounded memory, fallbacks, and a cross-process run over the ring."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import hashlib
 import multiprocessing as mp
@@ -351,6 +352,59 @@ def test_release_of_unknown_ids_is_ignored(pair):
     pair.sender.on_release(struct.pack("<3Q", 123, 456, 789))
     pair.send(torch.randn(1000))
     assert pair.statistics().used_bytes == 0
+
+
+def test_a_release_interrupted_by_a_signal_frees_every_block_it_names(pair, monkeypatch):
+    """Ctrl-C inside the sender's handling of a release record (the ring counts the
+    record as read: its ids never come again) left every id after that point in flight,
+    and the block being freed off the free list: the arena shrank for good."""
+    src = np.zeros(256, np.uint8)
+    ids = [pair.sender.put(src, 256)[1] for _ in range(40)]
+    assert pair.statistics().blocks_in_flight == 40
+    release = pair.sender._release
+    calls = []
+
+    def interrupted_release(offset, size):
+        calls.append(offset)
+        if len(calls) == 10:  # (taken off the block list, not yet on the free list)
+            raise KeyboardInterrupt
+        release(offset, size)
+
+    monkeypatch.setattr(pair.sender, "_release", interrupted_release)
+    with pytest.raises(KeyboardInterrupt):
+        pair.sender.on_release(struct.pack(f"<{len(ids)}Q", *ids))
+    monkeypatch.undo()
+    st_ = pair.statistics()
+    assert (st_.blocks_in_flight, st_.used_bytes, st_.free_extents) == (0, 0, 1)
+    big = pair.sender.put(np.zeros(2 * MiB, np.uint8), 2 * MiB)  # the whole arena is there
+    assert big is not None and big[0] == 0
+    pair.sender.cancel(big)
+
+
+class _InterruptedDeque(collections.deque):
+    """A release queue whose third ``popleft`` raises KeyboardInterrupt (a signal)."""
+
+    pops = 0
+
+    def popleft(self):
+        type(self).pops += 1
+        if type(self).pops == 3:
+            raise KeyboardInterrupt
+        return super().popleft()
+
+
+def test_taking_releases_interrupted_by_a_signal_loses_no_id(pair):
+    """Ids taken off the receiver's queue when Ctrl-C landed were neither returned nor
+    put back: their blocks stayed in flight at the sender for good. They stay queued now
+    (an id may go twice, which the sender ignores)."""
+    ids = list(range(1, 9))
+    q = _InterruptedDeque(ids)
+    pair.receiver._released = pair.receiver.pending = q
+    with pytest.raises(KeyboardInterrupt):
+        pair.receiver.take_releases()
+    again = pair.receiver.take_releases()
+    assert set(struct.unpack(f"<{len(again) // 8}Q", again)) == set(ids)
+    assert pair.receiver.take_releases() is None
 
 
 def test_blocks_are_aligned(pair):
