@@ -436,6 +436,10 @@ def test_utility_calls(shm_llm, stock_llm):
     assert client.get_weight_version() == "v7"
     with pytest.raises(Exception, match="Call to no_such_method method failed"):
         client.call_utility("no_such_method")
+    # A result vLLM's encoder cannot carry (here the engine's scheduler object) killed the
+    # engine: the call fails alone now (stock vLLM's output thread dies, its call hangs).
+    with pytest.raises(Exception, match="its result cannot be sent to the client"):
+        client.call_utility("__getattribute__", "scheduler")
     # the engine still serves
     assert run(shm_llm, [[5, 6, 7, 8]], 4) == run(stock_llm, [[5, 6, 7, 8]], 4)
 

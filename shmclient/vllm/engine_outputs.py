@@ -243,7 +243,10 @@ class _InlineOutputs:
         link = self._links[client_index]
         link.active = True
         with self._send_locks[client_index]:
-            frames = link.framing.encoder.encode_into(outputs, self._buffers[client_index])
+            try:
+                frames = link.framing.encoder.encode_into(outputs, self._buffers[client_index])
+            except Exception as e:
+                frames = self._encode_failed_reply(link, client_index, outputs, e)
             if link.send(wire.OUTPUTS, frames, wake=wake, placed=link.framing.take_placed()):
                 # Kept for the link's flusher (the frontend's ring is full): the payload
                 # may be the buffer itself, so the next batch gets another.
@@ -258,6 +261,23 @@ class _InlineOutputs:
                 self.inline += 1
                 if not wake:
                     self.deferred += 1
+
+    def _encode_failed_reply(self, link, client_index: int, outputs, error: Exception):
+        """A utility's result vLLM's encoder cannot carry (an engine object, a worker's
+        plain Python object without ``VLLM_ALLOW_INSECURE_SERIALIZATION``): that call
+        fails alone, as when the method raises. Stock vLLM's output thread dies there
+        (its client waits for good); raising here would kill the engine and every
+        request on it. Anything else that does not encode is raised."""
+        reply = getattr(outputs, "utility_output", None)
+        if reply is None or reply.failure_message is not None:
+            raise error
+        _log().warning("shmclient.vllm: the result of utility call %s cannot be sent: %s",
+                       reply.call_id, error)
+        outputs.utility_output = type(reply)(
+            call_id=reply.call_id,
+            failure_message=f"Call to a utility method failed: its result cannot be sent to the "
+                            f"client: {error}")
+        return link.framing.encoder.encode_into(outputs, self._buffers[client_index])
 
     def wake_at_once(self) -> None:
         """Write a small batch from the thread that puts it and wake its frontend at once
