@@ -375,3 +375,20 @@ def test_a_launch_whose_specs_do_not_fit_in_the_environment_keeps_vllms_transpor
         assert launch.make_rings(config, addresses) is None
     assert "3 API servers x 2 engine cores" in caplog.text and "vLLM's own ZMQ transport is used" in caplog.text
     assert f"longer than the {longest - 1} bytes Linux passes" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["SHMCLIENT_VLLM_SPIN_US", "SHMCLIENT_VLLM_ASYNC_SPIN_US"])
+@pytest.mark.parametrize("raw", ["-5", "nan", "inf"])
+def test_a_spin_variable_must_be_finite_and_not_negative(monkeypatch, name, raw):
+    """The async output task's spin was read when the task started, after the engines
+    were up, and taken as it was: -5 and nan spun as such, and a large one held the
+    event loop that long on every read. Both spins are checked with the other settings,
+    before anything starts."""
+    from shmclient.vllm.link import _Settings
+
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of microseconds >= 0"):
+        _Settings()
+    monkeypatch.setenv(name, "20")
+    settings = _Settings()
+    assert (settings.spin_us if name == "SHMCLIENT_VLLM_SPIN_US" else settings.async_spin_us) == 20.0

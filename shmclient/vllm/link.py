@@ -11,6 +11,7 @@ construction with every engine's spec in the environment.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -54,13 +55,29 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
 
 
+#: How long AsyncLLM's output task spins on the ring before it parks (µs).
+ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
+ASYNC_SPIN_US = 50.0
+
+
+def _env_spin(name: str, default: float = 50.0) -> float:
+    """A spin in µs: finite and >= 0 (a negative or NaN one was taken as it was, an
+    infinite one failed at the first wait)."""
+    value = _env_float(name, default)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of microseconds >= 0, got {value!r}")
+    return value
+
+
 class _Settings:
     """The plug-in's channel settings, read from this process's environment (ValueError
     naming the variable for a bad value)."""
 
     def __init__(self) -> None:
         self.capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
-        self.spin_us = _env_float("SHMCLIENT_VLLM_SPIN_US", 50.0)
+        self.spin_us = _env_spin("SHMCLIENT_VLLM_SPIN_US")
+        #: Read here, before the engines start (the async output task reads it later).
+        self.async_spin_us = _env_spin(ASYNC_SPIN_ENV)
         self.output_mode = os.environ.get(OUTPUT_MODE_ENV, "adaptive")
         if self.output_mode not in OUTPUT_MODES:
             raise ValueError(f"{OUTPUT_MODE_ENV} must be one of {', '.join(map(repr, OUTPUT_MODES))}, "
@@ -114,6 +131,7 @@ class _Link:
         #: called once the engine's pid is known from its HELLO (the async reader's watch)
         self.on_engine_pid: Any = None
         settings = _Settings()
+        self.async_spin_s = settings.async_spin_us * 1e-6
         self.framing: wire.VllmFraming | None = None
         if frontend_spec is None:
             self.engine_index = engine_index

@@ -25,12 +25,10 @@ from .. import waiting
 from ..channel import SPIN_GATE, BadMessage
 from ..doorbell import Spin
 from .frontend import _bad_reply, _dispatch_failed, _utility_reply
-from .link import _env_float, _Link
+from .link import _Link
 
 #: How long (µs) get_output_async may spin on the output ring, holding the event loop,
 #: before it parks; adapted like the rings' own spins (doorbell.Spin).
-ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
-ASYNC_SPIN_US = 50.0
 
 
 class _Inbox:
@@ -130,7 +128,7 @@ class _EngineReader:
         self.stopped = False
         self.draining = False  # reading the dead engine's last outputs (fail with remains)
         self.failed: asyncio.Future | None = None  # set by the owning task
-        spin_s = _env_float(ASYNC_SPIN_ENV, ASYNC_SPIN_US) * 1e-6
+        spin_s = link.async_spin_s
         self.early = _EarlyWake(link, spin_s) if link.parked is not None else None
         self.loop_reader = waiting.LoopReader(
             link.channel, self._dispatch_batch, lead=threading.Lock(), closed=self._stopped,
