@@ -244,8 +244,14 @@ class ShmChannel:
         except Exception:  # noqa: BLE001 - not one of ours: nothing placed that we know of
             log.debug("no out-of-band tensors found in a discarded message", exc_info=True)
             return
+        self.cancel_handles(handles)
+
+    def cancel_handles(self, handles: list) -> None:
+        """Free the blocks of ``handles`` (an encode's placed tensors) whose message was
+        never handed to a send (an exception between the encode and the send). Never
+        raises for a handle that is not one of ours."""
         for h in handles:
-            if len(h) > 1 and type(h[1]) is int:
+            if type(h) is list and len(h) > 1 and type(h[1]) is int:
                 self._tensor_tx.cancel(h)
 
     # -- the wait handle (see shmclient.waiting) ----------------------------------------

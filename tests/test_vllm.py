@@ -253,6 +253,31 @@ def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_l
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
 
 
+class _Interrupted(BaseException):
+    """Stands in for a signal handler's exception (KeyboardInterrupt)."""
+
+
+def _interrupted_message(*args, **kwargs):
+    raise _Interrupted
+
+
+def test_a_send_interrupted_before_it_started_gives_its_arena_blocks_back_sync(shm_llm, monkeypatch):
+    """A signal between the encode (its tensors placed in the arena) and the send (while
+    the frames are packed) left the blocks taken for the client's life: no send ever saw
+    the message, and the encoder had handed its handles out."""
+    from shmclient.vllm import wire
+
+    client = shm_llm.llm_engine.engine_core
+    before = arena_stats(client)
+    monkeypatch.setattr(wire, "message", _interrupted_message)
+    with pytest.raises(_Interrupted):
+        client._send_input(EngineCoreRequestType.UTILITY, _utility_call("no_such_method", embeds(100, 8)))
+    monkeypatch.undo()
+    after = arena_stats(client)
+    assert after.sent_arena == before.sent_arena + 1  # it was placed in the arena
+    assert after.blocks_in_flight == before.blocks_in_flight  # and given back
+
+
 def test_arena_tensors_through_vllms_encoder_and_decoder():
     """The consumer/provider pair on vLLM's own MsgpackEncoder/Decoder, no engine: small
     tensors stay vLLM's frames, large ones are arena views released when dropped."""
@@ -807,6 +832,25 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     assert not client._link.sends.queued()
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-full", [5, 6, 7, 8], 4))
+
+
+def test_async_send_interrupted_before_it_started_gives_its_arena_blocks_back(async_pair, monkeypatch):
+    from shmclient.vllm import wire
+
+    loop, stock, shm = async_pair
+    client = shm.engine_core
+    before = arena_stats(client)
+    monkeypatch.setattr(wire, "message", _interrupted_message)
+
+    async def send():
+        client._send_input(EngineCoreRequestType.UTILITY, _utility_call("no_such_method", embeds(100, 9)))
+
+    with pytest.raises(_Interrupted):
+        loop.run_until_complete(send())
+    monkeypatch.undo()
+    after = arena_stats(client)
+    assert after.sent_arena == before.sent_arena + 1
+    assert after.blocks_in_flight == before.blocks_in_flight
 
 
 def test_async_sends_that_never_went_give_their_arena_blocks_back(async_pair, monkeypatch):

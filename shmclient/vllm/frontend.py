@@ -175,7 +175,7 @@ class _LinkIO:
         gone."""
         self.ensure_alive()
         link = self._link
-        rtype, payload = wire.message(request_type.value[0], *self._encode(link, request))
+        rtype, payload = _message(link, request_type.value[0], *self._encode(link, request))
         try:
             try:
                 link.sends.send(rtype, payload, SEND_TIMEOUT_S)
@@ -188,6 +188,16 @@ class _LinkIO:
 
     def _close_link(self) -> None:
         self._link_finalizer()
+
+
+def _message(link: _Link, kind: int, frames, placed: list) -> tuple[int, Any]:
+    """``wire.message``; its tensors' arena blocks freed if it raises (a signal handler's
+    exception while it packs a large message: no send will ever see them)."""
+    try:
+        return wire.message(kind, frames, placed)
+    except BaseException:
+        link.channel.cancel_handles(placed)
+        raise
 
 
 class _EngineDead:

@@ -28,7 +28,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from ..errors import ClientClosedError, PeerDeadError
 from . import wire
-from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO
+from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO, _message
 from .link import _Link
 from .reader import _EngineReader, _Inbox, _own_reader, park_all
 
@@ -138,7 +138,7 @@ class _AsyncRings(_LinkIO):
         from now, then PeerNotConsumingError. The returned future says how it went; a
         caller that stops waiting for it (cancelled) does not stop the send. Raises
         EngineDeadError at once when the engine is gone."""
-        rtype, payload = wire.message(kind, frames, placed)
+        rtype, payload = _message(link, kind, frames, placed)
         try:
             pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload))
         except (PeerDeadError, ClientClosedError):
