@@ -1062,6 +1062,30 @@ def test_sigkill_engine_raises_engine_dead_async(model_dir):
         loop.close()
 
 
+def test_an_async_client_shut_down_before_its_readers_ran_closes_its_channels(model_dir):
+    """An AsyncLLM made on a running loop and shut down before the loop ran again (a
+    start-up error path): its ring reader tasks were cancelled before their first step,
+    so the code that closes their channels never ran; the channels stayed open, and
+    watched by the loop, for the client's life."""
+    loop = asyncio.new_event_loop()
+
+    async def scenario():
+        engine = make_async(model_dir, shm=True)  # on the running loop: readers made, not run
+        core = engine.engine_core
+        links = list(core._links.values())
+        fds = [link.channel.recv_fd() for link in links]
+        engine.shutdown()
+        await asyncio.gather(*core._ring_tasks, return_exceptions=True)
+        return links, fds
+
+    try:
+        links, fds = loop.run_until_complete(asyncio.wait_for(scenario(), 240))
+        assert all(link.channel._closed and link.channel.rx.closed for link in links)
+        assert not any(loop.remove_reader(fd) for fd in fds)  # none still watched
+    finally:
+        loop.close()
+
+
 FRONTEND = textwrap.dedent(
     """
     import os, sys

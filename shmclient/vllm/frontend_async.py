@@ -20,6 +20,7 @@ vLLM's own monitor first waits for the other engines to stop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 
 from vllm.v1.engine import EngineCoreOutputs
@@ -30,7 +31,7 @@ from ..errors import ClientClosedError, PeerDeadError
 from . import wire
 from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO, _message
 from .link import _Link
-from .reader import _EngineReader, _Inbox, _own_reader, park_all
+from .reader import _EngineReader, _Inbox, _own_reader, park_all, reader_task_ended
 
 __all__ = ["ShmAsyncMPClient", "ShmDPLBAsyncMPClient"]
 
@@ -74,8 +75,9 @@ class _AsyncRings(_LinkIO):
             self._readers.append(reader)
         self.outputs_queue.readers = self._readers  # what an error from vLLM's socket comes after
         for reader in self._readers:
-            self._ring_tasks.append(asyncio.create_task(
-                _own_reader(reader), name=f"ShmEngineCoreOutputTask_{reader.link.engine_index}"))
+            task = asyncio.create_task(_own_reader(reader), name=f"ShmEngineCoreOutputTask_{reader.link.engine_index}")
+            task.add_done_callback(functools.partial(reader_task_ended, reader))
+            self._ring_tasks.append(task)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next output batch. Reads the rings in this task: what is there is returned

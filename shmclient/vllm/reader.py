@@ -294,14 +294,29 @@ async def _own_reader(reader: _EngineReader) -> None:
         reader.fail(EngineDeadError())
     finally:
         failed.cancel()
-        utility_results = reader.utility_results
-        for call_id in list(utility_results):
-            future = utility_results.pop(call_id, None)
-            if future is not None and not future.done():
-                future.set_exception(EngineDeadError())
-        loop_reader.unwatch_hook()()
-        reader.link.on_engine_pid = None
         if pidfd is not None:
             loop.remove_reader(pidfd)
             os.close(pidfd)
-        reader.link.close()
+        _close_reader(reader)
+
+
+def _close_reader(reader: _EngineReader) -> None:
+    """Fail the utility calls still waiting, stop watching the channel and close it, on
+    the loop. Idempotent."""
+    utility_results = reader.utility_results
+    for call_id in list(utility_results):
+        future = utility_results.pop(call_id, None)
+        if future is not None and not future.done():
+            future.set_exception(EngineDeadError())
+    reader.loop_reader.unwatch_hook()()
+    reader.link.on_engine_pid = None
+    reader.link.close()
+
+
+def reader_task_ended(reader: _EngineReader, task: asyncio.Task) -> None:
+    """The done-callback of ``_own_reader``'s task: one cancelled before its first step
+    (a shutdown right after the client was made on a running loop) never ran the body
+    that closes the channel, which then stayed open, and watched, for the client's
+    life."""
+    if reader.failed is None:
+        _close_reader(reader)
