@@ -1057,6 +1057,13 @@ def test_sigkill_engine_raises_engine_dead_async(model_dir):
             return time.monotonic() - t0
 
         assert loop.run_until_complete(asyncio.wait_for(scenario(), 10)) < 2.0
+        # vLLM's engine monitor shuts the client down (its sockets, tasks and a DP
+        # coordinator) unless it finds the engine-dead flag set: the plug-in, which sets
+        # it first, does that shutdown in its place (it was left to the caller).
+        deadline = time.monotonic() + 60
+        while engine.engine_core._finalizer.alive:
+            assert time.monotonic() < deadline, "the client was not shut down"
+            loop.run_until_complete(asyncio.sleep(0.05))  # (polling; the loop runs meanwhile)
     finally:
         loop.run_until_complete(_shutdown_async(engine))
         loop.close()

@@ -115,6 +115,7 @@ class _LinkIO:
         API server of several), attach to the channels the launcher made."""
         links: list[_Link] = []
         self._link_finalizer = weakref.finalize(self, _close_links, links)
+        threads = set(threading.enumerate())
         try:
             if frontend_specs is not None:
                 for spec in frontend_specs:
@@ -124,6 +125,10 @@ class _LinkIO:
                 for index in engine_indexes:
                     links.append(_Link(wake_fd, index))
                 _start_with_links(links, construct)
+            #: vLLM's engine monitor thread (None where vLLM started none: engines it
+            #: did not launch), see ``_mark_engine_dead``
+            self._vllm_monitor = next((t for t in threading.enumerate()
+                                       if t not in threads and t.name == _VLLM_MONITOR), None)
             pids = _engine_pids(self)
             for link in links:
                 link.attached(pids.get(link.engine_index))
@@ -166,8 +171,23 @@ class _LinkIO:
         return lambda: not resources.engine_dead
 
     def _dead(self) -> EngineDeadError:
-        self.resources.engine_dead = True
+        self._mark_engine_dead()
         return EngineDeadError()
+
+    def _mark_engine_dead(self) -> None:
+        """The plug-in found the engine gone (its channel closed, its process exited):
+        set vLLM's flag, which its calls read, at once. vLLM's engine monitor shuts the
+        client down (sockets, tasks, the DP coordinator) only if it finds that flag
+        unset once the engine manager has stopped the other engines (seconds): so
+        that shutdown is done here then, when the monitor has returned."""
+        resources = self.resources
+        if resources.engine_dead:
+            return
+        resources.engine_dead = True
+        monitor = getattr(self, "_vllm_monitor", None)
+        if monitor is not None and monitor.is_alive():
+            threading.Thread(target=_shutdown_after, args=(monitor, weakref.ref(self)), daemon=True,
+                             name="ShmEngineMonitorFollower").start()
 
     def _ring_send(self, request_type: EngineCoreRequestType, request: Any) -> None:
         """Send from this thread in call order, waiting while the request ring is full
@@ -200,23 +220,41 @@ def _message(link: _Link, kind: int, frames, placed: list) -> tuple[int, Any]:
         raise
 
 
+#: The name of vLLM's engine monitor thread (``MPClient.start_engine_core_monitor``).
+_VLLM_MONITOR = "MPClientEngineMonitor"
+
+
+def _shutdown_after(monitor: threading.Thread, client_ref) -> None:
+    """Shut the client down as vLLM's engine monitor would have, once it has returned
+    (it found the engine-dead flag set by the plug-in, and left the client as it was)."""
+    monitor.join()
+    client = client_ref()
+    if client is not None and client._finalizer.alive:
+        client.shutdown()
+
+
 class _EngineDead:
     """The ``dead`` flag ``waiting.ThreadReader`` reads, over vLLM's: its engine monitor
     marks a dead engine in ``resources.engine_dead`` (an attribute, no event to wait on).
     The plug-in takes the channel's word as final: when the channel says the engine is
     gone (it closed its end), ``wait`` marks it dead at once."""
 
-    __slots__ = ("resources", "closing")
+    __slots__ = ("resources", "closing", "mark")
 
-    def __init__(self, resources) -> None:
+    def __init__(self, resources, mark) -> None:
         self.resources = resources
+        self.mark = mark  # the client's _mark_engine_dead (a WeakMethod: no cycle)
         self.closing = False  # shutdown: readers leave the channel
 
     def is_set(self) -> bool:
         return self.closing or self.resources.engine_dead
 
     def wait(self, timeout: float | None = None) -> bool:
-        self.resources.engine_dead = True
+        mark = self.mark()
+        if mark is None:
+            self.resources.engine_dead = True
+        else:
+            mark()
         return True
 
 
@@ -229,7 +267,7 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         self._init_link(
             False, lambda: SyncMPClient.__init__(self, vllm_config, executor_class, log_stats, renderer=renderer)
         )
-        self._dead_flag = _EngineDead(self.resources)
+        self._dead_flag = _EngineDead(self.resources, weakref.WeakMethod(self._mark_engine_dead))
         self._reader = waiting.ThreadReader(
             self._link.channel, self._dispatch, lead=self._lead, dead=self._dead_flag,
             alive=self._alive_check, closed=self._is_closed, dead_error=self._reader_dead_error,
@@ -262,7 +300,7 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         return self._dead_flag.closing
 
     def _reader_dead_error(self) -> EngineDeadError:
-        self.resources.engine_dead = True
+        self._mark_engine_dead()
         self._fail_utilities()
         return EngineDeadError(suppress_context=True)
 

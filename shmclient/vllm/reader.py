@@ -261,7 +261,7 @@ def _watch_engine(loop: asyncio.AbstractEventLoop, reader: _EngineReader) -> int
         loop.remove_reader(pidfd)
         client = reader.client_ref()
         if client is not None:
-            client.resources.engine_dead = True
+            client._mark_engine_dead()
         reader.fail(EngineDeadError(), remains=True)
 
     loop.add_reader(pidfd, exited)
