@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 vllm = pytest.importorskip("vllm")
 
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, PoolingParams, SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -576,16 +576,25 @@ def test_wrong_shaped_requests_are_refused_and_the_engine_keeps_serving(shm_llm,
     # An ADD claiming another frontend's index gets its error here (vLLM would send
     # its outputs to a frontend that never asked).
     client.add_request(_core_request("other-client", [9, 9], client_index=1))
+    # ADDs that decode but kill vLLM's engine (its frontends check them first): a token
+    # id outside the vocabulary (the worker's embedding lookup fails), a pooling task
+    # the model does not support (ValueError in the busy loop).
+    client.add_request(_core_request("out-of-vocab", [5, CONFIG["vocab_size"]]))
+    client.add_request(_core_request("negative-id", [-1, 5]))
+    pooling = _core_request("pooling", [5, 6])
+    pooling.sampling_params, pooling.pooling_params = None, PoolingParams(task="embed")
+    client.add_request(pooling)
 
+    refused = {"other-client", "out-of-vocab", "negative-id", "pooling"}
     finished = {}
     deadline = time.monotonic() + 60
-    while not {"inflight", "other-client"} <= finished.keys():
+    while not {"inflight", *refused} <= finished.keys():
         assert time.monotonic() < deadline, finished
         for out in client.get_output().outputs:
             if out.finish_reason is not None:
                 finished[out.request_id] = out.finish_reason
     assert finished["inflight"] == FinishReason.LENGTH, finished
-    assert finished["other-client"] == FinishReason.ERROR, finished
+    assert all(finished[rid] == FinishReason.ERROR for rid in refused), finished
     assert client.call_utility("is_sleeping") is False
     assert run(shm, [[5, 6, 7, 8], [1, 2, 3]], 6) == run(stock, [[5, 6, 7, 8], [1, 2, 3]], 6)
 
@@ -1083,12 +1092,13 @@ def test_an_async_client_shut_down_before_its_readers_ran_closes_its_channels(mo
         fds = [link.channel.recv_fd() for link in links]
         engine.shutdown()
         await asyncio.gather(*core._ring_tasks, return_exceptions=True)
-        return links, fds
+        return engine, links, fds  # (the engine kept: its garbage collection closes them too)
 
     try:
-        links, fds = loop.run_until_complete(asyncio.wait_for(scenario(), 240))
+        engine, links, fds = loop.run_until_complete(asyncio.wait_for(scenario(), 240))
         assert all(link.channel._closed and link.channel.rx.closed for link in links)
         assert not any(loop.remove_reader(fd) for fd in fds)  # none still watched
+        del engine
     finally:
         loop.close()
 

@@ -172,6 +172,15 @@ def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracke
                     (len(end[0]), end[1], at - victim_at)
         with pytest.raises(EngineDeadError):
             loop.run_until_complete(asyncio.wait_for(stream(engine, "after", [1, 2], 2), 10))
+        # vLLM's engine monitor shuts the client down, its DP coordinator process too,
+        # unless it finds the engine-dead flag set: the plug-in sets it first (at once,
+        # where the monitor first waits for the other engine to stop), and that shutdown
+        # was left to the caller, the coordinator running meanwhile. Done in its place.
+        coordinator = engine.engine_core.resources.coordinator.proc
+        deadline = time.monotonic() + 60
+        while engine.engine_core._finalizer.alive or coordinator.is_alive():
+            assert time.monotonic() < deadline, "the client was not shut down"
+            loop.run_until_complete(asyncio.sleep(0.05))  # (polling; the loop runs meanwhile)
     finally:
         loop.run_until_complete(_shutdown_async(engine))
         loop.close()
