@@ -140,6 +140,7 @@ def _serve_requests(self, links: "list[_EngineLink]", input_addresses: list, coo
                         inline.put_nowait(old.get_nowait())
                     except queue.Empty:
                         break
+            self._shmclient_add_checks = _AddChecks(self)
             if any(link._parked_flag is not None for link in links):
                 _prewake_before_outputs(self, links)
             for link in links:
@@ -217,7 +218,7 @@ def _read_requests(self, link: _EngineLink, types) -> None:
                     _refuse(self, link, request_type, f"it did not decode: {request.error}",
                             request.raw, request.field("request_id"))
                     continue
-                problem = _malformed(link, request_type, request)
+                problem = _malformed(link, request_type, request, getattr(self, "_shmclient_add_checks", None))
                 if problem is not None:
                     _refuse(self, link, request_type, problem, request,
                             getattr(request, "request_id", None))
@@ -298,17 +299,56 @@ class _Coordinator:
 _FROM_FRONTEND = ("ADD", "ABORT", "UTILITY")
 
 
-def _malformed(link: _EngineLink, request_type, request) -> str | None:
+class _AddChecks:
+    """What vLLM's engine core dies on in an ADD that decodes (its frontends check these
+    first; a peer that does not would take the engine down, for every API server): a
+    pooling task the model does not support (ValueError in the busy loop), a prompt
+    token id outside the model's vocabulary (the embedding lookup fails in the worker;
+    on a GPU a device-side assert). Read once, before the busy loop runs (its
+    collective call is not made concurrently)."""
+
+    __slots__ = ("pooling_tasks", "vocab_size")
+
+    def __init__(self, engine) -> None:
+        try:
+            from vllm.tasks import POOLING_TASKS
+
+            tasks = engine.model_executor.supported_tasks
+            self.pooling_tasks: frozenset | None = frozenset(t for t in tasks if t in POOLING_TASKS)
+        except Exception:  # noqa: BLE001 - a vLLM without them: not checked here
+            self.pooling_tasks = None
+        try:
+            self.vocab_size: int | None = int(engine.vllm_config.model_config.get_vocab_size())
+        except Exception:  # noqa: BLE001
+            self.vocab_size = None
+
+    def problem(self, request) -> str | None:
+        params = request.pooling_params
+        if params is not None and self.pooling_tasks is not None and params.task not in self.pooling_tasks:
+            return f"its pooling task {params.task!r} is not one this model supports ({sorted(self.pooling_tasks)})"
+        ids = request.prompt_token_ids
+        # (multimodal placeholders may lie beyond the model's vocabulary: not checked)
+        if ids and self.vocab_size is not None and not request.mm_features:
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                return f"its prompt token id {bad} is outside the model's vocabulary of {self.vocab_size}"
+        return None
+
+
+def _malformed(link: _EngineLink, request_type, request, checks: "_AddChecks | None" = None) -> str | None:
     """Why a decoded request from ``link``'s frontend cannot be handled, or None. vLLM
     decodes only ADD with a type; the other kinds arrive as whatever msgpack held, and
     its input thread or busy loop would die on a wrong shape. A request's client index must be its frontend's: the
-    outputs go back on the ring it came by."""
+    outputs go back on the ring it came by. An ADD is checked further by ``checks``."""
     name = request_type.name
     if name not in _FROM_FRONTEND:
         return f"a frontend does not send {name}"
     if name == "ADD":
         if request.client_index != link.client_index:
             return f"its client_index {request.client_index!r} is not its frontend's ({link.client_index})"
+        if checks is not None:
+            return checks.problem(request)
     elif name == "ABORT":
         if type(request) is not list or any(type(rid) is not str for rid in request):
             return "an ABORT must be a list of request id strings"
