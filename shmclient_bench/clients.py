@@ -110,7 +110,9 @@ def run(
                         if attempt == 1:
                             res["notes"].append(f"{msg} (first attempt; retried)")
                         else:
-                            res["skipped"].append(msg)
+                            # An error, not a skip: the run's targets lose their figures
+                            # (and the run its exit status 1), not only a table row.
+                            res["errors"].append(msg)
                 if s is None:
                     continue
                 sessions.append(s)

@@ -404,6 +404,20 @@ def test_tiny_mp_run_latency_and_idle(tmp_path):
         assert "note" not in idle
 
 
+def test_a_client_that_cannot_start_is_an_error_of_the_run(tmp_path):
+    """A client refused at both starts was only listed as skipped: the run exited 0 and
+    the target it was to be judged by vanished from the report."""
+    out = str(tmp_path / "res")
+    rc = bench_main.main(
+        ["--configs", "sync-shm", "--models", "mock", "--only", "latency", "--samples", "5",
+         "--rounds", "1", "--warmup", "1", "--no-plots", "--set", f"ring_capacity_bytes={1 << 40}",
+         "--out", out]
+    )  # fmt: skip
+    data = _load(out)
+    assert rc == 1
+    assert any("sync-shm: could not start the client" in e for e in data["errors"]), data["errors"]
+
+
 def test_inproc_floor_runs_under_the_engine_threads(tmp_path):
     import torch
 
