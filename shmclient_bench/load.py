@@ -122,13 +122,15 @@ class LoadMonitor:
         blk.other_cores = other / blk.wall_s
         # The counters move in clock ticks: allow one per CPU and one per process of ours.
         slack = _TICK_S * ((os.cpu_count() or 1) + max(a[3], b[3]))
-        if self.threshold_cores * blk.wall_s < slack:
+        if other > self.threshold_cores * blk.wall_s + slack:
+            blk.noisy = True  # beyond the ticks' doubt, however short the block
+        elif self.threshold_cores * blk.wall_s < slack:
             # Too short for the ticks to show the threshold (a 0.1 s block on 2 CPUs
-            # with 6 processes would need a whole core): not judged alone; the whole
-            # run's window judges it with the rest.
+            # with 6 processes would need a whole core): not judged quiet alone; the
+            # whole run's window judges it with the rest.
             blk.too_short = True
-            return blk
-        blk.noisy = other > self.threshold_cores * blk.wall_s + slack
+        else:
+            blk.noisy = False
         return blk
 
     @contextlib.contextmanager

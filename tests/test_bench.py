@@ -953,6 +953,10 @@ def test_a_block_too_short_for_the_cpu_counters_is_not_judged_alone():
     slack = load._TICK_S * ((os.cpu_count() or 1) + 6)
     short = mon._judge(load.Block("short"), (0.0, 0.0, 0.0, 6), (slack, 0.9 * slack, 0.0, 6))
     assert short.too_short and short.noisy is None
+    # Beyond the ticks' doubt it is noisy however short (it passed unjudged, and a
+    # threshold low enough made every block, and the whole run, "quiet").
+    burst = mon._judge(load.Block("burst"), (0.0, 0.0, 0.0, 6), (slack, 3 * slack, 0.0, 6))
+    assert burst.noisy is True and not burst.too_short
     long_s = 4 * slack / mon.threshold_cores
     busy = mon._judge(load.Block("long"), (0.0, 0.0, 0.0, 6), (long_s, 0.5 * long_s, 0.0, 6))
     assert not busy.too_short and busy.noisy is True
