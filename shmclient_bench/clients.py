@@ -181,13 +181,18 @@ def run(
                             )
                         )
         finally:
+            interrupted: BaseException | None = None
             for s in sessions:
                 try:
                     s.close()
                 except Exception as e:
                     res["errors"].append(f"{s.name}: shutdown failed: {type(e).__name__}: {e}")
+                except BaseException as e:  # Ctrl-C inside one close: the others close too
+                    interrupted = interrupted or e
             if sessions:
                 progress(f"{model}: {len(sessions)} clients shut down")
+            if interrupted is not None:
+                raise interrupted
     if "streaming" in want:
         other = [m for m in models if m not in opts.stream_models]
         if other:

@@ -418,6 +418,30 @@ def test_a_client_that_cannot_start_is_an_error_of_the_run(tmp_path):
     assert any("sync-shm: could not start the client" in e for e in data["errors"]), data["errors"]
 
 
+def test_ctrl_c_inside_one_clients_shutdown_still_shuts_the_others_down(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside the first client's close left the loop over
+    the clients: the others were never shut down (their engines were terminated
+    instead, reported as deaths, their loop threads left running)."""
+    from shmclient_bench import clients
+
+    closed: list[str] = []
+    close = clients.Session.close
+
+    def interrupted_close(self):
+        close(self)
+        closed.append(self.name)
+        if len(closed) == 1:
+            raise KeyboardInterrupt  # (as a signal landing at the end of it)
+
+    monkeypatch.setattr(clients.Session, "close", interrupted_close)
+    rc = bench_main.main(
+        ["--configs", "sync-shm,async-shm", "--models", "mock", "--only", "latency",
+         "--samples", "5", "--rounds", "1", "--warmup", "1", "--no-plots", "--out", str(tmp_path / "res")]
+    )  # fmt: skip
+    assert rc == 130
+    assert sorted(closed) == ["async-shm", "sync-shm"]
+
+
 def test_inproc_floor_runs_under_the_engine_threads(tmp_path):
     import torch
 
