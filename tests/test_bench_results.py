@@ -302,3 +302,33 @@ def test_the_vllm_title_of_a_run_with_no_part_ends_with_the_request_size():
                            configs={}, passes=2, load_before=(), load_after=())
     assert vllm.format_table(empty).splitlines()[0] == \
         "vLLM 0.0-made-up, tiny dummy Llama, 32 tokens a request"
+
+
+def test_the_quota_cell_warms_up_until_the_spin_gates_can_have_seen_the_quota(monkeypatch):
+    """The 1-CPU quota cell measured at once after its processes entered the cgroup:
+    each spin gate reads the quota again at most once a second, so most of the cell
+    (~0.8 s in a quick run) measured waiters spinning as if there were no quota. It
+    warms up for QUOTA_SETTLE_S first; the other cells warm up once."""
+    clock = [0.0]
+    monkeypatch.setattr(contention.time, "monotonic", lambda: clock[0])
+
+    class Fake:
+        def __init__(self) -> None:
+            self.warm_blocks = 0
+
+        def latency_block(self, n: int, warmup: int) -> list[int]:
+            clock[0] += 0.1
+            if n == 3:  # a warm-up block
+                self.warm_blocks += 1
+            return [1000] * n
+
+    def warm_blocks(settle_s: float) -> int:
+        sessions = {k: Fake() for k in contention.KINDS}
+        contention._cell(sessions, 5, 2, 3, settle_s=settle_s)
+        counts = {s.warm_blocks for s in sessions.values()}
+        assert len(counts) == 1
+        return counts.pop()
+
+    assert warm_blocks(0.0) == 1
+    assert contention.QUOTA_SETTLE_S > 1.0  # (the gate's quota period, GATE_QUOTA_S)
+    assert warm_blocks(contention.QUOTA_SETTLE_S) * len(contention.KINDS) * 0.1 >= contention.QUOTA_SETTLE_S
