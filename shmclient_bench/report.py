@@ -9,6 +9,8 @@ processes loaded the machine.
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from .stats import baseline_of
@@ -223,6 +225,10 @@ EXTERNAL_TITLES = {
 NO_TABLE = "  no table: the section's rendering failed (see Notes); its figures are in results.json"
 
 
+#: A target's verdict in a section's table ("met", "NOT met").
+_VERDICT = re.compile(r"\b(?:NOT )?met\b")
+
+
 def _external_sections(res: dict[str, Any]) -> list[str]:
     """Each section run in a child process that has a result: its title (marked when
     other processes loaded the CPU during it), then the table it rendered of its typed
@@ -234,9 +240,12 @@ def _external_sections(res: dict[str, Any]) -> list[str]:
         if res.get(name) is None:
             continue
         b = sload.get(name) or {}
+        text = tables.get(name)
         if b.get("noisy"):
             title += f" [NOISY: other processes used {b.get('other_cores') or 0:.2f} cores]"
-        text = tables.get(name)
+            if text is not None:
+                # The child rendered its verdicts without knowing: none is judged.
+                text = _VERDICT.sub(NOT_JUDGED, text)
         lines += ["", title, NO_TABLE if text is None else text.rstrip()]
     return lines
 

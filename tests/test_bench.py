@@ -321,6 +321,22 @@ def test_a_section_without_its_table_says_so_and_guesses_nothing():
     assert "ring_p50_us" not in text and "2.0" not in text
 
 
+def test_a_noisy_sections_table_says_not_judged_instead_of_its_verdicts():
+    """A section run in a child renders its table there, verdicts included: a noisy
+    section was only marked in its title, its rows still said met / NOT met."""
+    table = "  busy 1 |  31.0 | met |  40.0 | NOT met\nmetric: µs; all targets met"
+    for noisy in (False, True):
+        res = {"machine": {}, "contention": {"cells": {}}, "tables": {"contention": table},
+               "section_load": {"contention": {"noisy": noisy, "other_cores": 0.9}}}
+        text = report.format_report(res)
+        if noisy:
+            assert "[NOISY: other processes used 0.90 cores]" in text
+            assert "met" not in text.replace("metric", "")
+            assert text.count(report.NOT_JUDGED) == 3
+        else:
+            assert table in text
+
+
 def test_ratio_words_say_which_way_is_better():
     assert tables.faster(20.0, 110.0) == "5.50x faster"
     assert tables.faster(120.0, 100.0) == "1.20x slower"
