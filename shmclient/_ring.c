@@ -1532,7 +1532,11 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
             else PyErr_Clear(); /* the handler kept an export of our own memoryview */
             Py_DECREF(view);
             if (rv) {
-                if (rv->exports > 0) { /* something made from the view still reads it */
+                /* something made from the view still reads it; not once the end is closed
+                   (by the handler, or another thread meanwhile): close let go of the pins,
+                   and a pin added after it would never be (a cycle through the end that the
+                   cyclic GC cannot see: the ring's mapping kept for the process's life) */
+                if (rv->exports > 0 && !self->e.closed) {
                     PyObject *pair = Py_BuildValue("[KO]", (unsigned long long)start, (PyObject *)rv);
                     if (!pair || PyList_Append(self->pinned, pair) < 0) PyErr_Clear();
                     Py_XDECREF(pair);

@@ -22,7 +22,7 @@ import threading
 import pytest
 
 from shmclient import _ring, waiting
-from shmclient.errors import ForkedError, PeerDeadError, ProtocolError, WouldBlock
+from shmclient.errors import ClientClosedError, ForkedError, PeerDeadError, ProtocolError, WouldBlock
 from shmclient.ring import Ring, RingCorruptError
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
@@ -720,3 +720,45 @@ def test_fuzz_a_hostile_peer_never_hangs_or_crashes_either_end(first):
     assert r.returncode == 0 and seeds[-1:] == ["done"], (
         f"case {seeds[-1] if seeds else first} ended with {r.returncode}: {r.stderr[-2000:]}")
     assert len(seeds) == count + 1
+
+
+def _memfd_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/memfd:" in line)
+
+
+@pytest.mark.parametrize("closer", ["the handler", "another thread"])
+def test_a_view_kept_past_a_close_in_its_handler_does_not_keep_the_ring_mapped(closer):
+    """A receive handler keeps a zero-copy export of its view (numpy.frombuffer) while
+    the end is closed during the handler: the record's pin was added after close had
+    let go of the pins, a cycle through the C end that the cyclic GC cannot see, and the
+    ring stayed mapped for the process's life after the array was dropped."""
+    import gc
+
+    import numpy as np
+
+    before = _memfd_mappings()
+    c = RingConsumer.create(1 << 20)
+    p = RingProducer.attach(c.spec)
+    c.unlink()
+    p.send_nowait(1, b"x" * 4096)
+    kept = []
+
+    def handler(rtype, view):
+        kept.append(np.frombuffer(view, np.uint8))
+        if closer == "the handler":
+            c.close()
+        else:
+            t = threading.Thread(target=c.close)
+            t.start()
+            t.join(30)
+
+    with pytest.raises(ClientClosedError):
+        c.recv_into(handler)
+    assert kept[0][:4].tobytes() == b"xxxx"  # still mapped while the array lives
+    kept.clear()
+    p.close()
+    c.close()
+    del p, c, handler
+    gc.collect()
+    assert _memfd_mappings() == before
