@@ -732,7 +732,16 @@ static inline void p_write(Producer *p, uint64_t pos, uint32_t len, uint8_t type
 }
 
 static void p_publish(Producer *p) {
-    if (p->wpos == p->published) return;
+    if (p->wpos == p->published) {
+        /* Nothing new (a send that did not fit): a waking call still gives the wake-up
+           that quiet publishes owe, else a consumer could sleep on a full ring of records
+           it has not seen while the producer waits for room. */
+        if (p->owed && !p->quiet) {
+            p->owed = 0;
+            notify(p->e.base, OFF_C_WAIT, OFF_DATA_SEQ, p->e.pipe_fd);
+        }
+        return;
+    }
     char *b = p->e.base;
     stat_add(b, OFF_P_RECORDS, p->pend_records);
     stat_add(b, OFF_P_BYTES, p->pend_bytes);

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from shmclient.errors import WouldBlock
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
@@ -109,6 +110,28 @@ def test_a_publish_that_wakes_settles_what_was_owed(pair):
     assert _readable(fd)
     assert p.wake_owed() is False
     assert c.try_recv() == [(1, b"a"), (2, b"b")]
+
+
+def test_a_waking_send_that_does_not_fit_still_gives_the_wake_up_owed(pair):
+    """A send with its wake-up (not quiet) that found no room published nothing, so it
+    gave nothing: the wake-up the quiet publishes before it owed stayed owed, and a
+    consumer asleep could sleep on a full ring of records it had not seen while the
+    producer waited for room."""
+    for send in ("try_send", "send_nowait", "send_batch_nowait"):
+        p, c = pair(consumer_wake_fd=True)
+        fd = c.fileno()
+        p.quiet = True
+        while p.try_send(1, b"z" * 500):
+            pass
+        p.quiet = False
+        assert not _readable(fd)
+        if send == "try_send":
+            assert p.try_send(1, b"z" * 500) is False
+        else:
+            with pytest.raises(WouldBlock):
+                getattr(p, send)(*((1, b"z" * 500) if send == "send_nowait" else ([(1, b"z" * 500)],)))
+        assert _readable(fd), send
+        assert p.wake_owed() is False, send
 
 
 def test_nothing_is_owed_after_close(pair):
