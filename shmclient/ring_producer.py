@@ -62,11 +62,7 @@ class RingProducer(Ring):
             if self._closed:
                 raise self._closed_error()
             if self._partial is not None:
-                # A fragmented message left half-way (given up, or its sender not back):
-                # this record goes first and the consumer drops it, as with send_nowait
-                # (it refused here, "does not fit" even on an empty ring, for good).
-                self._partial = None
-                self._c.held = False
+                return False  # a fragmented message is half-way: it goes first
             try:
                 r = self._c.try_send(rtype, payload, True)
             except OverflowError:

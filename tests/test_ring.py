@@ -394,21 +394,6 @@ def test_abandoned_fragmented_message_is_dropped(pair):
     assert got == [(2, b"after")]
 
 
-def test_try_send_after_an_abandoned_fragmented_message_goes_and_drops_it(pair):
-    """try_send refused every record while a fragmented message given up was pending,
-    even on an empty ring ("does not fit"), until someone called send_nowait: a sender
-    retrying it while it returned False would retry for good."""
-    pr = pair(256)
-    with pytest.raises(PeerNotConsumingError):
-        waiting.send(pr.p, 1, payload(1, 2000), timeout=0.05)
-    pr.c.try_recv()  # the fragments that got through; nothing complete
-    assert pr.p.partial_pending
-    assert pr.p.try_send(2, b"after") is True
-    assert not pr.p.partial_pending
-    assert pr.p.try_send(3, b"fast path again") is True
-    assert pr.drain() == [(2, b"after"), (3, b"fast path again")]
-
-
 # ---------------------------------------------------------------- zero-copy reads
 
 
