@@ -49,7 +49,11 @@ class RingProducer(Ring):
 
     def try_send(self, rtype: int, payload: BytesLike) -> bool:
         """Write one record and publish it if it fits now; False if it does not (a
-        message longer than ``max_record`` never fits here: use ``send_nowait``). Never
+        message longer than ``max_record`` never fits here: use ``send_nowait``), and
+        False whatever the room while a fragmented message is half-way
+        (``partial_pending``, also after ``abandon``): it never lands between its
+        fragments; ``send_nowait`` resumes that message, or sends another record first
+        (the consumer then drops the half-sent one). Never
         waits for space (it may wait for another thread of this side to finish its call).
         Raises ValueError (type not in 0..255, payload over MAX_PAYLOAD), PeerDeadError
         (the consumer closed), ClientClosedError."""
