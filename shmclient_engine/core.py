@@ -475,6 +475,12 @@ class EngineCore:
                 "pause mode 'wait' is not supported in-process: nothing steps the engine "
                 "while the caller waits; finish or abort the requests first, or use 'abort' "
                 "or 'keep'")
+        if mode == "wait" and self._asleep and self.scheduler.has_unfinished_requests():
+            # Its requests cannot run before wake_up, which resumes scheduling and so
+            # ends the pause unfinished: the call could only fail, after waiting for it.
+            raise ValueError(
+                "pause mode 'wait' while the engine sleeps with requests kept: they cannot "
+                "drain before wake_up; wake it up first, or use 'abort' or 'keep'")
         if mode == "abort":
             self.abort_requests(list(self.scheduler.requests))
         self.scheduler.set_pause_state(PauseState.PAUSED_ALL if mode == "keep"

@@ -754,19 +754,23 @@ def test_utility_module_that_does_not_import_is_a_config_error():
         EngineCore(CFG.replace(utility_modules=("tests.no_such_module",)))
 
 
-def test_wait_pause_behind_a_sleeping_model_idles_until_wake_up():
-    # A "wait" pause whose requests cannot run (the model sleeps) must not make the
-    # engine loop spin: no work until wake_up, then the requests drain and it completes.
+def test_a_wait_pause_of_a_sleeping_engine_with_requests_kept_is_refused():
+    """Its requests cannot run before wake_up, which resumes scheduling and so ended the
+    pause unfinished: the call waited for wake_up only to fail. Refused at once now,
+    nothing changed; a sleep in mode "wait" likewise."""
     c = EngineCore(CFG, supports_wait=True)
     try:
         c.add_request(req("kept", max_tokens=3))
         run = Run(c)
         run.step()
         c.sleep(1, "keep")
-        fut = c.pause_scheduler("wait")
-        assert fut is not None and not c.has_work()
-        c.wake_up(["weights", "kv_cache"])  # resumes scheduling too, which ends the pause
-        assert fut.exception(timeout=0) is not None
+        paused = c.is_scheduler_paused()
+        for call in (lambda: c.pause_scheduler("wait"), lambda: c.sleep(2, "wait")):
+            with pytest.raises(ValueError, match="wait.*sleeps.*wake it up first"):
+                call()
+            assert c.is_scheduler_paused() == paused and not c.has_work()
+        assert c.is_live("kept")
+        c.wake_up(["weights", "kv_cache"])
         run.drain()
         assert run.tokens["kept"] == predict([1, 2, 3], 3)
         assert not c.is_sleeping()
