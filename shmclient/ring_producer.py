@@ -42,7 +42,7 @@ class RingProducer(Ring):
         end = _ring.Producer(res.seg.buf, res.wake_w)
         self._frag_chunk = max(8, (self.capacity // 4 - 16) & -8)
         #: A fragmented message half-way: (type, payload as given, bytes written).
-        self._partial: tuple[int, object, int] | None = None
+        self._partial: tuple[int, object, int, int] | None = None
         return end
 
     # ---- public
@@ -82,7 +82,8 @@ class RingProducer(Ring):
         the ring has none now. A message longer than ``max_record`` goes in fragments: as
         many as fit now are written, then WouldBlock; calling again with the same payload
         resumes after them (any other record sent first makes the consumer drop the
-        partial message). May wait for another thread of this side to finish its own
+        partial message; a mutable buffer passed again must hold what it held: one
+        resized since starts the message anew). May wait for another thread of this side to finish its own
         non-blocking call. Raises ValueError (type not in 0..255, payload over
         MAX_PAYLOAD), PeerDeadError (the consumer closed), ClientClosedError."""
         try:
@@ -234,11 +235,13 @@ class RingProducer(Ring):
         partial, self._partial = self._partial, None
         if partial is None:
             return None
-        ptype, ppayload, off = partial
+        ptype, ppayload, off, plen = partial
         if ptype != rtype:
             return None
         if ppayload is payload:
-            return off
+            # (a mutable buffer resized since: its fragments would not add up to the total
+            # the first one announced, and the consumer would close the ring)
+            return off if type(payload) is bytes or _as_bytes(payload).nbytes == plen else None
         try:  # an equal copy resumes too (compared as bytes: any buffer, any format)
             return off if _as_bytes(ppayload) == _as_bytes(payload) else None
         except TypeError:
@@ -253,6 +256,7 @@ class RingProducer(Ring):
         if new is None:
             raise self._peer_dead()
         if new < n:
-            # the payload as given: a retry passes the same object (compared by identity)
-            self._partial = (rtype, payload, new)
+            # the payload as given: a retry passes the same object (compared by identity;
+            # a mutable one must keep its content meanwhile, see send_nowait)
+            self._partial = (rtype, payload, new, n)
             raise WouldBlock(f"{new} of {n} bytes of a fragmented message written; the ring is full")

@@ -397,6 +397,23 @@ def test_abandoned_fragmented_message_is_dropped(pair):
 # ---------------------------------------------------------------- zero-copy reads
 
 
+def test_a_fragmented_bytearray_resized_before_the_retry_is_sent_anew(pair):
+    """A retry passing the same mutable buffer, resized meanwhile, resumed after the
+    fragments already written: they no longer added up to the total the first one
+    announced, and the consumer closed the ring (RingCorruptError, blaming the peer)."""
+    pr = pair(4096)
+    buf = bytearray(b"A" * 10_000)
+    with pytest.raises(WouldBlock):
+        pr.p.send_nowait(1, buf)
+    buf += b"B" * 100
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(waiting.recv(pr.c, timeout=10)))
+    reader.start()
+    waiting.send(pr.p, 1, buf, timeout=10)
+    reader.join(20)
+    assert got == [(1, bytes(buf))]
+
+
 def test_recv_into_views_are_released_after_the_call(pair):
     pr = pair()
     assert pr.p.send_batch_nowait([(1, b"one"), (2, b"two")]) == 2
