@@ -66,6 +66,10 @@ class CudaIpcSender:
                 _, args = _reductions.reduce_tensor(t.detach())
             except Exception as e:  # e.g. expandable segments on an old driver
                 reason = f"torch could not export an IPC handle ({e})"
+            else:
+                why = None if args[7] is None else storage_handle_refusal(args[7])
+                if why is not None:  # (the receiving side would refuse it)
+                    reason = f"torch exported a handle the receiving side does not take: {why}"
         if reason is not None:
             if reason not in self._logged:
                 self._logged.add(reason)
@@ -109,6 +113,28 @@ REF_COUNTER_FILE_SIZE = 10000
 _REF_COUNTER_NAME = re.compile(rb"/torch_([0-9]+)_[0-9]+(?:_[0-9]+)*")
 _MAX_NDIM = 64
 _U64 = 1 << 64
+#: ``sizeof(cudaIpcMemHandle_t)`` and ``sizeof(cudaIpcEventHandle_t)``.
+IPC_HANDLE_BYTES = 64
+
+
+def storage_handle_refusal(h: Any) -> str | None:
+    """Why a storage handle is not one this side opens, or None. Taken: a plain
+    ``cudaMalloc`` block's handle, as torch writes it: the 64 bytes of a
+    ``cudaIpcMemHandle_t`` (older torch), or a version byte (2 up to torch 2.12, 3 from
+    2.13, the payload alike), ``'c'`` and those 64 bytes. Not taken: an expandable
+    segment's (``'e'``, torch under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``),
+    whose header names a process and descriptors torch opens by ``pidfd_getfd`` and a
+    segment size it divides by: from the wire, none of that is checked here, so its
+    sender sends a host copy instead. Pure Python."""
+    if type(h) is not bytes:
+        return "the storage handle is not bytes"
+    if len(h) == IPC_HANDLE_BYTES:
+        return None
+    if len(h) == IPC_HANDLE_BYTES + 2 and 1 <= h[0] <= 16 and h[1:2] == b"c":
+        return None
+    if len(h) > 1 and h[1:2] == b"e":
+        return "an expandable segment's handle (PYTORCH_CUDA_ALLOC_CONF=expandable_segments) is not taken"
+    return f"a storage handle of {len(h)} bytes is not a CUDA IPC memory handle"
 
 
 def check_handle(handle: Any, peer_pid: int | None = None) -> tuple:
@@ -130,8 +156,10 @@ def check_handle(handle: Any, peer_pid: int | None = None) -> tuple:
     if type(uuid) is not str or len(uuid) > 64:
         raise SerializationError("malformed CUDA IPC handle: GPU UUID")
     dtype = torch_dtype(dtype_name)
-    if h is not None and (type(h) is not bytes or len(h) > 1024):
-        raise SerializationError("malformed CUDA IPC handle: storage handle")
+    if h is not None:
+        why = storage_handle_refusal(h)
+        if why is not None:
+            raise SerializationError(f"CUDA IPC handle refused: {why}")
     for name, v in (("storage size", st_size), ("storage offset", st_offset), ("offset", offset)):
         if type(v) is not int or not 0 <= v < 1 << 62:
             raise SerializationError(f"malformed CUDA IPC handle: {name} {v!r}")
@@ -158,8 +186,9 @@ def check_handle(handle: Any, peer_pid: int | None = None) -> tuple:
             raise SerializationError(
                 f"malformed CUDA IPC handle: ref-counter offset {rc_offset!r} is outside "
                 f"[0, {REF_COUNTER_FILE_SIZE})")
-    if ev_handle is not None and (type(ev_handle) is not bytes or len(ev_handle) > 1024):
-        raise SerializationError("malformed CUDA IPC handle: event handle")
+    if ev_handle is not None and (type(ev_handle) is not bytes or len(ev_handle) != IPC_HANDLE_BYTES):
+        # (torch reads a cudaIpcEventHandle_t from these bytes, whatever their length)
+        raise SerializationError("malformed CUDA IPC handle: the event handle is not 64 bytes")
     if type(ev_sync) is not bool:
         raise SerializationError("malformed CUDA IPC handle: event flag")
     return (bid, uuid, h, st_size, st_offset, size, stride, offset, dtype, rc_handle,

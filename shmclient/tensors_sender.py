@@ -263,7 +263,11 @@ class ShmTensorSender:
             raise
 
     def put_cuda(self, tensor: Any) -> list | None:
-        """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once)."""
+        """Share a CUDA tensor by IPC handle; None means "send a host copy" (logged once).
+        Raises SerializationError once closed (as ``put``): a share then would be kept in
+        a table close has already cleared."""
+        if self._closed:
+            raise SerializationError("tensor sender is closed")
         cuda = self._cuda
         if cuda is None:
             from .tensors_cuda import CudaIpcSender

@@ -592,7 +592,7 @@ def test_stale_private_ipc_directory_of_a_dead_creator_is_removed(tmp_path, monk
 
 def cuda_handle(**kw) -> list:
     """A well-formed CUDA IPC handle (fields as ``CudaIpcSender.share`` makes them)."""
-    f = dict(kind=2, bid=5, uuid="GPU-0", h=b"\x01" * 66, st_size=4096, st_offset=0,
+    f = dict(kind=2, bid=5, uuid="GPU-0", h=b"\x03c" + b"\x01" * 64, st_size=4096, st_offset=0,
              size=[4, 8], stride=[8, 1], offset=0, dtype="float32",
              rc_handle=b"/torch_123_456_0", rc_offset=3, ev_handle=b"\x02" * 64, ev_sync=True)
     f.update(kw)
@@ -616,6 +616,15 @@ BAD_CUDA = [
     ("rc-not-peer", dict(rc_handle=b"/torch_999_456_0")),
     ("handle-not-bytes", dict(h="x")),
     ("ev-sync-not-bool", dict(ev_sync=1)),
+    # torch reads 64 bytes from a shorter event handle; an expandable segment's handle
+    # names a process and descriptors it opens by pidfd_getfd, and a segment size it
+    # divides by (0: SIGFPE); handles of other lengths are no CUDA IPC handle at all
+    ("ev-short", dict(ev_handle=b"\x02")),
+    ("ev-long", dict(ev_handle=b"\x02" * 65)),
+    ("handle-expandable", dict(h=b"\x03e" + b"\x00" * 40)),
+    ("handle-short", dict(h=b"\x01")),
+    ("handle-65", dict(h=b"\x01" * 65)),
+    ("handle-unknown-type", dict(h=b"\x03x" + b"\x01" * 64)),
 ]
 
 
@@ -627,6 +636,8 @@ def test_cuda_ipc_handle_validator_refuses_what_the_peer_must_not_choose():
 
     good = check_handle(cuda_handle(), peer_pid=123)
     assert good[0] == 5 and good[8] is torch.float32
+    for h in (b"\x01" * 64, b"\x02c" + b"\x01" * 64, None):  # older torch's, 2.12's; none
+        check_handle(cuda_handle(h=h), peer_pid=123)
     for name, kw in BAD_CUDA:
         h = cuda_handle()[:10] if kw is None else cuda_handle(**kw)
         with pytest.raises(SerializationError):

@@ -24,6 +24,8 @@ from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
 from shmclient.tensors_cuda import CudaIpcReceiver, CudaIpcSender, ipc_unavailable_reason
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+H = b"\x03c" + b"\x01" * 64  # a storage handle as torch 2.13 writes one (version, 'c', 64 bytes)
+EV = b"\x02" * 64  # an event handle
 MiB = 1 << 20
 PRODUCER_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 
@@ -77,6 +79,38 @@ def test_failed_export_falls_back(caplog, monkeypatch):
     assert any("could not export" in r.getMessage() for r in caplog.records)
 
 
+def test_an_expandable_segments_handle_is_sent_as_a_host_copy(caplog, monkeypatch):
+    """The receiving side refuses an expandable segment's handle (its header names a
+    process and descriptors torch would open, and a size it divides by): its sender sends
+    a host copy instead of a handle that would be refused."""
+    monkeypatch.setattr(tensors_cuda, "device_uuid", lambda i: "GPU-a")
+    args = (torch.Tensor, (4,), (1,), 0, None, torch.float32, 0, b"\x03e" + b"\x00" * 40, 16, 0,
+            False, b"/torch_1_2_0", 0, EV, True)
+    monkeypatch.setattr(tensors_cuda._reductions, "reduce_tensor", lambda t: (None, args))
+    sender = CudaIpcSender()
+    t = types.SimpleNamespace(device=types.SimpleNamespace(index=0), detach=lambda: None)
+    with caplog.at_level(logging.INFO, logger="shmclient"):
+        assert sender.share(t, 1) is None
+    assert any("expandable segment" in r.getMessage() for r in caplog.records)
+    assert sender.in_flight() == 0
+    good = args[:7] + (H,) + args[8:]
+    monkeypatch.setattr(tensors_cuda._reductions, "reduce_tensor", lambda t: (None, good))
+    assert sender.share(t, 2)[3] == H
+
+
+def test_put_cuda_after_close_is_refused(monkeypatch):
+    """put refused after close, put_cuda shared and kept the tensor in a table close had
+    already cleared (an encode racing the close)."""
+    monkeypatch.setattr(tensors_cuda, "device_uuid", lambda i: "GPU-a")
+    seg = Segment.create(64 * 1024)
+    seg.unlink()
+    sender = ShmTensorSender(seg)
+    sender.close()
+    with pytest.raises(SerializationError, match="closed"):
+        sender.put_cuda(_fake_cuda_tensor())
+    assert sender.statistics().sent_cuda == 0
+
+
 def test_shm_sender_passes_the_switch_through(monkeypatch):
     monkeypatch.setattr(tensors_cuda, "device_uuid", lambda i: "GPU-a")
     seg = Segment.create(64 * 1024)
@@ -92,7 +126,7 @@ def test_shm_sender_passes_the_switch_through(monkeypatch):
 def test_receiver_refuses_a_gpu_it_does_not_see(monkeypatch):
     monkeypatch.setattr(tensors_cuda, "local_index_for_uuid", lambda u: None)
     released: list[int] = []
-    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, b"e", True]
+    handle = [2, 17, "GPU-zz", H, 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, EV, True]
     with pytest.raises(SerializationError, match="does not see"):
         CudaIpcReceiver().open(handle, released)
     assert released == [17]  # the sender may drop its reference
@@ -109,7 +143,7 @@ def test_a_handle_that_fails_to_open_is_released(monkeypatch):
 
     monkeypatch.setattr(tensors_cuda._reductions, "storage_from_cache", refused)
     released: list[int] = []
-    handle = [2, 17, "GPU-zz", b"h", 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, b"e", True]
+    handle = [2, 17, "GPU-zz", H, 4, 0, [1], [1], 0, "float32", b"/torch_1_2_0", 0, EV, True]
     with pytest.raises(SerializationError, match="block 17 could not be opened: RuntimeError"):
         CudaIpcReceiver().open(handle, released)
     assert released == [17]
@@ -330,7 +364,7 @@ def test_first_cuda_tensors_from_two_threads_share_one_ipc_sender(monkeypatch):
             except threading.BrokenBarrierError:
                 pass
 
-    fake_args = (None, [4], [1], 0, None, torch.float32, None, b"h", 16, 0, None, b"rc", 0, b"ev", False)
+    fake_args = (None, [4], [1], 0, None, torch.float32, None, H, 16, 0, None, b"rc", 0, EV, False)
     monkeypatch.setattr(tensors_cuda, "CudaIpcSender", Counted)
     monkeypatch.setattr(tensors_cuda, "device_uuid", lambda i: "GPU-a")
     monkeypatch.setattr(tensors_cuda._reductions, "reduce_tensor", lambda t: (None, fake_args))
