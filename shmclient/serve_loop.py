@@ -254,17 +254,14 @@ class EngineProc:
                 if self._stop:
                     raise PeerDeadError("the frontend is gone") from None
 
-    def reply_before_step(self) -> None:
-        """Send the queued utility replies now rather than after the next step, which
-        may take long (vLLM's engine puts a reply on its output queue before it steps).
-        What the core decided before a call goes first: ``pause_scheduler("abort")``'s
-        ABORT outputs come before its reply. A core without ``pending_outputs`` has its
-        replies sent after the step."""
+    def send_replies(self) -> None:
+        """Send the queued utility replies and refusals. What the core decided before a
+        call goes first: ``pause_scheduler("abort")``'s ABORT outputs come before its
+        reply (taken with ``pending_outputs``, where the core has it), also for a call
+        handled while a send waited for room."""
         pending_outputs = getattr(self.core, "pending_outputs", None)
-        if pending_outputs is None:
-            return
         while True:  # (a send waiting for room may handle more requests meanwhile)
-            pending = pending_outputs()
+            pending = pending_outputs() if pending_outputs is not None else None
             if pending:
                 for client_index, outputs in pending.items():
                     self.send(client_index, outputs)
@@ -296,17 +293,17 @@ class EngineProc:
                 self.handle(rtype, obj)
             if self.rejected:
                 self.flush_rejected()
-            if self.replies:
-                self.reply_before_step()
+            if self.replies and hasattr(core, "pending_outputs"):
+                # Before the next step, which may take long (vLLM's engine puts a reply
+                # on its output queue before it steps); a core without pending_outputs
+                # has its replies sent after the step, behind what it decided before.
+                self.send_replies()
             if core.has_work():
                 self.steps += 1
                 for client_index, outputs in core.step().items():
                     self.send(client_index, outputs)
-            while self.replies or self.rejected:
-                if self.rejected:
-                    self.flush_rejected()
-                if self.replies:
-                    self.send(0, self.replies.popleft())
+            if self.replies or self.rejected:
+                self.send_replies()
 
 
 def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:

@@ -4,6 +4,7 @@ capacity sizing and the utility methods. No client, no transport."""
 from __future__ import annotations
 
 import os
+import sys
 
 import msgspec
 import pytest
@@ -720,6 +721,37 @@ def test_a_pause_that_aborts_replies_after_its_abort_outputs_and_before_any_step
     ABORT outputs first (taken from the core without a step), then the reply."""
     events = _loop_events([(REQ_UTILITY, UtilityRequest(0, 8, "pause_scheduler", ("abort",)))])
     assert events == [("out", [("running", FinishReason.ABORT)]), ("reply", 8)], events
+
+
+def test_a_pause_that_aborts_handled_while_outputs_wait_for_room_replies_after_its_aborts(monkeypatch):
+    """A pause_scheduler("abort") handled while the loop waited for room to send a
+    step's outputs (send handles requests meanwhile): the replies queued then went out
+    after the step without the ABORT outputs the pause decided, which came with the
+    next step, after the reply."""
+    from shmclient import waiting
+    from shmclient.errors import PeerNotConsumingError
+
+    full_once = [True]
+    send = waiting.send
+
+    def ring_full_once(channel, rtype, payload, **kw):
+        if payload.utility_output is None and full_once[0]:
+            full_once[0] = False
+            raise PeerNotConsumingError("the output ring is full")
+        return send(channel, rtype, payload, **kw)
+
+    class Late(_ScriptedChannel):
+        calls = 0
+
+        def try_recv(self):  # the pause arrives on the read send makes while it waits
+            Late.calls += 1
+            return [(REQ_UTILITY, UtilityRequest(0, 8, "pause_scheduler", ("abort",)))] if Late.calls == 2 else []
+
+    monkeypatch.setattr(waiting, "send", ring_full_once)
+    monkeypatch.setattr(sys.modules[__name__], "_ScriptedChannel", Late)
+    events = _loop_events([])
+    assert events[:4] == ["step", ("out", [("running", None)]), ("out", [("running", FinishReason.ABORT)]),
+                          ("reply", 8)], events
 
 
 # --------------------------------------------------------------------- user utilities
