@@ -389,6 +389,7 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
     from shmclient.shm import Segment
     from shmclient.tensors import ShmTensorReceiver, ShmTensorSender
     from shmclient.gpus import local_gpu_uuids
+    from shmclient.tensors_handles import CUDA_IPC
     from shmclient.vllm.oob import ArenaProvider, ArenaTensors
 
     t = torch.arange(4096, dtype=torch.float32, device="cuda")
@@ -397,10 +398,18 @@ def test_cuda_tensor_goes_by_ipc_handle_or_host_copy():
         sender = ShmTensorSender(seg, peer_gpu_uuids=peer)
         receiver = ShmTensorReceiver(Segment.attach(seg.name))
         try:
-            enc = MsgpackEncoder(oob_tensor_consumer=ArenaTensors(sender, TENSOR_MIN_BYTES))
+            consumer = ArenaTensors(sender, TENSOR_MIN_BYTES)
+            enc = MsgpackEncoder(oob_tensor_consumer=consumer)
             dec = MsgpackDecoder(EngineCoreOutputs, oob_tensor_provider=ArenaProvider(receiver))
             frames = enc.encode(EngineCoreOutputs(outputs=[EngineCoreOutput("c", [1], pooling_output=t)]))
             assert getattr(sender.statistics(), want) == 1
+            if want == "sent_cuda":
+                # CUDA does not open an IPC handle in the process that exported it: the
+                # handle's way through a peer is tests/test_tensors_cuda.py's (spawned)
+                (handle,) = consumer.take()
+                assert handle[0] == CUDA_IPC and sender.statistics().cuda_in_flight == 1
+                sender.cancel(handle)
+                continue
             got = dec.decode(list(frames)).outputs[0].pooling_output
             assert torch.equal(got.cpu(), t.cpu())
             assert got.is_cuda == (want == "sent_cuda")
