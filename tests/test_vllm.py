@@ -1269,7 +1269,7 @@ def _read_one_batch(loop, batch, utility_results):
 
     from shmclient.vllm.reader import _EngineReader, _Inbox, park_all
 
-    link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=3,
+    link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=3, async_spin_s=50e-6,
                                  on_control=lambda rtype, obj: False)
     inbox = _Inbox()
     reader = _EngineReader(lambda: None, link, inbox, utility_results)
@@ -1363,7 +1363,7 @@ def test_async_engine_core_dead_on_the_socket_comes_after_what_the_rings_hold():
         for index in (0, 1):
             batch = [(wire.OUTPUTS, EngineCoreOutputs(engine_index=index, outputs=[
                 EngineCoreOutput(f"r{index}", [7], finish_reason=FinishReason.LENGTH)]))]
-            link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=index,
+            link = types.SimpleNamespace(channel=_OneBatch(batch), parked=None, engine_index=index, async_spin_s=50e-6,
                                          on_control=lambda rtype, obj: False)
             readers.append(_EngineReader(lambda: client, link, inbox, {}))
         inbox.readers = readers
