@@ -14,6 +14,7 @@ import mmap
 import os
 import select
 import stat
+import tempfile
 import threading
 import time
 import zlib
@@ -679,11 +680,13 @@ def _fd_targets() -> set[str]:
 
 
 def test_nothing_is_named_and_handles_stop_opening_after_unlink():
-    before_shm, before_tmp = set(os.listdir(SHM)), set(os.listdir("/tmp"))
+    tmp = tempfile.gettempdir()  # (the session's private folder; the shared ones churn)
+    before_tmp = set(os.listdir(tmp))
     p = RingConsumer.create(1024, consumer_wake_fd=True, prefix="shmctest")
     try:
         spec = p.spec
-        assert set(os.listdir(SHM)) == before_shm and set(os.listdir("/tmp")) == before_tmp
+        assert not [n for n in os.listdir(SHM) if n.startswith("shmctest")]
+        assert set(os.listdir(tmp)) == before_tmp
         assert spec.segment.startswith("memfd:") and spec.wake_pipe.startswith("pipe:")
         c = RingProducer.attach(spec)
         try:

@@ -155,17 +155,21 @@ def test_inline_or_out_of_band_by_size(pair):
 def test_small_blocks_are_copied_out_and_released_at_once():
     p = Pair(view_from=64 * 1024)
     try:
-        small = p.dec.decode(p.enc.encode(torch.randn(1000)))  # 4 KB: copy
+        sent = torch.randn(1000)
+        small = p.dec.decode(p.enc.encode(sent))  # 4 KB: copy
         assert p.receiver.in_use() == 0
         p.flush()
         assert p.statistics().used_bytes == 0
-        big = p.dec.decode(p.enc.encode(torch.randn(1 << 15)))  # 128 KiB: view
+        big = p.dec.decode(p.enc.encode(torch.randn(1 << 15)))  # 128 KiB: view, in the freed block
         assert p.receiver.in_use() == 1
         p.flush()
         assert p.statistics().used_bytes == 128 * 1024
         del big
         p.flush()
-        assert p.statistics().used_bytes == 0 and small.sum() == small.sum()
+        assert p.statistics().used_bytes == 0
+        # its block released and written over since: a copy keeps what was sent (the
+        # check compared the received tensor with itself, and passed without the copy)
+        assert torch.equal(small, sent)
     finally:
         p.close()
 
