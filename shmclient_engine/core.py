@@ -27,8 +27,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from shmclient.errors import (ConfigError, DuplicateRequestError, InvalidRequestError,
-                              WaitNotSupportedError)
+from shmclient.errors import ConfigError, DuplicateRequestError, WaitNotSupportedError
 from shmclient.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
