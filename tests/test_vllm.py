@@ -44,6 +44,8 @@ from shmclient.vllm.frontend_async import ShmAsyncMPClient  # noqa: E402
 from shmclient.stats import TensorStatistics  # noqa: E402
 from shmclient.vllm.oob import TENSOR_MIN_BYTES  # noqa: E402
 
+from .test_tensors import _resource_tracker  # noqa: E402,F401 - started before the kill tests
+
 # The tiny dummy Llama and engine settings the benchmark uses; the tests add prompt embeds.
 CONFIG = bench_vllm.CONFIG
 ENGINE_KW = dict(bench_vllm.ENGINE_KW, enable_prompt_embeds=True)
@@ -1033,7 +1035,7 @@ def test_async_output_handler_yields_while_the_engine_is_ahead(async_pair):
 # ---------------------------------------------------------------------------- failure
 
 
-def test_sigkill_engine_raises_engine_dead_sync(model_dir):
+def test_sigkill_engine_raises_engine_dead_sync(model_dir, _resource_tracker):
     llm = make_llm(model_dir, shm=True)
     try:
         engine = llm.llm_engine
@@ -1060,7 +1062,7 @@ def test_sigkill_engine_raises_engine_dead_sync(model_dir):
     assert sorted(set(os.listdir("/dev/shm")) - shm_before) == []
 
 
-def test_sigkill_engine_raises_engine_dead_async(model_dir):
+def test_sigkill_engine_raises_engine_dead_async(model_dir, _resource_tracker):
     loop = asyncio.new_event_loop()
     engine = make_async(model_dir, shm=True)
     try:
@@ -1087,7 +1089,7 @@ def test_sigkill_engine_raises_engine_dead_async(model_dir):
         loop.close()
 
 
-def test_an_async_client_shut_down_before_its_readers_ran_closes_its_channels(model_dir):
+def test_an_async_client_shut_down_before_its_readers_ran_closes_its_channels(model_dir, _resource_tracker):
     """An AsyncLLM made on a running loop and shut down before the loop ran again (a
     start-up error path): its ring reader tasks were cancelled before their first step,
     so the code that closes their channels never ran; the channels stayed open, and
