@@ -132,8 +132,12 @@ class Handshake:
                 raise PeerNotProducingError(what)
 
     def _check_silence(self) -> None:
+        """EngineDeadError if the engine has been silent too long: judged only while
+        nothing from it waits unread (this thread may itself have been held up, e.g.
+        by a slow GPU query or another thread holding the GIL, with the engine's
+        heartbeats queued meanwhile)."""
         clock = self.clock
-        if clock is not None and clock.expired():
+        if clock is not None and clock.expired() and not self.ctl.poll(0, zmq.POLLIN):
             raise EngineDeadError(
                 f"Engine core initialization failed: the remote engine at "
                 f"{self.address} sent nothing for {clock.silence_s():.1f} s "
@@ -200,6 +204,11 @@ class Handshake:
             channel=msgspec.Raw(msgspec.msgpack.encode(self.spec)),
             gpu_uuids=local_gpu_uuids(ask_torch=self.config.is_cuda)))
         self.started = True
+        if self.clock is not None:
+            # The engine beats from Start on (the config it carries sets the interval):
+            # its silence counts from now, not from its last word before (the GPU
+            # query above can take seconds where it initialises CUDA).
+            self.clock.heard()
 
     def _failed(self, dead: EngineCoreDead) -> Exception:
         """The error to raise for the engine's own report of its start-up failure."""

@@ -239,6 +239,57 @@ def test_a_remote_engine_dying_while_it_starts_fails_the_client_at_once():
     assert time.monotonic() - t0 < 10
 
 
+def test_a_frontend_held_up_by_its_gpu_query_does_not_take_its_live_engine_for_dead(monkeypatch):
+    """The GPU query that fills ``Start`` held the frontend's start-up thread past the
+    heartbeat timeout (1 s here; where it initialises CUDA it can take seconds). The
+    engine beats only from ``Start`` on: its silence counts from there (the start-up
+    failed with "sent nothing for 1.5 s while starting")."""
+    from shmclient import handshake
+
+    def slow_uuids(*, ask_torch=False):
+        time.sleep(1.5)  # a slow call stood in for, not a wait for anything
+        return []
+    monkeypatch.setattr(handshake, "local_gpu_uuids", slow_uuids)
+    port = free_port()
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        c = SyncMPClient(remote_cfg(port))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+    try:
+        assert c.echo("x") == "x"
+    finally:
+        c.shutdown()
+    assert reap(engine) == 0
+
+
+def test_the_start_up_judges_the_engines_silence_only_with_nothing_unread():
+    """The frontend's start-up thread held up (the GIL, a slow call) while the engine's
+    heartbeats wait unread: the engine is not silent, whatever the clock says."""
+    from shmclient import control
+    from shmclient.handshake import Handshake
+
+    ctx = zmq.Context()
+    ours, engines = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        ours.bind("inproc://start-up")
+        engines.connect("inproc://start-up")
+        clock = control.HeartbeatClock(interval_s=1.0, timeout_s=0.0)  # silent at once
+        hs = Handshake(ours, EngineConfig(model="mock"), None, address="tcp://engine",
+                       proc=None, secret=None, clock=clock)
+        with pytest.raises(EngineDeadError, match="sent nothing for"):
+            hs._check_silence()
+        control.send(engines, control.Heartbeat())
+        assert ours.poll(10_000, zmq.POLLIN)
+        hs._check_silence()  # a heartbeat waits: not silent
+    finally:
+        ours.close(0)
+        engines.close(0)
+        ctx.term()
+
+
 def test_a_fatal_error_in_a_remote_engine_reaches_the_client():
     port = free_port()
     engine = start_remote(f"tcp://{HOST}:{port}", module=FAULT_MODULE, fault="raise_in_step:1")
