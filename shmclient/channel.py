@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from .channel_spec import ShmChannelSpec, attach_parts, create_parts
-from .errors import ProtocolError, WouldBlock
+from .errors import PeerDeadError, ProtocolError, WouldBlock
 from .framing import (  # noqa: F401 - the record types and BadMessage, re-exported from here
     REC_OUTPUTS,
     REC_RELEASE,
@@ -317,7 +317,10 @@ class ShmChannel:
         ones, in records of at most ``max_record`` bytes (a release is never fragmented:
         one longer than a record would never go, and every later one would wait behind
         it). Caller holds the send lock. A signal handler's exception anywhere in here
-        loses no id (one may go twice: the sender ignores an id it has freed)."""
+        loses no id (one may go twice: the sender ignores an id it has freed). A peer
+        that closed its end frees nothing any more: its releases are dropped, and what it
+        wrote before closing is still read (a release it can no longer take must not
+        hide its last outputs)."""
         rx = self._tensor_rx
         got = rx.peek_releases()
         if got is not None:
@@ -331,6 +334,8 @@ class ShmChannel:
         try:
             while rels and self.tx.try_send(REC_RELEASE, rels[0]):
                 rels.pop(0)
+        except PeerDeadError:
+            rels = None
         finally:  # kept, whatever stopped the loop (a signal handler's exception too)
             self._held_release = rels or None
 

@@ -650,6 +650,31 @@ def test_releases_survive_a_signal_in_their_send():
         front.close()
 
 
+def test_a_release_the_closed_peer_cannot_take_hides_nothing_it_wrote_before_closing():
+    """Releases were pending for a peer that then wrote its last message and closed (an
+    engine's exit): the flush before the read raised PeerDeadError, and that message
+    was never read (an engine's last outputs and utility replies lost)."""
+    from shmclient import waiting
+    from shmclient.channel import REQ_UTILITY
+    from shmclient.errors import PeerDeadError
+    from shmclient.messages import UtilityRequest
+
+    front, engine = _three_tensors_sent()
+    try:
+        [(_, request)] = engine.try_recv()
+        del request  # three releases pending, for the frontend's arena
+        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 2, "echo", ("last",))))
+        front.close()
+        [(_, last)] = waiting.recv(engine, timeout=5.0)
+        assert (last.call_id, last.args) == (2, ("last",))
+        with pytest.raises(PeerDeadError):
+            engine.recv_nowait()
+        engine.flush_releases()  # dropped: nobody frees those blocks any more
+    finally:
+        engine.close()
+        front.close()
+
+
 def test_no_arena_sends_tensors_as_one_off_segments():
     """``tensor_arena_bytes=0`` ("no arena") makes a channel whose tensors all travel as
     one-off segments (creating it used to fail: a segment of 0 bytes)."""
