@@ -255,12 +255,17 @@ class MPClient(EngineCoreClient):
             if rtype != REC_OUTPUTS:
                 continue
             if type(outs) is BadMessage:
-                # Only a bug in the engine can cause this; its requests cannot be matched,
-                # but a utility reply's call can: that call fails instead of waiting.
-                logger.error("dropped an output batch from the engine that does not "
-                             "decode: %s", outs.error)
-                self._fail_undecodable_reply(outs)
-                continue
+                # Only a bug in the engine (or memory corruption) can cause this. A
+                # utility reply's call fails instead of waiting; a batch of outputs
+                # breaks the channel, as vLLM's output reader ends on a batch it cannot
+                # decode (its requests would lose tokens, or never finish, unseen).
+                if self._fail_undecodable_reply(outs) and not outs.field("outputs"):
+                    logger.error("a utility reply from the engine does not decode: %s",
+                                 outs.error)
+                    continue
+                self._channel_broken(ProtocolError(
+                    f"an output batch from the engine does not decode: {outs.error}"))
+                return
             u = outs.utility_output
             if u is not None:
                 entry = self._futures.pop(u.call_id, None)
@@ -278,9 +283,9 @@ class MPClient(EngineCoreClient):
                     self._live.discard(o.request_id)
             put(outs)
 
-    def _fail_undecodable_reply(self, bad: BadMessage) -> None:
+    def _fail_undecodable_reply(self, bad: BadMessage) -> bool:
         """Fail the utility call whose reply is ``bad`` (an output batch that did not
-        decode), when its call id can be read."""
+        decode), when its call id can be read; whether it was a utility reply."""
         reply = bad.field("utility_output")
         call_id = reply[0] if type(reply) is list and reply else None
         entry = self._futures.pop(call_id, None) if type(call_id) is int else None
@@ -288,6 +293,7 @@ class MPClient(EngineCoreClient):
             method, fut = entry
             self._set_future(fut, exc=UtilityCallError(
                 f"Call to {method} method failed: its reply did not decode: {bad.error}"))
+        return type(call_id) is int
 
     @staticmethod
     def _set_future(fut: Any, result: Any = None, exc: BaseException | None = None) -> None:

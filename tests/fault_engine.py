@@ -7,6 +7,8 @@ inherits from the test (``inject`` sets both). Directives:
 
 * ``raise_in_step:N``: the Nth step that has work raises ``RuntimeError("injected fault
   in step N")`` (in the engine process: ENGINE_CORE_DEAD; in-process: from ``get_output``).
+* ``undecodable_output:N``: the Nth output of request ``"bad"`` carries a finish reason
+  the client cannot decode (99).
 * ``exit_before_ready:CODE``: the engine process exits with CODE once the config arrived.
 * ``hang_before_ready``: the engine process never answers READY (as a slow model load),
   but still exits once its frontend is gone.
@@ -44,7 +46,7 @@ def parse(directive: str | None) -> tuple[str, int | None]:
     if not directive:
         return "", None
     name, _, arg = directive.partition(":")
-    if name in ("raise_in_step", "exit_before_ready") and arg.lstrip("-").isdigit():
+    if name in ("raise_in_step", "exit_before_ready", "undecodable_output") and arg.lstrip("-").isdigit():
         return name, int(arg)
     if name == "hang_before_ready" and not arg:
         return name, None
@@ -72,12 +74,36 @@ class FaultCore(EngineCore):
         return super().step()
 
 
+class CorruptingCore(EngineCore):
+    """The project's core, whose ``at``-th output of request "bad" carries a finish
+    reason that does not decode."""
+
+    def __init__(self, config: EngineConfig, *, supports_wait: bool = False, at: int) -> None:
+        super().__init__(config, supports_wait=supports_wait)
+        self.at = at
+        self.seen = 0
+
+    def step(self) -> dict:
+        per_client = super().step()
+        for outs in per_client.values():
+            for o in outs.outputs:
+                if o.request_id == "bad":
+                    self.seen += 1
+                    if self.seen == self.at:
+                        o.finish_reason = 99
+        return per_client
+
+
 def make_core(config: EngineConfig, *, supports_wait: bool = False) -> Any:
-    """The entry point: the project's core, or a ``FaultCore`` under ``raise_in_step``."""
+    """The entry point: the project's core, or a ``FaultCore`` under ``raise_in_step``
+    (a ``CorruptingCore`` under ``undecodable_output``)."""
     name, arg = _current()
     if name == "raise_in_step":
         assert arg is not None
         return FaultCore(config, supports_wait=supports_wait, fail_at=arg)
+    if name == "undecodable_output":
+        assert arg is not None
+        return CorruptingCore(config, supports_wait=supports_wait, at=arg)
     return shmclient_engine.make_core(config, supports_wait=supports_wait)
 
 

@@ -97,6 +97,25 @@ def test_exception_in_engine_loop_reaches_client(transport, monkeypatch):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_output_batch_that_does_not_decode_breaks_the_channel(transport, monkeypatch):
+    """It was logged and dropped: the other requests of that step lost their tokens in
+    it unseen, and one whose finish it carried never finished (its id live for good).
+    As vLLM's output reader, the client takes the engine for dead, saying why."""
+    c = SyncMPClient(cfg(transport, **fault_engine.inject(monkeypatch, "undecodable_output:2")))
+    try:
+        c.add_request(req("good", max_tokens=5))
+        c.add_request(req("bad", max_tokens=5))
+        with pytest.raises(EngineDeadError, match="output batch .* does not decode"):
+            for _ in range(10):
+                c.get_output(timeout=30)
+        assert c.is_dead
+        with pytest.raises(EngineDeadError):
+            c.add_request(req("after", max_tokens=1))
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkill_engine_sync(transport):
     c = SyncMPClient(cfg(transport, step_delay_s=0.01))
     try:
