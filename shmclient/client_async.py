@@ -22,7 +22,8 @@ from . import waiting
 from .channel import REQ_ABORT, REQ_ADD, REQ_UTILITY
 from .client_mp import MPClient, _check_timeout
 from .client_utilities import AsyncUtilities
-from .errors import NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingError, UsageError
+from .errors import (NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingError, ProtocolError,
+                     UsageError)
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
@@ -160,6 +161,8 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
+        except ProtocolError as e:  # the engine broke the request ring's protocol
+            raise self._channel_broken(e) from e
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

@@ -158,7 +158,9 @@ class MPClient(EngineCoreClient):
         """Called from the monitor thread once the engine is gone."""
 
     def _channel_broken(self, e: ProtocolError) -> EngineDeadError:
-        """The channel from the engine is broken (ProtocolError): nothing more can be
+        """The channel with the engine is broken (ProtocolError, in either direction:
+        the engine broke a ring's protocol, or a batch of outputs does not decode;
+        found by a send or by a reader): nothing more can be
         trusted from it, so the client treats the engine as dead from here on (pending
         and later calls raise EngineDeadError saying why; ``shutdown()`` still stops the
         engine process)."""
@@ -166,7 +168,7 @@ class MPClient(EngineCoreClient):
         if not res.dead.is_set():
             self._reader.remains_read = True  # nothing more can be trusted from this channel
             # (logged there; ``_on_engine_dead`` and every ``on_dead`` callback run)
-            res.mark_dead(f"The channel from the engine core is broken: {e}")
+            res.mark_dead(f"The channel with the engine core is broken: {e}")
         return self._dead_error()
 
     def on_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
@@ -207,6 +209,8 @@ class MPClient(EngineCoreClient):
             raise self._dead_error() from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
+        except ProtocolError as e:  # the engine broke the request ring's protocol
+            raise self._channel_broken(e) from e
 
     def _stalled(self, timeout: float | None) -> PeerNotConsumingError:
         return PeerNotConsumingError(
@@ -414,6 +418,9 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)
             raise self._dead_error() from e
+        except ProtocolError as e:
+            self._futures.pop(call_id, None)
+            raise self._channel_broken(e) from e
         except BaseException as e:
             self._futures.pop(call_id, None)
             if not_sent(e):

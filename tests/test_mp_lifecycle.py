@@ -115,6 +115,39 @@ def test_an_output_batch_that_does_not_decode_breaks_the_channel(transport, monk
         c.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_request_ring_the_engine_broke_makes_the_client_dead_saying_why(kind):
+    """The engine (stopped here) stores a request-ring tail past anything written: the
+    ring's end raised RingCorruptError out of add_request, echo and add_request_async
+    (not EngineDeadError, which vLLM's callers catch), the client did not count the
+    engine dead, and once the engine exited its death read 'exit code 0'."""
+    import struct
+
+    off_tail = 256  # the tail's place in the ring header (tests/test_ring_hardening.py)
+    c = (SyncMPClient if kind == "sync" else AsyncMPClient)(cfg(ring_capacity_bytes=4096))
+    os.kill(c.engine_pid, signal.SIGSTOP)
+    try:
+        struct.pack_into("<Q", c.channel.tx._res.seg.buf, off_tail, 3 * 4096)
+
+        async def adds():
+            for i in range(200):
+                await c.add_request_async(req(f"r{i}", max_tokens=1), timeout=5)
+
+        with pytest.raises(EngineDeadError, match="engine core is broken.*tail = 12288"):
+            if kind == "sync":
+                for i in range(200):
+                    c.add_request(req(f"r{i}", max_tokens=1), timeout=5)
+            else:
+                asyncio.run(adds())
+        assert c.is_dead
+        if kind == "sync":
+            with pytest.raises(EngineDeadError, match="engine core is broken"):
+                c.echo("x")
+    finally:
+        os.kill(c.engine_pid, signal.SIGCONT)
+        c.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_sigkill_engine_sync(transport):
     c = SyncMPClient(cfg(transport, step_delay_s=0.01))
@@ -581,7 +614,7 @@ async def test_broken_output_channel_is_engine_dead_error_saying_so(kind, monkey
         monkeypatch.setattr(client.channel, "recv_nowait", broken)
         monkeypatch.setattr(client.channel, "try_recv", broken)
         await drv.add(req("r", max_tokens=2))
-        with pytest.raises(EngineDeadError, match="channel from the engine core is broken"):
+        with pytest.raises(EngineDeadError, match="channel with the engine core is broken"):
             await drv.get_output(timeout=10)
         with pytest.raises(EngineDeadError, match="broken"):
             await drv.add(req("later", max_tokens=2))
