@@ -49,8 +49,9 @@ class Decoder:
         else:
             self._dec = msgspec.msgpack.Decoder(type_, ext_hook=self._ext_hook)
         self._frames: Sequence | None = None
-        #: Out-of-band handles the current decode opened or tried to (for ``salvage``).
-        self._opened: list = []
+        #: Out-of-band handles the current decode opened or tried to (for ``salvage``),
+        #: by ``_handle_key``: a set, so a salvage of many tensors is not quadratic.
+        self._opened: set = set()
         self._any = msgspec.msgpack.Decoder(ext_hook=self._salvage_hook)
 
     def decode(self, buf: Any) -> Any:
@@ -86,13 +87,16 @@ class Decoder:
         back to the sender instead of staying taken. Never raises; does not block."""
         try:
             return self._any.decode(buf)
-        except RecursionError:
-            # Nested deeper than this thread's stack decodes (the sender's encode ran
-            # higher up its stack): its leading fields may still say whom to answer,
-            # and the handles of its tensors are released as this walk passes them.
-            return shallow_fields(buf, self._salvage_hook)
         except Exception:
-            return None
+            # Not msgpack the untyped decode takes either (nested deeper than this
+            # thread's stack decodes, invalid UTF-8, bytes left over...): its leading
+            # fields may still say whom to answer, and the handles of its tensors are
+            # released as this walk passes them (a block the failed decode passed goes
+            # back twice: the sender ignores the second).
+            try:
+                return shallow_fields(buf, self._salvage_hook)
+            except Exception:
+                return None
         finally:
             self._opened.clear()
 
@@ -103,7 +107,7 @@ class Decoder:
             dtype, shape, where, _extra, _end = read_header(data)
         except Exception:  # no handle can be read
             return None
-        if type(where) is not list or where in self._opened:
+        if type(where) is not list or _handle_key(where) in self._opened:
             return None
         try:
             if code == EXT_TORCH_CUDA:
@@ -135,13 +139,14 @@ class Decoder:
                 )
             if type(where) is not list:
                 raise SerializationError("malformed CUDA tensor header: no handle")
-            self._opened.append(where)
+            key = _handle_key(where)
+            self._opened.add(key)
             try:
                 return self.tensors.get_cuda(where)
             except Exception:
                 raise
             except BaseException:  # (Ctrl-C: maybe not opened; the salvage opens it again)
-                self._opened.pop()
+                self._opened.discard(key)
                 raise
         np = numpy_module()
         if code == EXT_TORCH:
@@ -174,7 +179,8 @@ class Decoder:
                 raise SerializationError(
                     "message carries an out-of-band tensor but this Decoder has no tensor receiver"
                 )
-            self._opened.append(where)  # before get: a failed get releases the block itself
+            key = _handle_key(where)
+            self._opened.add(key)  # before get: a failed get releases the block itself
             try:
                 buf = self.tensors.get(where, nbytes)
             except Exception:
@@ -183,7 +189,7 @@ class Decoder:
                 # A signal handler's exception in get: maybe not opened, so the salvage
                 # opens it (and drops it) again; a block opened twice is released twice,
                 # which the sender ignores (ids are never reused).
-                self._opened.pop()
+                self._opened.discard(key)
                 raise
         if code == EXT_NUMPY:
             if nbytes:
@@ -195,6 +201,16 @@ class Decoder:
             arr = arr.reshape(shape)
             return arr[()] if extra == "s" else arr
         return as_torch(buf, t_dtype, shape, extra, self.tensors)
+
+
+def _handle_key(where: list) -> Any:
+    """A hashable stand-in for an out-of-band handle (a list of scalars, from the wire)."""
+    try:
+        key = tuple(where)
+        hash(key)
+        return key
+    except TypeError:  # something unhashable inside: its text stands for it
+        return repr(where)
 
 
 def shallow_fields(buf: Any, on_ext: Callable[[int, memoryview], Any] | None = None) -> list | None:
