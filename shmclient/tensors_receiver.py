@@ -65,9 +65,14 @@ class ShmTensorReceiver:
         one-off segment that is gone. Does not block."""
         if self._closed:
             raise SerializationError("tensor receiver is closed")
-        kind, bid, where = check_handle(handle, nbytes)
+        try:
+            kind, bid, where = check_handle(handle, nbytes)
+        except SerializationError:
+            self.release_unopened(handle)  # its block (if it names one) goes back by id
+            raise
         if kind == ARENA:
             if type(where) is not int or where < 0 or where % ALIGN or where + nbytes > self._size:
+                self._released.append(bid)  # not opened: the sender frees it by id
                 raise SerializationError(f"tensor block {bid} [{where}, +{nbytes}) is outside the arena")
             mv = self._buf[where : where + nbytes]
             if nbytes < self.view_from:

@@ -290,6 +290,56 @@ def test_shm_a_message_too_deep_to_decode_gives_its_tensors_blocks_back(shm_pair
     assert stats().blocks_in_flight + stats().one_offs_in_flight == 0
 
 
+@pytest.mark.parametrize("damage", ["invalid utf-8 before the tensor", "a byte left over"])
+def test_shm_a_message_no_decode_takes_is_still_answered_and_gives_its_blocks_back(shm_pair, damage):
+    """Bytes the untyped decode refuses too (a string that is not UTF-8, a byte after
+    the message): the salvage gave up (only a nesting too deep was read without
+    recursion), so the request id went unread (the engine could not answer it) and a
+    tensor after the damage kept its block in the sender's arena for good."""
+    from shmclient.messages import EngineCoreRequest
+
+    front, engine = shm_pair
+    r = EngineCoreRequest(request_id="req-7", prompt_token_ids=None, cache_salt="SALT",
+                          prompt_embeds=torch.zeros(64, 32))
+    raw = bytes(front.encode(r))
+    assert raw.count(b"SALT") == 1 and raw.index(b"SALT") < raw.index(b"float32")
+    raw = raw.replace(b"SALT", b"S\xffLT") if damage.startswith("invalid") else raw + b"\xc0"
+    waiting.send(front, REQ_ADD, raw, timeout=5.0)
+    stats = front._tensor_tx.statistics
+    assert stats().blocks_in_flight == 1
+    (_, bad), = waiting.recv(engine, timeout=5.0)
+    assert type(bad) is BadMessage and bad.field("request_id") == "req-7"
+    engine.flush_releases()
+    front.try_recv()  # reads the release record
+    assert stats().blocks_in_flight == 0
+
+
+def test_an_arena_handle_out_of_bounds_gives_its_block_back():
+    """A handle whose offset is past the arena or not aligned, or whose kind is not
+    known: the failed open did not release the block (the decoder counts on it), and
+    the salvage skipped it as opened: its id was never released."""
+    from shmclient.codec import EXT_TORCH, HLEN, hdr_encode
+    from shmclient.framing import decoders
+    from shmclient.shm import Segment
+    from shmclient.tensors_receiver import ShmTensorReceiver
+
+    seg = Segment.create(1 << 20)
+    seg.release_handle()  # (nothing attaches: no descriptor stays open)
+    rx = ShmTensorReceiver(seg)
+    dec = decoders(rx)[REQ_UTILITY]
+    try:
+        for bid, handle in ((7, [0, 7, 1 << 20]), (8, [0, 8, 100]), (9, [5, 9, 0])):
+            h = hdr_encode(["uint8", [256], handle, None])
+            buf = msgspec.msgpack.encode(
+                [0, 1, "echo", [msgspec.msgpack.Ext(EXT_TORCH, HLEN.pack(len(h)) + h)]])
+            with pytest.raises(Exception, match=f"block {bid}|kind 5"):
+                dec.decode(buf)
+            dec.salvage(buf)
+            assert rx.take_releases() == bid.to_bytes(8, "little"), handle
+    finally:
+        rx.close()
+
+
 def test_the_salvage_of_a_message_too_deep_to_decode_reads_its_leading_fields():
     from shmclient.codec_decoder import Decoder, shallow_fields
 
