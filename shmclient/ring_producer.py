@@ -221,10 +221,15 @@ class RingProducer(Ring):
 
     def arm_space(self) -> None:
         """Drain the space pipe and ask the consumer for a byte at its next release;
-        then retry the send (no wake-up is lost between the two). Does not block."""
-        if self._res.space_r >= 0:
-            drain_pipe(self._res.space_r)
-        self._c.arm_space()
+        then retry the send (no wake-up is lost between the two). ClientClosedError
+        once closed (the pipe's number may be another file's by then: a close waits for
+        this lock before it closes the pipe). Does not block."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            if self._res.space_r >= 0:
+                drain_pipe(self._res.space_r)
+            self._c.arm_space()
 
     # ---- fragments
 

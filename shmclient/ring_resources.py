@@ -77,6 +77,7 @@ class Resources:
                 setattr(self, name, -1)
         if self.seg is not None:
             self.seg.close()
+        self.wake_r = self.space_r = -1  # (closed below: their numbers may be reused)
         for fd in self.fds:
             try:
                 os.close(fd)

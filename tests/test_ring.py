@@ -618,6 +618,30 @@ def test_close_wakes_own_blocked_thread(pair, monkeypatch):
     assert time.perf_counter() - t0 < 4.0
 
 
+def test_arm_space_after_close_is_refused_and_reads_no_descriptor():
+    """A task parked for room runs ``arm_space`` once more after its channel closed: it
+    drained the space pipe by its old number, raising EBADF, or reading away the bytes
+    of whatever file had the number by then (and blocking, on a blocking one)."""
+    p = RingProducer.create(4096, producer_wake_fd=True)
+    c = RingConsumer.attach(p.spec)
+    fd = p.space_fileno()
+    p.close()
+    r, w = os.pipe()  # a file of someone else's under the pipe's old number
+    try:
+        if r != fd:
+            os.dup2(r, fd)
+            os.close(r)
+        os.set_blocking(fd, False)
+        os.write(w, b"not yours")
+        with pytest.raises(ClientClosedError):
+            p.arm_space()
+        assert os.read(fd, 100) == b"not yours"
+    finally:
+        os.close(fd)
+        os.close(w)
+        c.close()
+
+
 def test_use_after_close_and_idempotence(pair):
     pr = pair()
     pr.p.try_send(1, b"x")
