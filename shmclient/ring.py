@@ -283,8 +283,8 @@ class Ring:
     def _wait_once(self, wait: Callable[..., int], timeout: float, spin: float | None, first: bool) -> bool:
         """One C wait: spin (``spin`` seconds; None: the adaptive budget, on a first
         wait only; the spin gate may veto it), then sleep until ready or ``timeout``
-        seconds after the call (a spin may outlast the timeout: ``timeout`` 0 is a pure
-        spin, and a vetoed one returns at once). True when ready (or the peer closed: the
+        seconds after the call (a spin never outlasts a timeout > 0: ``timeout`` 0 is a
+        pure spin, and a vetoed one returns at once). True when ready (or the peer closed: the
         caller's next try says so), False on the timeout. Raises ClientClosedError, or
         what a signal handler raised. No lock is taken: the C end refuses re-entry
         itself, and a wait changes nothing but statistics."""
@@ -294,6 +294,8 @@ class Ring:
             raise ValueError(f"a wait's timeout must be >= 0 seconds (inf: none), got {timeout!r}")
         adaptive = spin is None
         budget = (self._spin.budget if first else 0.0) if adaptive else max(spin, 0.0)
+        if 0 < timeout < budget:  # (a short timeout is not overrun by the spin)
+            budget = timeout
         t0 = perf_counter()
         r = wait(budget, timeout, first)
         if adaptive:
@@ -317,5 +319,5 @@ class Ring:
 
 
 def _check_spin(spin_us: float) -> None:
-    if not spin_us >= 0:
-        raise ValueError(f"spin_us must be >= 0, got {spin_us!r}")
+    if not 0 <= spin_us < float("inf"):
+        raise ValueError(f"spin_us must be a finite number >= 0, got {spin_us!r}")

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from shmclient import _ring, waiting
+from shmclient.errors import PeerNotProducingError
 from shmclient.ring import Ring
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
@@ -297,3 +298,26 @@ def test_a_channels_wait_for_room_behind_another_threads_half_sent_message_takes
             t.join(10)
         engine.close()
         front.close()
+
+
+def test_a_spin_never_outlasts_a_positive_timeout(monkeypatch):
+    """The first slice of a wait spun its whole budget whatever the caller's timeout:
+    recv(timeout=0.05) with a 2 s spin raised after 2 s, all of it on the CPU."""
+    monkeypatch.setattr(_ring.gate, "mode", "always")  # the host's load vetoes nothing
+    p = RingProducer.create(4096, spin_us=2_000_000)
+    c = RingConsumer.attach(p.spec, spin_us=2_000_000)
+    try:
+        for spin in (None, 2.0):  # the adaptive budget, a spin asked for
+            t0 = time.monotonic()
+            with pytest.raises(PeerNotProducingError):
+                waiting.recv(c, timeout=0.05, spin=spin) if spin else waiting.recv(c, timeout=0.05)
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        c.close()
+        p.close()
+
+
+def test_a_timeout_past_any_float_is_no_limit_and_an_infinite_spin_is_refused():
+    assert waiting.check_timeout(10**400) is None
+    with pytest.raises(ValueError, match="finite"):
+        RingProducer.create(4096, spin_us=float("inf"))

@@ -48,8 +48,9 @@ Alive = Callable[[], bool]
 
 
 def check_timeout(timeout: float | None) -> float | None:
-    """``timeout`` as a wait takes it: None or inf (no limit: None), else seconds >= 0.
-    Raises ValueError for NaN, a negative number or something that is not one."""
+    """``timeout`` as a wait takes it: None, inf or more seconds than a float holds (no
+    limit: None), else seconds >= 0. Raises ValueError for NaN, a negative number or
+    something that is not one."""
     if timeout is None:
         return None
     try:
@@ -58,7 +59,11 @@ def check_timeout(timeout: float | None) -> float | None:
         ok = False
     if not ok or isinstance(timeout, bool):
         raise ValueError(f"timeout must be None or a number of seconds >= 0 (inf: no limit), got {timeout!r}")
-    return None if timeout == float("inf") else timeout
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int past any float: no limit, as inf
+        return None
+    return None if seconds == float("inf") else timeout
 
 
 def _block(
