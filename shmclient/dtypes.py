@@ -77,7 +77,10 @@ def numpy_dtype(name: Any):
         or dt.itemsize == 0  # ("S0", "U0": the encoder never sends one; no shape fits it)
     ):
         raise SerializationError(f"unsupported numpy dtype {name!r} in message")
-    _numpy_cache[name] = dt
+    if dt.kind in "biufc":
+        # A few dozen spellings at most; strings and datetimes have one per length or
+        # unit, which a peer could name without end: those are not kept.
+        _numpy_cache[name] = dt
     return dt
 
 

@@ -329,3 +329,18 @@ def test_hypothesis_shapes_and_dtypes(shape, dtype, step, frames, seed):
     enc, dec = Encoder(inline_threshold=32), Decoder()
     out = dec.decode_frames(enc.encode_frames(t)) if frames else dec.decode(enc.encode(t))
     assert_same(out, t)
+
+
+def test_dtypes_a_peer_can_name_without_end_are_not_kept():
+    """Each string length or datetime unit is a dtype of its own: every one a peer named
+    was cached for good (2,000,000 empty arrays of distinct lengths: +443 MiB)."""
+    from shmclient import dtypes
+
+    dec = Decoder()
+    for n in range(1, 200):
+        assert dec.decode(Encoder().encode(np.zeros(0, f"S{n}"))).dtype == np.dtype(f"S{n}")
+        dec.decode(Encoder().encode(np.zeros(0, f"<U{n}")))
+    dec.decode(Encoder().encode(np.zeros(2, "<M8[ms]")))
+    assert dec.decode(Encoder().encode(np.zeros(2, "<f4"))).dtype == np.float32
+    assert not [k for k in dtypes._numpy_cache if k[1] in "SUMm"]
+    assert "<f4" in dtypes._numpy_cache
