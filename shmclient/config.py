@@ -353,7 +353,13 @@ def _legacy_step_delay(value: Any) -> float:
 
 
 def _fail(field: str, value: Any, why: str) -> None:
-    raise ConfigError(f"EngineConfig.{field}={value!r} is invalid: {why}")
+    try:
+        shown = repr(value)
+    except ValueError:  # an int too long for text (sys.set_int_max_str_digits)
+        shown = f"<an int of {value.bit_length()} bits>"
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    raise ConfigError(f"EngineConfig.{field}={shown} is invalid: {why}")
 
 
 def _check_choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -361,18 +367,23 @@ def _check_choice(field: str, value: Any, valid: tuple[str, ...]) -> None:
         _fail(field, value, f"expected one of {', '.join(map(repr, valid))}")
 
 
-def _check_int(field: str, value: Any, *, low: int, high: int | None = None) -> None:
+def _check_int(field: str, value: Any, *, low: int, high: int = 2**63 - 1) -> None:
+    """``high`` by default the largest int the config's msgpack carries to the engine."""
     if type(value) is not int:  # bool is an int subclass: refuse it too
         _fail(field, value, "must be an int")
     if value < low:
         _fail(field, value, f"must be >= {low}")
-    if high is not None and value > high:
+    if value > high:
         _fail(field, value, f"must be <= {high}")
 
 
 def _check_float(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(field, value, "must be a number")
-    if not math.isfinite(value):
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int past any float
+        finite = False
+    if not finite:
         _fail(field, value, "must be finite")
     return float(value)

@@ -84,6 +84,18 @@ def test_each_bad_value_names_its_field():
         assert field in text and repr(value) in text, (field, value, text)
 
 
+def test_ints_past_what_the_config_carries_are_refused_naming_the_field():
+    """An int past msgpack's 64 bits was taken here and failed the engine's start with
+    OverflowError (an untyped error after the engine process started); a number past
+    any float failed the finiteness check the same way."""
+    for field, value in (("max_model_len", 2**64), ("kv_cache_memory_bytes", 2**63),
+                         ("num_gpu_blocks", 2**64), ("tensor_arena_bytes", 2**64),
+                         ("max_num_seqs", 10**5000), ("spin_us", 10**400),
+                         ("step_delay_s", 10**400)):
+        with pytest.raises(ConfigError, match=f"EngineConfig.{field}=.* is invalid"):
+            EngineConfig(**{field: value})
+
+
 def test_unknown_model_lists_valid_ones():
     with pytest.raises(ConfigError, match="'mock', 'tiny'"):
         EngineConfig(model="llama")
