@@ -15,6 +15,7 @@ client raises: docs/design.md, "Module notes", ``shmclient.client``.
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -44,15 +45,21 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 def shutdown_timeout(timeout: Any) -> float:
     """``timeout`` as seconds: None is ``DEFAULT_SHUTDOWN_TIMEOUT_S``; anything but a
-    finite number >= 0 raises ``InvalidRequestError`` (a ``ValueError``)."""
+    finite number >= 0 raises ``InvalidRequestError`` (a ``ValueError``). More than a
+    thread's wait takes (``threading.TIMEOUT_MAX``, centuries) is cut to that."""
     if timeout is None:
         return DEFAULT_SHUTDOWN_TIMEOUT_S
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout) or timeout < 0):
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+            or (isinstance(timeout, float) and not math.isfinite(timeout))):
         raise InvalidRequestError(
             f"shutdown(): timeout={timeout!r} is invalid: must be a finite number of "
             "seconds >= 0, or None for the default")
-    return float(timeout)
+    return min(timeout, _LONGEST_WAIT_S) * 1.0
+
+
+#: The longest shutdown timeout, with room for what is added to it (a thread's wait
+#: raises OverflowError past ``threading.TIMEOUT_MAX``).
+_LONGEST_WAIT_S = threading.TIMEOUT_MAX / 2
 
 
 async def build_in_thread(cls: Any, config: Any) -> Any:

@@ -321,6 +321,16 @@ def test_shutdown_timeout_defaults_to_a_finite_value_on_every_client():
     c.shutdown()
 
 
+@pytest.mark.parametrize("timeout", [1e300, 10**400])
+def test_shutdown_with_a_timeout_of_centuries_stops_the_engine(timeout):
+    """A timeout past what a thread's wait takes raised OverflowError from the wait
+    (the engine stopped all the same), or, for an int past any float, from the check."""
+    c = build("sync-shm", CFG)
+    pid = c.engine_pid
+    c.shutdown(timeout=timeout)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 @pytest.mark.parametrize(
     "kind", [k if k == "sync-shm" else pytest.param(k, marks=pytest.mark.slow) for k in MP_KINDS])
 def test_shutdown_with_default_timeout_never_waits_forever_on_a_hung_engine(kind, monkeypatch):
