@@ -66,7 +66,9 @@ class InprocClient(SyncEngineCoreClient):
         self.engine_core.add_request(request)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        """One engine step; never blocks (``timeout`` is accepted and unused)."""
+        """One engine step; never blocks (``timeout`` is checked, as the other clients
+        check it, and unused)."""
+        check_timeout("get_output", timeout)
         self._check_open()
         per_client = self.engine_core.step()
         if not per_client:

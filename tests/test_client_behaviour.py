@@ -279,6 +279,19 @@ async def test_tiny_seeded_sampling_reproducible(tiny_client):
     assert toks[0] == toks[1]
 
 
+async def test_get_output_refuses_a_bad_timeout_on_every_client(mock_client):
+    """The in-process client took any ``timeout`` (-1, a string) and stepped."""
+    from shmclient import InvalidRequestError
+
+    drv = mock_client
+    get = drv.client.get_output_async if drv.is_async else drv.client.get_output
+    for bad in (-1, "x", float("nan")):
+        with pytest.raises(InvalidRequestError, match="timeout"):
+            r = get(timeout=bad)
+            if drv.is_async:
+                await r
+
+
 async def test_add_request_takes_a_timeout_on_every_client(mock_client):
     """The README: every wait takes a timeout, ``add_request(req, timeout=...)``; the
     in-process client, which never waits, refused the argument with TypeError. Each
