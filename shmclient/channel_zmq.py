@@ -257,8 +257,11 @@ class ZmqChannel:
         return ChannelStatistics()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._tx.close(linger=0)
+        """Close both sockets. A send under way in another thread ends first (a zmq
+        socket is not thread-safe: closing it under a send is undefined behaviour)."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._tx.close(linger=0)
         self._rx.close(linger=0)

@@ -599,6 +599,51 @@ def zmq_pair():
     ctx.term()
 
 
+def test_zmq_close_waits_for_a_send_under_way(zmq_pair):
+    """``close`` closed the request socket under a send in another thread (a zmq socket
+    is not thread-safe: undefined behaviour, an assertion in libzmq at worst)."""
+    import threading
+
+    front, _engine = zmq_pair
+    real_tx, real_lock = front._tx, front._send_lock
+    in_send, go_on, asked = threading.Event(), threading.Event(), threading.Event()
+    seen_closed = []
+
+    class InSend:  # the socket, with a send that takes its time
+        def send_multipart(self, *args, **kw):
+            in_send.set()
+            assert go_on.wait(10)
+            seen_closed.append(real_tx.closed)
+            return real_tx.send_multipart(*args, **kw)
+
+        def close(self, linger=None):
+            real_tx.close(linger=linger)
+
+    class Watched:  # the send lock, telling when a second thread asks for it
+        def __enter__(self):
+            if in_send.is_set():
+                asked.set()
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    front._tx, front._send_lock = InSend(), Watched()
+    payload = front.encode(UtilityRequest(0, 1, "echo", (1,)))
+    sender = threading.Thread(target=front.send_nowait, args=(REQ_UTILITY, payload))
+    sender.start()
+    assert in_send.wait(10)
+    closer = threading.Thread(target=front.close)
+    closer.start()
+    try:
+        assert asked.wait(5), "close did not wait for the send under way"
+    finally:
+        go_on.set()
+        sender.join(10)
+        closer.join(10)
+    assert seen_closed == [False] and real_tx.closed
+
+
 def test_zmq_message_that_does_not_decode_fails_alone(zmq_pair):
     front, engine = zmq_pair
     send(front, REQ_ADD, add("before"))
