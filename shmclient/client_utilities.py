@@ -139,6 +139,14 @@ class AsyncUtilities:
         return await self._utility("get_weight_version")
 
 
+def _abandon(fut: asyncio.Future) -> None:
+    """Cancel ``fut``, whose outcome nobody will read: read it once it comes (a gather
+    cancelled ends with its CancelledError as its exception, which asyncio would log as
+    never retrieved, with a traceback at ERROR level)."""
+    fut.cancel()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 def _refused(name: str) -> Any:
     def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(f"{type(self).__name__}.{name}() would block the event loop: "
@@ -172,11 +180,11 @@ class DPUtilities(AsyncUtilities):
         try:
             await asyncio.wait((fut, dead), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            fut.cancel()
+            _abandon(fut)
             raise
         if fut.done():
             return fut.result()
-        fut.cancel()
+        _abandon(fut)
         raise self._dead_error()
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:

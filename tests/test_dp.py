@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import select
@@ -680,6 +681,30 @@ def test_a_stop_interrupted_while_its_thread_starts_is_waited_for(monkeypatch, t
             if t.name.startswith("dp-stop-engine-"):
                 t.join(5)
     assert over and engine.calls == 1
+
+
+async def test_a_utility_call_given_up_by_its_caller_logs_nothing():
+    """A DP utility under ``wait_for`` that runs out (an engine stopped) left its
+    gather's CancelledError unread: asyncio logged "_GatheringFuture exception was
+    never retrieved", with a traceback, at ERROR level, for every such call."""
+    loop = asyncio.get_running_loop()
+    reported = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    c = make_client(True, True, cfg())
+    try:
+        assert await c.echo_async(1) == 1  # bound to this loop
+        os.kill(c.engine_pids[1], signal.SIGSTOP)
+        for _ in range(2):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.is_sleeping_async(), 0.2)
+        os.kill(c.engine_pids[1], signal.SIGCONT)
+        assert await c.is_sleeping_async() is False
+        gc.collect()  # (a future unread is reported as it is collected)
+        assert reported == []
+    finally:
+        os.kill(c.engine_pids[1], signal.SIGCONT)
+        loop.set_exception_handler(None)
+        await c.shutdown_async()
 
 
 async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_call():
