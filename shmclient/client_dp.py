@@ -258,8 +258,18 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             return
         loop = self._loop
         read = self._forwarded[pos] and loop is not None and not loop.is_closed()
-        self._stop_engines([i for i in range(len(self.engines)) if i != pos or not read],
-                           _DEATH_STOP_TIMEOUT_S)
+        positions = [i for i in range(len(self.engines)) if i != pos or not read]
+        if loop is not None and not loop.is_closed() and _running_loop() is not loop:
+            # Off the loop that watches their channels: the loop stops watching them
+            # first (``_stop_engines`` there), or a descriptor closed meanwhile could be
+            # the number of the app's next socket, whose reader the loop's queued
+            # unwatch would then remove.
+            try:
+                loop.call_soon_threadsafe(self._stop_engines, positions, _DEATH_STOP_TIMEOUT_S)
+                return
+            except RuntimeError:  # closed meanwhile: nothing watches them any more
+                pass
+        self._stop_engines(positions, _DEATH_STOP_TIMEOUT_S)
 
     def _engine_died(self, pos: int, err: BaseException) -> None:
         """In the loop, once engine ``pos`` is gone and what it wrote before went to

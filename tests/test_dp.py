@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import threading
 import time
 
@@ -681,6 +682,60 @@ def test_a_stop_interrupted_while_its_thread_starts_is_waited_for(monkeypatch, t
             if t.name.startswith("dp-stop-engine-"):
                 t.join(5)
     assert over and engine.calls == 1
+
+
+async def test_a_death_seen_off_the_loop_leaves_the_apps_new_sockets_watched():
+    """Engine 1 dies while the loop is busy: the survivor's stop ran in the monitor's
+    thread and closed its channel at once, the loop still watching its descriptor; the
+    app's next socket got that number, and the loop's queued unwatch removed the app's
+    reader (its connection hung). The stop now runs on the loop, which unwatches first."""
+    loop = asyncio.get_running_loop()
+    c = make_client(True, True, cfg())
+    fired = asyncio.Event()
+    made: list = []
+    try:
+        assert await c.echo_async(1) == 1  # bound to this loop
+        fd0 = c.engines[0]._reader._watch.fd
+
+        def closed(fd: int) -> bool:
+            try:
+                os.fstat(fd)
+                return False
+            except OSError:
+                return True
+
+        def busy() -> None:  # the loop at work while the engine dies
+            os.kill(c.engine_pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 1.0  # the off-loop close took milliseconds
+            while not closed(fd0) and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        def app_connects() -> None:  # already scheduled: runs right after
+            for _ in range(64):
+                made.append(socket.socketpair())
+                if not closed(fd0) or fd0 in (made[-1][0].fileno(), made[-1][1].fileno()):
+                    break
+            a, b = made[-1]
+            mine, peer = (b, a) if b.fileno() == fd0 else (a, b)
+            loop.add_reader(mine.fileno(), fired.set)
+            made.append((mine, peer))
+
+        loop.call_soon(busy)
+        loop.call_soon(app_connects)
+        await asyncio.sleep(0)  # (both callbacks run before this task resumes)
+        mine, peer = made[-1]
+        peer.send(b"x")
+        try:
+            await asyncio.wait_for(fired.wait(), 5)
+        finally:
+            loop.remove_reader(mine.fileno())
+        with pytest.raises(EngineDeadError, match="engine 1"):
+            await c.get_output_async(timeout=5)
+    finally:
+        for a, b in made[:-1]:
+            a.close()
+            b.close()
+        await c.shutdown_async()
 
 
 async def test_a_utility_call_given_up_by_its_caller_logs_nothing():
