@@ -40,6 +40,10 @@ class ZmqChannelSpec(msgspec.Struct, frozen=True):
     identity: bytes
 
 
+#: The largest frame the request socket takes from a peer (the registration is empty).
+_REGISTRATION_MAX_BYTES = 64
+
+
 def _data_socket_options(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # unbounded queues, as vLLM: sends never block
@@ -91,6 +95,12 @@ class ZmqChannel:
             for s in (tx, rx):
                 _data_socket_options(s)
             tx.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # Nothing but the engine's empty registration ever comes in on the request
+            # socket, and it is read only until then: anything larger drops the peer
+            # that sent it, and a peer's queue holds a few messages, so that whoever
+            # reaches the port cannot fill this process's memory.
+            tx.setsockopt(zmq.MAXMSGSIZE, _REGISTRATION_MAX_BYTES)
+            tx.setsockopt(zmq.RCVHWM, 4)
             if host is not None:
                 tx.bind(f"tcp://{host}:0")
                 rx.bind(f"tcp://{host}:0")

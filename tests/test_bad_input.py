@@ -599,6 +599,34 @@ def zmq_pair():
     ctx.term()
 
 
+def test_zmq_a_peer_sending_to_the_request_socket_is_dropped(zmq_pair):
+    """The request socket is read only until the engine registered, and took any peer's
+    messages without bound: whoever reached the port could fill the frontend's memory
+    (400 messages of 1 MiB: +400 MiB, for the client's life). A frame past the empty
+    registration now drops the peer that sent it."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    front, engine = zmq_pair
+    mon = front._tx.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    try:
+        rogue.connect(front._tx.getsockopt_string(zmq.LAST_ENDPOINT))
+        rogue.send(b"y" * 4096)
+        assert mon.poll(10_000), "the peer was not dropped"
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+        assert not front._tx.poll(0)  # nothing of it was queued
+        front.send_nowait(REQ_UTILITY, front.encode(UtilityRequest(0, 1, "echo", (1,))))
+        (_, call), = waiting.recv(engine, timeout=5.0)
+        assert call.call_id == 1
+    finally:
+        rogue.close()
+        ctx.term()
+        front._tx.disable_monitor()
+        mon.close(0)
+
+
 def test_zmq_close_waits_for_a_send_under_way(zmq_pair):
     """``close`` closed the request socket under a send in another thread (a zmq socket
     is not thread-safe: undefined behaviour, an assertion in libzmq at worst)."""
