@@ -16,8 +16,12 @@ import zmq
 
 from .errors import ConfigError
 
-#: The most bytes one control message may have: a larger one makes zmq drop the peer
-#: (``ZMQ_MAXMSGSIZE``), before anything of it is read.
+#: The most bytes one frame of a control message may have: a larger frame makes zmq
+#: drop the peer (``ZMQ_MAXMSGSIZE``), before anything of it is read. The limit is per
+#: frame: a message of many frames is read whole, then refused (a control message is
+#: one frame), so a peer that reaches a control port, before it authenticates too, can
+#: make the process hold many such frames at once (zmq has no limit on a message's
+#: frames): a reason to keep a remote engine's ports on a trusted network.
 MAX_MESSAGE_BYTES = 1 << 20
 
 
