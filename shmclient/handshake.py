@@ -68,6 +68,8 @@ class Handshake:
         self.clock = clock
         self.hello = False
         self.started = False
+        #: Called once the engine's ``Hello`` came (its control socket is connected).
+        self.on_hello: Callable[[], None] | None = None
         #: (engine's nonce, frontend's nonce) while the engine's proof is awaited.
         self.challenge: tuple[bytes, bytes] | None = None
         self._deadline = self._timeout = 0.0  # (run() sets them)
@@ -166,6 +168,8 @@ class Handshake:
     def _on(self, msg: control.Message) -> None:
         if isinstance(msg, control.Hello) and not self.hello:
             self.hello = True
+            if self.on_hello is not None:
+                self.on_hello()
             if msg.protocol_version != PROTOCOL_VERSION:
                 raise ControlMessageError(
                     f"the engine at {self.address} speaks protocol {msg.protocol_version}, "

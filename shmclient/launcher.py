@@ -123,6 +123,17 @@ class EngineResources:
         # A local engine's data may go over tcp (zmq with data_parallel_address); its
         # control socket never does: it carries the config and is not authenticated.
         data_tcp = remote or (host is not None and config.transport == "zmq")
+        spec: ShmChannelSpec | ZmqChannelSpec | None = None
+        if config.transport == "shm" and not remote:
+            # (first: its memfds have no name, and the folder below should live as
+            # short a time as it can: a SIGKILL of both sides meanwhile leaves it)
+            self.channel, spec = ShmChannel.create(
+                ring_capacity=config.ring_capacity_bytes,
+                arena_bytes=config.tensor_arena_bytes,
+                spin_us=config.spin_us,
+                wake_fd=wake_fd,
+                enable_cuda_ipc=config.enable_cuda_ipc,
+            )
         if not remote:
             # Only this uid may reach the sockets; removed once the engine is connected.
             self.ipc_dir = control_sockets.IpcDir()
@@ -138,18 +149,12 @@ class EngineResources:
         if remote:
             address = control_sockets.bound_address(self.ctl)
         self.control_address = address
-        if config.transport == "shm" and not remote:
-            self.channel, spec = ShmChannel.create(
-                ring_capacity=config.ring_capacity_bytes,
-                arena_bytes=config.tensor_arena_bytes,
-                spin_us=config.spin_us,
-                wake_fd=wake_fd,
-                enable_cuda_ipc=config.enable_cuda_ipc,
-            )
-        elif data_tcp:
-            self.channel, spec = ZmqChannel.create(self.ctx, host=host)
-        else:
-            self.channel, spec = ZmqChannel.create(self.ctx, self.ipc_dir.address("data"))
+        only_control_in_folder = spec is not None  # (the rings have no name)
+        if spec is None:
+            if data_tcp:
+                self.channel, spec = ZmqChannel.create(self.ctx, host=host)
+            else:
+                self.channel, spec = ZmqChannel.create(self.ctx, self.ipc_dir.address("data"))
         self._rank = rank = config.data_parallel_rank or 0
         if remote:
             port_given = getattr(config, "data_parallel_rpc_port", 0) != 0
@@ -163,6 +168,10 @@ class EngineResources:
             fds = self.channel.handle_fds() if self.channel.handle_fds is not None else ()
             self.proc = engine_process.spawn(config.engine_module, address, fds)
         handshake = self._handshake(config, spec)
+        if only_control_in_folder and self.ipc_dir is not None:
+            # Only the control socket is in the folder, and the engine's Hello says it
+            # is connected: the folder goes then, not after the model's load.
+            handshake.on_hello = self.ipc_dir.remove
         info = handshake.run(timeout)
         channel = self.channel
         if channel.wait_registered is not None:

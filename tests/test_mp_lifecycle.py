@@ -71,6 +71,43 @@ def test_ready_timeout_from_config(monkeypatch):
     assert 0.9 <= time.monotonic() - t0 <= 1.5
 
 
+def test_the_private_socket_folder_goes_once_the_engine_connected_not_after_its_load(monkeypatch):
+    """The folder of the control socket (in the temporary directory) lived through the
+    whole model load: a SIGKILL of frontend and engine meanwhile (a process group's
+    kill, the OOM killer) left it behind. With shared memory it holds only the control
+    socket, which the engine's Hello says is connected: it goes then."""
+    import tempfile
+
+    base = tempfile.gettempdir()
+
+    def folders() -> list[str]:
+        return [n for n in os.listdir(base) if n.startswith(f"shmc-ipc-{os.getpid()}-")]
+
+    errors: list = []
+
+    def start() -> None:
+        try:
+            SyncMPClient(cfg(engine_ready_timeout_s=8.0,
+                             **fault_engine.inject(monkeypatch, "hang_before_ready")))
+        except BaseException as e:  # noqa: BLE001 - the ready timeout, checked below
+            errors.append(e)
+
+    t = threading.Thread(target=start)
+    t.start()
+    try:
+        seen, deadline = False, time.monotonic() + 15
+        while time.monotonic() < deadline:  # made, then gone while the engine "loads"
+            now = bool(folders())
+            seen = seen or now
+            if seen and not now:
+                break
+            time.sleep(0.005)
+        assert seen and not folders() and t.is_alive(), "the folder outlived the Hello"
+    finally:
+        t.join(30)
+    assert isinstance(errors[0], TimeoutError)
+
+
 def test_startup_crash_is_reported_with_exit_code_not_timeout(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="initialization failed.*exit code 7"):
