@@ -321,3 +321,39 @@ def test_a_timeout_past_any_float_is_no_limit_and_an_infinite_spin_is_refused():
     assert waiting.check_timeout(10**400) is None
     with pytest.raises(ValueError, match="finite"):
         RingProducer.create(4096, spin_us=float("inf"))
+
+
+def test_a_receive_waiting_behind_another_threads_long_handler_does_not_spin():
+    """Thread A's receive handler runs long with records still unread: thread B's
+    ``waiting.recv_into`` found the end ready at once and its try refused (A's call),
+    again and again: B spun on the CPU for as long as A's handler ran."""
+    p = RingProducer.create(4096, spin_us=0)
+    c = RingConsumer.attach(p.spec, spin_us=0)
+    try:
+        for i in range(4):
+            p.send_nowait(1, b"rec%d" % i)
+        in_handler, never = threading.Event(), threading.Event()
+
+        def long_handler(rtype, view):
+            in_handler.set()
+            never.wait(0.4)  # the handler's own work, 0.4 s of it
+
+        a = threading.Thread(target=lambda: c.recv_into(long_handler, 1))
+        a.start()
+        assert in_handler.wait(10)
+        got = {}
+
+        def b():
+            cpu = time.thread_time()
+            got["n"] = waiting.recv_into(c, lambda rtype, view: None, timeout=10)
+            got["cpu"] = time.thread_time() - cpu
+
+        tb = threading.Thread(target=b)
+        tb.start()
+        a.join(10)
+        tb.join(10)
+        assert got["n"] == 3
+        assert got["cpu"] < 0.15, got  # (it spun the whole 0.4 s: about 0.25 s of CPU here)
+    finally:
+        c.close()
+        p.close()

@@ -66,6 +66,10 @@ def check_timeout(timeout: float | None) -> float | None:
     return None if seconds == float("inf") else timeout
 
 
+#: The longest pause between the tries of a wait whose end another thread's call holds.
+_BUSY_BACKOFF_MAX_S = 0.001
+
+
 def _block(
     attempt: Callable[[], T],
     wait_once: Callable[..., bool],
@@ -85,6 +89,7 @@ def _block(
     deadline = None if timeout is None else time.monotonic() + timeout
     first = True
     trying = False  # an attempt may be under way (set before it, cleared after WouldBlock)
+    busy = 0  # waits in a row that said ready, then nothing could be taken
     try:
         while True:
             if deadline is None:
@@ -102,6 +107,18 @@ def _block(
             except WouldBlock:
                 pass
             trying = False
+            if ready:
+                # Ready, and yet nothing could be taken twice in a row: another thread's
+                # call holds the end (its receive handler may run long), and each wait
+                # would say ready at once: back off (up to 1 ms) instead of spinning.
+                busy += 1
+                if busy > 1:
+                    pause = min(_BUSY_BACKOFF_MAX_S, 10e-6 * (1 << min(busy, 7)))
+                    if deadline is not None:
+                        pause = min(pause, max(0.0, deadline - time.monotonic()))
+                    time.sleep(pause)
+            else:
+                busy = 0
             if not ready and alive is not None and not alive():
                 trying = True
                 try:
