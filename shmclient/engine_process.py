@@ -47,15 +47,19 @@ def find_engine_module(name: str) -> None:
              "the engine process")
 
 
-def spawn(module: str, control_address: str, pass_fds: Sequence[int]) -> subprocess.Popen:
-    """Start ``python -m <module> <control address> <this pid>``; it inherits ``pass_fds``
-    (the channel's segments and wake pipe, same numbers, so it attaches without going
-    through /proc/<pid>/fd). Never blocks; raises what ``Popen`` raises."""
+def spawn(module: str, control_address: str, pass_fds: Sequence[int],
+          start_timeout_s: float) -> subprocess.Popen:
+    """Start ``python -m <module> <control address> <this pid> <start_timeout_s>``; it
+    inherits ``pass_fds`` (the channel's segments and wake pipe, same numbers, so it
+    attaches without going through /proc/<pid>/fd), and exits if no ``Start`` came within
+    ``start_timeout_s`` (the ready timeout: a start-up interrupted before it kept the
+    process, a Ctrl-C inside ``Popen``, leaves no engine waiting for good). Never blocks;
+    raises what ``Popen`` raises."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(
-        [sys.executable, "-m", module, control_address, str(os.getpid())],
+        [sys.executable, "-m", module, control_address, str(os.getpid()), repr(float(start_timeout_s))],
         env=env, stdin=subprocess.DEVNULL, pass_fds=tuple(pass_fds))
 
 

@@ -166,7 +166,7 @@ class EngineResources:
                                 "data_parallel_rank": rank})
         else:
             fds = self.channel.handle_fds() if self.channel.handle_fds is not None else ()
-            self.proc = engine_process.spawn(config.engine_module, address, fds)
+            self.proc = engine_process.spawn(config.engine_module, address, fds, timeout)
         handshake = self._handshake(config, spec)
         if only_control_in_folder and self.ipc_dir is not None:
             # Only the control socket is in the folder, and the engine's Hello says it

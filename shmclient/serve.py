@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Callable, NoReturn, TypeVar
 
@@ -52,12 +53,19 @@ def _send_dead(ctl: zmq.Socket, error: BaseException, block: bool = True) -> Non
         pass
 
 
-def _wait_for_start(ctl: zmq.Socket, parent_pid: int) -> control.Start | None:
-    """A local engine: ``Hello``, then ``Start`` (None: the frontend died first). Raises
-    ``ControlMessageError`` for anything else but ``Shutdown`` (``PeerDeadError``)."""
+def _wait_for_start(ctl: zmq.Socket, parent_pid: int, wait_s: float) -> control.Start | None:
+    """A local engine: ``Hello``, then ``Start`` (None: the frontend died first, or sent
+    nothing for ``wait_s`` seconds: its start-up was abandoned, e.g. interrupted as it
+    spawned this process, or it gave up itself). Raises ``ControlMessageError`` for
+    anything else but ``Shutdown`` (``PeerDeadError``)."""
     control.send(ctl, control.Hello(pid=os.getpid(), protocol_version=PROTOCOL_VERSION))
+    deadline = time.monotonic() + wait_s
     while True:
         if os.getppid() != parent_pid:
+            return None
+        if time.monotonic() >= deadline:
+            log.error("the frontend (pid %d) sent no Start within %g s: its start-up was "
+                      "abandoned; exiting", parent_pid, wait_s)
             return None
         msg = control.recv(ctl, _SLICE_S)
         if isinstance(msg, control.Start):
@@ -83,7 +91,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
     ``EngineCoreDead``, a control message that is not the protocol's included; 143:
     SIGTERM). Blocks for the engine's whole life; raises nothing.
 
-    ``argv``: ``[control address, frontend pid]``, or ``["--connect", address,
+    ``argv``: ``[control address, frontend pid (, seconds to wait for Start)]``, or ``["--connect", address,
     ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
     sent ``Start`` in time). ``make_core(config, supports_wait=True)``
     builds the core (an ``EngineCore``). ``on_config(config)``, if
@@ -117,7 +125,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
                 log.error("no frontend sent Start at %s within %g s: exiting", address, wait_s)
                 return 1
         else:
-            start = _wait_for_start(ctl, parent_pid)
+            start = _wait_for_start(ctl, parent_pid, wait_s)
             if start is None:
                 return 0
         config = _decode(start.config, EngineConfig, "config")

@@ -108,14 +108,23 @@ class FrontendLink:
 
 
 def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]]:
-    """``[address, frontend pid]`` or ``--connect ADDRESS [--ready-timeout S]``: the
-    control address, the frontend's pid (None when remote) and how long a remote engine
-    waits for START. Raises ``SystemExit`` (usage) for anything else."""
+    """``[address, frontend pid (, seconds)]`` or ``--connect ADDRESS [--ready-timeout
+    S]``: the control address, the frontend's pid (None when remote) and how long the
+    engine waits for START (a local engine without the third argument: while its
+    frontend lives). Raises ``SystemExit`` (usage) for anything else."""
     if argv and not argv[0].startswith("-"):
-        if len(argv) != 2:
-            raise SystemExit("usage: python -m shmclient_engine <control address> <frontend pid>"
-                             " | --connect tcp://HOST:PORT [--ready-timeout S]")
-        return argv[0], int(argv[1]), 0.0, ()
+        usage = ("usage: python -m shmclient_engine <control address> <frontend pid> "
+                 "[<seconds to wait for Start>] | --connect tcp://HOST:PORT [--ready-timeout S]")
+        if len(argv) not in (2, 3):
+            raise SystemExit(usage)
+        try:
+            wait_s = float(argv[2]) if len(argv) == 3 else float("inf")
+            pid = int(argv[1])
+        except ValueError:
+            raise SystemExit(usage) from None
+        if not wait_s > 0:
+            raise SystemExit(usage)
+        return argv[0], pid, wait_s, ()
     import argparse
 
     p = argparse.ArgumentParser(

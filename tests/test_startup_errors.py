@@ -64,3 +64,21 @@ def test_a_start_up_failure_is_reported_once_with_the_engines_text(failure, tran
     assert "RuntimeError" not in err and "initialization failed" not in err, err
     assert "did not exit" not in err and "SIGTERM" not in err, err
     assert "Exception ignored" not in err and "SystemExit" not in err, err
+
+
+def test_an_engine_whose_start_up_was_abandoned_exits_after_the_ready_timeout():
+    """A Ctrl-C inside ``Popen`` (after the fork, before the launcher kept the process)
+    left an engine nothing would stop: it waited for Start for as long as its frontend
+    lived. It is told the ready timeout, and exits once that has passed without Start."""
+    import tempfile
+
+    from shmclient import engine_process
+
+    nobody = f"ipc://{tempfile.gettempdir()}/no-frontend-here"
+    proc = engine_process.spawn("shmclient_engine", nobody, (), 1.0)
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
