@@ -153,7 +153,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_
       interface, ``"0.0.0.0"`` or ``"*"`` for every interface); with it, an engine on the
       ``"zmq"`` transport is reached over tcp (its control and data sockets), else over
       abstract unix sockets. ``data_parallel_size_local`` is how many ranks are started
-      on this host, ranks ``0..local-1`` (``None``: all of them); the others are
+      on this host, ranks ``0..local-1`` (``None``: all of them; behind an external load
+      balancer, where each client serves its own rank as vLLM's, 1 or ``None`` starts it
+      here and 0 awaits it); the others are
       *remote*: not started here, but awaited (up to the ready timeout) until an engine
       started apart, ``python -m shmclient_engine --connect tcp://HOST:PORT``, connects
       to the control socket of its rank. A remote rank always uses the ``"zmq"``
@@ -293,7 +295,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_
         local = self.data_parallel_size_local
         if local is not None:
             _check_int("data_parallel_size_local", local, low=0, high=self.data_parallel_size)
-            if local < self.data_parallel_size and addr is None:
+            if self.data_parallel_external_lb:
+                if local > 1:
+                    _fail("data_parallel_size_local", local,
+                          "behind an external load balancer each client serves one rank: "
+                          "1 (or None) starts its engine here, 0 awaits it over tcp")
+                if local == 0 and addr is None:
+                    _fail("data_parallel_size_local", local,
+                          "the rank is remote (awaited over tcp): give data_parallel_address, "
+                          "the address to listen on")
+            elif local < self.data_parallel_size and addr is None:
                 _fail("data_parallel_size_local", local,
                       f"ranks {local}..{self.data_parallel_size - 1} are remote (awaited "
                       "over tcp): give data_parallel_address, the address to listen on")
@@ -310,8 +321,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_
     def is_remote(self) -> bool:
         """True when this config's engine (rank ``data_parallel_rank``, 0 if None) is
         not started here but awaited over tcp (see ``data_parallel_size_local``)."""
+        return self.rank_is_remote(self.data_parallel_rank or 0)
+
+    def rank_is_remote(self, rank: int) -> bool:
+        """Whether the engine of ``rank`` is awaited over tcp rather than started here:
+        ranks from ``data_parallel_size_local`` on; behind an external load balancer
+        (each client serves its own rank, as vLLM's: a local size of 1 or None), only
+        with a local size of 0."""
         local = self.data_parallel_size_local
-        return local is not None and (self.data_parallel_rank or 0) >= local
+        if local is None:
+            return False
+        if self.data_parallel_external_lb:
+            return local == 0
+        return rank >= local
 
     @property
     def heartbeat_timeout_s(self) -> float:

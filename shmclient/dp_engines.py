@@ -33,14 +33,12 @@ def engine_config(config: EngineConfig, rank: int) -> EngineConfig:
     ``device="cuda"`` (no index), the GPU of that rank, ``"cuda:<rank>"`` (one GPU per
     rank, as vLLM places DP ranks; ``"cuda:N"`` keeps every rank on GPU N; behind an
     external load balancer each rank's process picks its GPU as it likes, e.g. with
-    ``CUDA_VISIBLE_DEVICES``). A remote rank (``rank >= data_parallel_size_local``:
-    not started here, awaited over tcp) gets ``transport="zmq"``, the one transport that
+    ``CUDA_VISIBLE_DEVICES``). A remote rank (``EngineConfig.rank_is_remote``: not
+    started here, awaited over tcp) gets ``transport="zmq"``, the one transport that
     reaches another host, and keeps the device it names (its host places it). Nothing is
     started; raises nothing for a valid config."""
     changes: dict[str, Any] = {"data_parallel_rank": rank}
-    local = config.data_parallel_size_local
-    remote = local is not None and rank >= local
-    if remote:
+    if config.rank_is_remote(rank):
         changes["transport"] = "zmq"
     elif (config.device == "cuda" and config.data_parallel_size > 1
             and not config.data_parallel_external_lb):

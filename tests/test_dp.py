@@ -410,8 +410,13 @@ async def test_same_tokens_as_a_single_engine():
     assert {v[2] for v in got.values()} == {0, 1}  # both engines served
 
 
-async def test_external_lb_client_serves_its_own_rank():
-    c = make_client(True, True, cfg(data_parallel_external_lb=True, data_parallel_rank=1))
+@pytest.mark.parametrize("local", [None, 1])
+async def test_external_lb_client_serves_its_own_rank(local):
+    """vLLM's external load balancer: each rank's client starts its own engine here,
+    with data_parallel_size_local 1 or unset (1 made rank 1 "remote": refused without an
+    address, awaited over tcp with one)."""
+    c = make_client(True, True, cfg(data_parallel_external_lb=True, data_parallel_rank=1,
+                                    data_parallel_size_local=local))
     try:
         await c.add_request_async(req("a"))
         await c.add_request_async(req("b", rank=1))

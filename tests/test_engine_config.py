@@ -96,6 +96,18 @@ def test_ints_past_what_the_config_carries_are_refused_naming_the_field():
             EngineConfig(**{field: value})
 
 
+def test_which_ranks_are_remote_behind_an_external_load_balancer():
+    ext = dict(data_parallel_size=4, data_parallel_external_lb=True, data_parallel_rank=3)
+    assert not EngineConfig(**ext, data_parallel_size_local=1).is_remote
+    assert not EngineConfig(**ext).is_remote
+    assert EngineConfig(**ext, data_parallel_size_local=0, data_parallel_address="127.0.0.1",
+                        transport="zmq").is_remote
+    with pytest.raises(ConfigError, match="each client serves one rank"):
+        EngineConfig(**ext, data_parallel_size_local=2)
+    internal = dict(data_parallel_size=4, data_parallel_size_local=2, data_parallel_address="127.0.0.1")
+    assert [EngineConfig(**internal).rank_is_remote(r) for r in range(4)] == [False, False, True, True]
+
+
 def test_unknown_model_lists_valid_ones():
     with pytest.raises(ConfigError, match="'mock', 'tiny'"):
         EngineConfig(model="llama")
