@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from .channel_spec import ShmChannelSpec, attach_parts, create_parts
-from .errors import PeerDeadError, ProtocolError, WouldBlock
+from .errors import EndBusy, PeerDeadError, ProtocolError, WouldBlock
 from .framing import (  # noqa: F401 - the record types and BadMessage, re-exported from here
     REC_OUTPUTS,
     REC_RELEASE,
@@ -397,7 +397,7 @@ class ShmChannel:
         try:
             self.rx.recv_into(self._on_record, limit)
         except WouldBlock:  # another thread of ours is reading this ring right now
-            raise WouldBlock("another thread is reading this channel") from None
+            raise EndBusy("another thread is reading this channel") from None
         except Exception as e:
             return self._got_then_raise(e)
         if not self._got:

@@ -100,6 +100,12 @@ class WouldBlock(ShmClientError, BlockingIOError):
     after waiting on the channel's wait handle (``shmclient.waiting``)."""
 
 
+class EndBusy(WouldBlock):
+    """The ``WouldBlock`` of a receive refused because another thread of this side is in
+    a call on the end (its handler may run long): the wait handle may say ready at once
+    meanwhile, so a waiter backs off instead of retrying at once."""
+
+
 class PeerTimeoutError(ShmClientError, TimeoutError):
     """A bounded wait on the peer ran out. Subclasses say which side is stalled."""
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from . import _ring
 from .doorbell import drain_pipe
-from .errors import WouldBlock
+from .errors import EndBusy, WouldBlock
 from .ring import Ring
 
 
@@ -90,7 +90,7 @@ class RingConsumer(Ring):
         if n == 0 and c.poll() == 0:
             return 0  # nothing there and the producer is still open
         if not self._lock.acquire(False):
-            raise WouldBlock(f"another thread is in a call on this {self.role} end")
+            raise EndBusy(f"another thread is in a call on this {self.role} end")
         try:
             if self._closed:
                 raise self._closed_error()
@@ -99,7 +99,7 @@ class RingConsumer(Ring):
             if self._closed:  # the handler closed this end
                 raise self._closed_error()
             if n is None:
-                raise WouldBlock(f"another thread is in a call on this {self.role} end")
+                raise EndBusy(f"another thread is in a call on this {self.role} end")
             if not n and c.poll() == 2:
                 raise self._peer_dead()
             return n

@@ -357,3 +357,25 @@ def test_a_receive_waiting_behind_another_threads_long_handler_does_not_spin():
     finally:
         c.close()
         p.close()
+
+
+def test_a_wait_that_takes_fragments_or_releases_never_backs_off(monkeypatch):
+    """The back-off for an end another thread holds took every 'ready, yet nothing whole'
+    for it: a message in fragments through a small ring (each round takes some) paused
+    up to 1 ms a round, ten times slower (8 MiB through 64 KiB: 144 ms against 14)."""
+    pauses = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: pauses.append(s) or real_sleep(s))
+    p = RingProducer.create(64 << 10, spin_us=50)
+    c = RingConsumer.attach(p.spec, spin_us=50)
+    try:
+        got = {}
+        t = threading.Thread(target=lambda: got.update(m=waiting.recv(c, timeout=60)))
+        t.start()
+        waiting.send(p, 1, bytes(4 << 20), timeout=60)
+        t.join(60)
+        assert [(rtype, len(bytes(m))) for rtype, m in got["m"]] == [(1, 4 << 20)]
+        assert pauses == []
+    finally:
+        c.close()
+        p.close()

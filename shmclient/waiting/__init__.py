@@ -21,7 +21,7 @@ import asyncio
 import time
 from typing import Any, Callable, TypeVar
 
-from ..errors import (PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock,
+from ..errors import (EndBusy, PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock,
                       mark_not_sent)
 from .protocols import (
     CAPABILITIES,
@@ -104,13 +104,15 @@ def _block(
             trying = True
             try:
                 return attempt()
-            except WouldBlock:
-                pass
+            except EndBusy:
+                held = True
+            except WouldBlock:  # (nothing whole yet: a fragment or a release was taken)
+                held = False
             trying = False
-            if ready:
-                # Ready, and yet nothing could be taken twice in a row: another thread's
-                # call holds the end (its receive handler may run long), and each wait
-                # would say ready at once: back off (up to 1 ms) instead of spinning.
+            if ready and held:
+                # Ready, and yet the end was refused, twice in a row: another thread's
+                # call holds it (its receive handler may run long), and each wait would
+                # say ready at once: back off (up to 1 ms) instead of spinning.
                 busy += 1
                 if busy > 1:
                     pause = min(_BUSY_BACKOFF_MAX_S, 10e-6 * (1 << min(busy, 7)))
