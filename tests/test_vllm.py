@@ -1237,6 +1237,41 @@ def test_sync_client_shut_down_while_it_is_being_built_closes_its_channels():
     assert closed == [True]
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_request_ring_the_engine_broke_makes_the_engine_dead(kind):
+    """The engine stored a request-ring tail outside the protocol (the ring's end raises
+    RingCorruptError and closes itself): the plug-in's sends let it out bare, not
+    vLLM's EngineDeadError, and the engine was not marked dead (every later send raised
+    it again)."""
+    import types
+
+    from vllm.v1.engine import EngineCoreRequestType
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from shmclient.errors import RingCorruptError
+    from shmclient.vllm.frontend import ShmSyncMPClient
+    from shmclient.vllm.frontend_async import ShmAsyncMPClient
+
+    def corrupt(*args, **kw):
+        raise RingCorruptError("ring protocol violation seen by the producer: tail = 12288")
+
+    cls = ShmSyncMPClient if kind == "sync" else ShmAsyncMPClient
+    client = cls.__new__(cls)
+    client.resources = types.SimpleNamespace(engine_dead=False)
+    link = types.SimpleNamespace(sends=types.SimpleNamespace(send=corrupt, start=corrupt),
+                                 channel=types.SimpleNamespace(cancel_handles=lambda placed: None,
+                                                               discard=lambda rtype, payload: None))
+    with pytest.raises(EngineDeadError):
+        if kind == "sync":
+            client.ensure_alive = lambda: None
+            client._link = link
+            client._encode = lambda link, request: ([b"frame"], [])
+            client._ring_send(EngineCoreRequestType.ABORT, ["x"])
+        else:
+            client._send_frames(link, 1, [b"frame"], [])
+    assert client.resources.engine_dead
+
+
 def test_switch_off_changes_nothing():
     env = {k: v for k, v in os.environ.items() if k != "SHMCLIENT_VLLM"}
     out = subprocess.run([sys.executable, "-c", SWITCH_OFF], env=env, capture_output=True, text=True, timeout=120)

@@ -27,7 +27,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import NOT_SENT, ClientClosedError, PeerDeadError, not_sent
+from ..errors import NOT_SENT, ClientClosedError, PeerDeadError, ProtocolError, not_sent
 from . import wire
 from .link import _close_links, _engine_pids, _Link, _start_with_links
 
@@ -205,6 +205,17 @@ class _LinkIO:
                 raise
         except (PeerDeadError, ClientClosedError):
             raise self._dead() from None
+        except ProtocolError as e:  # the engine broke the request ring's protocol
+            raise self._request_ring_broken(e) from None
+
+    def _request_ring_broken(self, e: ProtocolError) -> EngineDeadError:
+        """The request ring is broken (the engine stored a position outside the protocol:
+        the ring's end closed itself): nothing more can go to the engine, which is taken
+        for dead (logged with why; vLLM's EngineDeadError says no more)."""
+        from . import log
+
+        log.error("shmclient.vllm: the request ring to the engine is broken: %s", e)
+        return self._dead()
 
     def _close_link(self) -> None:
         self._link_finalizer()

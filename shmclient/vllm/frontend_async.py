@@ -27,7 +27,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from ..errors import ClientClosedError, PeerDeadError
+from ..errors import ClientClosedError, PeerDeadError, ProtocolError
 from . import wire
 from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO, _message
 from .link import _Link
@@ -146,6 +146,8 @@ class _AsyncRings(_LinkIO):
         except (PeerDeadError, ClientClosedError):
             link.channel.discard(rtype, payload)
             raise self._dead() from None
+        except ProtocolError as e:  # the engine broke the request ring's protocol
+            raise self._request_ring_broken(e) from None
         return _done(asyncio.get_running_loop()) if pending is None else pending
 
     def _send_failed(self, link: _Link, rtype: int, payload):
@@ -159,6 +161,8 @@ class _AsyncRings(_LinkIO):
                 return EngineDeadError()
             if isinstance(e, (PeerDeadError, ClientClosedError)):
                 return self._dead()
+            if isinstance(e, ProtocolError):
+                return self._request_ring_broken(e)
             return e
 
         return failed
