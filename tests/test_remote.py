@@ -93,6 +93,17 @@ def reap(proc: subprocess.Popen, timeout: float = 10.0) -> int:
         raise
 
 
+def sync_client_of(engine: subprocess.Popen, port: int) -> SyncMPClient:
+    """A plain client of ``engine`` (from ``start_remote``), which is killed if the
+    client cannot start."""
+    try:
+        return SyncMPClient(remote_cfg(port))
+    except BaseException:
+        engine.kill()
+        reap(engine)
+        raise
+
+
 def remote_cfg(port: int, **kw) -> EngineConfig:
     """One remote engine behind a plain client."""
     return EngineConfig(model="mock", max_model_len=512, transport="zmq",
@@ -252,12 +263,7 @@ def test_a_frontend_held_up_by_its_gpu_query_does_not_take_its_live_engine_for_d
     monkeypatch.setattr(handshake, "local_gpu_uuids", slow_uuids)
     port = free_port()
     engine = start_remote(f"tcp://{HOST}:{port}")
-    try:
-        c = SyncMPClient(remote_cfg(port))
-    except BaseException:
-        engine.kill()
-        reap(engine)
-        raise
+    c = sync_client_of(engine, port)
     try:
         assert c.echo("x") == "x"
     finally:
@@ -293,12 +299,7 @@ def test_the_start_up_judges_the_engines_silence_only_with_nothing_unread():
 def test_a_fatal_error_in_a_remote_engine_reaches_the_client():
     port = free_port()
     engine = start_remote(f"tcp://{HOST}:{port}", module=FAULT_MODULE, fault="raise_in_step:1")
-    try:
-        c = SyncMPClient(remote_cfg(port))
-    except BaseException:
-        engine.kill()
-        reap(engine)
-        raise
+    c = sync_client_of(engine, port)
     try:
         c.add_request(req("a"))
         with pytest.raises(EngineDeadError, match="injected fault in step 1"):
@@ -325,12 +326,7 @@ def test_sync_client_of_a_remote_engine_gives_one_engines_tokens_and_stops_it():
     want = asyncio.run(one_engine_tokens(reqs))
     port = free_port()
     engine = start_remote(f"tcp://{HOST}:{port}")
-    try:
-        c = SyncMPClient(remote_cfg(port))
-    except BaseException:
-        engine.kill()
-        reap(engine)
-        raise
+    c = sync_client_of(engine, port)
     try:
         assert c.engine_pid == engine.pid
         assert isinstance(c.channel, ZmqChannel)
