@@ -15,6 +15,7 @@ shutdown from a running loop, which loop it binds to): docs/design.md, "Module n
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, Callable
 
 from .config import EngineConfig
@@ -40,12 +41,12 @@ class AsyncMPClient(AsyncUtilities, MPClient):
 
     _asyncio = True
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, _abandon: threading.Event | None = None) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Set by ``forward_outputs``: told of the engine's death, after its last outputs.
         self._forward_dead: Callable[[EngineDeadError], None] | None = None
         self._death_task: asyncio.Task | None = None
-        super().__init__(config)
+        super().__init__(config, _abandon=_abandon)
         self.resources.before_close(self._reader.unwatch_hook())
 
     def _make_sends(self):

@@ -68,7 +68,9 @@ class MPClient(EngineCoreClient):
     #: True in a process forked from the one that built the client (see forksafe).
     _forked = False
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, _abandon: threading.Event | None = None) -> None:
+        # (``_abandon``: a data-parallel group's start, ``dp_engines.start_engines``: once
+        # set, a start still waiting for its engine gives up, PeerNotProducingError.)
         self.config = config  # never mutated: capacity comes back in attributes
         #: Held by the one thread (or event-loop task) that is reading the channel, and
         #: by shutdown() while it closes the channel under any reader.
@@ -77,7 +79,7 @@ class MPClient(EngineCoreClient):
         self._finalizer = weakref.finalize(self, self.resources.shutdown)
         try:
             info = self.resources.start(
-                config, wake_fd=self._asyncio and config.transport == "shm"
+                config, wake_fd=self._asyncio and config.transport == "shm", abandon=_abandon
             )
         except BaseException as e:
             # The engine never became ready. One that reported its failure is exiting on

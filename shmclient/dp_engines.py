@@ -49,8 +49,9 @@ def engine_config(config: EngineConfig, rank: int) -> EngineConfig:
 def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
     """Start one ``AsyncMPClient`` per rank, concurrently (one thread each, so start-up
     takes about as long as one engine's), each with ``engine_config(config, rank)``.
-    Blocks until all are ready. If any fails, the others are shut down and the first
-    failure is raised as the client raised it (``ConfigError``,
+    Blocks until all are ready. If any fails, the starts still under way give up (a
+    remote rank no longer waits out its ready timeout), the others are shut down and the
+    first failure is raised as the client raised it (``ConfigError``,
     ``PeerNotProducingError``, ``EngineDeadError``). Interrupted (a KeyboardInterrupt
     while it waits), it waits for the starts under way, shuts down every engine that
     started and re-raises; interrupted again meanwhile, each start still under way
@@ -61,11 +62,17 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
         return [cls(configs[0])]
     pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")
     futs: list[concurrent.futures.Future] = []
+    abandon = threading.Event()
+    first_failed: list[concurrent.futures.Future] = []
     all_over = False
     try:
         try:
             for c in configs:
-                futs.append(pool.submit(cls, c))
+                futs.append(pool.submit(cls, c, _abandon=abandon))
+            done, _ = concurrent.futures.wait(futs, return_when=concurrent.futures.FIRST_EXCEPTION)
+            first_failed = [f for f in futs if f in done and f.exception() is not None]
+            if first_failed:
+                abandon.set()  # the others give up (within a poll slice), not at their timeout
             concurrent.futures.wait(futs)
             all_over = True
         except BaseException:
@@ -86,11 +93,11 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
         # as the starts do, each stopping its engine.)
         pool.shutdown(wait=all_over)
     started = [f.result() for f in futs if f.exception() is None]
-    errors = [f.exception() for f in futs if f.exception() is not None]
+    errors = [f.exception() for f in first_failed or futs if f.exception() is not None]
     if errors:
         for c in started:
             c.shutdown(timeout=0.0)
-        raise errors[0]
+        raise errors[0]  # (one that failed first, not one abandoned for it)
     return started
 
 

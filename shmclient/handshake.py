@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -74,13 +75,19 @@ class Handshake:
         self.challenge: tuple[bytes, bytes] | None = None
         self._deadline = self._timeout = 0.0  # (run() sets them)
 
-    def run(self, timeout: float) -> control.Ready:
+    def run(self, timeout: float, abandon: threading.Event | None = None) -> control.Ready:
         """Blocks until the engine is ready (its ``Ready``), up to ``timeout`` seconds;
-        raises one of the errors of the module docstring."""
+        raises one of the errors of the module docstring. ``abandon`` set (another start
+        of its data-parallel group failed): PeerNotProducingError within a poll slice."""
         deadline = self._deadline = time.monotonic() + timeout
         self._timeout = timeout
         clock = self.clock
         while True:
+            if abandon is not None and abandon.is_set():
+                raise PeerNotProducingError(
+                    f"the start of the engine of data-parallel rank "
+                    f"{self.config.data_parallel_rank or 0} was abandoned: another engine "
+                    "of its group failed to start")
             wait = max(0.0, deadline - time.monotonic())
             if clock is not None and self.hello:
                 clock.beat(self.ctl)

@@ -106,7 +106,8 @@ class EngineResources:
         self.proc = None
 
     # -- start ------------------------------------------------------------------------
-    def start(self, config: EngineConfig, *, wake_fd: bool) -> control.Ready:
+    def start(self, config: EngineConfig, *, wake_fd: bool,
+              abandon: threading.Event | None = None) -> control.Ready:
         """Create the channel, spawn the engine (or, for a remote rank, wait for one to
         connect) and wait for its ``Ready``. Raises ``ConfigError`` (``engine_module``
         cannot be run, an address that cannot be bound, or the engine's own
@@ -172,7 +173,7 @@ class EngineResources:
             # Only the control socket is in the folder, and the engine's Hello says it
             # is connected: the folder goes then, not after the model's load.
             handshake.on_hello = self.ipc_dir.remove
-        info = handshake.run(timeout)
+        info = handshake.run(timeout, abandon)
         channel = self.channel
         if channel.wait_registered is not None:
             # (registered before its Ready: only a death or a lost connection holds it up)

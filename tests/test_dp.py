@@ -842,7 +842,7 @@ def test_an_interrupted_start_stops_every_engine_that_started(monkeypatch):
     rank0_up, starts_over, armed = threading.Event(), threading.Event(), [True]
     main = threading.main_thread().ident
 
-    def start(config):
+    def start(config, **_kw):
         try:
             if config.data_parallel_rank == 1:
                 assert rank0_up.wait(30)
@@ -932,7 +932,7 @@ def test_a_second_ctrl_c_while_a_group_start_winds_down_returns_at_once(monkeypa
         winding_down.set()  # (called at once for rank 0's start, which is done)
         real_stop(fut)
 
-    def start(config):
+    def start(config, **_kw):
         rank = config.data_parallel_rank
         if rank == 1:
             assert rank0_up.wait(30)
@@ -973,7 +973,7 @@ def test_a_second_ctrl_c_in_the_stop_of_one_started_engine_skips_no_other(monkey
             winding_down.set()
             second_sent.wait(10)  # the second Ctrl-C lands here, in the first stop
 
-    def start(config):
+    def start(config, **_kw):
         rank = config.data_parallel_rank
         if rank == 2:
             assert up.wait(30)

@@ -36,6 +36,7 @@ from shmclient import (
     PeerNotProducingError,
     SamplingParams,
     SyncMPClient,
+    make_client,
 )
 from shmclient.channel import ShmChannel
 from shmclient.channel_zmq import ZmqChannel
@@ -294,6 +295,19 @@ def test_the_start_up_judges_the_engines_silence_only_with_nothing_unread():
         ours.close(0)
         engines.close(0)
         ctx.term()
+
+
+def test_a_local_start_up_failure_in_a_mixed_group_is_reported_at_once(monkeypatch):
+    """Rank 0 (here) fails to start while rank 1 (remote) is awaited: the failure came
+    only once rank 1's ready timeout had passed (600 s by default), as the group waited
+    for every start. The remote rank's wait now gives up as soon as rank 0 failed."""
+    from .fault_engine import inject
+
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        make_client(True, True, group_cfg(port, **inject(monkeypatch, "exit_before_ready:3")))
+    assert time.monotonic() - t0 < 30  # far below the ready timeout (60 s here)
 
 
 def test_a_fatal_error_in_a_remote_engine_reaches_the_client():
