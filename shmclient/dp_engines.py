@@ -53,9 +53,9 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
     remote rank no longer waits out its ready timeout), the others are shut down and the
     first failure is raised as the client raised it (``ConfigError``,
     ``PeerNotProducingError``, ``EngineDeadError``). Interrupted (a KeyboardInterrupt
-    while it waits), it waits for the starts under way, shuts down every engine that
-    started and re-raises; interrupted again meanwhile, each start still under way
-    shuts its engine down when it completes."""
+    while it waits), it tells the starts under way to give up, waits for them, shuts
+    down every engine that started and re-raises; interrupted again meanwhile, each
+    start still under way shuts its engine down when it completes."""
     cls = _async_client_class()
     configs = [engine_config(config, r) for r in ranks]
     if len(configs) == 1:
@@ -79,7 +79,10 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
             # Nothing will own the engines that start: each is shut down as its start
             # completes, whatever interrupts the wait below; the starts still under way
             # are told first, then those done are stopped (here: a second Ctrl-C may
-            # land in one of those stops, which goes on in its own thread).
+            # land in one of those stops, which goes on in its own thread). And they give
+            # up waiting for their engines (a remote rank would be awaited up to its
+            # ready timeout; a start submitted but not yet recorded here ends too).
+            abandon.set()
             done = [f for f in futs if f.done()]
             for f in futs:
                 if f not in done:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -307,6 +308,30 @@ def test_a_local_start_up_failure_in_a_mixed_group_is_reported_at_once(monkeypat
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exit code 3"):
         make_client(True, True, group_cfg(port, **inject(monkeypatch, "exit_before_ready:3")))
+    assert time.monotonic() - t0 < 30  # far below the ready timeout (60 s here)
+
+
+def test_ctrl_c_while_a_group_awaits_a_remote_rank_returns_at_once(monkeypatch):
+    """Ctrl-C while a group's start waits for its remote rank (nobody connects): the
+    interrupted start waited for the starts under way, so for the remote rank's whole
+    ready timeout (600 s by default) before the KeyboardInterrupt came out."""
+    from shmclient import dp_engines
+
+    from .drivers import ctrl_c_when
+
+    rank0_up = threading.Event()
+
+    def start(config, **kw):
+        client = AsyncMPClient(config, **kw)
+        if config.data_parallel_rank == 0:
+            rank0_up.set()
+        return client
+
+    monkeypatch.setattr(dp_engines, "_async_client_class", lambda: start)
+    port = free_port()
+    t0 = time.monotonic()
+    with ctrl_c_when(rank0_up, timeout=60), pytest.raises(KeyboardInterrupt):
+        make_client(True, True, group_cfg(port))
     assert time.monotonic() - t0 < 30  # far below the ready timeout (60 s here)
 
 
