@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .errors import EngineDeadError, UsageError, UtilityCallError
+from .errors import EngineDeadError, UtilityCallError
 from .messages import LoRARequest
 from .validate import check_utility_call
 
@@ -145,25 +145,6 @@ def _abandon(fut: asyncio.Future) -> None:
     never retrieved, with a traceback at ERROR level)."""
     fut.cancel()
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def _refused(name: str) -> Any:
-    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise UsageError(f"{type(self).__name__}.{name}() would block the event loop: "
-                         f"await {name}_async(...) instead")
-
-    refuse.__name__ = refuse.__qualname__ = name
-    refuse.__doc__ = f"Refused with ``UsageError``: an asyncio client's form is ``{name}_async``."
-    return refuse
-
-
-# The blocking names of the sync clients, on every async client (vLLM's async clients
-# inherit them from EngineCoreClient, raising NotImplementedError): a UsageError that
-# names the awaitable form, rather than an AttributeError.
-for _name in ("add_request", "get_output", "abort_requests", "call_utility",
-              *(n[:-len("_async")] for n in list(vars(AsyncUtilities)) if n.endswith("_async"))):
-    setattr(AsyncUtilities, _name, _refused(_name))
-del _name
 
 
 class DPUtilities(AsyncUtilities):

@@ -90,8 +90,10 @@ class RingCorruptError(ProtocolError):
 
 
 class UsageError(ShmClientError, TypeError, RuntimeError):
-    """A client was called in a way it does not support (a blocking method of
-    ``AsyncMPClient``, a second event loop); the message says what to call instead."""
+    """A client was called in a way it does not support (an ``AsyncMPClient`` used from a
+    second event loop); the message says what to do instead. (``AsyncMPClient`` has no
+    blocking methods at all, only the ``*_async`` forms: a blocking call on it is an
+    ``AttributeError`` a type checker sees.)"""
 
 
 class WouldBlock(ShmClientError, BlockingIOError):

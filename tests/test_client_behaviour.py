@@ -279,21 +279,6 @@ async def test_tiny_seeded_sampling_reproducible(tiny_client):
     assert toks[0] == toks[1]
 
 
-async def test_the_blocking_names_on_an_async_client_say_what_to_await(mock_client):
-    """errors.UsageError says so; they were missing (AttributeError, not a ShmClientError;
-    vLLM's async clients raise NotImplementedError for them)."""
-    from shmclient import UsageError
-
-    drv = mock_client
-    if not drv.is_async:
-        pytest.skip("a sync client")
-    for name, args in (("get_output", ()), ("add_request", (req("x"),)), ("echo", (1,)),
-                       ("abort_requests", (["x"],)), ("call_utility", ("echo", 1))):
-        with pytest.raises(UsageError, match=f"await {name}_async"):
-            getattr(drv.client, name)(*args)
-    assert await drv.client.echo_async(3) == 3
-
-
 async def test_get_output_refuses_a_bad_timeout_on_every_client(mock_client):
     """The in-process client took any ``timeout`` (-1, a string) and stepped."""
     from shmclient import InvalidRequestError
