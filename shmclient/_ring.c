@@ -140,6 +140,10 @@ PyDoc_STRVAR(RING_DOC,
 "* Fork: an end made before fork() is the parent's. A pthread_atfork hook bumps a\n"
 "  generation in the child; every entry point compares it (one compare) and raises\n"
 "  ForkedError, so a child never writes, reads, releases or closes its parent's ring.\n"
+"  A receive handler or a signal handler inside a wait that forked compares it again\n"
+"  when it returns, before touching the mapping. forget() drops the child's copy of the\n"
+"  mapping without a store to it (a call of the forking thread, or a record view the\n"
+"  child holds, keeps it until it ends).\n"
 "* An end whose __init__ did not complete (made with __new__, or its __init__ raised)\n"
 "  has no mapping. Its generation is 0, which no process's is, so the same compare\n"
 "  refuses every call with ValueError; the getters check it too. __init__ runs once: a\n"
@@ -316,6 +320,8 @@ typedef struct {
     pid_t pid;          /* the process that made this end (for the error message) */
     const char *role;
     PyObject *broken;   /* the message of the protocol violation that closed the end */
+    PyObject *on_drop;  /* called once a mapping detach() or forget() left in place is
+                           dropped (the owner then unmaps it) */
 } End;
 
 static int end_init_buffer(End *self, PyObject *mapping) {
@@ -355,6 +361,24 @@ static void end_drop_buffer(End *self) {
     self->base = self->data = NULL;
 }
 
+/* The last call, view or waiter that kept a detached (or forgotten) end's mapping has
+   gone: drop it and tell the owner (on_drop), keeping any exception being raised. */
+static void end_drop_late(End *self) {
+    self->detach_pending = 0;
+    end_drop_buffer(self);
+    PyObject *cb = self->on_drop;
+    self->on_drop = NULL;
+    if (cb) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallNoArgs(cb);
+        if (r) Py_DECREF(r);
+        else PyErr_WriteUnraisable(cb);
+        PyErr_Restore(et, ev, tb);
+        Py_DECREF(cb);
+    }
+}
+
 /* Every call that entered with end_enter leaves through here. */
 static inline void end_leave(End *self) {
     self->busy = 0;
@@ -362,14 +386,12 @@ static inline void end_leave(End *self) {
         atomic_fetch_add_explicit(&self->idle_seq, 1, memory_order_relaxed);
         syscall(SYS_futex, (uint32_t *)&self->idle_seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     }
-    if (self->detach_pending && self->views == 0 && self->waiters == 0) {
-        self->detach_pending = 0;
-        end_drop_buffer(self);
-    }
+    if (self->detach_pending && self->views == 0 && self->waiters == 0) end_drop_late(self);
 }
 
 static void end_dealloc(End *self) {
     Py_CLEAR(self->broken);
+    Py_CLEAR(self->on_drop);
     if (self->buf.obj) PyBuffer_Release(&self->buf);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -451,7 +473,8 @@ static int end_wait_idle(End *self) {
     rc = syscall(SYS_futex, (uint32_t *)&self->idle_seq, FUTEX_WAIT_PRIVATE, s, NULL, NULL, 0);
     err = errno;
     Py_END_ALLOW_THREADS
-    self->idle_waiters--;
+    if (self->idle_waiters > 0) self->idle_waiters--; /* (forget() zeroed it in a child
+                                                          forked by a signal handler) */
     if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) return -1;
     return 0;
 }
@@ -607,9 +630,14 @@ static int wait_common(End *self, ready_fn ready, size_t flag_off, size_t seq_of
         rc = futex_wait(seq, s, left);
         err = errno;
         Py_END_ALLOW_THREADS
-        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) {
-            r = -1;
-            break;
+        if (rc == -1 && err == EINTR) {
+            if (PyErr_CheckSignals() < 0) {
+                r = -1;
+                break;
+            }
+            /* the handler forked and this is the child: the mapping is the parent's, and
+               forget() may have dropped it; touch nothing of it */
+            if (self->gen != fork_gen) return end_forked(self);
         }
         /* EAGAIN (the word moved), ETIMEDOUT, EINTR or a wake: re-check at the top */
     }
@@ -641,12 +669,10 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
     e->waiters++;
     if (first && counted_off) stat_add(e->base, counted_off, 1);
     int r = wait_common(e, ready, flag_off, seq_off, spin, timeout);
+    if (e->gen != fork_gen) return NULL; /* forked by a signal handler: see wait_common */
     if (r == W_READY) stat_add(e->base, spins_off, 1);
     else if (r == W_WOKEN || r == W_SLEPT) stat_add(e->base, blocks_off, 1);
-    if (--e->waiters == 0 && e->detach_pending && !e->busy && e->views == 0) {
-        e->detach_pending = 0;
-        end_drop_buffer(e);
-    }
+    if (--e->waiters == 0 && e->detach_pending && !e->busy && e->views == 0) end_drop_late(e);
     if (r < 0) return NULL;
     return PyLong_FromLong(r);
 }
@@ -999,19 +1025,59 @@ static PyObject *end_close_common(End *e, size_t my_flag) {
     Py_RETURN_NONE;
 }
 
-/* detach(): drop the mapping (after close(), when no thread can be inside). */
-static PyObject *end_detach(End *self, PyObject *unused) {
+/* Keep the mapping until the last call, view or waiter has gone, then call on_drop. */
+static int end_drop_later(End *self, PyObject *on_drop) {
+    if (on_drop && on_drop != Py_None && !PyCallable_Check(on_drop)) {
+        PyErr_SetString(PyExc_TypeError, "on_drop must be callable or None");
+        return -1;
+    }
+    self->detach_pending = 1;
+    Py_XSETREF(self->on_drop, on_drop && on_drop != Py_None ? Py_NewRef(on_drop) : NULL);
+    return 0;
+}
+
+/* detach([on_drop]): drop the mapping (after close()). From inside a handler, with views
+   still alive or a thread asleep in a wait, the running call, the last view or the last
+   waiter drops it, then calls on_drop() (the owner unmaps: its unmap failed meanwhile). */
+static PyObject *end_detach(End *self, PyObject *args) {
+    PyObject *on_drop = NULL;
+    if (!PyArg_ParseTuple(args, "|O:detach", &on_drop)) return NULL;
     if (end_forked(self) < 0) return NULL;
     if (!self->closed) {
         PyErr_SetString(PyExc_RuntimeError, "detach() before close()");
         return NULL;
     }
-    if (self->busy || self->views || self->waiters) /* from inside a handler, views still
-                                      alive, or a thread asleep in a wait: the running call,
-                                      the last view or the last waiter drops it */
-        self->detach_pending = 1;
-    else
+    if (!self->base) Py_RETURN_NONE;
+    if (self->busy || self->views || self->waiters) {
+        if (end_drop_later(self, on_drop) < 0) return NULL;
+    } else {
         end_drop_buffer(self);
+    }
+    Py_RETURN_NONE;
+}
+
+/* forget([on_drop]): in a forked child, let go of the parent's mapping without writing a
+   byte of it (no closed flag, no wake-up: the ring is the parent's). The parent's other
+   threads are not in this process: their waits and calls are forgotten; a call of this
+   thread (a handler that forked) or a record view still alive here keeps the mapping
+   until it ends, then on_drop() is called, as for detach(). */
+static PyObject *end_forget(End *self, PyObject *args) {
+    PyObject *on_drop = NULL;
+    if (!PyArg_ParseTuple(args, "|O:forget", &on_drop)) return NULL;
+    if (!self->gen || self->gen == fork_gen) {
+        PyErr_SetString(PyExc_RuntimeError, "forget() is for an end a forked child inherited");
+        return NULL;
+    }
+    self->closed = 1;
+    self->waiters = self->sleepers = 0;
+    self->idle_waiters = 0;
+    if (self->busy && self->busy_ts != PyThreadState_Get()) self->busy = 0;
+    if (!self->base) Py_RETURN_NONE;
+    if (self->busy || self->views) {
+        if (end_drop_later(self, on_drop) < 0) return NULL;
+    } else {
+        end_drop_buffer(self);
+    }
     Py_RETURN_NONE;
 }
 
@@ -1081,7 +1147,12 @@ static PyMethodDef producer_methods[] = {
      "write (a lost wake-up is impossible: see the module docstring)."},
     {"close", (PyCFunction)producer_close, METH_NOARGS,
      "Publish, mark this side closed and wake every waiter. Idempotent."},
-    {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
+    {"detach", (PyCFunction)end_detach, METH_VARARGS,
+     "detach(on_drop=None): drop the mapping (after close); while a call, view or waiter "
+     "still uses it, the last of them drops it and calls on_drop()."},
+    {"forget", (PyCFunction)end_forget, METH_VARARGS,
+     "forget(on_drop=None): in a forked child, drop the parent's mapping without writing to "
+     "it (while this thread's call or a view uses it, later, then on_drop())."},
     {NULL}};
 
 static PyObject *producer_get_peer_closed(Producer *self, void *c) {
@@ -1139,10 +1210,7 @@ static void recview_releasebuffer(RecView *self, Py_buffer *view) {
 
 static void recview_dealloc(RecView *self) {
     End *e = (End *)self->owner;
-    if (e && --e->views == 0 && e->detach_pending && !e->busy && e->waiters == 0) {
-        e->detach_pending = 0;
-        end_drop_buffer(e);
-    }
+    if (e && --e->views == 0 && e->detach_pending && !e->busy && e->waiters == 0) end_drop_late(e);
     Py_XDECREF(self->owner);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1553,6 +1621,12 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
                 }
                 Py_DECREF(rv);
             }
+            if (self->e.gen != fork_gen) { /* the handler forked: this is the child */
+                if (!exc) {
+                    end_forked(&self->e);
+                    exc = get_raised();
+                }
+            }
             if (exc) {
                 set_raised(exc);
                 failed = 1;
@@ -1564,7 +1638,7 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
     }
     PyObject *exc = failed ? get_raised() : NULL;
     int rr = 0;
-    if (!self->e.closed) {
+    if (!self->e.closed && self->e.gen == fork_gen) {
         rr = c_release(self, nrec, nbytes);
         c_rearm(self);
     }
@@ -1610,6 +1684,17 @@ static PyObject *consumer_close_impl(End *e) {
 static PyObject *consumer_close(Consumer *self, PyObject *unused) {
     if (end_forked(&self->e) < 0) return NULL;
     return consumer_close_impl(&self->e);
+}
+
+/* forget() of a consumer: its pins (the parent's views a handler kept) go first; a view
+   this child still holds keeps the mapping (see end_forget). */
+static PyObject *consumer_forget(Consumer *self, PyObject *args) {
+    if (self->e.gen && self->e.gen != fork_gen) {
+        Py_CLEAR(self->frag);
+        if (self->pinned && PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL) < 0)
+            return NULL;
+    }
+    return end_forget(&self->e, args);
 }
 
 static PyObject *consumer_rearm(Consumer *self, PyObject *unused) {
@@ -1669,7 +1754,12 @@ static PyMethodDef consumer_methods[] = {
     {"poll", (PyCFunction)consumer_poll, METH_NOARGS, "1 data, 2 producer closed, 0 nothing."},
     {"close", (PyCFunction)consumer_close, METH_NOARGS,
      "Mark this side closed and wake every waiter. Idempotent."},
-    {"detach", (PyCFunction)end_detach, METH_NOARGS, "Drop the mapping (after close)."},
+    {"detach", (PyCFunction)end_detach, METH_VARARGS,
+     "detach(on_drop=None): drop the mapping (after close); while a call, view or waiter "
+     "still uses it, the last of them drops it and calls on_drop()."},
+    {"forget", (PyCFunction)consumer_forget, METH_VARARGS,
+     "forget(on_drop=None): in a forked child, drop the parent's mapping without writing to "
+     "it (while this thread's call or a view uses it, later, then on_drop())."},
     {NULL}};
 
 static PyObject *consumer_get_peer_closed(Consumer *self, void *c) {

@@ -193,11 +193,14 @@ class Ring:
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this end belongs to the parent; never close it from here,
-        and every use raises ForkedError (the C end refuses it too)."""
+        and every use raises ForkedError (the C end refuses it too). The child's copies
+        of the mapping and descriptors are let go of at once (a record view it still
+        holds keeps the mapping until it is gone)."""
         self._finalizer.detach()
         self._forked = True
         self._closed = True
         self._final_statistics = None
+        self._res.forget_after_fork()
 
     # ----------------------------------------------------------------- lifecycle
 

@@ -57,6 +57,27 @@ class Resources:
         self.space_r = -1  # the producer's: its space pipe's read end
         self.ends: list = []  # the C end: dropped before the mapping is closed
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: let go of this process's copies (mapping, descriptors)
+        without writing a byte of the parent's ring. A record view the child still holds
+        keeps the mapping until it is gone."""
+        on_drop = self.seg.close if self.seg is not None else None
+        for end in self.ends:
+            end.forget(on_drop)
+        self.ends.clear()
+        fds = [self.wake_w, self.space_w, *self.fds]
+        self.wake_w = self.wake_r = self.space_w = self.space_r = -1
+        self.fds.clear()
+        if self.seg is not None:
+            self.seg.release_handle()
+            self.seg.close()
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
     def unlink(self) -> None:
         """Release the segment's handle (the peer has attached): it no longer opens. The
         wake pipe's write end stays until ``release``: a pipe whose last writer closed
@@ -65,9 +86,13 @@ class Resources:
             self.seg.release_handle()
 
     def release(self) -> None:
+        # A C end still used (a thread waits on it, a handler runs, a view lives) keeps
+        # its mapping; the last of them drops it and calls seg.close() again, which
+        # then unmaps (the first one below could not).
+        on_drop = self.seg.close if self.seg is not None else None
         for end in self.ends:
             end.close()
-            end.detach()
+            end.detach(on_drop)
         self.ends.clear()
         self.unlink()
         for name in ("wake_w", "space_w"):

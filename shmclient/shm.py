@@ -205,7 +205,7 @@ class Segment:
     """A mapped shared-memory segment. ``buf`` is a writable memoryview of all of it;
     ``name`` is the handle a peer attaches with (``Segment.attach(name)``)."""
 
-    __slots__ = ("name", "size", "owner", "fd", "_mmap", "buf", "reserved", "__weakref__")
+    __slots__ = ("name", "size", "owner", "fd", "_mmap", "_lingering", "buf", "reserved", "__weakref__")
 
     def __init__(self, name: str, size: int, owner: bool, mm: mmap.mmap, fd: int) -> None:
         self.name = name
@@ -213,6 +213,7 @@ class Segment:
         self.owner = owner
         self.fd = fd  # the creator's fd behind the handle; -1 once released
         self._mmap: mmap.mmap | None = mm
+        self._lingering: mmap.mmap | None = None  # closed, but a view kept it mapped
         self.buf: memoryview = memoryview(mm)
         #: Whether the memory behind it is known to be reserved (``reserve()``).
         self.reserved = True
@@ -348,18 +349,20 @@ class Segment:
     unlink = release_handle  # the name this step had when segments were named
 
     def close(self) -> None:
-        """Unmap (idempotent; the handle stays valid until ``release_handle``). Views still
-        exported keep the memory until they are freed."""
+        """Unmap (idempotent; the handle stays valid until ``release_handle``). While a
+        view of it is still exported (a received tensor, a ring end a thread still waits
+        on) the mapping stays: a later ``close()`` unmaps it once they are gone, else it
+        goes with this object."""
         mm, self._mmap = self._mmap, None
         if mm is None:
-            return
+            mm, self._lingering = self._lingering, None
+            if mm is None:
+                return
         try:
             self.buf.release()
             mm.close()
         except BufferError:
-            # Someone still holds a view (e.g. a received tensor); the mapping is freed
-            # when the last view goes.
-            pass
+            self._lingering = mm
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.size} bytes"

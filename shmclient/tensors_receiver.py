@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import forksafe
 from .errors import SerializationError
 from .shm import Segment
 from .tensors_handles import ALIGN, ARENA, ONE_OFF, check_handle
@@ -58,6 +59,7 @@ class ShmTensorReceiver:
         #: The sender's pid: a one-off handle must name one of its segments (None: any
         #: pid, for a pair in one process). Set from the handshake.
         self.peer_pid: int | None = None
+        forksafe.register(self)
 
     def get(self, handle: list, nbytes: int) -> np.ndarray:
         """A 1-D uint8 array of the block's bytes, valid for as long as it (or anything
@@ -185,6 +187,13 @@ class ShmTensorReceiver:
     def in_use(self) -> int:
         """How many zero-copy views of the arena are still alive."""
         return len(self._live)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: let go of this process's copy of the arena's mapping (a
+        tensor received before the fork keeps it while it lives here)."""
+        self._closed = True
+        self._buf = None  # type: ignore[assignment]
+        self._seg.close()
 
     def close(self) -> None:
         """Stop receiving and unmap (deferred until received views are gone). Idempotent."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from . import forksafe
 from .errors import SerializationError, ShmCapacityError
 from .shm import Segment
 from .stats import TensorStatistics
@@ -173,6 +174,7 @@ class ShmTensorSender:
         self._cuda: Any = None
         self._closed = False
         self._used = self._peak = 0
+        forksafe.register(self)
         self._n = collections.Counter()
 
     def set_peer_gpus(self, peer_gpu_uuids: "list[str] | None") -> None:
@@ -404,6 +406,17 @@ class ShmTensorSender:
                 sent_inline_fallback=self._n["inline_fallback"],
                 released=self._n["released"],
             )
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: let go of this process's copies of the arena's mapping and
+        the one-offs' handles (the parent's blocks stay as they are)."""
+        self._closed = True
+        segs, self._oneoffs = list(self._oneoffs.values()), {}
+        self._blocks = {}
+        for seg in segs:
+            seg.release_handle()
+        self._arena = None  # type: ignore[assignment]
+        self._seg.close()
 
     def close(self) -> None:
         """Unlink one-offs still in flight, drop shared CUDA tensors, unmap. Idempotent."""

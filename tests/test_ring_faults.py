@@ -268,6 +268,171 @@ def test_a_forked_child_dropping_a_kept_view_moves_nothing_of_the_parents():
         c.close()
 
 
+def _mapped(handle: str) -> int:
+    """This process's mappings of the memfd behind ``handle`` (its inode ends it)."""
+    ino = handle.rsplit(":", 1)[1]
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/memfd:" in line and line.split()[4] == ino)
+
+
+def test_a_forked_child_unmaps_its_parents_ring_once_its_kept_view_is_gone():
+    """A forked child kept its copies of the parent's ring mappings until it exited. It
+    lets go of them at the fork without writing to the ring, except the consumer's while
+    the child still holds a view a handler kept, which it can read until it drops it."""
+    c, p, kept = _a_kept_view()
+    handle = c.spec.segment
+    try:
+        assert _mapped(handle) == 2
+        tail = c.statistics().tail
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once
+            try:
+                seen = [_mapped(handle), int(bytes(kept[0]) == b"A" * 100)]
+                kept.clear()
+                gc.collect()
+                seen.append(_mapped(handle))
+                os.write(w, " ".join(map(str, seen)).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            report = os.read(r, 100).decode()
+        finally:
+            os.close(r)
+            assert os.waitpid(pid, 0)[1] == 0
+        assert report == "1 1 0", "child: mappings with the view, view intact, mappings without it"
+        assert _mapped(handle) == 2 and c.statistics().tail == tail and c.pinned == 1
+        assert not p.peer_closed and not c.peer_closed
+    finally:
+        kept.clear()
+        p.close()
+        c.close()
+
+
+def _child_report(r: int, pid: int) -> str:
+    try:
+        report = os.read(r, 200).decode()
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return report if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else f"status {status}"
+
+
+def test_a_receive_handler_that_forks_releases_nothing_from_the_child():
+    """A handler forks and the child returns from it: the child's copy of the call went
+    on to release the records read, moving the parent's ring position while the
+    parent's handler still read them."""
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
+    seen: list = []
+
+    def handler(rtype, view):
+        if seen:
+            return
+        tail = c.statistics().tail
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            seen.append(w)  # the child returns from the handler: the call goes on here
+            return
+        os.close(w)
+        seen.append((_child_report(r, pid), c.statistics().tail == tail, bytes(view)))
+
+    try:
+        waiting.send(p, 1, b"one")
+        waiting.send(p, 2, b"two")
+        try:
+            c.recv_into(handler)
+        except BaseException as e:
+            if isinstance(seen[0], int):  # the child
+                os.write(seen[0], type(e).__name__.encode())
+                os._exit(0)
+            raise
+        if isinstance(seen[0], int):
+            os._exit(1)  # the child: its call ended without an error
+        assert seen[0] == ("ForkedError", True, b"one")
+        assert c.statistics().tail > 0 and c.try_recv() == []
+    finally:
+        p.close()
+        c.close()
+
+
+def test_a_signal_handler_that_forks_inside_a_wait_leaves_the_childs_wait_safely():
+    """A signal handler run inside a consumer's wait forks: the child's wait resumes on
+    a mapping the fork let go of; it must raise ForkedError, not read it."""
+    c = RingConsumer.create(4096)
+    p = RingProducer.attach(c.spec)
+    child: list = []
+    parent: list = []
+
+    def on_alarm(signum, frame):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            child.append(w)
+            return
+        os.close(w)
+        p.try_send(1, b"after")  # the parent's wait then ends with it
+        parent.append(_child_report(r, pid))
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        try:
+            got = waiting.recv(c, timeout=10, spin=0.0)
+        except BaseException as e:
+            if child:
+                os.write(child[0], type(e).__name__.encode())
+                os._exit(0)
+            raise
+        if child:
+            os._exit(1)
+        assert parent == ["ForkedError"] and got == [(1, b"after")]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        p.close()
+        c.close()
+
+
+def test_a_ring_end_closed_under_a_waiting_thread_unmaps_when_the_waiter_leaves(monkeypatch):
+    """A producer closed while another thread waits in it for room kept its mapping
+    until the ring object was dropped; it goes when that waiter leaves now."""
+    monkeypatch.setattr(waiting, "LIVENESS_S", 30.0)  # one wait, woken by the close
+    c = RingConsumer.create(256)
+    p = RingProducer.attach(c.spec)
+    handle = c.spec.segment
+    errors: list = []
+
+    def wait_for_room():
+        try:
+            waiting.send(p, 2, b"B" * 200, timeout=30)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait_for_room)
+    try:
+        assert p.try_send(1, b"A" * 200)
+        t.start()
+        deadline = time.monotonic() + 10
+        while p.statistics().waits_on_full == 0:  # counted inside the C wait
+            assert time.monotonic() < deadline, "the sender never waited"
+            time.sleep(0.001)
+        assert _mapped(handle) == 2
+        p.close()
+        t.join(10)
+        assert not t.is_alive() and type(errors[0]).__name__ == "ClientClosedError"
+        assert _mapped(handle) == 1  # the consumer's; p (still referenced) let go of its own
+    finally:
+        p.close()
+        t.join(10)
+        c.close()
+    assert _mapped(handle) == 0
+
+
 def test_a_closed_producer_is_read_to_the_end_first():
     c = RingConsumer.create(4096)
     p = RingProducer.attach(c.spec)

@@ -195,6 +195,46 @@ def memfd_bytes(prefix: str = "/memfd:shmc") -> dict[str, int]:
     return out
 
 
+def _served(client, rid: str) -> None:
+    while not any(o.request_id == rid and o.finished for o in client.get_output(timeout=30).outputs):
+        pass
+
+
+def test_a_forked_child_holds_none_of_its_parents_shared_memory():
+    """A worker forked while a client lives (multiprocessing's default start on Linux)
+    kept the client's rings and tensor arenas mapped for its whole life (136 MiB with
+    the defaults), also after the parent's shutdown. It maps none of them now, and the
+    parent's client goes on being served."""
+    import os
+
+    client = build("sync-shm", CFG)
+    try:
+        embeds = torch.randn(200, CFG.hidden_size)  # 25 KiB: reserves the request arena
+        client.add_request(EngineCoreRequest(request_id="e", prompt_embeds=embeds,
+                                             sampling_params=req("e", max_tokens=2).sampling_params))
+        _served(client, "e")
+        assert any(k.startswith("/memfd:shmc-t") for k in memfd_bytes())
+        assert any(not k.startswith("/memfd:shmc-t") for k in memfd_bytes())
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave at once
+            try:
+                os.write(w, repr(sorted(memfd_bytes())).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            report = os.read(r, 1 << 16).decode()
+        finally:
+            os.close(r)
+            assert os.waitpid(pid, 0)[1] == 0
+        assert report == "[]", f"the child still maps {report}"
+        client.add_request(req("after", max_tokens=2))
+        _served(client, "after")
+    finally:
+        client.shutdown()
+
+
 def test_fresh_client_holds_only_its_rings_and_an_arena_is_reserved_on_first_use():
     """A client that never sends a tensor never holds its tensor arenas' memory: they
     are reserved by their sender on the first tensor that goes through one."""

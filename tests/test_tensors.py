@@ -841,3 +841,39 @@ def test_ctrl_c_as_a_segment_is_created_leaves_no_descriptor(monkeypatch):
         Segment.create(1 << 16, prefix="shmc-t")
     monkeypatch.undo()
     assert mine() == before
+
+
+def _mapped(handle: str) -> int:
+    """This process's mappings of the memfd behind ``handle`` (its inode ends it)."""
+    ino = handle.rsplit(":", 1)[1]
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/memfd:" in line and line.split()[4] == ino)
+
+
+def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair):
+    """A forked child kept its copies of the parent's arena mappings for its life (both
+    ends here: sender and receiver). It lets go of them at the fork, except the one a
+    tensor received before the fork still reads: that one stays, readable (it goes with
+    the child's copy of the receiver, not with the tensor: README Limits)."""
+    src = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: a view, not a copy
+    got = pair.send({"t": src})["t"]  # a zero-copy view into the arena
+    handle = pair.sender._seg.name
+    assert _mapped(handle) == 2
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave at once
+        try:
+            # (numpy: the thread pool of torch may hang in a forked child)
+            want = np.arange(64 * 1024, dtype=np.float32)
+            seen = [_mapped(handle), int(np.array_equal(got.numpy(), want))]
+            os.write(w, " ".join(map(str, seen)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        report = os.read(r, 100).decode()
+    finally:
+        os.close(r)
+        assert os.waitpid(pid, 0)[1] == 0
+    assert report == "1 1", "child: mappings while it holds the tensor, tensor intact"
+    assert _mapped(handle) == 2 and torch.equal(got, src)  # the parent's are untouched
