@@ -114,3 +114,22 @@ def test_vllm_segments_nobody_holds_are_swept_and_held_ones_stay(_resource_track
         from multiprocessing import resource_tracker
 
         resource_tracker.unregister(f"/{name}", "shared_memory")  # swept: nothing left to track
+
+
+def test_a_segment_left_open_or_mapped_is_a_leak():
+    """shmclient's segments are memfds, which /dev/shm never shows: one a test leaves
+    mapped (a ring end never closed) or open (a handle never released) is caught too."""
+    from shmclient.shm import Segment
+
+    check = LeakCheck()
+    seg = Segment.create(8192)
+    try:
+        problems = check.problems()
+        assert len(problems) == 1 and problems[0].startswith("shared memory still open or mapped")
+        assert "fd " in problems[0] and "map " in problems[0]
+        seg.close()
+        assert "map " not in check.problems()[0]  # the handle is still open
+    finally:
+        seg.close()
+        seg.release_handle()
+    assert check.problems() == []
