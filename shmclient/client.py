@@ -263,6 +263,12 @@ class SyncEngineCoreClient(EngineCoreClient):
         them. In ``mode="wait"`` the call returns once the running requests finished."""
         self.call_utility("sleep", level, mode)
 
+    def release_kv_cache_memory(self) -> None:
+        """Free the engine's KV cache memory (vLLM's): only after a pause has completed,
+        with no request left and the engine not asleep (else ``UtilityCallError``
+        carrying the engine's RuntimeError). ``wake_up(["kv_cache"])`` undoes it."""
+        self.call_utility("release_kv_cache_memory")
+
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache", "scheduling"; None: all);
         scheduling resumes once nothing is asleep. True when fully awake."""

@@ -70,6 +70,10 @@ class AsyncUtilities:
         """Async form of ``sleep``."""
         await self._utility("sleep", level, mode)
 
+    async def release_kv_cache_memory_async(self) -> None:
+        """Async form of ``release_kv_cache_memory``."""
+        await self._utility("release_kv_cache_memory")
+
     async def wake_up_async(self, tags: list[str] | None = None) -> bool:
         """Async form of ``wake_up``."""
         return await self._utility("wake_up", tags)

@@ -213,5 +213,6 @@ UTILITY_METHODS = (
     "list_loras",
     "pin_lora",
     "set_weight_version",
+    "release_kv_cache_memory",
     "get_weight_version",
 )

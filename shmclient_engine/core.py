@@ -58,7 +58,7 @@ UTILITY_METHODS = frozenset({
     "sleep", "wake_up", "is_sleeping", "pause_scheduler", "resume_scheduler",
     "is_scheduler_paused", "execute_dummy_batch", "collective_rpc", "save_sharded_state",
     "get_supported_tasks", "add_lora", "remove_lora", "list_loras", "pin_lora",
-    "set_weight_version", "get_weight_version",
+    "set_weight_version", "get_weight_version", "release_kv_cache_memory",
 })
 
 #: Utilities added with ``register_utility``: name -> fn(core, *args).
@@ -120,6 +120,7 @@ _CORE_DRIVEN = {
     "reserve": "each step runs it",
     "sleep": "call the sleep utility",
     "wake_up": "call the wake_up utility",
+    "discard_kv_cache": "call the release_kv_cache_memory utility",
 }
 
 
@@ -575,6 +576,21 @@ class EngineCore:
         if not self._asleep:
             self.resume_scheduler()
         return not self._asleep
+
+    def release_kv_cache_memory(self) -> None:
+        """Drop the KV cache's memory (vLLM's): only once a pause has completed, with no
+        request left and the rest of the engine's memory resident (else RuntimeError,
+        nothing dropped). The engine then counts as asleep on "kv_cache":
+        ``wake_up(["kv_cache"])`` (or ``wake_up()``) makes it whole again and, nothing
+        else asleep, resumes scheduling."""
+        if not self.is_scheduler_paused() or self.scheduler.has_unfinished_requests() \
+                or self._pause_waiters:
+            raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
+        if self._asleep:
+            raise RuntimeError("release_kv_cache_memory() requires all executor memory to be resident")
+        self._reset_caches()
+        self.model.discard_kv_cache()
+        self._asleep = {"kv_cache"}
 
     def is_sleeping(self) -> bool:
         """Asleep at any level: memory freed, or (level 0) the scheduler paused."""

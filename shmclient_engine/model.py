@@ -118,6 +118,10 @@ class Model:
     def wake_up(self, tags: set[str]) -> None:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache")."""
 
+    def discard_kv_cache(self) -> None:
+        """Release the KV cache's memory (no request runs); ``wake_up({"kv_cache"})``
+        makes it usable again."""
+
     def num_cached_requests(self) -> int:
         """How many requests the model holds state for (tests check it goes to 0)."""
         return 0

@@ -150,6 +150,10 @@ class TinyModel(Model):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def discard_kv_cache(self) -> None:
+        self._caches.clear()  # (built again per request as it runs)
+        self._pool_sums.clear()
+
     def wake_up(self, tags: set[str]) -> None:
         if "weights" not in tags or self.weights is not None:
             return

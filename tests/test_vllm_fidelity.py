@@ -145,6 +145,23 @@ async def test_sleep_level_0_pauses_and_wake_up_scheduling_resumes(drv):
     assert await drv.util("wake_up") is True
 
 
+async def test_release_kv_cache_memory_needs_a_completed_pause_and_wake_up_undoes_it(drv):
+    # vLLM's: refused unless the scheduler is paused with no request left and nothing
+    # asleep; then the engine sleeps on "kv_cache" until wake_up(["kv_cache"]), and a
+    # request sent meanwhile runs after it.
+    with pytest.raises(UtilityCallError, match="requires a completed pause"):
+        await drv.util("release_kv_cache_memory")
+    await drv.util("pause_scheduler", "abort")
+    assert await drv.util("release_kv_cache_memory") is None
+    assert await drv.util("is_sleeping") is True
+    with pytest.raises(UtilityCallError, match="requires all executor memory to be resident"):
+        await drv.util("release_kv_cache_memory")
+    await drv.add(req("after-release", max_tokens=3))
+    assert await drv.util("wake_up", ["kv_cache"]) is True
+    assert await drv.util("is_sleeping") is False
+    assert len((await drv.collect(["after-release"]))["after-release"]["tokens"]) == 3
+
+
 async def test_sleep_wait_returns_after_in_flight_requests_finish(drv):
     # vLLM's mode="wait": the call returns once the running requests have finished;
     # in-process it raises ValueError (nothing steps the engine while the caller waits).
