@@ -21,12 +21,21 @@ def register(obj) -> None:
 
 
 def _after_fork_in_child() -> None:
+    # Every object is visited, whatever one of them raises: a KeyboardInterrupt (or a
+    # SystemExit from a handler) landing here must not leave the rest unforgotten, whose
+    # finalizers would then close the parent's rings and stop its engine at the child's
+    # exit. The first such exception is raised again at the end (reported as unraisable:
+    # an at-fork hook cannot raise into the child).
+    raised = None
     for obj in list(_owners):
         try:
             obj._forget_after_fork()
-        except Exception:  # pragma: no cover - never let a fork fail for this
-            pass
+        except BaseException as e:  # noqa: BLE001
+            if raised is None and not isinstance(e, Exception):
+                raised = e
     _owners.clear()
+    if raised is not None:
+        raise raised
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

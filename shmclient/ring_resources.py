@@ -56,27 +56,19 @@ class Resources:
         self.space_w = -1  # a write end of the producer's space pipe (both ends keep one)
         self.space_r = -1  # the producer's: its space pipe's read end
         self.ends: list = []  # the C end: dropped before the mapping is closed
+        self.detached: list = []  # the C ends once released (one may still hold the mapping)
 
     def forget_after_fork(self) -> None:
-        """In a forked child: let go of this process's copies (mapping, descriptors)
-        without writing a byte of the parent's ring. A record view the child still holds
-        keeps the mapping until it is gone."""
+        """In a forked child: let go of this process's copy of the mapping without
+        writing a byte of the parent's ring (a record view the child still holds keeps
+        it until it is gone). The descriptors stay as they are: a child may pass them on
+        (Popen's pass_fds runs these hooks when it has a preexec_fn); they close at its
+        exec or exit."""
         on_drop = self.seg.close if self.seg is not None else None
-        for end in self.ends:
+        for end in (*self.ends, *self.detached):
             end.forget(on_drop)
-        self.ends.clear()
-        fds = [self.wake_w, self.space_w, *self.fds]
-        self.wake_w = self.wake_r = self.space_w = self.space_r = -1
-        self.fds.clear()
         if self.seg is not None:
-            self.seg.release_handle()
             self.seg.close()
-        for fd in fds:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
     def unlink(self) -> None:
         """Release the segment's handle (the peer has attached): it no longer opens. The
@@ -93,6 +85,7 @@ class Resources:
         for end in self.ends:
             end.close()
             end.detach(on_drop)
+        self.detached += self.ends  # (a fork before its waiter left: forget_after_fork)
         self.ends.clear()
         self.unlink()
         for name in ("wake_w", "space_w"):

@@ -18,6 +18,7 @@ import math
 import os
 import select
 import stat
+import weakref
 
 from .capacity import (  # noqa: F401 - memory_limits & co. re-exported from here too
     DEFAULT_MARGIN,
@@ -27,6 +28,7 @@ from .capacity import (  # noqa: F401 - memory_limits & co. re-exported from her
     margin_bytes,
     memory_limits,
 )
+from . import forksafe
 from .errors import ShmCapacityError
 
 PAGE = mmap.PAGESIZE
@@ -213,10 +215,12 @@ class Segment:
         self.owner = owner
         self.fd = fd  # the creator's fd behind the handle; -1 once released
         self._mmap: mmap.mmap | None = mm
-        self._lingering: mmap.mmap | None = None  # closed, but a view kept it mapped
+        #: The mapping a close could not unmap (a view kept it), while it lives.
+        self._lingering: weakref.ref | None = None
         self.buf: memoryview = memoryview(mm)
         #: Whether the memory behind it is known to be reserved (``reserve()``).
         self.reserved = True
+        forksafe.register(self)
 
     @classmethod
     def create(
@@ -355,14 +359,25 @@ class Segment:
         goes with this object."""
         mm, self._mmap = self._mmap, None
         if mm is None:
-            mm, self._lingering = self._lingering, None
+            ref = self._lingering
+            mm = ref() if ref is not None else None
             if mm is None:
                 return
+        # Kept before the try: a close that runs meanwhile (a ring end letting go of its
+        # view in another thread) must find it. Weak: the last view's death unmaps.
+        self._lingering = weakref.ref(mm)
         try:
             self.buf.release()
             mm.close()
         except BufferError:
-            self._lingering = mm
+            return
+        self._lingering = None
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: unmap this process's copy now, or as soon as the views of
+        it this child holds are gone (the handle's descriptor is left as it is: a child
+        may pass it on, e.g. Popen's pass_fds)."""
+        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.size} bytes"

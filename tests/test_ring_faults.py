@@ -785,3 +785,123 @@ def test_a_wall_clock_step_does_not_stretch_a_wait(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout) < 2.0
+
+
+def test_a_popen_with_preexec_fn_still_passes_a_rings_handles():
+    """With a preexec_fn, Popen runs the at-fork hooks in its child before exec: the
+    hook that lets go of the rings closed the descriptors pass_fds names (the ring's
+    handles, ``handle_fds()``), and Popen raised EBADF."""
+    c = RingConsumer.create(4096, consumer_wake_fd=True)
+    try:
+        fds = c.handle_fds()
+        probe = "import os, sys; print(all(os.path.exists(f'/proc/self/fd/{fd}') for fd in sys.argv[1:]))"
+        r = subprocess.run([sys.executable, "-c", probe, *map(str, fds)], pass_fds=fds,
+                           preexec_fn=lambda: None, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+    finally:
+        c.close()
+
+
+def test_a_segment_closed_under_a_view_unmaps_once_the_view_is_gone():
+    """close() while a view of the segment lives keeps the mapping for the view: it
+    was kept (strongly) for as long as the Segment object lived, after the view died."""
+    from shmclient.shm import Segment
+
+    seg = Segment.create(8192)
+    handle = seg.name
+    try:
+        view = seg.buf[:16]
+        seg.close()
+        assert _mapped(handle) == 1  # for the view
+        del view
+        gc.collect()
+        assert _mapped(handle) == 0
+    finally:
+        seg.release_handle()
+
+
+def test_a_close_racing_a_failed_close_still_unmaps():
+    """A close fails on a view; before it notes the mapping for later, the view goes and
+    a second close runs (a ring end letting go of its view in another thread calls it).
+    That second close found nothing to unmap, then the first kept the mapping for the
+    Segment's life. The profile hook runs the second close at that point."""
+    from shmclient.shm import Segment
+
+    seg = Segment.create(8192)
+    handle = seg.name
+    views = [seg.buf[:16]]
+    fired: list = []
+
+    def at_the_failure(frame, event, arg):
+        if event == "c_exception" and not fired and frame.f_code is Segment.close.__code__:
+            fired.append(arg)
+            views.clear()
+            seg.close()
+
+    try:
+        sys.setprofile(at_the_failure)
+        try:
+            seg.close()
+        finally:
+            sys.setprofile(None)
+        assert fired
+        gc.collect()
+        assert _mapped(handle) == 0
+    finally:
+        seg.release_handle()
+
+
+def test_a_ring_released_before_a_fork_is_still_forgotten_in_the_child():
+    """A ring end released while another thread still waited in it (its C end keeps the
+    mapping until that waiter leaves) and then a fork: release() had let go of its C
+    ends, so the child never told them to forget, and its copy, counting the waiter
+    that is not in the child, kept the mapping for the child's life."""
+    from shmclient.ring_resources import Resources
+
+    calls: list = []
+
+    class End:
+        def close(self):
+            calls.append("close")
+
+        def detach(self, on_drop=None):
+            calls.append("detach")
+
+        def forget(self, on_drop=None):
+            calls.append("forget")
+
+    res = Resources(owner=False)
+    res.ends.append(End())
+    res.release()
+    res.forget_after_fork()
+    assert calls == ["close", "detach", "forget"]
+
+
+def test_a_keyboardinterrupt_in_a_fork_hook_leaves_no_object_unforgotten():
+    """A Ctrl-C (or a SIGTERM handler's SystemExit) landing in the child's fork hook
+    ended it there: the objects not yet visited were never told, and their finalizers
+    then closed the parent's rings and stopped its engine at the child's exit."""
+    from shmclient import forksafe
+
+    r, w = os.pipe()
+
+    class Owner:
+        def _forget_after_fork(self):
+            os.write(w, b"x")
+            raise KeyboardInterrupt
+
+    owners = [Owner(), Owner()]
+    for o in owners:
+        forksafe.register(o)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.close(w)
+    got = b""
+    try:
+        while chunk := os.read(r, 16):
+            got += chunk
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    assert got == b"xx"

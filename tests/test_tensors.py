@@ -853,8 +853,8 @@ def _mapped(handle: str) -> int:
 def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair):
     """A forked child kept its copies of the parent's arena mappings for its life (both
     ends here: sender and receiver). It lets go of them at the fork, except the one a
-    tensor received before the fork still reads: that one stays, readable (it goes with
-    the child's copy of the receiver, not with the tensor: README Limits)."""
+    tensor received before the fork still reads, which stays readable and goes with the
+    tensor."""
     src = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: a view, not a copy
     got = pair.send({"t": src})["t"]  # a zero-copy view into the arena
     handle = pair.sender._seg.name
@@ -866,6 +866,9 @@ def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair)
             # (numpy: the thread pool of torch may hang in a forked child)
             want = np.arange(64 * 1024, dtype=np.float32)
             seen = [_mapped(handle), int(np.array_equal(got.numpy(), want))]
+            del got
+            gc.collect()
+            seen.append(_mapped(handle))
             os.write(w, " ".join(map(str, seen)).encode())
         finally:
             os._exit(0)
@@ -875,5 +878,5 @@ def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair)
     finally:
         os.close(r)
         assert os.waitpid(pid, 0)[1] == 0
-    assert report == "1 1", "child: mappings while it holds the tensor, tensor intact"
+    assert report == "1 1 0", "child: mappings with the tensor, tensor intact, mappings without it"
     assert _mapped(handle) == 2 and torch.equal(got, src)  # the parent's are untouched
