@@ -24,8 +24,9 @@ def _after_fork_in_child() -> None:
     # Every object is visited, whatever one of them raises: a KeyboardInterrupt (or a
     # SystemExit from a handler) landing here must not leave the rest unforgotten, whose
     # finalizers would then close the parent's rings and stop its engine at the child's
-    # exit. The first such exception is raised again at the end (reported as unraisable:
-    # an at-fork hook cannot raise into the child).
+    # exit. An at-fork hook cannot raise into the child: CPython reports the first such
+    # exception as unraisable and the child goes on (a Ctrl-C delivered again from here
+    # would be raised inside this hook too).
     raised = None
     for obj in list(_owners):
         try:

@@ -98,11 +98,15 @@ class EngineResources:
         forksafe.register(self)
 
     def _forget_after_fork(self) -> None:
-        """In a forked child: the engine is the parent's; shutdown() here does nothing."""
+        """In a forked child: the engine is the parent's; shutdown() here does nothing.
+        Takes no lock: one another thread of the parent held at the fork stays held in
+        the child (the Event is replaced by a new one, set)."""
         self._shutting_down = True
         next(self._stop_claims)
         self._stop_claimed = True
-        self._shutdown_finished.set()
+        finished = threading.Event()  # (a lock of its own, which nobody holds)
+        finished.set()
+        self._shutdown_finished = finished
         self.proc = None
 
     # -- start ------------------------------------------------------------------------

@@ -153,6 +153,8 @@ class TinyModel(Model):
     def discard_kv_cache(self) -> None:
         self._caches.clear()  # (built again per request as it runs)
         self._pool_sums.clear()
+        if self.device.type == "cuda":  # the freed blocks go back to the device
+            torch.cuda.empty_cache()
 
     def wake_up(self, tags: set[str]) -> None:
         if "weights" not in tags or self.weights is not None:

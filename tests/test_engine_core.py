@@ -808,3 +808,20 @@ def test_a_wait_pause_of_a_sleeping_engine_with_requests_kept_is_refused():
         assert not c.is_sleeping()
     finally:
         c.shutdown()
+
+
+def test_release_kv_cache_memory_gives_a_cuda_models_freed_blocks_back(monkeypatch):
+    """On a CUDA device the tiny model's discarded KV blocks stayed in torch's caching
+    allocator (sleep empties it; release_kv_cache_memory did not)."""
+    from shmclient_engine.tiny import TinyModel
+
+    emptied: list = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    model = TinyModel.__new__(TinyModel)
+    model._caches, model._pool_sums = {"r": object()}, {"r": object()}
+    model.device = torch.device("cuda")
+    model.discard_kv_cache()
+    assert emptied == [1] and not model._caches and not model._pool_sums
+    model.device = torch.device("cpu")
+    model.discard_kv_cache()
+    assert emptied == [1]

@@ -955,3 +955,34 @@ def test_a_death_callback_registered_as_the_engine_dies_runs_once():
             second.join(5)
         res.shutdown(timeout=0.0)  # (nothing was started: closes its wake pipe)
     assert calls == [1]
+
+
+def test_a_fork_while_a_lock_of_the_engines_resources_is_held_does_not_hang_the_child():
+    """The child's fork hook set the resources' shutdown Event, whose lock another thread
+    of the parent may hold at the fork (inside its own set() or wait()): held for good in
+    the child, which hung in the hook before running a line of its own. Here the parent
+    holds it across the fork."""
+    from shmclient.launcher import EngineResources
+
+    res = EngineResources()
+    r, w = os.pipe()
+    try:
+        with res._shutdown_finished._cond:
+            pid = os.fork()
+            if pid == 0:
+                os.write(w, b"ran")
+                os._exit(0)
+        os.close(w)
+        w = -1
+        try:
+            ready = select.select([r], [], [], 10)[0]
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+            assert ready and os.read(r, 16) == b"ran", "the child hung in the fork hook"
+        finally:
+            os.waitpid(pid, 0)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        res.shutdown(timeout=0.0)  # (nothing was started: closes its wake pipe)
