@@ -27,6 +27,9 @@ from shmclient.ring import Ring
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
+from .forked import in_child
+from .forked import mapped as _mapped
+
 CTX = mp.get_context("spawn")
 
 
@@ -268,13 +271,6 @@ def test_a_forked_child_dropping_a_kept_view_moves_nothing_of_the_parents():
         c.close()
 
 
-def _mapped(handle: str) -> int:
-    """This process's mappings of the memfd behind ``handle`` (its inode ends it)."""
-    ino = handle.rsplit(":", 1)[1]
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/memfd:" in line and line.split()[4] == ino)
-
-
 def test_a_forked_child_unmaps_its_parents_ring_once_its_kept_view_is_gone():
     """A forked child kept its copies of the parent's ring mappings until it exited. It
     lets go of them at the fork without writing to the ring, except the consumer's while
@@ -284,23 +280,14 @@ def test_a_forked_child_unmaps_its_parents_ring_once_its_kept_view_is_gone():
     try:
         assert _mapped(handle) == 2
         tail = c.statistics().tail
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, then leave at once
-            try:
-                seen = [_mapped(handle), int(bytes(kept[0]) == b"A" * 100)]
-                kept.clear()
-                gc.collect()
-                seen.append(_mapped(handle))
-                os.write(w, " ".join(map(str, seen)).encode())
-            finally:
-                os._exit(0)
-        os.close(w)
-        try:
-            report = os.read(r, 100).decode()
-        finally:
-            os.close(r)
-            assert os.waitpid(pid, 0)[1] == 0
+
+        def child() -> str:
+            seen = [_mapped(handle), int(bytes(kept[0]) == b"A" * 100)]
+            kept.clear()
+            gc.collect()
+            return " ".join(map(str, [*seen, _mapped(handle)]))
+
+        report = in_child(child)
         assert report == "1 1 0", "child: mappings with the view, view intact, mappings without it"
         assert _mapped(handle) == 2 and c.statistics().tail == tail and c.pinned == 1
         assert not p.peer_closed and not c.peer_closed

@@ -21,6 +21,7 @@ from shmclient.config import EngineConfig
 from shmclient.tensors import ARENA, ONE_OFF
 
 from .drivers import Driver, build, req
+from .forked import in_child
 
 CFG = EngineConfig(model="mock", max_model_len=256, hidden_size=32, vocab_size=1024)
 
@@ -205,8 +206,6 @@ def test_a_forked_child_holds_none_of_its_parents_shared_memory():
     kept the client's rings and tensor arenas mapped for its whole life (136 MiB with
     the defaults), also after the parent's shutdown. It maps none of them now, and the
     parent's client goes on being served."""
-    import os
-
     client = build("sync-shm", CFG)
     try:
         embeds = torch.randn(200, CFG.hidden_size)  # 25 KiB: reserves the request arena
@@ -215,19 +214,7 @@ def test_a_forked_child_holds_none_of_its_parents_shared_memory():
         _served(client, "e")
         assert any(k.startswith("/memfd:shmc-t") for k in memfd_bytes())
         assert any(not k.startswith("/memfd:shmc-t") for k in memfd_bytes())
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: report, then leave at once
-            try:
-                os.write(w, repr(sorted(memfd_bytes())).encode())
-            finally:
-                os._exit(0)
-        os.close(w)
-        try:
-            report = os.read(r, 1 << 16).decode()
-        finally:
-            os.close(r)
-            assert os.waitpid(pid, 0)[1] == 0
+        report = in_child(lambda: repr(sorted(memfd_bytes())))
         assert report == "[]", f"the child still maps {report}"
         client.add_request(req("after", max_tokens=2))
         _served(client, "after")

@@ -26,6 +26,9 @@ from shmclient.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRe
 from shmclient.shm import Segment
 from shmclient.tensors import ALIGN, ShmTensorReceiver, ShmTensorSender, TensorStatistics
 
+from .forked import in_child
+from .forked import mapped as _mapped
+
 MiB = 1 << 20
 
 
@@ -843,40 +846,24 @@ def test_ctrl_c_as_a_segment_is_created_leaves_no_descriptor(monkeypatch):
     assert mine() == before
 
 
-def _mapped(handle: str) -> int:
-    """This process's mappings of the memfd behind ``handle`` (its inode ends it)."""
-    ino = handle.rsplit(":", 1)[1]
-    with open("/proc/self/maps") as f:
-        return sum(1 for line in f if "/memfd:" in line and line.split()[4] == ino)
-
-
 def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair):
     """A forked child kept its copies of the parent's arena mappings for its life (both
     ends here: sender and receiver). It lets go of them at the fork, except the one a
     tensor received before the fork still reads, which stays readable and goes with the
     tensor."""
     src = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: a view, not a copy
-    got = pair.send({"t": src})["t"]  # a zero-copy view into the arena
+    held = [pair.send({"t": src})["t"]]  # a zero-copy view into the arena, held only here
     handle = pair.sender._seg.name
     assert _mapped(handle) == 2
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave at once
-        try:
-            # (numpy: the thread pool of torch may hang in a forked child)
-            want = np.arange(64 * 1024, dtype=np.float32)
-            seen = [_mapped(handle), int(np.array_equal(got.numpy(), want))]
-            del got
-            gc.collect()
-            seen.append(_mapped(handle))
-            os.write(w, " ".join(map(str, seen)).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        report = os.read(r, 100).decode()
-    finally:
-        os.close(r)
-        assert os.waitpid(pid, 0)[1] == 0
+
+    def child() -> str:
+        # (numpy: the thread pool of torch may hang in a forked child)
+        want = np.arange(64 * 1024, dtype=np.float32)
+        seen = [_mapped(handle), int(np.array_equal(held[0].numpy(), want))]
+        held.clear()
+        gc.collect()
+        return " ".join(map(str, [*seen, _mapped(handle)]))
+
+    report = in_child(child)
     assert report == "1 1 0", "child: mappings with the tensor, tensor intact, mappings without it"
-    assert _mapped(handle) == 2 and torch.equal(got, src)  # the parent's are untouched
+    assert _mapped(handle) == 2 and torch.equal(held[0], src)  # the parent's are untouched
