@@ -193,9 +193,9 @@ class Ring:
 
     def _forget_after_fork(self) -> None:
         """In a forked child: this end belongs to the parent; never close it from here,
-        and every use raises ForkedError (the C end refuses it too). The child's copies
-        of the mapping and descriptors are let go of at once (a record view it still
-        holds keeps the mapping until it is gone)."""
+        and every use raises ForkedError (the C end refuses it too). The child's copy of
+        the mapping is let go of at once (a record view it still holds keeps it until it
+        is gone); its descriptors stay (see ``Resources.forget_after_fork``)."""
         self._finalizer.detach()
         self._forked = True
         self._closed = True

@@ -355,8 +355,8 @@ class Segment:
     def close(self) -> None:
         """Unmap (idempotent; the handle stays valid until ``release_handle``). While a
         view of it is still exported (a received tensor, a ring end a thread still waits
-        on) the mapping stays: a later ``close()`` unmaps it once they are gone, else it
-        goes with this object."""
+        on) the mapping stays until the last of them is gone (or a later ``close()``
+        finds them gone)."""
         mm, self._mmap = self._mmap, None
         if mm is None:
             ref = self._lingering
