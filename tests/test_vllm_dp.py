@@ -9,6 +9,8 @@ each to start here); the kill test starts its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing
 import os
 import signal
 import time
@@ -19,6 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 vllm = pytest.importorskip("vllm")
 
+import vllm.v1.engine.coordinator as coordinator_module  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.engine.core_client import DPLBAsyncMPClient  # noqa: E402
@@ -45,8 +48,21 @@ from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-en
 DP = 2
 
 
+@contextlib.contextmanager
+def forked_coordinator():
+    """vLLM forks its DP coordinator by default (``VLLM_WORKER_MULTIPROC_METHOD``), as
+    on a GPU host; its CPU platform switches every start to spawn. The coordinator is
+    forked here as there (the engine cores are still spawned)."""
+    stock = coordinator_module.get_mp_context
+    coordinator_module.get_mp_context = lambda: multiprocessing.get_context("fork")
+    try:
+        yield
+    finally:
+        coordinator_module.get_mp_context = stock
+
+
 def make_dp(model_dir: str, shm: bool) -> AsyncLLM:
-    with switch(shm):
+    with switch(shm), forked_coordinator():
         return AsyncLLM.from_engine_args(AsyncEngineArgs(
             model=model_dir, data_parallel_size=DP, gpu_memory_utilization=0.08, **ENGINE_KW))
 
@@ -71,6 +87,33 @@ def test_dp_clients_are_the_expected_classes(dp_pair):
     assert type(stock.engine_core) is DPLBAsyncMPClient
     assert type(shm.engine_core) is ShmDPLBAsyncMPClient
     assert sorted(shm.engine_core._links) == [i.to_bytes(2, "little") for i in range(DP)]
+
+
+def memfds_held(pid: int) -> list[str]:
+    """The project's memfds (rings, arenas, parked pages) process ``pid`` holds an fd of."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("/memfd:shmc"):
+            out.append(link)
+    return out
+
+
+def test_dp_coordinator_holds_none_of_the_rings(dp_pair):
+    """vLLM forks its DP coordinator (``forked_coordinator``) while the frontend's
+    channels are open: it keeps
+    none of their fds (it never uses them; they would keep every ring and arena
+    allocated while it lives), nor do the engine cores once attached (nor the frontend
+    that made them, once both had)."""
+    _, _, shm = dp_pair
+    coordinator = shm.engine_core.resources.coordinator.proc
+    assert type(coordinator._popen).__module__ == "multiprocessing.popen_fork"
+    assert memfds_held(coordinator.pid) == []
+    for pid in engine_pids(shm.engine_core).values():
+        assert memfds_held(pid) == []
 
 
 def test_dp_sixteen_streams_identical_and_spread_over_both_engines(dp_pair):

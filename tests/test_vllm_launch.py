@@ -4,14 +4,18 @@ launcher releases every handle once all have attached."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 from shmclient.channel import ShmChannel
+from shmclient.shm import parse_handle
 from shmclient.vllm import wire
-from shmclient.vllm.launch import _Rings
+from shmclient.vllm.launch import _coordinator_entry, _Rings
 from shmclient.vllm.link import notify_attached
+
+from .forked import in_child
 
 
 @pytest.fixture
@@ -90,3 +94,50 @@ def test_notify_attached_writes_one_byte_and_never_raises_for_a_launcher_that_is
         os.close(w)
     notify_attached(handle)  # gone: nothing to tell
     notify_attached("")
+
+
+def _still_open(handles: "list[str]") -> "list[str]":
+    """The handles whose fd (the number they name) is open here on the file they name."""
+    out = []
+    for handle in handles:
+        _, _, fd, ino = parse_handle(handle)
+        try:
+            if os.fstat(fd).st_ino == ino:
+                out.append(handle)
+        except OSError:
+            pass
+    return out
+
+
+def test_a_coordinator_forked_during_the_launch_drops_the_channels_it_inherited(rings):
+    """vLLM's DP coordinator is forked inside the launch and never attaches: its entry
+    closes the inherited fds of every channel, arena and parked page the specs name (and
+    nothing else), then runs vLLM's entry with its arguments."""
+    env = rings.environment
+    handles = wire.inherited_handles(env[wire.ENV_SPEC], env[wire.ENV_FRONTEND_SPEC])
+    # 2 API servers x 2 engines: two rings and two tensor arenas a channel (parked pages too
+    # by default)
+    assert sum(h.startswith("memfd:") for h in handles) >= 4 * 4
+    own_r, own_w = os.pipe()  # the launcher's own fd: the coordinator keeps it
+
+    def stock(*args, **kwargs):
+        return json.dumps({"args": args, "kwargs": kwargs, "open": _still_open(handles),
+                           "env": [v for v in (wire.ENV_SPEC, wire.ENV_FRONTEND_SPEC) if v in os.environ],
+                           "own": _still_open([f"pipe:0:{own_w}:{os.fstat(own_w).st_ino}"]) != []})
+
+    entry = _coordinator_entry(stock)
+    assert _coordinator_entry(entry) is entry and entry.__qualname__ == stock.__qualname__
+    try:
+        with rings.in_environment():
+            inherited = json.loads(in_child(lambda: json.dumps(_still_open(handles))))
+            report = json.loads(in_child(lambda: entry(2, "addr", zmq_addr_pipe=None)))
+    finally:
+        os.close(own_r)
+        os.close(own_w)
+    assert sorted(inherited) == sorted(handles)  # what a plain fork holds
+    assert report == {"args": [2, "addr"], "kwargs": {"zmq_addr_pipe": None}, "open": [], "env": [], "own": True}
+
+
+def test_inherited_handles_names_none_for_no_or_foreign_values():
+    assert wire.inherited_handles(None, "") == []
+    assert wire.inherited_handles("not hex", "00") == []

@@ -559,6 +559,33 @@ def test_logs_name_the_transport_of_every_api_server(stock, plugin):
     assert "vLLM's own ZMQ transport is used" not in plugin.log
 
 
+def memfds_held(pid: int) -> list[str]:
+    """The project's memfds (rings, arenas, parked pages) process ``pid`` holds an fd of."""
+    out = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("/memfd:shmc"):
+                    out.append(link)
+    return out
+
+
+def test_no_process_holds_a_ring_once_every_side_attached(plugin):
+    """The launcher releases its handles once every engine and API server attached (the
+    server has served by now in the shared tests that ran before: the tests' order);
+    the engines close what they inherited, and vLLM's DP coordinator, started inside
+    the launch, holds none (forked, as on a GPU host, it drops what it inherited at its
+    start: tests/test_vllm_dp.py; vLLM's CPU platform spawns it): then no process of
+    the server holds an fd of a ring, an arena or a parked page (each is kept by the
+    mappings of its two sides only)."""
+    procs = psutil.Process(plugin.proc.pid).children(recursive=True)
+    if plugin.layout == "dp2":
+        assert any(title(p) == "VLLM::DPCoordinator" for p in procs), [title(p) for p in procs]
+    wait_until(lambda: not memfds_held(plugin.proc.pid), 30, "the launcher released its handles")
+    assert {title(p): memfds_held(p.pid) for p in procs} == {title(p): [] for p in procs}
+
+
 def test_completions_identical(stock, plugin, model):
     want = [completion(stock.port, model, p, 12) for p in PROMPTS]
     got = [completion(plugin.port, model, p, 12) for p in PROMPTS]

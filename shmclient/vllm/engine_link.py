@@ -299,24 +299,8 @@ def _links(engine_index: int) -> "list[_EngineLink]":
                     link.close()
                 raise
             _state = links
-            _close_inherited(text, frontends, before)
+            close_inherited(wire.inherited_handles(text, frontends), before)
         if _failed is not None:
             error = RuntimeError(f"shmclient.vllm: this engine's channels could not be attached ({_failed!r})")
             raise error from _failed
         return _state or []
-
-
-def _close_inherited(text: "str | None", frontends: "str | None", before: "frozenset[int]") -> None:
-    handles: list[str] = []
-    for value, kind in ((text, wire.EngineSpec), (frontends, wire.FrontendSpec)):
-        if not value:
-            continue
-        try:
-            specs = wire._decode(value, kind, "")
-        except ValueError:
-            continue
-        for spec in specs:
-            c = spec.channel
-            handles += [c.rx.segment, c.rx.wake_pipe, c.rx.space_pipe, c.tx.segment, c.tx.wake_pipe,
-                        c.tx.space_pipe, c.tensor_rx, c.tensor_tx, spec.parked, spec.attached_pipe]
-    close_inherited(handles, before)

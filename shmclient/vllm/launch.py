@@ -19,18 +19,20 @@ docs/design.md, "Module notes", ``shmclient.vllm.launch``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
 from typing import Any
 
 from ..channel_handles import ChannelHandles
-from ..shm import Segment, fd_ready, make_pipe
+from ..shm import Segment, close_inherited, fd_ready, make_pipe, open_fds
 from . import wire
 from .link import PAGE_BYTES, _Settings
 
 SERVE_MODULE = "vllm.entrypoints.cli.serve"
 UTILS_MODULE = "vllm.v1.engine.utils"
+COORDINATOR_MODULE = "vllm.v1.engine.coordinator"
 #: How often (s) the release thread checks that it should still wait.
 POLL_S = 1.0
 
@@ -195,11 +197,39 @@ def _wrap(stock):
     return launch_core_engines
 
 
+def drop_inherited_channels() -> None:
+    """Close the fds this process inherited of the channels the plug-in's variables
+    name, and remove the variables: for a process forked while an engine launch ran
+    that never attaches to a channel (vLLM's DP coordinator). It would otherwise hold
+    every ring, arena and parked page of the launch, mapped by no one, for its whole
+    life, after the launcher and the engines have let go of them. Never raises."""
+    handles = wire.inherited_handles(os.environ.pop(wire.ENV_SPEC, None),
+                                     os.environ.pop(wire.ENV_FRONTEND_SPEC, None))
+    if handles:
+        close_inherited(handles, open_fds())
+
+
+def _coordinator_entry(stock):
+    """vLLM's DP coordinator's process entry, dropping the inherited channels first."""
+    if getattr(stock, "_shmclient", False):
+        return stock
+
+    @functools.wraps(stock)  # the same qualified name: a spawned coordinator unpickles vLLM's own
+    def run_coordinator(*args, **kwargs):
+        drop_inherited_channels()
+        return stock(*args, **kwargs)
+
+    run_coordinator._shmclient = True  # type: ignore[attr-defined]
+    return run_coordinator
+
+
 def install() -> None:
     """Wrap vLLM's ``launch_core_engines`` where the CLI's multi-API-server launch finds
     it (idempotent): in its own module (for a CLI module imported later) and in the CLI
     module, when that is imported already. Only a launch with several frontends is
-    changed; a client that starts its own engines calls it with one."""
+    changed; a client that starts its own engines calls it with one. Also wraps the DP
+    coordinator's process entry (every launch's: the one-frontend client's too), which
+    vLLM starts inside the launch, forked by default, with the channels' fds and specs."""
     import importlib
 
     utils = importlib.import_module(UTILS_MODULE)
@@ -207,3 +237,7 @@ def install() -> None:
     serve = sys.modules.get(SERVE_MODULE)
     if serve is not None and hasattr(serve, "launch_core_engines"):
         serve.launch_core_engines = _wrap(serve.launch_core_engines)
+    coordinator = getattr(importlib.import_module(COORDINATOR_MODULE), "DPCoordinatorProc", None)
+    entry = getattr(coordinator, "run_coordinator", None)
+    if entry is not None:  # (a vLLM without it: the coordinator keeps the fds, nothing else changes)
+        coordinator.run_coordinator = staticmethod(_coordinator_entry(entry))

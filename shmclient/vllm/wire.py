@@ -175,6 +175,26 @@ def decode_frontend_specs(text: str, client_index: int) -> list[FrontendSpec]:
     return specs
 
 
+def inherited_handles(text: "str | None", frontends: "str | None") -> list[str]:
+    """Every handle the two variables' values name (``SHMCLIENT_VLLM_SPEC``'s and
+    ``SHMCLIENT_VLLM_FRONTEND_SPEC``'s; None or "" for one not set): what a process forked
+    while they were set may hold inherited fds of. A value that does not decode names
+    none."""
+    handles: list[str] = []
+    for value, kind in ((text, EngineSpec), (frontends, FrontendSpec)):
+        if not value:
+            continue
+        try:
+            specs = _decode(value, kind, "")
+        except ValueError:
+            continue
+        for spec in specs:
+            c = spec.channel
+            handles += [c.rx.segment, c.rx.wake_pipe, c.rx.space_pipe, c.tx.segment, c.tx.wake_pipe,
+                        c.tx.space_pipe, c.tensor_rx, c.tensor_tx, spec.parked, spec.attached_pipe]
+    return [h for h in handles if h]
+
+
 def check_pid(obj: Any) -> int:
     """A pid from a peer's HELLO, checked: ValueError unless an int in 1..MAX_PID."""
     if not isinstance(obj, int) or isinstance(obj, bool) or not 1 <= obj <= MAX_PID:
