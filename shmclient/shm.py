@@ -163,6 +163,37 @@ def close_inherited(handles, before: "frozenset[int]") -> None:
             pass
 
 
+def drop_inherited(handles=()) -> None:
+    """At the entry of a process forked from one that held segments, before it makes or
+    attaches any: close every fd of a memfd of this project (its /proc link reads
+    ``/memfd:shmc``: ``Segment.create``'s names) and every fd of a pipe one of
+    ``handles`` names, either end (both carry the pipe's inode). Such a process attaches
+    what it needs through its creator's /proc/<pid>/fd; the fds it inherited would keep
+    their memory allocated, and reachable through its own /proc/<pid>/fd, for its life,
+    and every process it forks in turn would inherit them. Never raises; does not
+    block."""
+    pipes = set()
+    for handle in handles:
+        try:
+            kind, _, _, ino = parse_handle(handle)
+        except ValueError:
+            continue
+        if kind == "pipe":
+            pipes.add(f"pipe:[{ino}]")
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = int(name)
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("/memfd:shmc") or link in pipes:
+                os.close(fd)
+        except (OSError, ValueError):
+            pass
+
+
 def _same_file(fd: int) -> set[int]:
     st = os.fstat(fd)
     out = set()

@@ -106,8 +106,8 @@ def test_dp_coordinator_holds_none_of_the_rings(dp_pair):
     """vLLM forks its DP coordinator (``forked_coordinator``) while the frontend's
     channels are open: it keeps
     none of their fds (it never uses them; they would keep every ring and arena
-    allocated while it lives), nor do the engine cores once attached (nor the frontend
-    that made them, once both had)."""
+    allocated while it lives), nor do the engine cores (spawned here) once attached, nor
+    the frontend that made them, once both had."""
     _, _, shm = dp_pair
     coordinator = shm.engine_core.resources.coordinator.proc
     assert type(coordinator._popen).__module__ == "multiprocessing.popen_fork"

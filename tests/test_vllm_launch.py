@@ -10,9 +10,10 @@ import os
 import pytest
 
 from shmclient.channel import ShmChannel
-from shmclient.shm import parse_handle
+from shmclient.shm import Segment, parse_handle
 from shmclient.vllm import wire
-from shmclient.vllm.launch import _coordinator_entry, _Rings
+from shmclient.vllm.engine_link import entry_dropping_inherited
+from shmclient.vllm.launch import _Rings
 from shmclient.vllm.link import notify_attached
 
 from .forked import in_child
@@ -96,46 +97,68 @@ def test_notify_attached_writes_one_byte_and_never_raises_for_a_launcher_that_is
     notify_attached("")
 
 
-def _still_open(handles: "list[str]") -> "list[str]":
-    """The handles whose fd (the number they name) is open here on the file they name."""
-    out = []
-    for handle in handles:
-        _, _, fd, ino = parse_handle(handle)
+def _open_files() -> "dict[int, str]":
+    """fd -> what it is (its /proc link) in this process."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
         try:
-            if os.fstat(fd).st_ino == ino:
-                out.append(handle)
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             pass
     return out
 
 
-def test_a_coordinator_forked_during_the_launch_drops_the_channels_it_inherited(rings):
-    """vLLM's DP coordinator is forked inside the launch and never attaches: its entry
-    closes the inherited fds of every channel, arena and parked page the specs name (and
-    nothing else), then runs vLLM's entry with its arguments."""
+def _launch_files(handles: "list[str]") -> "list[str]":
+    """This process's fds of the project's memfds or of a pipe ``handles`` name."""
+    pipes = {f"pipe:[{parse_handle(h)[3]}]" for h in handles if h.startswith("pipe:")}
+    return sorted(f"{fd} {link}" for fd, link in _open_files().items()
+                  if link.startswith("/memfd:shmc") or link in pipes)
+
+
+@pytest.mark.parametrize("keep_specs", [False, True], ids=["coordinator", "engine-core"])
+def test_a_process_forked_during_the_launch_drops_what_it_inherited_at_its_entry(rings, keep_specs):
+    """vLLM forks the DP coordinator and (by default) the engine cores inside the launch:
+    at their entry they close every inherited fd of the project's memfds (the launch's
+    rings, arenas and parked pages, and any other segment of the launcher's, e.g. a
+    second client's) and of the launch's pipes, both ends (the launcher's read ends too),
+    and nothing else; then vLLM's entry runs with its arguments. An engine core keeps the
+    specs and still attaches, through the launcher's /proc/<pid>/fd; the coordinator
+    drops them."""
     env = rings.environment
     handles = wire.inherited_handles(env[wire.ENV_SPEC], env[wire.ENV_FRONTEND_SPEC])
-    # 2 API servers x 2 engines: two rings and two tensor arenas a channel (parked pages too
-    # by default)
-    assert sum(h.startswith("memfd:") for h in handles) >= 4 * 4
-    own_r, own_w = os.pipe()  # the launcher's own fd: the coordinator keeps it
+    other = Segment.create(4096, prefix="shmc-t")  # not the launch's: another client's arena
+    own_r, own_w = os.pipe()  # the launcher's own fd: kept
+    engine_spec = rings.engine_specs[0].channel
 
     def stock(*args, **kwargs):
-        return json.dumps({"args": args, "kwargs": kwargs, "open": _still_open(handles),
-                           "env": [v for v in (wire.ENV_SPEC, wire.ENV_FRONTEND_SPEC) if v in os.environ],
-                           "own": _still_open([f"pipe:0:{own_w}:{os.fstat(own_w).st_ino}"]) != []})
+        attached = None
+        if keep_specs:
+            spec = wire.decode_specs(os.environ[wire.ENV_SPEC], 0)[0].channel
+            assert spec == engine_spec
+            ShmChannel.attach(spec).close()
+            attached = True
+        return json.dumps({"args": args, "kwargs": kwargs, "left": _launch_files(handles),
+                           "specs": [v for v in (wire.ENV_SPEC, wire.ENV_FRONTEND_SPEC) if v in os.environ],
+                           "own": own_w in _open_files(), "attached": attached})
 
-    entry = _coordinator_entry(stock)
-    assert _coordinator_entry(entry) is entry and entry.__qualname__ == stock.__qualname__
+    entry = entry_dropping_inherited(stock, keep_specs=keep_specs)
+    assert entry_dropping_inherited(entry, keep_specs) is entry and entry.__qualname__ == stock.__qualname__
     try:
         with rings.in_environment():
-            inherited = json.loads(in_child(lambda: json.dumps(_still_open(handles))))
+            inherited = in_child(lambda: json.dumps(_launch_files(handles)))
             report = json.loads(in_child(lambda: entry(2, "addr", zmq_addr_pipe=None)))
     finally:
         os.close(own_r)
         os.close(own_w)
-    assert sorted(inherited) == sorted(handles)  # what a plain fork holds
-    assert report == {"args": [2, "addr"], "kwargs": {"zmq_addr_pipe": None}, "open": [], "env": [], "own": True}
+        other.release_handle()
+        other.close()
+    # What a plain fork holds: 2 x 2 channels' rings, arenas and parked pages, the
+    # other client's arena, each ring's pipes (both ends) and the "attached" pipe.
+    inherited = json.loads(inherited)
+    assert sum("/memfd:" in f for f in inherited) >= 4 * 4 + 1 and sum("pipe:" in f for f in inherited) >= 2 * 4
+    assert report == {"args": [2, "addr"], "kwargs": {"zmq_addr_pipe": None}, "left": [],
+                      "specs": [wire.ENV_SPEC, wire.ENV_FRONTEND_SPEC] if keep_specs else [], "own": True,
+                      "attached": True if keep_specs else None}
 
 
 def test_inherited_handles_names_none_for_no_or_foreign_values():

@@ -3,7 +3,9 @@
 Imports vLLM (its engine module), ``shmclient.waiting`` and the plug-in's ``wire``,
 ``engine_link`` (this engine's channels) and ``engine_outputs`` (its output side); nothing
 of the frontend, no ring end. ``install()`` wraps two methods of ``EngineCoreProc``, the
-targets of its two IO threads, ``process_input_sockets`` and ``process_output_sockets``.
+targets of its two IO threads, ``process_input_sockets`` and ``process_output_sockets``,
+its shutdown, and its process entry (``run_engine_core``: a forked engine core first
+drops what it inherited of the launch's channels).
 Its contract (what each wrapper does, output modes, fallback, the DP coordinator,
 watching the frontends): docs/design.md, "Module notes", ``shmclient.vllm.engine``.
 """
@@ -22,7 +24,7 @@ from .. import waiting
 from ..channel import BadMessage
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
 from . import wire
-from .engine_link import _EngineLink, _links, _log, drain
+from .engine_link import _EngineLink, _links, _log, drain, entry_dropping_inherited
 from .engine_outputs import _hook_adaptive, _inline_outputs, _prewake_before_outputs, _serve_outputs
 
 _originals: dict[str, Any] = {}
@@ -42,6 +44,9 @@ def install() -> None:
     EngineCoreProc.process_input_sockets = _process_input_sockets
     EngineCoreProc.process_output_sockets = _process_output_sockets
     EngineCoreProc.shutdown = _shutdown
+    entry = getattr(EngineCoreProc, "run_engine_core", None)
+    if entry is not None:  # the process entry: before the executor forks any worker
+        EngineCoreProc.run_engine_core = staticmethod(entry_dropping_inherited(entry, keep_specs=True))
 
 
 def _shutdown(self) -> None:

@@ -15,6 +15,7 @@ the process its HELLO names, watched with a pidfd.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -27,7 +28,7 @@ import msgspec
 from .. import waiting
 from ..channel import ShmChannel
 from ..errors import ClientClosedError, PeerDeadError, WouldBlock
-from ..shm import Segment, close_inherited, fd_ready, open_fds
+from ..shm import Segment, close_inherited, drop_inherited, fd_ready, open_fds
 from . import wire
 
 _state_lock = threading.Lock()
@@ -304,3 +305,35 @@ def _links(engine_index: int) -> "list[_EngineLink]":
             error = RuntimeError(f"shmclient.vllm: this engine's channels could not be attached ({_failed!r})")
             raise error from _failed
         return _state or []
+
+
+def drop_inherited_channels(keep_specs: bool) -> None:
+    """At the entry of a process vLLM starts during a launch on the rings (an engine
+    core, the DP coordinator): close every fd it inherited of the project's segments and
+    of the pipes the specs in its environment name (``shm.drop_inherited``; a forked
+    process inherits its launcher's, a spawned one nothing). An engine attaches its own
+    channels later, through its launcher's /proc/<pid>/fd (``keep_specs``: the variables
+    stay for it); the coordinator never does (they go). Never raises."""
+    text = os.environ.get(wire.ENV_SPEC)
+    frontends = os.environ.get(wire.ENV_FRONTEND_SPEC)
+    if not keep_specs:
+        os.environ.pop(wire.ENV_SPEC, None)
+        os.environ.pop(wire.ENV_FRONTEND_SPEC, None)
+    if text or frontends:
+        drop_inherited(wire.inherited_handles(text, frontends))
+
+
+def entry_dropping_inherited(stock, keep_specs: bool):
+    """vLLM's process entry ``stock`` (a static method's function), calling
+    ``drop_inherited_channels(keep_specs)`` first. It keeps vLLM's qualified name: a
+    spawned process unpickles vLLM's own entry (and inherits nothing). Idempotent."""
+    if getattr(stock, "_shmclient", False):
+        return stock
+
+    @functools.wraps(stock)
+    def entry(*args, **kwargs):
+        drop_inherited_channels(keep_specs)
+        return stock(*args, **kwargs)
+
+    entry._shmclient = True  # type: ignore[attr-defined]
+    return entry

@@ -1,32 +1,32 @@
 """The ``vllm serve`` parent's part of the plug-in, with several API servers.
 
 Imports ``shmclient.channel_handles``, ``shmclient.shm`` and the plug-in's ``wire`` and
-``link`` (its settings); vLLM only inside ``install``. With ``--api-server-count M > 1``
-(vLLM's default under data parallelism) vLLM's CLI parent binds a ZMQ listener pair per
-API server, starts the engine cores (and the DP coordinator) inside
-``launch_core_engines`` and spawns the M API servers inside that context. ``install``
-wraps ``launch_core_engines`` so that, for such a launch, the parent first makes one
-channel per (API server, engine) pair (``ChannelHandles``: it maps none of them) and a
-"parked" flag per pair, and keeps their specs in the environment while the engines and
-API servers start: each engine takes its M channels from ``SHMCLIENT_VLLM_SPEC``, each
-API server its N from ``SHMCLIENT_VLLM_FRONTEND_SPEC``. Both sides attach through this
-process's /proc/<pid>/fd and write one byte to its "attached" pipe; a thread here
-releases every handle once all 2 x M x N have (the handles also go when this process
-ends, whatever ends it: nothing is named). Which launches keep vLLM's transport:
-docs/design.md, "Module notes", ``shmclient.vllm.launch``.
+``link`` (its settings); vLLM and ``engine_link`` (the DP coordinator's entry) only
+inside ``install``. With ``--api-server-count M > 1`` (vLLM's default under data
+parallelism) vLLM's CLI parent binds a ZMQ listener pair per API server, starts the
+engine cores (and the DP coordinator) inside ``launch_core_engines`` and spawns the M
+API servers inside that context. ``install`` wraps ``launch_core_engines`` so that, for
+such a launch, the parent first makes one channel per (API server, engine) pair
+(``ChannelHandles``: it maps none of them) and a "parked" flag per pair, and keeps their
+specs in the environment while the engines and API servers start: each engine takes its
+M channels from ``SHMCLIENT_VLLM_SPEC``, each API server its N from
+``SHMCLIENT_VLLM_FRONTEND_SPEC``. Both sides attach through this process's
+/proc/<pid>/fd and write one byte to its "attached" pipe; a thread here releases every
+handle once all 2 x M x N have (the handles also go when this process ends, whatever
+ends it: nothing is named). Which launches keep vLLM's transport: docs/design.md,
+"Module notes", ``shmclient.vllm.launch``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import threading
 from typing import Any
 
 from ..channel_handles import ChannelHandles
-from ..shm import Segment, close_inherited, fd_ready, make_pipe, open_fds
+from ..shm import Segment, fd_ready, make_pipe
 from . import wire
 from .link import PAGE_BYTES, _Settings
 
@@ -197,32 +197,6 @@ def _wrap(stock):
     return launch_core_engines
 
 
-def drop_inherited_channels() -> None:
-    """Close the fds this process inherited of the channels the plug-in's variables
-    name, and remove the variables: for a process forked while an engine launch ran
-    that never attaches to a channel (vLLM's DP coordinator). It would otherwise hold
-    every ring, arena and parked page of the launch, mapped by no one, for its whole
-    life, after the launcher and the engines have let go of them. Never raises."""
-    handles = wire.inherited_handles(os.environ.pop(wire.ENV_SPEC, None),
-                                     os.environ.pop(wire.ENV_FRONTEND_SPEC, None))
-    if handles:
-        close_inherited(handles, open_fds())
-
-
-def _coordinator_entry(stock):
-    """vLLM's DP coordinator's process entry, dropping the inherited channels first."""
-    if getattr(stock, "_shmclient", False):
-        return stock
-
-    @functools.wraps(stock)  # the same qualified name: a spawned coordinator unpickles vLLM's own
-    def run_coordinator(*args, **kwargs):
-        drop_inherited_channels()
-        return stock(*args, **kwargs)
-
-    run_coordinator._shmclient = True  # type: ignore[attr-defined]
-    return run_coordinator
-
-
 def install() -> None:
     """Wrap vLLM's ``launch_core_engines`` where the CLI's multi-API-server launch finds
     it (idempotent): in its own module (for a CLI module imported later) and in the CLI
@@ -237,7 +211,9 @@ def install() -> None:
     serve = sys.modules.get(SERVE_MODULE)
     if serve is not None and hasattr(serve, "launch_core_engines"):
         serve.launch_core_engines = _wrap(serve.launch_core_engines)
+    from .engine_link import entry_dropping_inherited
+
     coordinator = getattr(importlib.import_module(COORDINATOR_MODULE), "DPCoordinatorProc", None)
     entry = getattr(coordinator, "run_coordinator", None)
     if entry is not None:  # (a vLLM without it: the coordinator keeps the fds, nothing else changes)
-        coordinator.run_coordinator = staticmethod(_coordinator_entry(entry))
+        coordinator.run_coordinator = staticmethod(entry_dropping_inherited(entry, keep_specs=False))
