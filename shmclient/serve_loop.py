@@ -167,7 +167,7 @@ class EngineProc:
         if type(client_index) is not int or client_index < 0:
             client_index = 0
         out = EngineCoreOutput(
-            request_id=request_id, finish_reason=FinishReason.ERROR, stop_reason=reason
+            request_id=request_id, finish_reason=FinishReason.ERROR, stop_reason=_sendable(reason)
         )
         self.rejected.setdefault(client_index, []).append(out)
 
@@ -191,8 +191,8 @@ class EngineProc:
             call_id = bad.field("call_id")
             if type(call_id) is int:
                 out = UtilityOutput(call_id=call_id,
-                                    failure_message=f"the engine could not decode the call: "
-                                                    f"{bad.error}")
+                                    failure_message=_sendable(f"the engine could not decode the call: "
+                                                              f"{bad.error}"))
                 self.replies.append(EngineCoreOutputs(utility_output=out))
             else:
                 log.warning("dropped a utility call that does not decode and whose call_id "
@@ -211,7 +211,8 @@ class EngineProc:
 
     def utility(self, req: UtilityRequest) -> None:
         def reply(result: Any = None, failure: str | None = None) -> None:
-            out = UtilityOutput(call_id=req.call_id, failure_message=failure, result=result)
+            out = UtilityOutput(call_id=req.call_id, failure_message=None if failure is None else _sendable(failure),
+                                result=result)
             self.replies.append(EngineCoreOutputs(utility_output=out))
 
         try:
@@ -248,6 +249,17 @@ class EngineProc:
             try:
                 waiting.send(channel, REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
                 return
+            except ValueError as e:
+                # Longer than one message can carry (4 GiB; nothing of it was sent): a
+                # utility's result fails that call alone.
+                reply = outputs.utility_output
+                if reply is None or reply.failure_message is not None:
+                    raise
+                channel.discard(REC_OUTPUTS, payload)  # (its tensors' blocks)
+                log.warning("the result of utility call %s cannot be sent: %s", reply.call_id, e)
+                outputs = EngineCoreOutputs(utility_output=UtilityOutput(
+                    call_id=reply.call_id, failure_message=f"its result cannot be sent to the client: {e}"))
+                payload = channel.encode(outputs)
             except PeerNotConsumingError:
                 for rtype, obj in channel.try_recv():
                     self.handle(rtype, obj)
@@ -304,6 +316,17 @@ class EngineProc:
                     self.send(client_index, outputs)
             if self.replies or self.rejected:
                 self.send_replies()
+
+
+def _sendable(text: str) -> str:
+    """``text`` as the wire can carry it: a lone surrogate (a file name as os.listdir
+    gives it, in an exception's message) would fail the encoding of the reply that
+    carries it, and with it the engine; it goes as its backslash escape."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _reply_future(fut: concurrent.futures.Future, reply: Any) -> None:

@@ -262,6 +262,42 @@ async def test_utility_whose_result_cannot_be_sent_fails_that_call_alone(drv):
     assert len(res["after-unsendable"]["tokens"]) == 2
 
 
+async def test_utility_failing_with_a_message_the_wire_cannot_carry_fails_that_call_alone(drv):
+    # An exception's message with a lone surrogate (a file name as os.listdir gives it)
+    # cannot be encoded as it is: the reply carries its backslash escape, and the engine
+    # goes on serving (it died with a SerializationError).
+    with pytest.raises(UtilityCallError) as ei:
+        await drv.call_utility("fail_naming_a_file")
+    name = "caf\udce9" if drv.is_inproc else "caf\\udce9"
+    assert str(ei.value) == f"Call to fail_naming_a_file method failed: no model in {name}"
+    assert await drv.util("echo", "still serving") == "still serving"
+    await drv.add(req("after-surrogate", max_tokens=2))
+    res = await drv.collect(["after-surrogate"])
+    assert len(res["after-surrogate"]["tokens"]) == 2
+
+
+async def test_utility_result_longer_than_a_message_fails_that_call_alone(drv):
+    # Over what one message of the rings can carry (4 GiB; lowered here, in the engine
+    # process, to 6 MiB: more than one record of the 4 MiB ring, so the message goes in
+    # fragments): the call fails naming why, nothing of it was sent, the engine serves on.
+    # ZMQ has no such limit, and in-process nothing is encoded.
+    limit = 6 << 20
+    try:
+        if drv.kind.endswith("-shm"):
+            with pytest.raises(UtilityCallError, match="Call to over_message_limit method failed: its result "
+                                                       "cannot be sent to the client: payload of .* bytes is "
+                                                       "larger than a message can carry"):
+                await drv.call_utility("over_message_limit", limit)
+        else:
+            assert len(await drv.call_utility("over_message_limit", limit)) == 2 * limit
+    finally:
+        await drv.call_utility("restore_message_limit")
+    assert await drv.util("echo", "still serving") == "still serving"
+    await drv.add(req("after-too-long", max_tokens=2))
+    res = await drv.collect(["after-too-long"])
+    assert len(res["after-too-long"]["tokens"]) == 2
+
+
 async def test_utility_returning_a_future_is_answered_when_it_completes(drv):
     # vLLM's engine answers a utility that returns a Future once the Future is done.
     assert await drv.call_utility("done_future", {"k": [1, 2]}) == {"k": [1, 2]}

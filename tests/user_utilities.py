@@ -42,6 +42,33 @@ def fail_with(core: Any, text: str) -> None:
 
 
 @register_utility
+def fail_naming_a_file(core: Any) -> None:
+    """Raise with a file name as os.listdir gives one that is not UTF-8 (a lone
+    surrogate in the message)."""
+    name = b"caf\xe9".decode("utf-8", "surrogateescape")
+    raise FileNotFoundError(f"no model in {name}")
+
+
+@register_utility
+def over_message_limit(core: Any, limit: int) -> bytes:
+    """A result longer than one message can carry, with that limit lowered to ``limit``
+    bytes in this process (``restore_message_limit`` puts it back)."""
+    import shmclient.ring_producer as producer
+
+    producer.MAX_PAYLOAD = limit
+    return bytes(2 * limit)
+
+
+@register_utility
+def restore_message_limit(core: Any) -> int:
+    import shmclient.ring as ring
+    import shmclient.ring_producer as producer
+
+    producer.MAX_PAYLOAD = ring.MAX_PAYLOAD
+    return producer.MAX_PAYLOAD
+
+
+@register_utility
 def unsendable(core: Any, later: bool = False) -> Any:
     """A result no codec carries (an object of no wire type), at once or as a Future's."""
     import concurrent.futures
