@@ -118,8 +118,15 @@ class Scheduler:
         return self.pause_state is PauseState.PAUSED_NEW and req.arrival_seq < self._pause_seq
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
-        """Finish live requests (abort); unknown or finished ids are ignored."""
+        """Finish live requests (abort); unknown or finished ids are ignored.
+
+        The waiting ones leave the queue together, in one pass after the loop, and the rest
+        keep their order (as vLLM does): removing each from the deque on its own scans it
+        once per id, so aborting k of n queued requests would cost O(n*k) and stall every
+        other request meanwhile. The running list is at most ``max_num_seqs`` long.
+        """
         done = []
+        any_waiting = False
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None:
@@ -127,9 +134,14 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
-                self.waiting.remove(req)
+                any_waiting = True
             self._finish(req, reason)
             done.append(req)
+        if any_waiting:
+            # In place: the deque stays the same object for whoever holds it.
+            kept = [r for r in self.waiting if r.status is not RequestStatus.FINISHED]
+            self.waiting.clear()
+            self.waiting.extend(kept)
         return done
 
     def preempt_all(self) -> None:

@@ -6,6 +6,8 @@ the stop rules, and a property test over random add/abort/step sequences.
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -165,6 +167,68 @@ def test_finish_requests_waiting_running_unknown_and_twice():
     assert not s.has_unfinished_requests() and s.num_free_blocks == s.num_gpu_blocks
     assert sorted(freed) == ["run", "wait"]
     assert s.finish_requests(["run"], FinishReason.ABORT) == []
+
+
+def test_finish_requests_of_a_mixed_subset_keeps_the_rest_in_order():
+    freed = []
+    s = make(max_num_seqs=2, on_free=freed.append)
+    for rid in "abcdefgh":
+        s.add_request(request(rid, [ord(rid), 5]))
+    step(s)
+    assert [r.request_id for r in s.running] == ["a", "b"]
+    held = s.running[0].num_blocks + s.running[1].num_blocks
+    assert s.num_free_blocks == s.num_gpu_blocks - held
+    done = s.finish_requests(["g", "b", "nope", "c", "g", "e"], FinishReason.ABORT)
+    assert [r.request_id for r in done] == ["g", "b", "c", "e"]
+    assert all(r.finish_reason is FinishReason.ABORT and r.status is RequestStatus.FINISHED
+               for r in done)
+    assert freed == ["g", "b", "c", "e"]
+    assert [r.request_id for r in s.running] == ["a"]
+    assert [r.request_id for r in s.waiting] == ["d", "f", "h"]
+    assert s.stats()["num_waiting"] == 3 and s.stats()["num_running"] == 1
+    assert s.num_free_blocks == s.num_gpu_blocks - s.running[0].num_blocks
+    s.check_invariants()
+    rest = drain(s)
+    assert sorted(rest) == ["a", "d", "f", "h"]
+    for rid in rest:
+        assert rest[rid].output_token_ids == predict([ord(rid), 5], 10)
+    assert s.num_free_blocks == s.num_gpu_blocks
+
+
+class _CountingDeque(deque):
+    """A deque that counts the elements its scans visit: those ``remove`` passes over
+    (up to the one it removes) and those iteration yields."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.visits = 0
+
+    def remove(self, value):
+        self.visits += self.index(value) + 1
+        super().remove(value)
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self.visits += 1
+            yield item
+
+
+def test_aborting_many_queued_requests_scans_the_queue_once():
+    # One abort of k of n queued requests, newest first: removing them one by one scans
+    # the deque once per id (about n*k/2 visits here), which stalled the engine for
+    # seconds at tens of thousands of requests. A single pass visits about n.
+    n = 2000
+    s = make(max_num_seqs=1)
+    s.waiting = _CountingDeque()
+    for i in range(n):
+        s.add_request(request(f"r{i}", [1, 2]))
+    ids = [f"r{i}" for i in reversed(range(n)) if i % 4 != 0]
+    done = s.finish_requests(ids, FinishReason.ABORT)
+    assert [r.request_id for r in done] == ids
+    visits = s.waiting.visits
+    assert visits <= 2 * n, visits
+    assert [r.request_id for r in s.waiting] == [f"r{i}" for i in range(0, n, 4)]
+    s.check_invariants()
 
 
 def test_stop_rules():
