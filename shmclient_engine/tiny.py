@@ -228,14 +228,24 @@ def sample(logits: torch.Tensor, sp: SamplingParams, generator: torch.Generator 
     """One token from ``logits`` [vocab] under ``sp`` (greedy, temperature, top-k, top-p).
     Logits that are not all finite (finite prompt embeddings large enough to overflow)
     give a token too, never an error: NaN counts as the lowest value, inf as the
-    highest."""
+    highest; so do finite logits that a temperature below 1 would overflow."""
+    inf = float("inf")
+    logits = logits.float()
     if not bool(torch.isfinite(logits).all()):
-        logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
-        if not bool(torch.isfinite(logits).any()) or bool((logits == float("inf")).any()):
+        # Only NaN changes: nan_to_num's defaults would also turn +inf and -inf into
+        # float32's extremes, and the check for an inf below would never match.
+        logits = torch.nan_to_num(logits, nan=-inf, posinf=inf, neginf=-inf)
+        if not bool(torch.isfinite(logits).any()) or bool((logits == inf).any()):
             return int(logits.argmax())  # (nothing to weigh: all -inf, or an inf wins)
     if sp.temperature < SAMPLING_EPS:
         return int(logits.argmax())
-    logits = logits.float() / sp.temperature
+    scaled = logits / sp.temperature
+    if bool((scaled == inf).any()):
+        # Finite logits near float32's maximum overflowed (softmax of inf is NaN, which
+        # multinomial refuses): shift them so that the highest is 0 first, which leaves
+        # softmax's result as it is, then divide.
+        scaled = (logits - logits.max()) / sp.temperature
+    logits = scaled
     if 0 < sp.top_k < logits.shape[0]:
         kth = torch.topk(logits, sp.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

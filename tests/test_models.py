@@ -161,6 +161,21 @@ def test_sampler_gives_a_token_for_logits_that_are_not_finite(sp):
     assert sample(torch.tensor([float("-inf"), 0.5, float("-inf")]), sp, g) == 1
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=0.5), SamplingParams(temperature=1e-4),
+                                SamplingParams(temperature=0.5, top_k=2, top_p=0.9)])
+def test_sampler_gives_the_top_token_where_a_temperature_below_1_would_overflow(sp):
+    """An inf logit wins at any temperature, and finite logits near float32's maximum
+    divided by a temperature below 1 overflow: either way the highest comes out, where
+    softmax of an inf used to give NaN and multinomial raised (ending the engine's step)."""
+    g = torch.Generator().manual_seed(0)
+    inf, nan = float("inf"), float("nan")
+    assert sample(torch.tensor([inf, 0.0, 1.0]), sp, g) == 0
+    assert sample(torch.tensor([0.0, 1.0, inf, nan]), sp, g) == 2
+    assert sample(torch.tensor([nan, 3e38, 1.0]), sp, g) == 1
+    assert sample(torch.tensor([-3e38, 1.0, 3e38]), sp, g) == 2
+    assert {sample(torch.tensor([3e38, 3e38, -inf]), sp, g) for _ in range(20)} <= {0, 1}
+
+
 def test_a_huge_prompt_embedding_is_served_not_fatal():
     """Finite values so large that the model's arithmetic overflows: the request is
     served (whatever its tokens), the engine goes on."""
