@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -14,7 +15,7 @@ from shmclient.shm import Segment, parse_handle
 from shmclient.vllm import wire
 from shmclient.vllm.engine_link import entry_dropping_inherited
 from shmclient.vllm.launch import _Rings
-from shmclient.vllm.link import notify_attached
+from shmclient.vllm.link import _start_with_links, notify_attached
 
 from .forked import in_child
 
@@ -164,3 +165,58 @@ def test_a_process_forked_during_the_launch_drops_what_it_inherited_at_its_entry
 def test_inherited_handles_names_none_for_no_or_foreign_values():
     assert wire.inherited_handles(None, "") == []
     assert wire.inherited_handles("not hex", "00") == []
+
+
+class _FakeLink:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def engine_spec(self) -> dict:
+        return {"link": self.name}
+
+
+def test_a_second_client_makes_its_links_only_once_the_first_has_started_its_engines():
+    """Two clients made at once in one process: the second makes its channels only
+    after the first's engines have started (an engine forked meanwhile would inherit
+    them), and each construction sees its own specs in the environment."""
+    first_running, first_may_end, second_made = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, "str | None"] = {}
+    errors: list[BaseException] = []
+
+    def start(name: str, made: "threading.Event | None", wait: "threading.Event | None",
+              running: "threading.Event | None") -> None:
+        links: list[_FakeLink] = []
+
+        def make() -> None:
+            links.append(_FakeLink(name))
+            if made is not None:
+                made.set()
+
+        def construct() -> None:
+            seen[name] = os.environ.get(wire.ENV_SPEC)
+            if running is not None:
+                running.set()
+            if wait is not None:
+                assert wait.wait(30)
+
+        try:
+            _start_with_links(links, make, construct)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    first = threading.Thread(target=start, args=("first", None, first_may_end, first_running))
+    second = threading.Thread(target=start, args=("second", second_made, None, None))
+    first.start()
+    try:
+        assert first_running.wait(30)
+        second.start()
+        assert not second_made.wait(0.3)  # waits for the first's start to end
+    finally:
+        first_may_end.set()
+        first.join(30)
+        if second.is_alive() or second.ident is not None:
+            second.join(30)
+    assert second_made.is_set() and errors == []
+    assert {k: wire._decode(v, dict, "") for k, v in seen.items()} == {
+        "first": [{"link": "first"}], "second": [{"link": "second"}]}
+    assert wire.ENV_SPEC not in os.environ

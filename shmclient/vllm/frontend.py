@@ -122,9 +122,11 @@ class _LinkIO:
                     links.append(_Link(wake_fd, frontend_spec=spec))
                 construct()
             else:
-                for index in engine_indexes:
-                    links.append(_Link(wake_fd, index))
-                _start_with_links(links, construct)
+                def make() -> None:
+                    for index in engine_indexes:
+                        links.append(_Link(wake_fd, index))
+
+                _start_with_links(links, make, construct)
             #: vLLM's engine monitor thread (None where vLLM started none: engines it
             #: did not launch), see ``_mark_engine_dead``
             self._vllm_monitor = next((t for t in threading.enumerate()

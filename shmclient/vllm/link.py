@@ -235,14 +235,18 @@ class _Link:
             self.parked.close()
 
 
-def _start_with_links(links: "list[_Link]", construct) -> None:
-    """Run vLLM's client construction with the specs in the environment while it starts
-    the engine core processes (each takes the one naming its engine index)."""
-    value = wire.encode_specs([link.engine_spec() for link in links])
-    reason = wire.too_long(wire.ENV_SPEC, value)
-    if reason is not None:  # some 115 engine cores on this node
-        raise RuntimeError(f"shmclient.vllm: {reason}: start this frontend without SHMCLIENT_VLLM=1")
+def _start_with_links(links: "list[_Link]", make, construct) -> None:
+    """Make the links (``make()`` appends them to ``links``), then run vLLM's client
+    construction with their specs in the environment while it starts the engine core
+    processes (each takes the one naming its engine index). One client of this process
+    at a time: another client's engines, forked meanwhile, would inherit the new links'
+    fds, and its environment would name the wrong specs."""
     with _spawn_lock:
+        make()
+        value = wire.encode_specs([link.engine_spec() for link in links])
+        reason = wire.too_long(wire.ENV_SPEC, value)
+        if reason is not None:  # some 115 engine cores on this node
+            raise RuntimeError(f"shmclient.vllm: {reason}: start this frontend without SHMCLIENT_VLLM=1")
         os.environ[wire.ENV_SPEC] = value
         try:
             construct()
