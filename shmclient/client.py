@@ -63,18 +63,25 @@ _LONGEST_WAIT_S = threading.TIMEOUT_MAX / 2
 
 
 async def build_in_thread(cls: Any, config: Any) -> Any:
-    """``cls(config)`` in the loop's default executor, without blocking the loop (an
-    asynchronous client's ``create``). Cancelled meanwhile (``asyncio.wait_for`` ran
-    out), the client built after all is shut down in that executor, never left with
-    its engines running for the garbage collector to find."""
+    """``cls(config, _abandon=event)`` in the loop's default executor, without blocking
+    the loop (an asynchronous client's ``create``). Cancelled meanwhile
+    (``asyncio.wait_for`` ran out, Ctrl-C under ``asyncio.run``), ``event`` is set: a start
+    still waiting for its engine(s) gives up within a poll slice (0.1 s) and stops what
+    it started, instead of waiting out ``engine_ready_timeout_s`` while ``asyncio.run``
+    (which waits for that executor) and the interpreter's exit wait for it. A client
+    built as the wait was cancelled is shut down in that executor, never left with its
+    engines running for the garbage collector to find."""
     import asyncio
     import threading
 
     lock = threading.Lock()
+    abandon = threading.Event()
     state: dict = {"abandoned": False, "client": None}
 
     def build() -> Any:
-        client = cls(config)
+        if abandon.is_set():  # cancelled before this thread ran: start nothing
+            return None
+        client = cls(config, _abandon=abandon)
         with lock:
             if not state["abandoned"]:
                 state["client"] = client
@@ -89,6 +96,7 @@ async def build_in_thread(cls: Any, config: Any) -> Any:
         with lock:
             state["abandoned"] = True
             client = state["client"]
+        abandon.set()
         if client is not None:  # built as the wait was cancelled
             loop.run_in_executor(None, client.shutdown)
         raise

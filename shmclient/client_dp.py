@@ -173,10 +173,25 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     async def create(cls, config: EngineConfig | None = None) -> "DPAsyncMPClient":
         """Build the client from a running loop without blocking it: the engines start
         in a thread (each in one of its own, at once). Raises what the constructor
-        raises; cancelled, the client built after all is shut down."""
+        raises; cancelled, the engines' start gives up (those started are stopped) and
+        a client built after all is shut down."""
         from .client import build_in_thread
 
-        return await build_in_thread(cls, config)
+        return await build_in_thread(cls._build, config)
+
+    @classmethod
+    def _build(cls, config: EngineConfig | None, *, _abandon: threading.Event) -> "DPAsyncMPClient":
+        """``cls(config)`` for ``create``: its engines' start gives up once ``_abandon``
+        is set (``start_engines``), and the client then takes them ready-made."""
+        if config is None:
+            config = EngineConfig()
+        engines = start_engines(config, cls._managed_ranks(config), _abandon)
+        try:
+            return cls(config, engines=engines)
+        except BaseException:
+            for e in engines:
+                e.shutdown(timeout=0.0)
+            raise
 
     # -- set-up ----------------------------------------------------------------------
     @staticmethod

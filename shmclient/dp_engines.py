@@ -46,7 +46,8 @@ def engine_config(config: EngineConfig, rank: int) -> EngineConfig:
     return config.replace(**changes)
 
 
-def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
+def start_engines(config: EngineConfig, ranks: list[int],
+                  abandon: threading.Event | None = None) -> list[Any]:
     """Start one ``AsyncMPClient`` per rank, concurrently (one thread each, so start-up
     takes about as long as one engine's), each with ``engine_config(config, rank)``.
     Blocks until all are ready. If any fails, the starts still under way give up (a
@@ -55,14 +56,18 @@ def start_engines(config: EngineConfig, ranks: list[int]) -> list[Any]:
     ``PeerNotProducingError``, ``EngineDeadError``). Interrupted (a KeyboardInterrupt
     while it waits), it tells the starts under way to give up, waits for them, shuts
     down every engine that started and re-raises; interrupted again meanwhile, each
-    start still under way shuts its engine down when it completes."""
+    start still under way shuts its engine down when it completes. ``abandon``: set by
+    another thread (a cancelled ``create``), every start still under way gives up as
+    for a failure, ``PeerNotProducingError``; this call sets it too when a start failed
+    (None: an Event of its own)."""
     cls = _async_client_class()
     configs = [engine_config(config, r) for r in ranks]
+    if abandon is None:
+        abandon = threading.Event()
     if len(configs) == 1:
-        return [cls(configs[0])]
+        return [cls(configs[0], _abandon=abandon)]
     pool = concurrent.futures.ThreadPoolExecutor(len(configs), thread_name_prefix="dp-start")
     futs: list[concurrent.futures.Future] = []
-    abandon = threading.Event()
     first_failed: list[concurrent.futures.Future] = []
     all_over = False
     try:

@@ -346,6 +346,29 @@ def test_a_cancelled_create_shuts_down_the_client_it_builds_after_all(dp):
         gc.enable()
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_cancelled_create_stops_the_engine_start_at_once(dp, monkeypatch):
+    """An engine still loading when ``create`` is cancelled (a wait_for that ran out,
+    Ctrl-C under asyncio.run): the start went on waiting for the engine up to
+    engine_ready_timeout_s, and asyncio.run, which waits for the executor running it,
+    with it. The start now gives up within a poll slice and stops the engine(s)."""
+    from shmclient import DPLBAsyncMPClient
+
+    cls = AsyncMPClient if dp == 1 else DPLBAsyncMPClient
+    config = cfg(data_parallel_size=dp, engine_ready_timeout_s=30.0,
+                 **fault_engine.inject(monkeypatch, "hang_before_ready"))
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cls.create(config), 0.5)
+
+    before = set(psutil.Process().children())  # (another test's, module-scoped)
+    t0 = time.monotonic()
+    asyncio.run(main())  # (returns once the executor's start is over)
+    assert time.monotonic() - t0 < 10.0, "the cancelled start waited for its engine"
+    assert set(psutil.Process().children()) - before == set()
+
+
 async def test_cancelled_async_utility_leaves_client_usable():
     c = make_client(True, True, cfg(step_delay_s=0.01))
     try:
