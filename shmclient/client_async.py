@@ -233,6 +233,14 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             await self._send_async(REQ_UTILITY, payload)
         except BaseException:
             self._futures.pop(call_id, None)
+            # Nobody awaits ``fut`` now. The engine's death may have failed it while the
+            # send waited for room (the send raises that death itself): read its error,
+            # or asyncio logs "Future exception was never retrieved" at ERROR.
+            if fut.done():
+                if not fut.cancelled():
+                    fut.exception()
+            else:
+                fut.cancel()
             raise
         return await fut
 

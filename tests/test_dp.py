@@ -22,6 +22,7 @@ import pytest
 
 from shmclient import (
     AsyncMPClient,
+    ClientClosedError,
     ConfigError,
     DPAsyncMPClient,
     DPLBAsyncMPClient,
@@ -763,6 +764,36 @@ async def test_a_utility_call_given_up_by_its_caller_logs_nothing():
         assert reported == []
     finally:
         os.kill(c.engine_pids[1], signal.SIGCONT)
+        loop.set_exception_handler(None)
+        await c.shutdown_async()
+
+
+async def test_a_shutdown_leaves_no_error_unread_in_the_utility_calls_waiting_for_room():
+    """Utility calls fanned out to every engine, one engine's request ring full (its
+    engine stopped): at shutdown that engine client failed each call's future and the
+    call raised from its send, leaving the future unread; asyncio logged "Future
+    exception was never retrieved" at ERROR level, once per call."""
+    loop = asyncio.get_running_loop()
+    reported: list = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    c = make_client(True, True, cfg(ring_capacity_bytes=1 << 14))
+    try:
+        assert await c.echo_async(1) == 1  # bound to this loop
+        os.kill(c.engine_pids[1], signal.SIGSTOP)  # its request ring fills up
+        add, _ = await add_until_one_parks(c.add_request_async, lambda i: req(f"fill-{i}", rank=1))
+        calls = [asyncio.ensure_future(c.echo_async(k)) for k in range(3)]
+        for _ in range(20):  # a few turns: each call's fan-out registers a future on
+            await asyncio.sleep(0)  # engine 1 and parks there, behind the add
+            if len(c.engines[1]._futures) == 3:
+                break
+        assert len(c.engines[1]._futures) == 3 and not any(f.done() for f in calls)
+        await c.shutdown_async(timeout=0.5)
+        results = await asyncio.wait_for(asyncio.gather(add, *calls, return_exceptions=True), 10)
+        assert [type(r) for r in results] == [ClientClosedError] * 4
+        del add, calls, results
+        gc.collect()  # (a future unread is reported as it is collected)
+        assert reported == []
+    finally:
         loop.set_exception_handler(None)
         await c.shutdown_async()
 

@@ -28,7 +28,7 @@ from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDead
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
-from .drivers import KINDS, Driver, build, ctrl_c_when, req
+from .drivers import KINDS, Driver, add_until_one_parks, build, ctrl_c_when, req
 
 TRANSPORTS = ("shm", "zmq")
 
@@ -367,6 +367,32 @@ def test_a_cancelled_create_stops_the_engine_start_at_once(dp, monkeypatch):
     asyncio.run(main())  # (returns once the executor's start is over)
     assert time.monotonic() - t0 < 10.0, "the cancelled start waited for its engine"
     assert set(psutil.Process().children()) - before == set()
+
+
+async def test_utility_calls_waiting_for_room_when_the_engine_dies_leave_no_error_unread():
+    """Utility calls waiting for room in a full request ring (their futures registered)
+    when the engine dies: the death failed each future, each call raised the death from
+    its send and dropped the future unread, and asyncio logged "Future exception was
+    never retrieved", with a traceback, at ERROR level, once per call."""
+    loop = asyncio.get_running_loop()
+    reported: list = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    c = make_client(True, True, cfg(ring_capacity_bytes=1 << 14))
+    try:
+        os.kill(c.engine_pid, signal.SIGSTOP)  # the request ring fills up
+        add, _ = await add_until_one_parks(c.add_request_async, lambda i: req(f"fill-{i}"))
+        calls = [asyncio.ensure_future(c.echo_async(k)) for k in range(3)]
+        await asyncio.sleep(0)  # (each registers its future and parks behind the add)
+        assert len(c._futures) == 3 and not any(f.done() for f in calls)
+        os.kill(c.engine_pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(add, *calls, return_exceptions=True), 10)
+        assert [type(r) for r in results] == [EngineDeadError] * 4
+        del add, calls, results
+        gc.collect()  # (a future unread is reported as it is collected)
+        assert reported == []
+    finally:
+        loop.set_exception_handler(None)
+        await c.shutdown_async()
 
 
 async def test_cancelled_async_utility_leaves_client_usable():
