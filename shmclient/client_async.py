@@ -113,6 +113,26 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         (queued to the loop from another); once; never blocks."""
         self._reader.unwatch_hook()()
 
+    def stop_engine(self) -> None:
+        """Tell the engine to stop now, closing nothing: for a data-parallel client
+        whose event loop is bound but idle when another engine died (this client's
+        ``shutdown`` closes the channel's descriptors, which that loop must stop
+        watching first, on its own thread). From here on the engine's exit is the
+        client's doing (no death is reported; calls raise EngineDeadError): a local
+        engine gets SIGTERM, a remote one ``Shutdown`` from its monitor. ``shutdown``
+        must still follow (it closes the channel and reaps the process). Any thread;
+        never blocks; a no-op once the client was shut down."""
+        res = self.resources
+        if self._forked or res.shut_down:
+            return
+        res.begin_shutdown()
+        proc = res.proc
+        if proc is not None:
+            try:
+                proc.terminate()  # (a no-op once the process was reaped)
+            except OSError:
+                pass
+
     def _on_engine_dead(self) -> None:
         """Monitor thread: hand the news to the loop (futures belong to it)."""
         loop = self._loop

@@ -75,9 +75,9 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
     Construction blocks until the engine(s) are ready and raises what ``AsyncMPClient``
     raises. Engines given ready-made need ``AsyncMPClient``'s async API, its
     ``shutdown``, ``forward_outputs`` and ``on_dead`` (which reports a death, never the
-    engine client's own shutdown). Use the ``*_async`` methods from
-    one event loop (the first that calls one binds the client; another loop gets
-    ``UsageError``); none blocks the loop. As ``AsyncMPClient``, it has no blocking
+    engine client's own shutdown); its ``stop_engine`` where they have one. Use the
+    ``*_async`` methods from one event loop (the first that calls one binds the client;
+    another loop gets ``UsageError``); none blocks the loop. As ``AsyncMPClient``, it has no blocking
     forms. When an engine dies, every pending and later call raises ``EngineDeadError``
     naming it, and the engines still alive are stopped at once, as vLLM does, whether
     or not an event loop uses the client.
@@ -268,7 +268,12 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         dead (vLLM's rule) and every other engine is stopped now. Where the loop reads
         this engine, it goes on reading what the engine wrote before dying and then
         reports the death (``_engine_died``), which stops the engine's client too;
-        otherwise nothing more is read from it and it is stopped with the others."""
+        otherwise nothing more is read from it and it is stopped with the others. Off
+        the bound loop's thread, the engine clients' stops (which close the channels
+        the loop watches) are queued to the loop; a loop that is not running (idle
+        between two ``run_until_complete`` calls) may not turn for a long while, so the
+        other engines' processes are told to stop at once (``stop_engine``) and only
+        the closing of their channels waits for the loop's turn (or ``shutdown()``)."""
         if not self._death_seen(pos, err):
             return
         loop = self._loop
@@ -281,9 +286,15 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             # unwatch would then remove.
             try:
                 loop.call_soon_threadsafe(self._stop_engines, positions, _DEATH_STOP_TIMEOUT_S)
-                return
             except RuntimeError:  # closed meanwhile: nothing watches them any more
                 pass
+            else:
+                if not loop.is_running():
+                    for i in positions:
+                        stop = getattr(self.engines[i], "stop_engine", None)
+                        if i != pos and stop is not None:
+                            stop()
+                return
         self._stop_engines(positions, _DEATH_STOP_TIMEOUT_S)
 
     def _engine_died(self, pos: int, err: BaseException) -> None:

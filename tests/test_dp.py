@@ -858,6 +858,27 @@ def test_a_death_no_event_loop_sees_still_stops_the_other_engines(loop_before):
         c.shutdown()
 
 
+def test_a_death_while_the_bound_loop_is_idle_stops_the_other_engines_at_once():
+    """An engine dies while the loop the client is bound to is idle (open, between two
+    run_until_complete calls): the stop of the others was only queued to that loop, and
+    they ran on until it turned or shutdown() was called. Their processes are stopped
+    at once now; the next call on the loop says which engine died."""
+    c = make_client(True, True, cfg())
+    loop = asyncio.new_event_loop()
+    survivor = os.pidfd_open(c.engine_pids[0])
+    try:
+        assert loop.run_until_complete(c.echo_async(1)) == 1  # bound to this loop
+        os.kill(c.engine_pids[1], signal.SIGKILL)
+        readable, _, _ = select.select([survivor], [], [], 10)
+        assert readable, "the surviving engine was not stopped"
+        with pytest.raises(EngineDeadError, match=r"engine 1 \(pid \d+\) died: .*SIGKILL"):
+            loop.run_until_complete(c.echo_async(1))
+    finally:
+        os.close(survivor)
+        loop.run_until_complete(c.shutdown_async())
+        loop.close()
+
+
 def test_a_start_up_failure_leaves_nothing_behind():
     with pytest.raises(ConfigError, match="device"):
         make_client(True, True, cfg(device="cuda:7"))
