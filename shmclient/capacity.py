@@ -83,7 +83,9 @@ def memory_limits(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> l
             base = f"{cgroup_root}/unified" if os.path.isdir(f"{cgroup_root}/unified") and not \
                 os.path.exists(f"{cgroup_root}/cgroup.controllers") else cgroup_root
             parts = [p for p in path.split("/") if p]
-            for i in range(len(parts), 0, -1):
+            # Down to the mount's root: in a private cgroup namespace (Docker on cgroup
+            # v2, Kubernetes) the path reads "/" and the container's limit is the root's.
+            for i in range(len(parts), -1, -1):
                 d = "/".join([base, *parts[:i]])
                 limit = _read_int(f"{d}/memory.max")
                 if limit is None or limit >= _UNLIMITED:
@@ -92,9 +94,12 @@ def memory_limits(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> l
                     f"{d}/memory.stat", "inactive_file")
                 out.append((limit - max(used, 0), f"memory.max={limit} of cgroup {d}"))
         elif "memory" in controllers.split(","):  # cgroup v1
-            d = f"{cgroup_root}/memory{path}".rstrip("/")
-            if not os.path.isdir(d):
-                d = f"{cgroup_root}/{controllers}{path}".rstrip("/")
+            # The hierarchy's mount, by the controller's name or the line's list; a path
+            # not found there (a container's: its own cgroup is mounted as the root)
+            # means the mount's root.
+            candidates = [f"{cgroup_root}/{m}{path}".rstrip("/") for m in ("memory", controllers)]
+            candidates += [f"{cgroup_root}/{m}" for m in ("memory", controllers)]
+            d = next((c for c in candidates if os.path.isdir(c)), candidates[0])
             limit = _read_int(f"{d}/memory.limit_in_bytes")
             if limit is None:
                 continue

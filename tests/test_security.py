@@ -267,6 +267,30 @@ def test_memory_limits_read_cgroup_v1_v2_and_meminfo(tmp_path):
     assert any("memory.limit_in_bytes=4000" in w for _, w in limits)
 
 
+def test_memory_limits_read_a_containers_own_cgroup_at_the_mount_root(tmp_path):
+    """In a container the process's cgroup is the mount's root: v2 with a private cgroup
+    namespace reads "0::/", v1 names a path of the host's tree that the container's
+    mount does not have. The limit is then the root's, not none."""
+    from shmclient.shm import memory_limits
+
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemAvailable:   1000000 kB\n")
+    root = tmp_path / "v2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "memory.max").write_text("9000\n")
+    (root / "memory.current").write_text("2000\n")
+    (proc / "self" / "cgroup").write_text("0::/\n")
+    assert sorted(b for b, _ in memory_limits(str(proc), str(root))) == [7000, 1024000000]
+    root = tmp_path / "v1"
+    (root / "memory").mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text("5000\n")
+    (root / "memory" / "memory.usage_in_bytes").write_text("1000\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/docker/0123abcd\n")
+    assert sorted(b for b, _ in memory_limits(str(proc), str(root))) == [4000, 1024000000]
+
+
 @pytest.fixture
 def memcg():
     """A memory cgroup of 1.5 GiB (v1) for a child process; removed afterwards."""
