@@ -225,15 +225,18 @@ class ShmTensorSender:
     def _reserve_arena(self) -> None:
         """First tensor: reserve the arena's memory (checked against the memory limits;
         on failure the arena stays unused and tensors go as one-offs or inline). Caller
-        holds the lock."""
-        self._lazy = False
+        holds the lock. An exception of a signal handler in between leaves it to be done
+        again by the next tensor (``reserve`` is idempotent); the arena never stays
+        reserved but unused."""
         try:
             self._seg.reserve()
         except ShmCapacityError as e:
+            self._lazy = False
             log.warning("tensor arena of %d bytes not used: %s", self._seg.size, e)
             return
         self._free = [[0, self._usable]]
         self._arena_live = True
+        self._lazy = False
 
     def _put_oneoff(self, src: Any, nbytes: int, placed: "list | None") -> list | None:
         try:
@@ -250,6 +253,8 @@ class ShmTensorSender:
             seg.close()  # unmapped here; the handle stays open until the receiver releases it
             bid = next(self._ids)
             with self._lock:
+                if self._closed:  # closed by another thread meanwhile: its table is gone
+                    raise SerializationError("tensor sender is closed")
                 self._oneoffs[bid] = seg
                 self._n["one_off"] += 1
             handle = [ONE_OFF, bid, seg.name]

@@ -867,3 +867,56 @@ def test_a_forked_child_unmaps_the_arena_but_keeps_a_tensor_it_still_holds(pair)
     report = in_child(child)
     assert report == "1 1 0", "child: mappings with the tensor, tensor intact, mappings without it"
     assert _mapped(handle) == 2 and torch.equal(held[0], src)  # the parent's are untouched
+
+
+def test_a_signal_inside_the_first_reservation_leaves_the_arena_to_the_next_tensor(monkeypatch):
+    """A Ctrl-C landing as the first tensor's arena reservation returns: that put fails,
+    the next tensor still goes to the arena (it went as a one-off for good, the arena's
+    memory reserved but never used)."""
+    seg = Segment.create(1 * MiB, reserve=False)
+    sender = ShmTensorSender(seg)
+    reserve = Segment.reserve
+    landed = []
+
+    def interrupted(self):
+        reserve(self)
+        if not landed:
+            landed.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Segment, "reserve", interrupted)
+    x = np.arange(1024, dtype=np.uint8)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sender.put(x, x.nbytes)
+        handles = [sender.put(x, x.nbytes) for _ in range(3)]
+        assert [h[0] for h in handles] == [tensors_mod.ARENA] * 3, handles
+    finally:
+        seg.release_handle()
+        sender.close()
+
+
+def test_a_one_off_put_racing_close_leaves_no_segment(monkeypatch):
+    """close() from another thread while a put copies into a one-off segment: the put
+    fails (SerializationError) and the segment goes, instead of a handle returned after
+    close with its memfd held for the process's life."""
+    import shmclient.tensors_sender as sender_mod
+
+    seg = Segment.create(64 * 1024)
+    sender = ShmTensorSender(seg)
+    seg.release_handle()
+    before = mine()
+    copy = sender_mod._copy_in
+
+    def copy_then_closed(dst, src):
+        copy(dst, src)
+        sender.close()  # (what another thread's close does meanwhile)
+
+    monkeypatch.setattr(sender_mod, "_copy_in", copy_then_closed)
+    x = np.ones(256 * 1024, dtype=np.uint8)  # over the arena: a one-off
+    try:
+        with pytest.raises(SerializationError, match="closed"):
+            sender.put(x, x.nbytes)
+        assert mine() - before == set()
+    finally:
+        sender.close()
