@@ -3,11 +3,14 @@ they never wait; what the ring cannot take is kept, in order, and written by the
 flusher thread as the frontend makes room, so an API server that stops reading holds back
 neither the busy loop nor the other API servers' outputs. A gone frontend ends the flusher
 and drops what was kept; shutdown and ENGINE_CORE_DEAD give live frontends a bounded time
-to take it first."""
+to take it first. A frontend that breaks its channel's protocol is taken as gone (the
+test of its request side needs vLLM: marked ``vllm``)."""
 
 from __future__ import annotations
 
+import os
 import select
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -321,3 +324,63 @@ def test_an_api_servers_pidfd_numbered_above_1023_reads_as_alive_while_it_lives(
         if fd >= 0:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+OFF_TAIL = 256  # the consumer's position in a ring's header (tests/test_ring_hardening.py)
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["written-at-once", "kept-for-the-flusher"])
+def test_a_frontend_that_breaks_its_ring_is_taken_as_gone_and_the_others_are_served(channels, kept, caplog):
+    """One API server's output ring read back a position no reader could have stored (a
+    hostile or corrupted frontend): the busy loop's send must not raise (that killed the
+    engine for every API server), and neither may the flusher's; that frontend is taken
+    as gone (one ERROR line) and the other API servers' outputs go on."""
+    caplog.set_level("ERROR", logger="vllm.shmclient")
+    front0, engine0 = channels()
+    front1, engine1 = channels()
+    link0, link1 = make_link(engine0), make_link(engine1, client_index=1)
+    fill(engine0)
+    if kept:
+        assert link0.send(wire.OUTPUTS, [b"kept"]) is True  # the flusher waits for room
+    struct.pack_into("<Q", front0.rx._res.seg.buf, OFF_TAIL, 1 << 40)  # the frontend's bad store
+    if kept:
+        assert link0.drain(time.monotonic() + 30)  # the flusher's next try finds it and ends
+        assert link0.frontend_gone
+    for i in range(3):
+        assert link0.send(wire.OUTPUTS, [b"m%d" % i]) is False  # never raises
+        assert link1.send(wire.OUTPUTS, [b"n%d" % i]) is False
+    assert link0.frontend_gone and not link1.frontend_gone
+    assert read(front1, 3) == [(wire.OUTPUTS, b"n%d" % i) for i in range(3)]
+    broke = [r for r in caplog.records if "broke the channel's protocol" in r.getMessage()]
+    assert len(broke) == 1, [r.getMessage() for r in caplog.records]
+    link0.close()
+    link1.close()
+
+
+OFF_HEAD = 64  # the producer's position in a ring's header
+
+
+@pytest.mark.vllm
+def test_a_frontend_that_breaks_its_request_ring_is_taken_as_gone(channels):
+    """An API server (of several: its end does not end the engine) whose request ring
+    reads back a head no writer could have stored: the engine's reader of that ring
+    ends with the frontend taken as gone, instead of raising into vLLM's fatal path
+    (EXECUTOR_FAILED: the engine died for every API server)."""
+    import queue
+
+    pytest.importorskip("vllm")
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from shmclient.vllm.engine import _fatal_if_raises, _read_requests
+
+    front, engine = channels()
+    link = make_link(engine, client_index=1)
+    link.launcher_pid, link.launcher_gone = os.getppid(), False  # an API server of a launcher: its parent
+    assert not link.ends_engine
+    core = SimpleNamespace(input_queue=queue.Queue(), vllm_config=SimpleNamespace())
+    types = {t.value[0]: t for t in EngineCoreRequestType}
+    struct.pack_into("<Q", front.tx._res.seg.buf, OFF_HEAD, 12345)  # the frontend's bad store
+    in_thread(lambda: _fatal_if_raises(core, "request", _read_requests, core, link, types), timeout=30)
+    assert link.frontend_gone
+    assert core.input_queue.empty()  # nothing fatal queued for the engine
+    link.close()

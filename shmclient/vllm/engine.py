@@ -22,7 +22,7 @@ import zmq
 
 from .. import waiting
 from ..channel import BadMessage
-from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError
+from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from . import wire
 from .engine_link import _EngineLink, _links, _log, drain, entry_dropping_inherited
 from .engine_outputs import _hook_adaptive, _inline_outputs, _prewake_before_outputs, _serve_outputs
@@ -190,11 +190,14 @@ def _read_requests(self, link: _EngineLink, types) -> None:
             # of request tensors the busy loop has dropped since. Never spins: a spin
             # holds the GIL, which the busy loop needs, and the busy loop takes
             # requests only between steps anyway.
-            messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
-        except PeerNotProducingError:
-            channel.flush_releases()
-            continue
-        except (PeerDeadError, ClientClosedError):
+            try:
+                messages = waiting.recv(channel, timeout=RELEASE_FLUSH_S, alive=link.frontend_alive, spin=0.0)
+            except PeerNotProducingError:
+                channel.flush_releases()
+                continue
+        except (PeerDeadError, ClientClosedError, ProtocolError) as e:
+            if isinstance(e, ProtocolError):
+                link.broken(e)  # as its death: the other frontends are served on
             link.frontend_gone = True
             if link.ends_engine:
                 # What vLLM's SIGTERM handler does: finish and leave the busy loop. Abort

@@ -27,7 +27,7 @@ import msgspec
 
 from .. import waiting
 from ..channel import ShmChannel
-from ..errors import ClientClosedError, PeerDeadError, WouldBlock
+from ..errors import ClientClosedError, PeerDeadError, ProtocolError, WouldBlock
 from ..shm import Segment, close_inherited, drop_inherited, fd_ready, open_fds
 from . import wire
 
@@ -180,6 +180,9 @@ class _EngineLink:
                 except (PeerDeadError, ClientClosedError):
                     self.frontend_gone = True
                     return False
+                except ProtocolError as e:
+                    self.broken(e)
+                    return False
             self._backlog.append((rtype, payload))
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush, daemon=True,
@@ -209,10 +212,23 @@ class _EngineLink:
             except (PeerDeadError, ClientClosedError):
                 self.frontend_gone = True
                 continue
+            except ProtocolError as e:
+                self.broken(e)
+                continue
             except Exception as e:  # this message only (e.g. over the ring's 4 GiB)
                 _log().error("shmclient.vllm: a message to frontend %d dropped: %r", self.client_index, e)
             with self._backlog_lock:
                 self._backlog.popleft()
+
+    def broken(self, error: BaseException) -> None:
+        """This frontend broke the channel's protocol (a position in its ring that no
+        writer could have left, ``ProtocolError``): it is taken as gone, as if it had
+        died; its outputs are dropped from now on and the other frontends' served on.
+        Logged once, whichever side of the channel found it first."""
+        if not self.frontend_gone:
+            self.frontend_gone = True
+            _log().error("shmclient.vllm: frontend %d broke the channel's protocol (%s); it is taken as gone",
+                         self.client_index, error)
 
     def drain(self, deadline: float) -> bool:
         """Wait until the backlog is written (True), the frontend is gone (True: nobody to
