@@ -142,8 +142,10 @@ class _EngineReader:
         link = self.link
         client = self.client_ref()
         if client is not None and client.resources.engine_dead and not self.draining:
-            # As vLLM's output task (validate_alive on every message): once the client is
-            # found dead, nothing more is handed on. With data parallelism the other
+            # As with vLLM: once the client is found dead, nothing more is handed on
+            # (vLLM's engine monitor shuts the client down as it marks it dead, which
+            # ends its output task; an ENGINE_CORE_DEAD reads the remains first, here
+            # as on vLLM's socket). With data parallelism the other
             # engines are being stopped meanwhile and abort what they run: those aborts
             # would end their streams as if finished instead of with EngineDeadError.
             self.fail(EngineDeadError())
