@@ -233,9 +233,17 @@ class ShmChannel:
         be sent again (``waiting.send`` raised a timeout, the peer's death or a closed
         channel, or the task was cancelled while it waited for room): free the
         shared-memory blocks its tensors were placed in, which the engine, never decoding
-        it, would never release. Frees nothing under a framing without ``handles``. Never
-        raises."""
+        it, would never release. Frees nothing under a framing without ``handles``. A
+        message it left half-way in the ring is forgotten there: pending tensor releases
+        (and every other record) may go at once, instead of waiting behind a message
+        nobody will finish until another is sent. Never raises."""
         self.abandon(payload)
+        with self._send_lock:
+            if self._partial is None:  # (no other message of this side is half-way)
+                try:
+                    self.tx.drop_partial(payload)
+                except Exception:  # noqa: BLE001 - a bare or closed end: nothing to forget
+                    pass
         find = getattr(self.framing, "handles", None)
         if find is None:
             return

@@ -156,6 +156,16 @@ class RingProducer(Ring):
                 raise WouldBlock(f"the ring is full ({c.pending()} of {self.capacity} bytes unread)")
             return n
 
+    def drop_partial(self, payload: BytesLike) -> None:
+        """``payload``, left half-way, will not be sent again: forget it, so that any
+        record may go next (``try_send`` too; the consumer drops the fragments it has of
+        it when that record comes). A payload that is not the one half-way changes
+        nothing. Never blocks for long (another thread's non-blocking call at most)."""
+        with self._lock:
+            if self._partial is not None and self._partial[1] is payload:
+                self._partial = None
+                self._c.held = False
+
     def abandon(self, payload: BytesLike) -> None:
         """A send of ``payload`` gave up (the wait handle's call, see ``shmclient.waiting``).
         Nothing to do for a bare ring end: a fragmented message left half-way needs no

@@ -920,3 +920,39 @@ def test_a_one_off_put_racing_close_leaves_no_segment(monkeypatch):
         assert mine() - before == set()
     finally:
         sender.close()
+
+
+def test_a_discarded_half_sent_message_holds_back_no_release():
+    """A request longer than the ring timed out half-way (the engine was not reading)
+    and was discarded: the releases of the engine's output tensors the frontend then
+    reads go back at once. They waited behind the half-sent message until the frontend
+    sent twice more, the engine's arena filled and every later tensor went as a one-off."""
+    from shmclient import waiting
+    from shmclient.channel import REC_OUTPUTS, REQ_UTILITY, ShmChannel
+    from shmclient.errors import PeerNotConsumingError
+    from shmclient.messages import UtilityRequest
+
+    front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    try:
+        big = front.encode(UtilityRequest(0, 1, "echo", ("x" * (200 << 10),)))  # over the 64 KiB ring
+        with pytest.raises(PeerNotConsumingError):
+            waiting.send(front, REQ_UTILITY, big, timeout=0.05)  # the engine reads nothing meanwhile
+        front.discard(REQ_UTILITY, big)
+        assert not front.tx.partial_pending
+        assert engine.try_recv() == []  # what came of it is dropped: no message
+        for i in range(4):
+            engine.send_nowait(REC_OUTPUTS, engine.encode(EngineCoreOutputs(utility_output=UtilityOutput(
+                call_id=i, result=np.full(256 << 10, i, np.uint8)))))
+            got = front.try_recv()
+            assert [(r, int(o.utility_output.result[0])) for r, o in got] == [(REC_OUTPUTS, i)]
+            del got  # the frontend is done with the tensor: its release goes with the next call
+            front.flush_releases()
+            engine.try_recv()  # takes the release
+            stats = engine.statistics().tensors
+            assert (stats.blocks_in_flight, stats.sent_one_off) == (0, 0), stats
+        assert front.try_recv() == []
+    finally:
+        front.close()
+        engine.close()
