@@ -18,6 +18,7 @@ import math
 import os
 import select
 import stat
+import threading
 import weakref
 
 from .capacity import (  # noqa: F401 - memory_limits & co. re-exported from here too
@@ -167,12 +168,13 @@ def drop_inherited(handles=()) -> None:
     """At the entry of a process forked from one that held segments, before it makes or
     attaches any: close every fd of a memfd of this project (its /proc link reads
     ``/memfd:shmc``: ``Segment.create``'s names) and every fd of a pipe one of
-    ``handles`` names, either end (both carry the pipe's inode). Such a process attaches
+    ``handles`` names or ``make_pipe`` made before the fork, either end (both carry the
+    pipe's inode). Such a process attaches
     what it needs through its creator's /proc/<pid>/fd; the fds it inherited would keep
     their memory allocated, and reachable through its own /proc/<pid>/fd, for its life,
     and every process it forks in turn would inherit them. Never raises; does not
     block."""
-    pipes = set()
+    pipes = set(_made_pipes)
     for handle in handles:
         try:
             kind, _, _, ino = parse_handle(handle)
@@ -415,11 +417,46 @@ class Segment:
         return f"<Segment {self.name} {state}{' owner' if self.owner else ''}>"
 
 
+#: The /proc links (``pipe:[inode]``) of the pipes ``make_pipe`` made in this process (or
+#: in the one it was forked from) that may still be open: what ``drop_inherited`` closes
+#: besides the pipes a spec names. Pruned of pipes no longer open here when it grows.
+_made_pipes: set[str] = set()
+_made_pipes_lock = threading.Lock()
+_PRUNE_AT = 4096
+
+
+def _new_lock_after_fork() -> None:
+    global _made_pipes_lock
+    _made_pipes_lock = threading.Lock()  # (another thread may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def make_pipe() -> tuple[int, int, str]:
     """A non-blocking pipe and the handle of its write end (``pipe:<pid>:<fd>:<inode>``),
     which a peer opens with ``open_handle(h, os.O_WRONLY | os.O_NONBLOCK)``."""
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    return r, w, f"pipe:{os.getpid()}:{w}:{os.fstat(w).st_ino}"
+    ino = os.fstat(w).st_ino
+    with _made_pipes_lock:
+        if len(_made_pipes) >= _PRUNE_AT:
+            _made_pipes.intersection_update(_open_links())
+        _made_pipes.add(f"pipe:[{ino}]")
+    return r, w, f"pipe:{os.getpid()}:{w}:{ino}"
+
+
+def _open_links() -> set[str]:
+    out = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            pass
+    return out
 
 
 def fd_ready(fd: int, timeout_s: float = 0.0) -> bool:

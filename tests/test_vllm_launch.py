@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shmclient.channel import ShmChannel
-from shmclient.shm import Segment, parse_handle
+from shmclient.shm import Segment, make_pipe, parse_handle
 from shmclient.vllm import wire
 from shmclient.vllm.engine_link import entry_dropping_inherited
 from shmclient.vllm.launch import _Rings
@@ -112,6 +112,8 @@ def _open_files() -> "dict[int, str]":
 def _launch_files(handles: "list[str]") -> "list[str]":
     """This process's fds of the project's memfds or of a pipe ``handles`` name."""
     pipes = {f"pipe:[{parse_handle(h)[3]}]" for h in handles if h.startswith("pipe:")}
+    if handles and handles[-1].startswith("other:"):  # (another client's pipe, by inode)
+        pipes.add(f"pipe:[{handles[-1].split(':', 1)[1]}]")
     return sorted(f"{fd} {link}" for fd, link in _open_files().items()
                   if link.startswith("/memfd:shmc") or link in pipes)
 
@@ -128,6 +130,9 @@ def test_a_process_forked_during_the_launch_drops_what_it_inherited_at_its_entry
     env = rings.environment
     handles = wire.inherited_handles(env[wire.ENV_SPEC], env[wire.ENV_FRONTEND_SPEC])
     other = Segment.create(4096, prefix="shmc-t")  # not the launch's: another client's arena
+    other_r, other_w, _ = make_pipe()  # and another client's wake pipe
+    other_ino = os.fstat(other_r).st_ino
+    handles = handles + [f"other:{other_ino}"]
     own_r, own_w = os.pipe()  # the launcher's own fd: kept
     engine_spec = rings.engine_specs[0].channel
 
@@ -149,14 +154,16 @@ def test_a_process_forked_during_the_launch_drops_what_it_inherited_at_its_entry
             inherited = in_child(lambda: json.dumps(_launch_files(handles)))
             report = json.loads(in_child(lambda: entry(2, "addr", zmq_addr_pipe=None)))
     finally:
-        os.close(own_r)
-        os.close(own_w)
+        for fd in (own_r, own_w, other_r, other_w):
+            os.close(fd)
         other.release_handle()
         other.close()
     # What a plain fork holds: 2 x 2 channels' rings, arenas and parked pages, the
-    # other client's arena, each ring's pipes (both ends) and the "attached" pipe.
+    # other client's arena, each ring's pipes (both ends), the "attached" pipe and the
+    # other client's pipe.
     inherited = json.loads(inherited)
-    assert sum("/memfd:" in f for f in inherited) >= 4 * 4 + 1 and sum("pipe:" in f for f in inherited) >= 2 * 4
+    assert sum("/memfd:" in f for f in inherited) >= 4 * 4 + 1 and sum("pipe:" in f for f in inherited) >= 2 * 4 + 2
+    assert sum(f.endswith(f" pipe:[{other_ino}]") for f in inherited) == 2  # both ends
     assert report == {"args": [2, "addr"], "kwargs": {"zmq_addr_pipe": None}, "left": [],
                       "specs": [wire.ENV_SPEC, wire.ENV_FRONTEND_SPEC] if keep_specs else [], "own": True,
                       "attached": True if keep_specs else None}
