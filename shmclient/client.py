@@ -62,9 +62,23 @@ def shutdown_timeout(timeout: Any) -> float:
 _LONGEST_WAIT_S = threading.TIMEOUT_MAX / 2
 
 
+def takes_keyword(fn: Any, name: str) -> bool:
+    """Whether ``fn`` (a class: its constructor) can be called with keyword ``name``: a
+    subclass with an ``__init__`` of its own may not take the private ones."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+               for p in params)
+
+
 async def build_in_thread(cls: Any, config: Any) -> Any:
     """``cls(config, _abandon=event)`` in the loop's default executor, without blocking
-    the loop (an asynchronous client's ``create``). Cancelled meanwhile
+    the loop (an asynchronous client's ``create``; ``cls(config)`` for a constructor
+    that does not take ``_abandon``, e.g. a subclass's own). Cancelled meanwhile
     (``asyncio.wait_for`` ran out, Ctrl-C under ``asyncio.run``), ``event`` is set: a start
     still waiting for its engine(s) gives up within a poll slice (0.1 s) and stops what
     it started, instead of waiting out ``engine_ready_timeout_s`` while ``asyncio.run``
@@ -77,11 +91,12 @@ async def build_in_thread(cls: Any, config: Any) -> Any:
     lock = threading.Lock()
     abandon = threading.Event()
     state: dict = {"abandoned": False, "client": None}
+    kwargs = {"_abandon": abandon} if takes_keyword(cls, "_abandon") else {}
 
     def build() -> Any:
         if abandon.is_set():  # cancelled before this thread ran: start nothing
             return None
-        client = cls(config, _abandon=abandon)
+        client = cls(config, **kwargs)
         with lock:
             if not state["abandoned"]:
                 state["client"] = client

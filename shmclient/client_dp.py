@@ -174,10 +174,11 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         """Build the client from a running loop without blocking it: the engines start
         in a thread (each in one of its own, at once). Raises what the constructor
         raises; cancelled, the engines' start gives up (those started are stopped) and
-        a client built after all is shut down."""
-        from .client import build_in_thread
+        a client built after all is shut down (a subclass whose constructor does not
+        take ``engines``: the client built after all only)."""
+        from .client import build_in_thread, takes_keyword
 
-        return await build_in_thread(cls._build, config)
+        return await build_in_thread(cls._build if takes_keyword(cls, "engines") else cls, config)
 
     @classmethod
     def _build(cls, config: EngineConfig | None, *, _abandon: threading.Event) -> "DPAsyncMPClient":

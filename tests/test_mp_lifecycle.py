@@ -1035,3 +1035,25 @@ def test_a_fork_while_a_lock_of_the_engines_resources_is_held_does_not_hang_the_
         if w >= 0:
             os.close(w)
         res.shutdown(timeout=0.0)  # (nothing was started: closes its wake pipe)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+async def test_create_builds_a_subclass_whose_constructor_takes_the_config_only(dp):
+    """A subclass with an ``__init__(self, config)`` of its own: ``create`` builds it
+    as before (it failed with TypeError once ``create`` passed its cancellation event
+    to every constructor)."""
+    from shmclient import DPLBAsyncMPClient
+
+    base = AsyncMPClient if dp == 1 else DPLBAsyncMPClient
+
+    class Mine(base):  # type: ignore[misc, valid-type]
+        def __init__(self, config):
+            super().__init__(config)
+            self.mine = True
+
+    c = await asyncio.wait_for(Mine.create(cfg(data_parallel_size=dp)), 60)
+    try:
+        assert type(c) is Mine and c.mine
+        assert await c.echo_async("here") == "here"
+    finally:
+        await c.shutdown_async()
