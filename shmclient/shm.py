@@ -169,11 +169,10 @@ def drop_inherited(handles=()) -> None:
     attaches any: close every fd of a memfd of this project (its /proc link reads
     ``/memfd:shmc``: ``Segment.create``'s names) and every fd of a pipe one of
     ``handles`` names or ``make_pipe`` made before the fork, either end (both carry the
-    pipe's inode). Such a process attaches
-    what it needs through its creator's /proc/<pid>/fd; the fds it inherited would keep
-    their memory allocated, and reachable through its own /proc/<pid>/fd, for its life,
-    and every process it forks in turn would inherit them. Never raises; does not
-    block."""
+    pipe's inode). Such a process attaches what it needs through its creator's
+    /proc/<pid>/fd; the fds it inherited would keep their memory allocated, and reachable
+    through its own /proc/<pid>/fd, for its life, and every process it forks in turn
+    would inherit them. Never raises; does not block."""
     pipes = set(_made_pipes)
     for handle in handles:
         try:
@@ -182,18 +181,28 @@ def drop_inherited(handles=()) -> None:
             continue
         if kind == "pipe":
             pipes.add(f"pipe:[{ino}]")
+    for fd, link in _fd_links().items():
+        if link.startswith("/memfd:shmc") or link in pipes:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _fd_links() -> dict[int, str]:
+    """This process's open fds and what each is (its /proc link); {} if /proc cannot
+    be read."""
+    out: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return
+        return out
     for name in names:
         try:
-            fd = int(name)
-            link = os.readlink(f"/proc/self/fd/{fd}")
-            if link.startswith("/memfd:shmc") or link in pipes:
-                os.close(fd)
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
         except (OSError, ValueError):
             pass
+    return out
 
 
 def _same_file(fd: int) -> set[int]:
@@ -440,23 +449,9 @@ def make_pipe() -> tuple[int, int, str]:
     ino = os.fstat(w).st_ino
     with _made_pipes_lock:
         if len(_made_pipes) >= _PRUNE_AT:
-            _made_pipes.intersection_update(_open_links())
+            _made_pipes.intersection_update(_fd_links().values())
         _made_pipes.add(f"pipe:[{ino}]")
     return r, w, f"pipe:{os.getpid()}:{w}:{ino}"
-
-
-def _open_links() -> set[str]:
-    out = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for name in names:
-        try:
-            out.add(os.readlink(f"/proc/self/fd/{name}"))
-        except OSError:
-            pass
-    return out
 
 
 def fd_ready(fd: int, timeout_s: float = 0.0) -> bool:

@@ -227,3 +227,24 @@ def test_a_second_client_makes_its_links_only_once_the_first_has_started_its_eng
     assert {k: wire._decode(v, dict, "") for k, v in seen.items()} == {
         "first": [{"link": "first"}], "second": [{"link": "second"}]}
     assert wire.ENV_SPEC not in os.environ
+
+
+def test_the_noted_pipes_are_pruned_of_closed_ones_as_they_grow(monkeypatch):
+    """make_pipe notes every pipe it makes for ``drop_inherited``; once the notes reach
+    their bound, those no longer open here go (a long-lived process making and closing
+    channels keeps a bounded set)."""
+    import shmclient.shm as shm
+
+    monkeypatch.setattr(shm, "_made_pipes", set())
+    monkeypatch.setattr(shm, "_PRUNE_AT", 4)
+    made = [shm.make_pipe() for _ in range(4)]
+    for r, w, _ in made[:3]:
+        os.close(r)
+        os.close(w)
+    r, w, _ = shm.make_pipe()  # at the bound: the three closed ones go
+    try:
+        kept = {f"pipe:[{os.fstat(fd).st_ino}]" for fd in (made[3][0], r)}
+        assert shm._made_pipes == kept
+    finally:
+        for fd in (made[3][0], made[3][1], r, w):
+            os.close(fd)
