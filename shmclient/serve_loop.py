@@ -236,15 +236,10 @@ class EngineProc:
         try:
             payload = channel.encode(outputs)
         except Exception as e:
-            reply = outputs.utility_output
-            if reply is None or reply.failure_message is not None:
-                raise
             # A utility's result the codec cannot carry (an object of no wire type, an
             # int over 64 bits): that call fails alone, as when the utility raises.
-            log.warning("the result of utility call %s cannot be sent: %s", reply.call_id, e)
-            failed = UtilityOutput(call_id=reply.call_id,
-                                   failure_message=f"its result cannot be sent to the client: {e}")
-            payload = channel.encode(EngineCoreOutputs(utility_output=failed))
+            outputs = _unsendable(outputs, e)
+            payload = channel.encode(outputs)
         while True:
             try:
                 waiting.send(channel, REC_OUTPUTS, payload, timeout=_SLICE_S, alive=self.alive)
@@ -252,14 +247,9 @@ class EngineProc:
             except ValueError as e:
                 # Longer than one message can carry (4 GiB; nothing of it was sent): a
                 # utility's result fails that call alone.
-                reply = outputs.utility_output
-                if reply is None or reply.failure_message is not None:
-                    raise
+                failed = _unsendable(outputs, e)
                 channel.discard(REC_OUTPUTS, payload)  # (its tensors' blocks)
-                log.warning("the result of utility call %s cannot be sent: %s", reply.call_id, e)
-                outputs = EngineCoreOutputs(utility_output=UtilityOutput(
-                    call_id=reply.call_id, failure_message=f"its result cannot be sent to the client: {e}"))
-                payload = channel.encode(outputs)
+                outputs, payload = failed, channel.encode(failed)
             except PeerNotConsumingError:
                 for rtype, obj in channel.try_recv():
                     self.handle(rtype, obj)
@@ -316,6 +306,18 @@ class EngineProc:
                     self.send(client_index, outputs)
             if self.replies or self.rejected:
                 self.send_replies()
+
+
+def _unsendable(outputs: EngineCoreOutputs, error: Exception) -> EngineCoreOutputs:
+    """The failure reply that replaces a utility's reply the wire cannot carry (``error``
+    says why); re-raises ``error`` for anything else (a step's outputs, a failure reply):
+    the caller's ``except`` clause is the only one running."""
+    reply = outputs.utility_output
+    if reply is None or reply.failure_message is not None:
+        raise error
+    log.warning("the result of utility call %s cannot be sent: %s", reply.call_id, error)
+    return EngineCoreOutputs(utility_output=UtilityOutput(
+        call_id=reply.call_id, failure_message=_sendable(f"its result cannot be sent to the client: {error}")))
 
 
 def _sendable(text: str) -> str:
