@@ -6,13 +6,16 @@ with importlib at construction; its entry point ``make_core(config)`` builds the
 contract is in ``shmclient_engine``'s docstring).
 ``get_output()`` runs exactly one engine step and never blocks: with nothing scheduled it
 returns an empty ``EngineCoreOutputs``. Everything else forwards directly, after the same
-door checks as the multiprocess clients (``shmclient.validate``).
+door checks as the multiprocess clients (``shmclient.validate``) and their live-id
+bookkeeping, so that any engine (the project's or a user's own) is refused a duplicate
+live id and ignores aborts it refuses, as behind the engine process's loop.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import logging
 from typing import Any
 
 from .config import EngineConfig
@@ -24,8 +27,11 @@ from .client import (
     check_utility_call,
     shutdown_timeout,
 )
-from .errors import ClientClosedError, ConfigError, UtilityCallError, WaitNotSupportedError
+from .errors import (ClientClosedError, ConfigError, DuplicateRequestError, UtilityCallError,
+                     WaitNotSupportedError)
 from .messages import EngineCoreOutputs, EngineCoreRequest
+
+log = logging.getLogger(__name__)
 
 
 class InprocClient(SyncEngineCoreClient):
@@ -45,6 +51,10 @@ class InprocClient(SyncEngineCoreClient):
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self.block_size = self.engine_core.block_size
         self.max_model_len = self.engine_core.max_model_len
+        #: The ids added and not finished yet (their output with a finish reason not
+        #: returned by ``get_output()``), as the multiprocess clients keep them: an engine
+        #: need not refuse a duplicate itself.
+        self._live: set[str] = set()
         self._closed = False
 
     def _check_open(self) -> None:
@@ -53,8 +63,10 @@ class InprocClient(SyncEngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate and add; raises InvalidRequestError naming the field (or the engine's
-        reason, e.g. a duplicate live id), EngineDeadError after ``shutdown()``. Never
-        blocks (``timeout`` is checked, as the other clients check it, and unused)."""
+        reason), DuplicateRequestError (an InvalidRequestError, as the multiprocess clients
+        raise) for the id of a request whose final output ``get_output()`` has not returned
+        yet, EngineDeadError after ``shutdown()``. Never blocks (``timeout`` is checked, as
+        the other clients check it, and unused)."""
         check_timeout("add_request", timeout)
         self._check_open()
         check_request(
@@ -63,7 +75,10 @@ class InprocClient(SyncEngineCoreClient):
             hidden_size=self.config.hidden_size,
             vocab_size=self.config.vocab_size,
         )
+        if request.request_id in self._live:
+            raise DuplicateRequestError(f"request id {request.request_id!r} is already live")
         self.engine_core.add_request(request)
+        self._live.add(request.request_id)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """One engine step; never blocks (``timeout`` is checked, as the other clients
@@ -74,19 +89,29 @@ class InprocClient(SyncEngineCoreClient):
         if not per_client:
             return EngineCoreOutputs()
         if len(per_client) == 1:
-            return next(iter(per_client.values()))
-        merged = EngineCoreOutputs()
-        for outs in per_client.values():
-            merged.outputs.extend(outs.outputs)
+            merged = next(iter(per_client.values()))
+        else:
+            merged = EngineCoreOutputs()
+            for outs in per_client.values():
+                merged.outputs.extend(outs.outputs)
+        for o in merged.outputs:
+            if o.finish_reason is not None:
+                self._live.discard(o.request_id)
         return merged
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Abort; each live request gets one ABORT output at the next ``get_output()``.
-        Unknown and finished ids are ignored; InvalidRequestError for ids that are not a
-        list of str. A quiet no-op after ``shutdown()``, as on the multiprocess clients."""
+        """Abort; each live request gets one ABORT output at the next ``get_output()``
+        (with the project's engine). Unknown and finished ids are ignored: an engine that
+        raises for them has the abort dropped with a warning, as the engine process's loop
+        drops it. InvalidRequestError for ids that are not a list of str. A quiet no-op
+        after ``shutdown()``, as on the multiprocess clients."""
         ids = check_abort_ids(request_ids)
         if ids and not self._closed:
-            self.engine_core.abort_requests(ids)
+            try:
+                self.engine_core.abort_requests(ids)
+            except Exception:  # noqa: BLE001 - an engine refusing an abort (an unknown id)
+                log.warning("dropped an abort of %d request(s) that the engine core refused",
+                            len(ids), exc_info=True)
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Call the engine method ``method(*args)`` and return its result. Raises

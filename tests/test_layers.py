@@ -398,6 +398,51 @@ async def test_a_third_party_engine_is_served_without_the_projects_engine(kind, 
         client.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["inproc", "sync-shm"])
+async def test_a_third_party_engine_is_refused_duplicates_and_spared_unknown_aborts(kind, user_path, caplog):
+    """The third-party core neither refuses a live id (its add_request replaces the
+    request) nor ignores an unknown abort (KeyError): every client keeps the live ids and
+    refuses the duplicate itself, and drops the refused abort with a log line, so the
+    live request's output is intact."""
+    from shmclient import InvalidRequestError
+
+    client = build(kind, CFG.replace(engine_module="third_party_engine"))
+    drv = Driver(kind, client)
+    try:
+        await drv.add(req("a", prompt=[5, 6, 7], max_tokens=8))
+        with pytest.raises(InvalidRequestError, match="request id 'a' is already live"):
+            await drv.add(req("a", prompt=[9], max_tokens=8))
+        await drv.abort(["unknown"])
+        r = await drv.collect(["a"])
+        assert r["a"]["tokens"] == [7, 6, 5] and r["a"]["n_finished"] == 1
+        if kind == "inproc":  # the engine process logs in its own process
+            assert "dropped an abort of 1 request(s) that the engine core refused" in caplog.text
+        # Its final output returned, the id may be used again.
+        await drv.add(req("a", prompt=[1, 2], max_tokens=8))
+        assert (await drv.collect(["a"]))["a"]["tokens"] == [2, 1]
+    finally:
+        client.shutdown()
+
+
+def test_the_projects_engine_in_process_refuses_a_live_id_as_a_duplicate():
+    """In-process the client refuses the duplicate before the engine sees it, with the
+    type the engine raised before (DuplicateRequestError, an InvalidRequestError as the
+    multiprocess clients raise), also for an aborted id whose ABORT output is not out."""
+    from shmclient import DuplicateRequestError, FinishReason, InprocClient
+
+    client = InprocClient(EngineConfig(model="mock", max_model_len=64))
+    try:
+        client.add_request(req("a", max_tokens=2))
+        client.abort_requests(["a"])
+        with pytest.raises(DuplicateRequestError, match="already live"):
+            client.add_request(req("a", max_tokens=2))
+        assert [(o.request_id, o.finish_reason) for o in client.get_output().outputs] == [
+            ("a", FinishReason.ABORT)]
+        client.add_request(req("a", max_tokens=2))  # reported: the id is free again
+    finally:
+        client.shutdown()
+
+
 async def test_data_parallel_counts_a_third_party_engines_finished_requests(user_path):
     """The third-party core leaves ``finished_requests`` unset (vLLM's engines set it only
     under data parallelism): the DP client still sees its requests finish by their
