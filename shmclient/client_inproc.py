@@ -2,8 +2,9 @@
 
 Top layer: imports client, errors and messages; never an engine module by name. The engine
 is ``EngineConfig.engine_module`` (the project's ``shmclient_engine`` by default), imported
-with importlib at construction; its entry point ``make_core(config)`` builds the core (the
-contract is in ``shmclient_engine``'s docstring).
+with importlib at construction; its entry point ``make_core(config, supports_wait=False)``
+builds the core (the contract is in ``shmclient_engine``'s docstring; nothing steps the core
+while a ``mode="wait"`` pause drains, hence ``False``).
 ``get_output()`` runs exactly one engine step and never blocks: with nothing scheduled it
 returns an empty ``EngineCoreOutputs``. Everything else forwards directly, after the same
 door checks as the multiprocess clients (``shmclient.validate``) and their live-id
@@ -47,7 +48,9 @@ class InprocClient(SyncEngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.engine_core = load_engine(config.engine_module).make_core(config)
+        # Keyword passed explicitly: the contract's make_core(config, *, supports_wait) need
+        # not give it a default.
+        self.engine_core = load_engine(config.engine_module).make_core(config, supports_wait=False)
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self.block_size = self.engine_core.block_size
         self.max_model_len = self.engine_core.max_model_len

@@ -443,6 +443,29 @@ def test_the_projects_engine_in_process_refuses_a_live_id_as_a_duplicate():
         client.shutdown()
 
 
+def test_inproc_passes_supports_wait_to_a_make_core_without_its_default(user_path, monkeypatch):
+    """The README's contract is ``make_core(config, *, supports_wait)`` with no default:
+    InprocClient passes the keyword (False: nothing steps the engine in-process while a
+    pause in mode "wait" drains), as the engine process's loop passes True."""
+    from shmclient import InprocClient
+
+    (user_path / "strict_engine.py").write_text(textwrap.dedent("""
+        import third_party_engine
+        SEEN = []
+
+        def make_core(config, *, supports_wait):
+            SEEN.append(supports_wait)
+            return third_party_engine.Core()
+        """))
+    monkeypatch.delitem(sys.modules, "strict_engine", raising=False)
+    try:
+        client = InprocClient(CFG.replace(engine_module="strict_engine"))
+        client.shutdown()
+        assert client.num_gpu_blocks == 7 and sys.modules["strict_engine"].SEEN == [False]
+    finally:
+        sys.modules.pop("strict_engine", None)
+
+
 async def test_data_parallel_counts_a_third_party_engines_finished_requests(user_path):
     """The third-party core leaves ``finished_requests`` unset (vLLM's engines set it only
     under data parallelism): the DP client still sees its requests finish by their
