@@ -392,3 +392,42 @@ def test_a_spin_variable_must_be_finite_and_not_negative(monkeypatch, name, raw)
     monkeypatch.setenv(name, "20")
     settings = _Settings()
     assert (settings.spin_us if name == "SHMCLIENT_VLLM_SPIN_US" else settings.async_spin_us) == 20.0
+
+
+@pytest.mark.parametrize("name, raw, words", [
+    ("SHMCLIENT_VLLM_RING_BYTES", "inf", "must be a whole number, got 'inf'"),
+    ("SHMCLIENT_VLLM_RING_BYTES", "nan", "must be a whole number, got 'nan'"),
+    ("SHMCLIENT_VLLM_RING_BYTES", "65536.5", "must be a whole number, got '65536.5'"),
+    ("SHMCLIENT_VLLM_RING_BYTES", "100", "must be a multiple of 8, got 100"),
+    ("SHMCLIENT_VLLM_RING_BYTES", "8", "must be between 64 and 1099511627776, got 8"),
+    ("SHMCLIENT_VLLM_RING_BYTES", "1e13", "must be between 64 and 1099511627776, got 10000000000000"),
+    ("SHMCLIENT_VLLM_ARENA_BYTES", "-inf", "must be a whole number, got '-inf'"),
+    ("SHMCLIENT_VLLM_ARENA_BYTES", "-1", "must be >= 0, got -1"),
+    ("SHMCLIENT_VLLM_TENSOR_MIN_BYTES", "nan", "must be a whole number, got 'nan'"),
+    ("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "inf", "must be a whole number, got 'inf'"),
+    ("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "-1", "must be >= 0, got -1"),
+])
+def test_a_number_variable_is_refused_naming_it_when_the_settings_are_read(monkeypatch, name, raw, words):
+    """Defect: the numbers were int(float(text)): "inf" raised OverflowError, "nan" a
+    ValueError without the variable's name, a fraction was cut, and a ring size the ring
+    refuses (100: not a multiple of 8) passed here and failed when the channel was made,
+    unnamed. Each is now a ValueError naming the variable, before anything starts."""
+    from shmclient.vllm.link import _Settings
+
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=re.escape(f"{name} {words}")):
+        _Settings()
+
+
+def test_the_number_variables_take_whole_numbers_in_the_rings_limits(monkeypatch):
+    from shmclient.ring import MIN_CAPACITY
+    from shmclient.vllm.link import _Settings
+
+    for name, raw in [("SHMCLIENT_VLLM_RING_BYTES", str(MIN_CAPACITY)), ("SHMCLIENT_VLLM_ARENA_BYTES", "0"),
+                      ("SHMCLIENT_VLLM_TENSOR_MIN_BYTES", "4096.0"), ("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "0")]:
+        monkeypatch.setenv(name, raw)
+    settings = _Settings()
+    assert (settings.capacity, settings.arena, settings.tensor_min_bytes, settings.inline_max_outputs) == (
+        MIN_CAPACITY, 0, 4096, 0)
+    monkeypatch.setenv("SHMCLIENT_VLLM_RING_BYTES", "4e6")  # 4000000: a multiple of 8
+    assert _Settings().capacity == 4_000_000

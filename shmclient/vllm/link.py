@@ -1,7 +1,8 @@
 """The frontend's end of the plug-in's channel to one engine core, and how the frontend
 hands the channels to the engines it starts.
 
-Imports ``shmclient.channel``, ``shmclient.shm`` and the plug-in's ``wire`` and ``oob``;
+Imports ``shmclient.channel``, ``shmclient.shm`` (``shmclient.ring`` for the ring's size
+limits) and the plug-in's ``wire`` and ``oob``;
 no vLLM module at import (torch only to ask which GPUs this process sees), no client,
 no waiting. ``_Link`` owns one engine's ``ShmChannel`` (created here, the engine
 attaches), the plug-in's settings read from the environment, and the one-byte "parked"
@@ -19,6 +20,7 @@ from typing import Any
 import msgspec
 
 from ..channel import BadMessage, ShmChannel
+from ..ring import MAX_CAPACITY, MIN_CAPACITY
 from ..shm import Segment, open_handle
 from . import oob
 from . import wire
@@ -55,6 +57,23 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {text!r}") from None
 
 
+def _env_int(name: str, default: int, *, low: int = 0, high: int | None = None, multiple: int = 1) -> int:
+    """A whole number in [low, high] and a multiple of ``multiple``; ValueError naming the
+    variable otherwise ("inf" made int() raise OverflowError, "nan" a ValueError without
+    the name, a fraction was cut and a ring size the ring refuses failed only later)."""
+    value = _env_float(name, default)
+    if not (math.isfinite(value) and value == int(value)):
+        raise ValueError(f"{name} must be a whole number, got {os.environ.get(name)!r}")
+    number = int(value)
+    if high is not None and not low <= number <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {number}")
+    if number < low:
+        raise ValueError(f"{name} must be >= {low}, got {number}")
+    if number % multiple:
+        raise ValueError(f"{name} must be a multiple of {multiple}, got {number}")
+    return number
+
+
 #: How long AsyncLLM's output task spins on the ring before it parks (µs).
 ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
 ASYNC_SPIN_US = 50.0
@@ -74,7 +93,10 @@ class _Settings:
     naming the variable for a bad value)."""
 
     def __init__(self) -> None:
-        self.capacity = int(_env_float("SHMCLIENT_VLLM_RING_BYTES", 4 << 20))
+        # The ring's own limits, read where it defines them (a size it refuses failed
+        # only when the channel was made, without the variable's name).
+        self.capacity = _env_int("SHMCLIENT_VLLM_RING_BYTES", 4 << 20, low=MIN_CAPACITY,
+                                 high=MAX_CAPACITY, multiple=8)
         self.spin_us = _env_spin("SHMCLIENT_VLLM_SPIN_US")
         #: Read here, before the engines start (the async output task reads it later).
         self.async_spin_us = _env_spin(ASYNC_SPIN_ENV)
@@ -82,21 +104,16 @@ class _Settings:
         if self.output_mode not in OUTPUT_MODES:
             raise ValueError(f"{OUTPUT_MODE_ENV} must be one of {', '.join(map(repr, OUTPUT_MODES))}, "
                              f"got {self.output_mode!r}")
-        self.inline_max_outputs = int(_env_float(INLINE_MAX_ENV, INLINE_MAX_OUTPUTS))
-        if self.inline_max_outputs < 0:
-            raise ValueError(f"{INLINE_MAX_ENV} must be >= 0, got {self.inline_max_outputs}")
+        self.inline_max_outputs = _env_int(INLINE_MAX_ENV, INLINE_MAX_OUTPUTS)
         prewake = os.environ.get(PREWAKE_ENV, "1")
         if prewake not in ("0", "1"):
             raise ValueError(f"{PREWAKE_ENV} must be '0' or '1', got {prewake!r}")
         self.prewake = prewake == "1"
-        self.arena = int(_env_float(ARENA_ENV, ARENA_BYTES))
-        self.tensor_min_bytes = int(_env_float(TENSOR_MIN_ENV, oob.TENSOR_MIN_BYTES))
+        self.arena = _env_int(ARENA_ENV, ARENA_BYTES)
+        self.tensor_min_bytes = _env_int(TENSOR_MIN_ENV, oob.TENSOR_MIN_BYTES)
         cuda_ipc = os.environ.get(CUDA_IPC_ENV, "1")
-        if cuda_ipc not in ("0", "1") or self.arena < 0 or self.tensor_min_bytes < 0:
-            raise ValueError(
-                f"{CUDA_IPC_ENV} must be '0' or '1', {ARENA_ENV} and {TENSOR_MIN_ENV} >= 0; "
-                f"got {cuda_ipc!r}, {self.arena}, {self.tensor_min_bytes}"
-            )
+        if cuda_ipc not in ("0", "1"):
+            raise ValueError(f"{CUDA_IPC_ENV} must be '0' or '1', got {cuda_ipc!r}")
         self.cuda_ipc = cuda_ipc == "1"
 
 
