@@ -173,3 +173,19 @@ def test_check_adaptive_names_what_differs(known_loops):
     assert v.message == "vLLM 1.5.3's busy loop differs from vLLM 1.5's in pkg.client.Client.call"
     v = check_adaptive("2.0.0", ("a", "b", "Z"))  # no line of that number: the closest one
     assert not v.ok and v.line == "1.4" and v.differs == ["pkg.client.Client.inherited"]
+
+
+def test_the_command_refuses_a_source_it_cannot_read_with_status_2(tmp_path, capsys):
+    """Defect: a wheel's file name without "-" raised IndexError, a missing wheel a raw
+    FileNotFoundError traceback (a missing folder printed "missing" fingerprints). Each
+    is now one line on stderr naming the source, and exit status 2."""
+    not_zip = tmp_path / "vllm-0.32.0-cp38-abi3-linux_x86_64.whl"
+    not_zip.write_bytes(b"not a zip file")
+    for source, words in [
+            (str(tmp_path / "vllm.whl"), "is not a wheel's file name"),
+            (str(tmp_path / "vllm-0.32.0-cp38-abi3-linux_x86_64.whl.missing.whl"), "cannot be read: [Errno 2]"),
+            (str(not_zip), "cannot be read: File is not a zip file"),
+            (str(tmp_path / "no_such_folder"), "is neither a wheel (.whl) nor a folder")]:
+        assert versions.main([source]) == 2, source
+        err = capsys.readouterr().err
+        assert err.startswith("python -m shmclient.vllm.versions: ") and repr(source) in err and words in err, err

@@ -328,17 +328,32 @@ def _installed_version() -> str:
     return "unknown"
 
 
+def _refuse(message: str) -> int:
+    """A source the command cannot read: one line on stderr and exit status 2 (as for a
+    bad command line), not a traceback."""
+    print(f"python -m shmclient.vllm.versions: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str]) -> int:
     """Print the fingerprints of each wheel or folder named (none: the installed vLLM)
-    and the plug-in's verdict on it."""
+    and the plug-in's verdict on it. Returns 2, with a message on stderr, at the first
+    source it cannot read: a wheel whose file name is not <dist>-<version>-...whl or that
+    is missing or not a zip file, a path that is neither a wheel nor a folder."""
     for source in argv or [None]:
         if source is None:
             read, what, version = (lambda entries: fingerprints(entries=entries)), "installed vLLM", \
                 _installed_version()
         elif source.endswith(".whl"):
-            # a wheel's file name is <dist>-<version>-...
+            # a wheel's file name is <dist>-<version>-(<build>-)<python>-<abi>-<platform>.whl
+            parts = os.path.basename(source).split("-")
+            if len(parts) < 3 or not parts[1]:
+                return _refuse(f"{source!r} is not a wheel's file name (<dist>-<version>-...-<platform>.whl): "
+                               "its version cannot be read")
             read, what, version = ((lambda entries, w=source: fingerprints_from_wheel(w, entries)), source,
-                                   os.path.basename(source).split("-")[1])
+                                   parts[1])
+        elif not os.path.isdir(source):
+            return _refuse(f"{source!r} is neither a wheel (.whl) nor a folder holding the vllm package")
         else:
             read, what, version = (lambda entries, r=source: fingerprints(r, entries)), source, "unknown"
         print(f"# {what}")
@@ -346,7 +361,10 @@ def main(argv: list[str]) -> int:
                 (None, TOUCHED, check, "the rings", "vLLM keeps its own transport"),
                 ("output mode adaptive's hooks", ADAPTIVE_TOUCHED, check_adaptive, "adaptive holds wake-ups back",
                  "adaptive holds none back")):
-            got = read(entries)
+            try:
+                got = read(entries)
+            except (OSError, zipfile.BadZipFile) as e:
+                return _refuse(f"{what!r} cannot be read: {e}")
             if title:
                 print(f"# {title}:")
             print("(")
