@@ -444,9 +444,10 @@ def test_the_projects_engine_in_process_refuses_a_live_id_as_a_duplicate():
 
 
 def test_inproc_passes_supports_wait_to_a_make_core_without_its_default(user_path, monkeypatch):
-    """The README's contract is ``make_core(config, *, supports_wait)`` with no default:
-    InprocClient passes the keyword (False: nothing steps the engine in-process while a
-    pause in mode "wait" drains), as the engine process's loop passes True."""
+    """Defect: InprocClient called make_core(config), so an engine whose keyword-only
+    ``supports_wait`` has no default failed with a raw TypeError. InprocClient passes the
+    keyword (False: nothing steps the engine in-process while a pause in mode "wait"
+    drains), as the engine process's loop passes True."""
     from shmclient import InprocClient
 
     (user_path / "strict_engine.py").write_text(textwrap.dedent("""
