@@ -420,8 +420,12 @@ def test_a_number_variable_is_refused_naming_it_when_the_settings_are_read(monke
 
 
 def test_the_number_variables_take_whole_numbers_in_the_rings_limits(monkeypatch):
-    from shmclient.ring import MIN_CAPACITY
+    from shmclient.ring import MAX_CAPACITY, MIN_CAPACITY
+    from shmclient.vllm import link
     from shmclient.vllm.link import _Settings
+
+    # The plug-in keeps its own copy of the ring's bounds (it may not import the ring).
+    assert (link.RING_MIN_BYTES, link.RING_MAX_BYTES) == (MIN_CAPACITY, MAX_CAPACITY)
 
     for name, raw in [("SHMCLIENT_VLLM_RING_BYTES", str(MIN_CAPACITY)), ("SHMCLIENT_VLLM_ARENA_BYTES", "0"),
                       ("SHMCLIENT_VLLM_TENSOR_MIN_BYTES", "4096.0"), ("SHMCLIENT_VLLM_INLINE_MAX_OUTPUTS", "0")]:

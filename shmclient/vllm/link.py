@@ -1,8 +1,7 @@
 """The frontend's end of the plug-in's channel to one engine core, and how the frontend
 hands the channels to the engines it starts.
 
-Imports ``shmclient.channel``, ``shmclient.shm`` (``shmclient.ring`` for the ring's size
-limits) and the plug-in's ``wire`` and ``oob``;
+Imports ``shmclient.channel``, ``shmclient.shm`` and the plug-in's ``wire`` and ``oob``;
 no vLLM module at import (torch only to ask which GPUs this process sees), no client,
 no waiting. ``_Link`` owns one engine's ``ShmChannel`` (created here, the engine
 attaches), the plug-in's settings read from the environment, and the one-byte "parked"
@@ -20,7 +19,6 @@ from typing import Any
 import msgspec
 
 from ..channel import BadMessage, ShmChannel
-from ..ring import MAX_CAPACITY, MIN_CAPACITY
 from ..shm import Segment, open_handle
 from . import oob
 from . import wire
@@ -74,6 +72,14 @@ def _env_int(name: str, default: int, *, low: int = 0, high: int | None = None, 
     return number
 
 
+#: The ring's bounds on SHMCLIENT_VLLM_RING_BYTES: ``shmclient.ring``'s MIN_CAPACITY and
+#: MAX_CAPACITY, with its multiple of 8 (not imported: the plug-in reaches the ring only
+#: through the channel; a test checks that they agree).
+RING_BYTES_ENV = "SHMCLIENT_VLLM_RING_BYTES"
+RING_MIN_BYTES = 64
+RING_MAX_BYTES = 1 << 40
+
+
 #: How long AsyncLLM's output task spins on the ring before it parks (µs).
 ASYNC_SPIN_ENV = "SHMCLIENT_VLLM_ASYNC_SPIN_US"
 ASYNC_SPIN_US = 50.0
@@ -93,10 +99,10 @@ class _Settings:
     naming the variable for a bad value)."""
 
     def __init__(self) -> None:
-        # The ring's own limits, read where it defines them (a size it refuses failed
-        # only when the channel was made, without the variable's name).
-        self.capacity = _env_int("SHMCLIENT_VLLM_RING_BYTES", 4 << 20, low=MIN_CAPACITY,
-                                 high=MAX_CAPACITY, multiple=8)
+        # The ring's own limits (a size it refuses failed only when the channel was made,
+        # without the variable's name).
+        self.capacity = _env_int(RING_BYTES_ENV, 4 << 20, low=RING_MIN_BYTES, high=RING_MAX_BYTES,
+                                 multiple=8)
         self.spin_us = _env_spin("SHMCLIENT_VLLM_SPIN_US")
         #: Read here, before the engines start (the async output task reads it later).
         self.async_spin_us = _env_spin(ASYNC_SPIN_ENV)
