@@ -89,7 +89,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
     """The engine process's life from ``Hello`` to cleanup; returns the exit status (0: the
     frontend said ``Shutdown``, closed its end or died; 1: a fatal error, reported as
     ``EngineCoreDead``, a control message that is not the protocol's included; 143:
-    SIGTERM). Blocks for the engine's whole life; raises nothing.
+    SIGTERM; 130: SIGINT, which only a remote engine heeds). Blocks for the engine's whole life; raises nothing.
 
     ``argv``: ``[control address, frontend pid (, seconds to wait for Start)]``, or ``["--connect", address,
     ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
@@ -98,6 +98,15 @@ def run_process(argv: list[str], *, make_core: MakeCore,
     given, runs once the config has arrived, before the core is built (an exception there
     is reported as a start-up failure; ``SystemExit`` exits with its code)."""
     address, parent_pid, wait_s, allowed_modules = _parse_argv(argv)
+    if parent_pid is None:
+        # A remote engine was started by hand, in a terminal of its own with no frontend in
+        # its process group: Ctrl-C stops it, cleanly, as SIGTERM does.
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(130))
+    else:
+        # A local engine: Ctrl-C in a terminal goes to the whole process group, the
+        # frontend's included; the frontend decides.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if parent_pid is None:
         # A remote engine without a secret (and without the explicit opt-in) refuses to
         # start, before it connects anywhere.
@@ -109,9 +118,6 @@ def run_process(argv: list[str], *, make_core: MakeCore,
         control.load_torch_before_heartbeats()  # its beats run from Hello on
     else:
         secret = None
-    # Ctrl-C in a terminal goes to the whole process group; the frontend decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = zmq.Context()
     ctl = control_sockets.engine_socket(ctx, address)
     proc: EngineProc | None = None

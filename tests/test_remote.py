@@ -225,6 +225,30 @@ def test_a_remote_engine_without_a_frontend_gives_up_after_its_ready_timeout():
     assert reap(proc, 20) == 1
 
 
+def test_ctrl_c_stops_a_remote_engine_waiting_for_its_frontend():
+    """A remote engine is started by hand, in a terminal with no frontend in its process
+    group: Ctrl-C (SIGINT) stops it as SIGTERM does, with status 130, not after its
+    ready timeout (60 s here). A local engine ignores it: its frontend decides."""
+    from shmclient import control
+
+    port = free_port()
+    ctx = zmq.Context()
+    front = ctx.socket(zmq.PAIR)
+    front.bind(f"tcp://{HOST}:{port}")
+    engine = start_remote(f"tcp://{HOST}:{port}")
+    try:
+        # its Hello: its signal handlers are in place, it waits for Start
+        assert isinstance(control.recv(front, 60), control.Hello)
+        engine.send_signal(signal.SIGINT)
+        assert reap(engine, 10) == 130
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait(5)
+        front.close(linger=0)
+        ctx.term()
+
+
 def test_wildcard_data_addresses_are_reached_at_the_host_of_connect():
     from shmclient.control_sockets import reachable
 
