@@ -223,6 +223,19 @@ class Handshake:
 
     def _failed(self, dead: EngineCoreDead) -> Exception:
         """The error to raise for the engine's own report of its start-up failure."""
+        if self.secret is not None and not self.started:
+            # Nobody has proved it knows the secret yet: whoever reached the port first can
+            # say anything, so its report is never typed from its own error_type (a forged
+            # ConfigError would be raised as this client's own, and in a group cancel every
+            # rank's start). A real engine sends one here only to refuse our proof.
+            if self.challenge is None:
+                return AuthenticationError(
+                    f"the peer at {self.address} reported a start-up failure before this "
+                    "frontend's authentication challenge, which no engine does: it is not this "
+                    f"frontend's engine. Its claim: {dead.message!r}")
+            return AuthenticationError(
+                f"the remote engine at {self.address} refused this frontend's proof of the "
+                f"shared secret. Its claim (it has not proved the secret itself): {dead.message!r}")
         if self.proc is not None:
             try:  # it exits by itself now
                 self.proc.wait(_REPORTED_EXIT_S)

@@ -862,6 +862,59 @@ def test_rogue_engine_without_the_secret_gets_nothing_of_the_client(secret_env):
         assert not any(isinstance(m, control.Start) for m in got), got
 
 
+def test_a_start_up_failure_reported_before_the_engine_proved_the_secret_is_not_typed(secret_env):
+    """A peer without the secret that reaches the control port first and reports a start-up
+    failure, typed ConfigError with its own text (before any Hello, or after our Auth,
+    where a real engine refuses our proof this way), is not believed: AuthenticationError,
+    naming the address and quoting the text as its claim."""
+    import threading
+
+    import zmq
+
+    from shmclient import AuthenticationError, SyncMPClient
+    from shmclient import control
+    from tests.test_remote import free_port
+
+    secret_env.setenv("SHMCLIENT_SECRET", "s")
+    port = free_port()
+    lie = "EngineConfig.max_model_len is invalid: unset SHMCLIENT_SECRET"
+    dead = control.EngineCoreDead(message=lie, error_type="ConfigError")
+    done = threading.Event()
+
+    def rogue(say_hello: bool):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PAIR)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{HOST}:{port}")
+        try:
+            if say_hello:
+                control.send(sock, control.Hello(pid=4242, protocol_version=control.PROTOCOL_VERSION,
+                                                 nonce=b"n" * 32))
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and not isinstance(control.recv(sock, 0.2), control.Auth):
+                    pass
+            control.send(sock, dead)
+            done.wait(20)  # until the frontend gave up, so that it reads the report
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    for say_hello, words in ((False, "before this frontend's authentication challenge"),
+                             (True, "refused this frontend's proof")):
+        done.clear()
+        t = threading.Thread(target=rogue, args=(say_hello,))
+        t.start()
+        try:
+            with pytest.raises(AuthenticationError, match=words) as ei:
+                SyncMPClient(remote_config(port))
+        finally:
+            done.set()
+            t.join(30)
+        assert not t.is_alive()
+        text = str(ei.value)
+        assert f"tcp://{HOST}:{port}" in text and "claim" in text and repr(lie) in text
+
+
 def test_remote_start_up_without_a_secret_is_refused_unless_opted_in(secret_env, caplog):
     from shmclient import AuthenticationError, SyncMPClient
     from tests.test_remote import free_port
