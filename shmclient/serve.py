@@ -93,7 +93,7 @@ def run_process(argv: list[str], *, make_core: MakeCore,
 
     ``argv``: ``[control address, frontend pid (, seconds to wait for Start)]``, or ``["--connect", address,
     ("--ready-timeout", S)]`` for a remote engine (exit status 1 also when no frontend
-    sent ``Start`` in time). ``make_core(config, supports_wait=True)``
+    sent ``Start`` in time, or the frontend said ``Shutdown`` before it). ``make_core(config, supports_wait=True)``
     builds the core (an ``EngineCore``). ``on_config(config)``, if
     given, runs once the config has arrived, before the core is built (an exception there
     is reported as a start-up failure; ``SystemExit`` exits with its code)."""
@@ -126,7 +126,14 @@ def run_process(argv: list[str], *, make_core: MakeCore,
     code = 0
     try:
         if parent_pid is None:
-            start = _connect_and_hello(ctl, address, wait_s, secret)
+            try:
+                start = _connect_and_hello(ctl, address, wait_s, secret)
+            except PeerDeadError as e:
+                # Not a normal exit: this engine never served. Its operator is told why here.
+                log.error("%s: it ended the start-up, refusing this engine (e.g. no shared "
+                          "secret, another protocol version) or giving up its own start; see "
+                          "its log. Exiting", e)
+                return 1
             if start is None:
                 log.error("no frontend sent Start at %s within %g s: exiting", address, wait_s)
                 return 1

@@ -942,6 +942,26 @@ def test_remote_start_up_without_a_secret_is_refused_unless_opted_in(secret_env,
     assert any("WITHOUT authentication" in r.getMessage() for r in caplog.records)
 
 
+def test_a_remote_engine_its_frontend_refuses_says_why_and_exits_non_zero(secret_env):
+    """The frontend has a secret, the engine none (opted in): the frontend refuses it with
+    Shutdown before Start. The engine, started by hand, says so and fails (it never
+    served), instead of exiting 0 without a word."""
+    from shmclient import AuthenticationError, SyncMPClient
+    from tests.test_remote import free_port
+
+    secret_env.setenv("SHMCLIENT_SECRET", "s")
+    port = free_port()
+    engine = remote_engine(f"tcp://{HOST}:{port}", None, insecure=True)
+    try:
+        with pytest.raises(AuthenticationError, match="offered no authentication"):
+            SyncMPClient(remote_config(port))
+    finally:
+        code, err = finish(engine)
+    assert code == 1
+    assert f"the frontend at tcp://{HOST}:{port} said Shutdown before Start" in err
+    assert "refusing this engine" in err and "see its log" in err
+
+
 def test_ctrl_c_opening_a_cuda_handle_leaves_it_to_the_salvage():
     """Ctrl-C while a CUDA IPC handle opens: the handle counted as opened, so the
     salvage skipped it and the sender kept that GPU tensor until the channel closed.
