@@ -13,6 +13,7 @@ a channel, a client or an engine.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from .channel_zmq import ZmqChannelSpec
     from .config import EngineConfig
 
-__all__ = ["DEFAULT_READY_TIMEOUT_S", "Handshake", "READY_TIMEOUT_ENV", "ready_timeout_s"]
+__all__ = ["DEFAULT_READY_TIMEOUT_S", "Handshake", "READY_TIMEOUT_ENV", "connect_address", "ready_timeout_s"]
 
 _POLL_S = 0.1
 #: How long an engine that reported its start-up failure is given to exit by itself (a
@@ -50,6 +51,27 @@ def ready_timeout_s(config: EngineConfig) -> float:
     if value is not None:
         return float(value)
     return ready_timeout_env_s()
+
+
+def connect_address(address: str) -> str:
+    """The control ``address`` the frontend listens on, as an engine on another host gives
+    it to ``--connect``: a wildcard host (every interface: ``0.0.0.0``, ``*``, ``[::]``),
+    which cannot be connected to, becomes this host's name (any address of this host
+    reaches the port too); any other address is returned as it is."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme == "tcp" and host in ("0.0.0.0", "*", "[::]"):
+        return f"tcp://{socket.gethostname()}:{port}"
+    return address
+
+
+def connect_hint(address: str) -> str:
+    """What to add where ``connect_address(address)`` is logged: why the host there is not
+    the one configured, when it is not."""
+    if connect_address(address) == address:
+        return ""
+    return (f" (it listens on every interface, {address}: the command names this host; any "
+            "address of it that the engine's host reaches works too)")
 
 
 class Handshake:
@@ -274,8 +296,8 @@ class Handshake:
                 f"Timed out waiting for the remote engine of data-parallel rank "
                 f"{config.data_parallel_rank or 0}: nothing connected to {self.address} "
                 f"within {timeout:g} s. Start it with 'python -m {config.engine_module} "
-                f"--connect {self.address}', or wait longer: set {READY_TIMEOUT_ENV} or "
-                "EngineConfig.engine_ready_timeout_s.")
+                f"--connect {connect_address(self.address)}'{connect_hint(self.address)}, or "
+                f"wait longer: set {READY_TIMEOUT_ENV} or EngineConfig.engine_ready_timeout_s.")
         return PeerNotProducingError(
             "Timed out waiting for engine core processes to start. This is often caused by "
             f"slow weight loading for large models. Waited {timeout:g} s; set "

@@ -27,7 +27,8 @@ from . import auth, control, control_sockets, engine_process, forksafe
 from .channel import ShmChannel
 from .channel_zmq import ZmqChannel
 from .errors import ConfigError, PeerNotProducingError
-from .handshake import DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, Handshake, ready_timeout_s
+from .handshake import (DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, Handshake, connect_address, connect_hint,
+                        ready_timeout_s)
 from .monitor import REMOTE_LINGER_MS, EngineMonitor, send_shutdown
 
 if TYPE_CHECKING:
@@ -163,12 +164,14 @@ class EngineResources:
         self._rank = rank = config.data_parallel_rank or 0
         if remote:
             port_given = getattr(config, "data_parallel_rpc_port", 0) != 0
+            # (a wildcard bind address cannot be connected to: the command names this host)
+            command_address = connect_address(address)
             logger.log(
                 logging.INFO if port_given else logging.WARNING,
                 "waiting up to %g s for the engine of data-parallel rank %d: start it with "
-                "'python -m %s --connect %s'", timeout, rank, config.engine_module,
-                address, extra={"shmclient_control_address": address,
-                                "data_parallel_rank": rank})
+                "'python -m %s --connect %s'%s", timeout, rank, config.engine_module,
+                command_address, connect_hint(address),
+                extra={"shmclient_control_address": command_address, "data_parallel_rank": rank})
         else:
             fds = self.channel.handle_fds() if self.channel.handle_fds is not None else ()
             self.proc = engine_process.spawn(config.engine_module, address, fds, timeout)

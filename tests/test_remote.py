@@ -220,6 +220,24 @@ def test_no_engine_connecting_times_out_naming_the_address_and_the_command():
     assert f"tcp://{HOST}:{port}" in text and "--connect" in text
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "*"])
+def test_the_command_for_a_wildcard_bind_address_names_this_host(host, caplog):
+    """``data_parallel_address`` "0.0.0.0" or "*" (every interface) cannot be connected to
+    from another host: the logged command and the timeout's name this host instead."""
+    want = f"--connect tcp://{socket.gethostname()}:"
+    with caplog.at_level(logging.WARNING, logger="shmclient"), pytest.raises(PeerNotProducingError) as ei:
+        SyncMPClient(remote_cfg(0).replace(data_parallel_address=host, engine_ready_timeout_s=0.5))
+    logged = [r for r in caplog.records if hasattr(r, "shmclient_control_address")]
+    assert len(logged) == 1
+    for text in (str(ei.value), logged[0].getMessage()):
+        assert want in text and "--connect tcp://0.0.0.0" not in text and "every interface" in text
+    assert logged[0].shmclient_control_address.startswith(f"tcp://{socket.gethostname()}:")
+    from shmclient.handshake import connect_address
+
+    assert connect_address("tcp://[::]:5") == f"tcp://{socket.gethostname()}:5"
+    assert connect_address(f"tcp://{HOST}:5") == f"tcp://{HOST}:5"
+
+
 def test_a_remote_engine_without_a_frontend_gives_up_after_its_ready_timeout():
     proc = start_remote(f"tcp://{HOST}:{free_port()}", wait_s=0.5)
     assert reap(proc, 20) == 1
