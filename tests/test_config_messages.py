@@ -120,6 +120,58 @@ def test_a_secret_variable_of_bytes_that_are_not_utf8_is_used_as_it_is(monkeypat
     assert auth.load_secret() == b"\xa7\xffsecret"
 
 
+def test_a_secret_file_that_is_not_a_regular_file_is_refused_without_blocking(monkeypatch, tmp_path):
+    """SHMCLIENT_SECRET_FILE naming a FIFO: reading it blocked the start-up until someone
+    wrote to it. It is refused at once, naming the variable."""
+    import os
+    import threading
+
+    from shmclient import auth
+    from shmclient.errors import AuthenticationError
+
+    fifo = tmp_path / "secret"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(fifo))
+    got: list[object] = []
+
+    def load():
+        try:
+            got.append(auth.load_secret())
+        except AuthenticationError as e:
+            got.append(e)
+
+    t = threading.Thread(target=load)
+    t.start()
+    t.join(5)
+    blocked = t.is_alive()
+    if blocked:  # a writer that closes at once ends the read
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join(5)
+    assert not blocked
+    assert isinstance(got[0], AuthenticationError), got
+    assert auth.SECRET_FILE_ENV in str(got[0]) and "not a regular file" in str(got[0])
+
+
+def test_a_secret_file_is_read_up_to_a_bound_and_loses_one_line_ending(monkeypatch, tmp_path):
+    """A file longer than MAX_SECRET_FILE_BYTES is refused (it was read whole, however
+    large); exactly one trailing newline is dropped, any other CR / LF is the secret's."""
+    from shmclient import auth
+    from shmclient.errors import AuthenticationError
+
+    path = tmp_path / "secret"
+    monkeypatch.setenv(auth.SECRET_FILE_ENV, str(path))
+    for text, secret in ((b"s\n", b"s"), (b"s\r\n", b"s"), (b"s\n\n", b"s\n"), (b"s\r\r\n", b"s\r"),
+                         (b"s\r", b"s\r"), (b"s", b"s")):
+        path.write_bytes(text)
+        assert auth.load_secret() == secret, text
+    monkeypatch.setattr(auth, "MAX_SECRET_FILE_BYTES", 16)
+    path.write_bytes(b"x" * 16)
+    assert auth.load_secret() == b"x" * 16
+    path.write_bytes(b"x" * 17)
+    with pytest.raises(AuthenticationError, match=f"{auth.SECRET_FILE_ENV}=.* longer than 16 bytes"):
+        auth.load_secret()
+
+
 def test_a_timeout_past_the_largest_float_is_no_limit():
     from shmclient.validate import check_timeout
 
