@@ -142,8 +142,9 @@ def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]
                    help="seconds to wait for the frontend's START (default: "
                         "$SHMCLIENT_ENGINE_READY_TIMEOUT_S, else 600)")
     args = p.parse_args(argv)
-    if not args.connect.startswith("tcp://"):
-        p.error(f"--connect {args.connect!r}: expected tcp://HOST:PORT")
+    if not _is_host_port(args.connect):
+        p.error(f"--connect {args.connect!r}: expected tcp://HOST:PORT (PORT a number from 1 to 65535, "
+                "as the frontend logs it)")
     wait = args.ready_timeout
     if wait is None:
         try:
@@ -153,6 +154,15 @@ def parse_argv(argv: list[str]) -> tuple[str, int | None, float, tuple[str, ...]
     elif not (math.isfinite(wait) and wait > 0):
         p.error(f"--ready-timeout {wait!r}: must be a finite number of seconds > 0")
     return args.connect, None, wait, tuple(args.allow_module)
+
+
+def _is_host_port(address: str) -> bool:
+    """Whether ``address`` is ``tcp://HOST:PORT`` with a host and a port from 1 to 65535
+    (zmq would fail on anything else only once it connects, with its own traceback)."""
+    scheme, _, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    return (scheme == "tcp" and bool(host) and port.isascii() and port.isdigit()
+            and 1 <= int(port) <= 65535)
 
 
 def connect_and_hello(ctl: zmq.Socket, address: str, wait_s: float,

@@ -96,6 +96,22 @@ def test_a_remote_engine_reads_the_ready_timeout_variable_by_the_same_rule(monke
     assert "--ready-timeout inf" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1", "tcp://host:notaport", "tcp://host:0",
+                                     "tcp://host:65536", "tcp://:5000", "tcp://host:", "ipc:///tmp/x"])
+def test_a_remote_engine_refuses_a_connect_address_without_host_and_port(capsys, address):
+    """``--connect tcp://127.0.0.1`` (no port) or a port that is not a number ended in a
+    pyzmq traceback once the engine connected: a usage error on the command line now."""
+    from shmclient.serve_remote import parse_argv
+
+    with pytest.raises(SystemExit) as ei:
+        parse_argv(["--connect", address])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--connect {address!r}" in err and "tcp://HOST:PORT" in err
+    for good in ("tcp://127.0.0.1:1", "tcp://host.example:65535", "tcp://[::1]:5000"):
+        assert parse_argv(["--connect", good])[0] == good
+
+
 def test_other_bad_variables_are_config_errors_naming_them(monkeypatch, tmp_path):
     """Every error a client raises is a ShmClientError: the variables too."""
     from shmclient import capacity, control_sockets
