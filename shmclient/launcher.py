@@ -54,6 +54,28 @@ def remote_control_port(config: EngineConfig) -> int:
     return base + (config.data_parallel_rank or 0) - (config.data_parallel_size_local or 0)
 
 
+def _ipc_bind_error(address: str, e: zmq.ZMQError) -> ConfigError:
+    """The error for a local engine's control socket (ipc, in a private folder under
+    ``SHMCLIENT_IPC_DIR`` or the temporary folder) that cannot be bound: it names where the
+    folder is and, for a path too long for a unix socket, the limit (no setting of the
+    config is involved, whatever zmq says)."""
+    import tempfile
+
+    env = control_sockets.IPC_DIR_ENV
+    base = os.environ.get(env)
+    where = f"{env}={base!r}" if base else f"the temporary folder {tempfile.gettempdir()!r} ({env} unset)"
+    path = address.partition("://")[2]
+    limit = getattr(zmq, "IPC_PATH_MAX_LEN", 107) or 107
+    n = len(os.fsencode(path))
+    if n > limit:
+        why = (f"its path is {n} bytes long, more than a unix socket's limit of {limit}: set {env} "
+               "to a folder with a shorter path")
+    else:
+        why = str(e)
+    return ConfigError(f"cannot listen on the engine's control socket {address}, in a folder under "
+                       f"{where}: {why}")
+
+
 class EngineResources:
     """Everything one MP client owns. Holds no reference to the client itself."""
 
@@ -148,6 +170,8 @@ class EngineResources:
         try:
             self.ctl = control_sockets.frontend_socket(self.ctx, address)
         except zmq.ZMQError as e:
+            if not remote:
+                raise _ipc_bind_error(address, e) from e
             raise ConfigError(
                 f"EngineConfig.data_parallel_address={host!r} / data_parallel_rpc_port="
                 f"{getattr(config, 'data_parallel_rpc_port', 0)!r} is invalid: cannot listen "

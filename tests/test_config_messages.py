@@ -124,6 +124,24 @@ def test_other_bad_variables_are_config_errors_naming_them(monkeypatch, tmp_path
         control_sockets.IpcDir()
 
 
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_an_ipc_folder_too_deep_for_a_unix_socket_is_named_not_the_dp_settings(monkeypatch, tmp_path, transport):
+    """A local start where SHMCLIENT_IPC_DIR makes the control socket's path longer than a
+    unix socket allows: the error blamed data_parallel_address / data_parallel_rpc_port,
+    which were not set. It names the variable and the limit now."""
+    from shmclient import SyncMPClient, control_sockets
+
+    deep = tmp_path / ("x" * 100)
+    deep.mkdir()
+    monkeypatch.setenv(control_sockets.IPC_DIR_ENV, str(deep))
+    with pytest.raises(ConfigError) as ei:
+        SyncMPClient(EngineConfig(model="mock", transport=transport))
+    text = str(ei.value)
+    assert f"{control_sockets.IPC_DIR_ENV}={str(deep)!r}" in text and "unix socket's limit of 107" in text
+    assert "data_parallel" not in text
+    assert list(deep.iterdir()) == []  # (its private folder removed)
+
+
 def test_a_secret_variable_of_bytes_that_are_not_utf8_is_used_as_it_is(monkeypatch):
     """A secret taken from random bytes (the environment holds bytes): the frontend and
     the engine both failed with UnicodeEncodeError."""
