@@ -138,9 +138,18 @@ class RingConsumer(Ring):
     def drain_wake_fd(self) -> None:
         """Consume pending wake bytes; if a record is still unread, the descriptor is
         made readable again at once (so a reader that fails after draining it never
-        loses the wake-up of the records it did not get to). Never blocks."""
-        drain_pipe(self.fileno())
-        self._c.rearm()
+        loses the wake-up of the records it did not get to). ClientClosedError once
+        closed (also by another thread during the call). Never blocks for data (it may wait for another thread of this side to
+        finish its call): the pipe is read under the lock, because a close waits for
+        this lock before it closes the pipe, whose number may be another file's after."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            fd = self._wake_r
+            if fd < 0:
+                raise ValueError("this ring was created without consumer_wake_fd=True")
+            drain_pipe(fd)
+            self._c.rearm()
 
     @property
     def pinned(self) -> int:

@@ -188,15 +188,19 @@ class RingProducer(Ring):
     def poke(self) -> None:
         """Write a wake byte to the consumer's wake pipe now, whether or not anything was
         published (an early wake-up: the consumer then looks and finds nothing, or what
-        was published meanwhile). A no-op without a wake pipe; never blocks (a full pipe
-        is readable already)."""
-        fd = self._res.wake_w
-        if fd < 0 or self._closed:
-            return
-        try:
-            os.write(fd, b"\1")
-        except OSError:  # full (already readable), or the consumer is gone
-            pass
+        was published meanwhile). A no-op without a wake pipe or once closed; never
+        blocks (a full pipe is readable already), but may wait for another thread of this
+        side to finish its non-blocking call: the byte is written under the lock, because
+        a close waits for this lock before it closes the pipe, whose number may be
+        another file's after (an uncontended lock costs well under a microsecond)."""
+        with self._lock:
+            fd = self._res.wake_w
+            if fd < 0 or self._closed:
+                return
+            try:
+                os.write(fd, b"\1")
+            except OSError:  # full (already readable), or the consumer is gone
+                pass
 
     @property
     def quiet(self) -> bool:
