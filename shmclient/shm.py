@@ -59,26 +59,34 @@ def open_handle(handle: str, flags: int = os.O_RDWR) -> int:
     malformed handle. The caller owns the fd."""
     kind, pid, fd, ino = parse_handle(handle)
     path = f"/proc/{pid}/fd/{fd}"
-    try:  # inherited (pass_fds), or our own: the same kind of file and inode
-        link = os.readlink(f"/proc/self/fd/{fd}")
-        if os.fstat(fd).st_ino == ino and link.startswith("/memfd:" if kind == "memfd" else "pipe:"):
-            if kind == "memfd":
-                return os.dup(fd)
-            path = f"/proc/self/fd/{fd}"  # reopened: a pipe end of the kind asked for
-    except OSError:
-        pass
-    if kind == "memfd":
-        flags |= os.O_NONBLOCK  # no effect on a memfd; a FIFO's open would wait for a writer
+    new = -1
+    # A signal handler's exception (Ctrl-C's) after the new fd's number is kept closes it.
+    # (One that comes as the call returns, before the number is kept, still loses it.)
     try:
-        new = os.open(path, flags | os.O_CLOEXEC)
-    except OSError as e:
-        raise FileNotFoundError(
-            f"shared memory {handle!r} is gone (its creator exited or released it): {e.strerror}"
-        ) from e
-    if os.fstat(new).st_ino != ino:
-        os.close(new)
-        raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
-    return new
+        try:  # inherited (pass_fds), or our own: the same kind of file and inode
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if os.fstat(fd).st_ino == ino and link.startswith("/memfd:" if kind == "memfd" else "pipe:"):
+                if kind == "memfd":
+                    new = os.dup(fd)
+                    return new
+                path = f"/proc/self/fd/{fd}"  # reopened: a pipe end of the kind asked for
+        except OSError:
+            pass
+        if kind == "memfd":
+            flags |= os.O_NONBLOCK  # no effect on a memfd; a FIFO's open would wait for a writer
+        try:
+            new = os.open(path, flags | os.O_CLOEXEC)
+        except OSError as e:
+            raise FileNotFoundError(
+                f"shared memory {handle!r} is gone (its creator exited or released it): {e.strerror}"
+            ) from e
+        if os.fstat(new).st_ino != ino:
+            raise FileNotFoundError(f"shared memory {handle!r} is gone (the fd number was reused)")
+        return new
+    except BaseException:
+        if new >= 0:
+            os.close(new)
+        raise
 
 
 def open_peer_memfd(handle: str, peer_pid: int | None) -> int:
@@ -229,16 +237,23 @@ def _map(fd: int, size: int, flags: int, prot: int = mmap.PROT_READ | mmap.PROT_
     except TypeError:
         pass
     before = _same_file(fd)
-    mm = mmap.mmap(fd, size, flags=flags, prot=prot)
-    extra = _same_file(fd) - before
-    if extra:
-        null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-        try:
+    mm = None
+    null = -1
+    try:  # (a signal handler's exception once kept closes the mapping and /dev/null: see open_handle)
+        mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+        extra = _same_file(fd) - before
+        if extra:
+            null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
             for dup in extra:
                 os.dup2(null, dup, inheritable=False)
-        finally:
+        return mm
+    except BaseException:
+        if mm is not None:
+            mm.close()  # (closes its dup of the fd too)
+        raise
+    finally:
+        if null >= 0:
             os.close(null)
-    return mm
 
 
 def _flags(populate: bool) -> int:
@@ -445,13 +460,20 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 def make_pipe() -> tuple[int, int, str]:
     """A non-blocking pipe and the handle of its write end (``pipe:<pid>:<fd>:<inode>``),
     which a peer opens with ``open_handle(h, os.O_WRONLY | os.O_NONBLOCK)``."""
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    ino = os.fstat(w).st_ino
-    with _made_pipes_lock:
-        if len(_made_pipes) >= _PRUNE_AT:
-            _made_pipes.intersection_update(_fd_links().values())
-        _made_pipes.add(f"pipe:[{ino}]")
-    return r, w, f"pipe:{os.getpid()}:{w}:{ino}"
+    r = w = -1
+    try:  # (a signal handler's exception once the numbers are kept closes it: see open_handle)
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        ino = os.fstat(w).st_ino
+        with _made_pipes_lock:
+            if len(_made_pipes) >= _PRUNE_AT:
+                _made_pipes.intersection_update(_fd_links().values())
+            _made_pipes.add(f"pipe:[{ino}]")
+        return r, w, f"pipe:{os.getpid()}:{w}:{ino}"
+    except BaseException:
+        for end in (r, w):
+            if end >= 0:
+                os.close(end)
+        raise
 
 
 def fd_ready(fd: int, timeout_s: float = 0.0) -> bool:
