@@ -666,6 +666,13 @@ static PyObject *end_wait_method(End *e, PyObject *args, ready_fn ready, size_t 
         PyErr_Format(ClosedError, "this %s end of the ring was closed", e->role);
         return NULL;
     }
+    if (e->busy && e->busy_ts == PyThreadState_Get()) {
+        /* a receive handler waiting on its own ring: the space it could wait for is
+           released only when its call returns (a full ring never gets room) */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "re-entrant use of a ring end (a receive handler must not use its own ring)");
+        return NULL;
+    }
     e->waiters++;
     if (first && counted_off) stat_add(e->base, counted_off, 1);
     int r = wait_common(e, ready, flag_off, seq_off, spin, timeout);
