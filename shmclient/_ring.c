@@ -58,7 +58,8 @@ PyDoc_STRVAR(RING_DOC,
 "  write position: nothing is reclaimed lazily and no token is counted. A record whose\n"
 "  view a receive handler kept is released when the view's last export goes: in the\n"
 "  thread that drops it, under the GIL, after every read through it (the GIL orders\n"
-"  another thread's reads before it), with the same release store.\n"
+"  another thread's reads before it), with the same release store. Its exporter (the\n"
+"  view's obj) refuses a new export from then on, so no read through it comes later.\n"
 "* Taking a batch is one call: load head, read every record below it, store tail. No\n"
 "  Python bytecode runs between seeing data and recording that it was read, so no\n"
 "  exception (KeyboardInterrupt) can split them.\n"
@@ -1194,16 +1195,27 @@ static PyTypeObject ProducerType = {
 /* The exporter behind every view a receive handler gets: it counts the buffer exports
    made from it. A memoryview and everything numpy or torch derives from it share one
    managed buffer, which holds one export until the last of them is gone; so
-   exports == 0 after the handler's view is released means nobody reads these bytes. */
+   exports == 0 after the handler's view is released means nobody reads these bytes.
+   From then on (and once the end is closed) the exporter itself is released: ptr NULL,
+   and a new export of it (a handler that kept view.obj) raises ValueError, rather than
+   reading space the producer has reused since. */
 typedef struct {
     PyObject_HEAD
-    char *ptr;
+    char *ptr;       /* NULL once released */
     Py_ssize_t len;
     Py_ssize_t exports;
     PyObject *owner; /* the consumer end: keeps the mapping alive while a view lives */
+    int done;        /* the receive call that made it has returned from its handler */
 } RecView;
 
 static int recview_getbuffer(RecView *self, Py_buffer *view, int flags) {
+    if (!self->ptr) {
+        PyErr_SetString(PyExc_ValueError,
+                        "record released: a received record's bytes are valid only during the "
+                        "receive handler's call, or while an export made then lives (copy them, "
+                        "or keep numpy.frombuffer(view) rather than view.obj)");
+        return -1;
+    }
     if (PyBuffer_FillInfo(view, (PyObject *)self, self->ptr, self->len, 1, flags) < 0) return -1;
     self->exports++;
     return 0;
@@ -1212,7 +1224,13 @@ static int recview_getbuffer(RecView *self, Py_buffer *view, int flags) {
 static void recview_let_go(RecView *self);
 
 static void recview_releasebuffer(RecView *self, Py_buffer *view) {
-    if (--self->exports == 0) recview_let_go(self);
+    if (--self->exports == 0) {
+        if (self->done) { /* its pin goes now: the space may be reused */
+            self->ptr = NULL;
+            self->len = 0;
+        }
+        recview_let_go(self);
+    }
 }
 
 static void recview_dealloc(RecView *self) {
@@ -1599,6 +1617,7 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
                     rv->ptr = vp;
                     rv->len = (Py_ssize_t)vl;
                     rv->exports = 0;
+                    rv->done = 0;
                     rv->owner = Py_NewRef((PyObject *)self);
                     self->e.views++;
                 }
@@ -1617,6 +1636,11 @@ static PyObject *consumer_recv_views(Consumer *self, PyObject *const *args, Py_s
             else PyErr_Clear(); /* the handler kept an export of our own memoryview */
             Py_DECREF(view);
             if (rv) {
+                rv->done = 1;
+                if (rv->exports == 0 || self->e.closed) { /* nothing reads it: released */
+                    rv->ptr = NULL;
+                    rv->len = 0;
+                }
                 /* something made from the view still reads it; not once the end is closed
                    (by the handler, or another thread meanwhile): close let go of the pins,
                    and a pin added after it would never be (a cycle through the end that the
@@ -1677,7 +1701,15 @@ static PyObject *consumer_close_impl(End *e) {
     Consumer *self = (Consumer *)e;
     if (!self->e.closed) {
         Py_CLEAR(self->frag);
-        if (self->pinned) PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL);
+        if (self->pinned) {
+            /* the exports alive keep reading (the mapping stays while they do); no new one */
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->pinned); i++) {
+                RecView *rv = (RecView *)PyList_GET_ITEM(PyList_GET_ITEM(self->pinned, i), 1);
+                rv->ptr = NULL;
+                rv->len = 0;
+            }
+            PyList_SetSlice(self->pinned, 0, PyList_GET_SIZE(self->pinned), NULL);
+        }
         PyErr_Clear();
         if (self->space_fd >= 0) { /* a producer parked on its space pipe sees the close */
             char x = 1;
