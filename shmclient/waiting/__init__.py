@@ -246,8 +246,11 @@ async def wait_fd(fd: int, timeout: float | None) -> bool:
     fut = loop.create_future()
     futs = _parked.get(key)
     if futs is None:
-        futs = _parked[key] = set()
+        # The reader first: if add_reader raises (a descriptor closed under the caller),
+        # no empty entry is left, which would keep a later wait on a new descriptor of
+        # the same number from registering its reader (woken by its timeout only).
         loop.add_reader(fd, _wake_parked, loop, key)
+        futs = _parked[key] = set()
     futs.add(fut)
     handle = None
     if timeout is not None:
