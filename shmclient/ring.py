@@ -284,8 +284,9 @@ class Ring:
         return PeerDeadError(f"the {self._peer} closed the ring")
 
     def _wait_once(self, wait: Callable[..., int], timeout: float, spin: float | None, first: bool) -> bool:
-        """One C wait: spin (``spin`` seconds; None: the adaptive budget, on a first
-        wait only; the spin gate may veto it), then sleep until ready or ``timeout``
+        """One C wait: spin (``spin`` seconds, or None: the adaptive budget; on a first
+        wait only, so that a wait's later slices sleep at once; the spin gate may veto
+        it), then sleep until ready or ``timeout``
         seconds after the call (a spin never outlasts a timeout > 0: ``timeout`` 0 is a
         pure spin, and a vetoed one returns at once). True when ready (or the peer closed: the
         caller's next try says so), False on the timeout. Raises ClientClosedError, or
@@ -296,7 +297,10 @@ class Ring:
         if not timeout >= 0:
             raise ValueError(f"a wait's timeout must be >= 0 seconds (inf: none), got {timeout!r}")
         adaptive = spin is None
-        budget = (self._spin.budget if first else 0.0) if adaptive else max(spin, 0.0)
+        if not first:
+            budget = 0.0
+        else:
+            budget = self._spin.budget if adaptive else max(spin, 0.0)
         if 0 < timeout < budget:  # (a short timeout is not overrun by the spin)
             budget = timeout
         t0 = perf_counter()

@@ -174,7 +174,9 @@ def recv(channel: Receiver, *, timeout: float | None = None, alive: Alive | None
         wait_once = channel.wait_recv
     else:
         def wait_once(slice_s: float, *, first: bool) -> bool:
-            return channel.wait_recv(slice_s, spin=spin, first=first)
+            # The first slice only: a later one (each LIVENESS_S) sleeps at once, or an
+            # idle waiter would spin ``spin`` in every slice.
+            return channel.wait_recv(slice_s, spin=spin if first else 0.0, first=first)
 
     return _block(channel.recv_nowait, wait_once, timeout, alive, timed_out)
 
