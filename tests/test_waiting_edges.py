@@ -1,15 +1,21 @@
 """The waiting layer at its edges: a descriptor closed under a waiter, a wait's later
-liveness slices."""
+liveness slices, and an event loop closed while one of its sends was half-way through
+the ring."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import signal
+import weakref
 
 import pytest
 
-from shmclient import WouldBlock, _ring, waiting
+from shmclient import AsyncMPClient, EngineConfig, WouldBlock, _ring, waiting
 from shmclient.channel import ShmChannel
+
+from .drivers import add_until_one_parks, req
 
 
 # ------------------------------------------------------------------ wait_fd
@@ -85,3 +91,54 @@ def test_a_ring_wait_spins_an_explicit_spin_on_a_first_wait_only():
     finally:
         engine.close()
         front.close()
+
+
+# ------------------------------------------------------------------ a closed loop
+
+
+def _request(rid: str, n: int):
+    return req(rid, prompt=[(i % 1000) + 1 for i in range(n)], max_tokens=1)
+
+
+def test_a_loop_closed_with_a_send_half_way_does_not_wedge_the_next_loop():
+    """A loop closed while a request bigger than the ring was half-way through it: the
+    client's next loop must send at once (no "another message is half-way" refusal, no
+    false stall), and the closed loop's parked wait must not keep that loop alive."""
+    loop1 = asyncio.new_event_loop()
+    client = loop1.run_until_complete(AsyncMPClient.create(
+        EngineConfig(ring_capacity_bytes=4096, max_model_len=100_000)))
+    try:
+        pid = client.engine_pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            async def park_a_big_one() -> None:
+                task, _ = await add_until_one_parks(client.add_request_async, lambda n: _request(f"f{n}", 50))
+                task.cancel()  # (nothing of it went: the ring is full)
+                await asyncio.wait((task,), timeout=10.0)
+                big = asyncio.ensure_future(client.add_request_async(_request("big", 3000)))
+                await asyncio.wait((big,), timeout=0.05)  # (it stays parked: the engine is stopped)
+                assert not big.done()
+                assert client.channel.tx.partial_pending
+
+            loop1.run_until_complete(park_a_big_one())
+            loop1.run_until_complete(loop1.shutdown_default_executor())
+            loop1.close()  # with the big request's task still parked half-way
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        closed = weakref.ref(loop1)
+        del loop1
+
+        async def on_a_new_loop() -> None:
+            await client.add_request_async(_request("small", 5), timeout=5.0)
+            assert not any(f.get_loop().is_closed() for futs in waiting._parked.values() for f in futs)
+            gc.collect()  # (the closed loop's task is freed: its coroutine closes, touching nothing)
+            assert closed() is None
+            finished = False
+            while not finished:
+                outs = await client.get_output_async(timeout=10.0)
+                finished = any(o.request_id == "small" and o.finish_reason is not None for o in outs.outputs)
+            await client.shutdown_async()
+
+        asyncio.run(on_a_new_loop())
+    finally:
+        client.shutdown()

@@ -38,7 +38,8 @@ from .protocols import (
 
 __all__ = ["CAPABILITIES", "FLAGS", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities", "EarlyWake", "Flag",
            "LoopReader", "OrderedSends", "OrderedSendsAsync", "Parking", "Receiver", "RecordReceiver", "Sender",
-           "ThreadReader", "check_timeout", "recv", "recv_into", "recv_spin", "send", "send_async", "wait_fd"]
+           "ThreadReader", "check_timeout", "forget_closed_loops", "recv", "recv_into", "recv_spin", "send",
+           "send_async", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
@@ -237,6 +238,17 @@ def _wake_parked(loop: asyncio.AbstractEventLoop, key: tuple[int, int]) -> None:
             f.set_result(True)
 
 
+def forget_closed_loops() -> None:
+    """Drop the waits that tasks of closed event loops left parked on descriptors (a
+    loop closed while they waited: they will never run again). Without this their
+    futures, and with them the tasks and the loops, are never freed; a later loop never
+    shares an entry with them (a parked future holds its loop, so its id is not reused
+    while the entry is there)."""
+    for key, futs in list(_parked.items()):
+        if any(f.get_loop().is_closed() for f in futs):
+            _parked.pop(key, None)
+
+
 async def wait_fd(fd: int, timeout: float | None) -> bool:
     """Park the running task until ``fd`` is readable (True) or ``timeout`` seconds
     passed (False; None: no limit). Never blocks the loop; any number of tasks may wait
@@ -281,6 +293,12 @@ async def send_async(
         pass
     try:
         await _send_parked(channel, rtype, payload, timeout, alive)
+    except GeneratorExit:
+        # The coroutine was closed unfinished: its loop closed and the collector freed
+        # the task, in whatever thread it ran, which may hold the channel's send lock.
+        # Nothing is taken here; whoever forgets the closed loop's sends gives the
+        # message up (``OrderedSendsAsync.reset``).
+        raise
     except BaseException:
         channel.abandon(payload)  # half-sent: the next other message may go first
         raise

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable
 
 from ..errors import PeerDeadError, PeerNotConsumingError, WouldBlock, mark_not_sent
-from . import LIVENESS_S, Alive, check_timeout, send, send_async
+from . import LIVENESS_S, Alive, check_timeout, forget_closed_loops, send, send_async
 from .protocols import AsyncSender, Sender
 
 __all__ = ["OrderedSends", "OrderedSendsAsync"]
@@ -122,14 +123,29 @@ class OrderedSendsAsync:
         self._gone = gone
         self._turns: deque[asyncio.Future] = deque()
         self._tasks: set[asyncio.Task] = set()
+        #: The message of each turn taken: (rtype, payload).
+        self._messages: dict[asyncio.Future, tuple[int, Any]] = {}
+        #: The turns ``reset`` gave up: their coroutines, closed when their tasks are
+        #: freed, touch nothing.
+        self._forgotten: "weakref.WeakSet[asyncio.Future]" = weakref.WeakSet()
 
     def queued(self) -> int:
         """How many sends wait for room or for their turn."""
         return len(self._turns)
 
     def reset(self) -> None:
-        """Forget the turns of a closed loop (their tasks will never run)."""
+        """Forget the sends of a closed loop (their tasks will never run again). Their
+        messages will never go: each is discarded (``channel.discard``), so that one left
+        half-way in the ring no longer holds back every later send and the pending tensor
+        releases, and their tensors' blocks come back. The waits the closed loop's tasks
+        left parked are dropped too, so that those tasks and the loop can be freed."""
+        messages, self._messages = self._messages, {}
+        self._forgotten.update(self._turns)
         self._turns.clear()
+        self._tasks.clear()
+        for rtype, payload in messages.values():
+            self.channel.discard(rtype, payload)
+        forget_closed_loops()
 
     async def send(self, rtype: int, payload: Any, timeout: float | None = None) -> None:
         """``waiting.send_async`` in call order; ``timeout`` covers the turn and the wait
@@ -147,6 +163,7 @@ class OrderedSendsAsync:
                     pass  # (the fragments that fit are out: this send is first from here)
             loop = asyncio.get_running_loop()
             turn = loop.create_future()
+            self._messages[turn] = (rtype, payload)
             deadline = self._enqueue(turn, loop, timeout)
             await self._in_turn(turn, rtype, payload, deadline, timeout)
         finally:
@@ -175,6 +192,7 @@ class OrderedSendsAsync:
                     pass
             loop = asyncio.get_running_loop()
             turn = loop.create_future()
+            self._messages[turn] = (rtype, payload)
             deadline = self._enqueue(turn, loop, timeout)
             done = loop.create_future()
             ran: list[bool] = []
@@ -258,9 +276,16 @@ class OrderedSendsAsync:
         """The send of ``payload`` is over (idempotent): unless it went whole, its
         half-sent message is given up; ``turn`` (None: none taken) leaves the line, and
         the next turn is handed on."""
+        if turn is not None and turn in self._forgotten:
+            # A closed loop's send, given up by ``reset``, its coroutine closed when its
+            # task was freed: maybe in a thread that holds the channel's send lock.
+            return
         self.channel.abandon(payload)  # (a no-op unless it is half-way)
+        if turn is None:
+            return
+        self._messages.pop(turn, None)
         turns = self._turns
-        if turn is None or turn not in turns:
+        if turn not in turns:
             return
         first = turns[0] is turn
         turns.remove(turn)
