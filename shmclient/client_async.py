@@ -28,6 +28,10 @@ from .errors import (NOT_SENT, EngineDeadError, PeerDeadError, PeerNotConsumingE
 from .messages import EngineCoreOutputs, EngineCoreRequest
 
 
+#: How often a send that found the engine gone looks whether the client learnt of it.
+_DEATH_POLL_S = 0.005
+
+
 class AsyncMPClient(AsyncUtilities, MPClient):
     """The multiprocess client for asyncio frontends: ``make_client(True, True, config)``.
 
@@ -179,11 +183,24 @@ class AsyncMPClient(AsyncUtilities, MPClient):
                 self.channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
-            raise self._dead_error() from e
+            raise await self._send_dead_error_async(e) from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
         except ProtocolError as e:  # the engine broke the request ring's protocol
             raise self._channel_broken(e) from e
+
+    async def _send_dead_error_async(self, e: PeerDeadError) -> EngineDeadError:
+        """``_send_dead_error`` without blocking the loop: the dead event is looked at
+        every few ms (a threading event: the monitor thread sets it), for at most
+        ``DEATH_NOTICE_S``."""
+        if self._seen_dead(e):
+            loop = asyncio.get_running_loop()
+            end = loop.time() + self.DEATH_NOTICE_S
+            dead = self.resources.dead
+            while not dead.is_set() and loop.time() < end:
+                await asyncio.sleep(_DEATH_POLL_S)
+            self._mark_seen_dead(e)
+        return self._dead_error()
 
     async def add_request_async(self, request: EngineCoreRequest, timeout: float | None = None) -> None:
         """Validate (InvalidRequestError naming the field, raised before anything is

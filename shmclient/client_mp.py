@@ -67,6 +67,9 @@ class MPClient(EngineCoreClient):
     _asyncio = False
     #: True in a process forked from the one that built the client (see forksafe).
     _forked = False
+    #: Longest a send that found the engine gone waits for the client to learn of the
+    #: death (the monitor's reason) before it marks the client dead itself.
+    DEATH_NOTICE_S = 2.0
 
     def __init__(self, config: EngineConfig, *, _abandon: threading.Event | None = None) -> None:
         # (``_abandon``: a data-parallel group's start, ``dp_engines.start_engines``: once
@@ -159,6 +162,30 @@ class MPClient(EngineCoreClient):
     def _on_engine_dead(self) -> None:
         """Called from the monitor thread once the engine is gone."""
 
+    def _seen_dead(self, e: PeerDeadError) -> bool:
+        """A send found the engine gone (``e``, from the channel) before the client knew
+        (the channel may notice the death before the monitor does): whether the client
+        must still learn of it (the caller waits, at most ``DEATH_NOTICE_S``, then calls
+        ``_mark_seen_dead``). False after a shutdown (the channel closed under the send)."""
+        return not (self._closed or isinstance(e, ClientClosedError) or self.resources.dead.is_set())
+
+    def _mark_seen_dead(self, e: PeerDeadError) -> None:
+        """The monitor did not report the death that a send saw: mark the client dead
+        with the channel's message, so that the error raised says why and ``is_dead``
+        is True by then."""
+        if not self._seen_dead(e):
+            return
+        # (logged there; ``_on_engine_dead`` and every ``on_dead`` callback run)
+        self.resources.mark_dead(f"The engine core process (pid {self.engine_pid}) is gone: {e}")
+
+    def _send_dead_error(self, e: PeerDeadError) -> EngineDeadError:
+        """The error for a send that found the engine gone (``e``): once the client
+        knows of the death (``_seen_dead``), saying why."""
+        if self._seen_dead(e):
+            self.resources.dead.wait(self.DEATH_NOTICE_S)
+            self._mark_seen_dead(e)
+        return self._dead_error()
+
     def _channel_broken(self, e: ProtocolError) -> EngineDeadError:
         """The channel with the engine is broken (ProtocolError, in either direction:
         the engine broke a ring's protocol, or a batch of outputs does not decode;
@@ -208,7 +235,7 @@ class MPClient(EngineCoreClient):
                     channel.discard(rtype, payload)  # its tensors' blocks come back now
                 raise
         except PeerDeadError as e:  # ClientClosedError too: the channel closed under us
-            raise self._dead_error() from e
+            raise self._send_dead_error(e) from e
         except PeerNotConsumingError as e:
             raise self._stalled(timeout) from e
         except ProtocolError as e:  # the engine broke the request ring's protocol
@@ -419,7 +446,7 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
         except PeerDeadError as e:
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)
-            raise self._dead_error() from e
+            raise self._send_dead_error(e) from e
         except ProtocolError as e:
             self._futures.pop(call_id, None)
             raise self._channel_broken(e) from e
