@@ -2033,6 +2033,115 @@ static PyMethodDef mod_methods[] = {
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ring", RING_DOC, -1, mod_methods};
 
+/* ---- try_hold: a non-blocking lock acquire that an asynchronous exception cannot split ----
+ * `if lock.acquire(False): try: ... finally: lock.release()` has a gap: CPython runs
+ * Python signal handlers (SIGINT -> KeyboardInterrupt) at the eval-breaker check right
+ * after a call returns, so the exception can come after acquire() returned True and
+ * before the try: the lock then stays held for good. `with try_hold(lock) as held:`
+ * closes it: __enter__ acquires from C (no Python code runs, no eval-breaker check, and no
+ * allocation that could start the garbage collector) and records whether it did; once
+ * __enter__ returned, the with statement calls __exit__ for certain, which releases only
+ * what __enter__ acquired. One guard per use (threads must not share one). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *lock;
+    PyObject *timeout; /* NULL: do not block */
+    int held;
+} TryHoldObj;
+
+static PyObject *try_hold_acquire_name, *try_hold_release_name;
+
+static void try_hold_dealloc(TryHoldObj *self) {
+    Py_XDECREF(self->lock);
+    Py_XDECREF(self->timeout);
+    PyObject_Free(self);
+}
+
+static PyObject *try_hold_enter(TryHoldObj *self, PyObject *unused) {
+    if (self->held) {
+        PyErr_SetString(PyExc_RuntimeError, "try_hold: this guard already holds its lock");
+        return NULL;
+    }
+    /* A timed acquire that a signal interrupts runs the handlers inside acquire(); one
+     * that raises makes acquire() fail without the lock: nothing is held then. */
+    PyObject *args[3] = {self->lock, self->timeout ? Py_True : Py_False, self->timeout};
+    PyObject *got = PyObject_VectorcallMethod(try_hold_acquire_name, args, self->timeout ? 3 : 2, NULL);
+    if (!got) return NULL;
+    int ok = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    if (ok < 0) return NULL;
+    self->held = ok;
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *try_hold_exit(TryHoldObj *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (self->held) {
+        self->held = 0;
+        PyObject *res = PyObject_VectorcallMethod(try_hold_release_name, &self->lock, 1, NULL);
+        if (!res) return NULL;
+        Py_DECREF(res);
+    }
+    Py_RETURN_FALSE; /* never swallows the body's exception */
+}
+
+static PyMethodDef try_hold_methods[] = {
+    {"__enter__", (PyCFunction)try_hold_enter, METH_NOARGS,
+     "lock.acquire(False); returns whether it acquired."},
+    {"__exit__", (PyCFunction)(void (*)(void))try_hold_exit, METH_FASTCALL,
+     "Release the lock if __enter__ acquired it."},
+    {NULL}};
+
+static PyTypeObject TryHoldType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shmclient._ring.TryHold",
+    .tp_basicsize = sizeof(TryHoldObj),
+    .tp_dealloc = (destructor)try_hold_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A non-blocking acquire of a lock for a with statement (see try_hold).",
+    .tp_methods = try_hold_methods,
+};
+
+static PyObject *mod_try_hold(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "try_hold(lock[, timeout]) takes 1 or 2 arguments");
+        return NULL;
+    }
+    PyObject *timeout = nargs == 2 && args[1] != Py_None ? args[1] : NULL;
+    if (timeout && !PyFloat_Check(timeout) && !PyLong_Check(timeout)) {
+        PyErr_Format(PyExc_TypeError, "try_hold: timeout must be a number of seconds, not %.100s",
+                     Py_TYPE(timeout)->tp_name);
+        return NULL;
+    }
+    TryHoldObj *self = PyObject_New(TryHoldObj, &TryHoldType);
+    if (!self) return NULL;
+    Py_INCREF(args[0]);
+    self->lock = args[0];
+    Py_XINCREF(timeout);
+    self->timeout = timeout;
+    self->held = 0;
+    return (PyObject *)self;
+}
+
+static PyMethodDef try_hold_def = {
+    "try_hold", (PyCFunction)(void (*)(void))mod_try_hold, METH_FASTCALL,
+    "try_hold(lock, timeout=None): `with try_hold(lock) as held:` takes lock without blocking "
+    "(with timeout: waiting up to that many seconds; held: whether it did) and releases it at the "
+    "end only if it did; no exception (a signal handler's included) can come between the acquire "
+    "and the guard that releases it."};
+
+/* Adds try_hold to the module (called from PyInit__ring). */
+static int try_hold_add(PyObject *m) {
+    if (PyType_Ready(&TryHoldType) < 0) return -1;
+    try_hold_acquire_name = PyUnicode_InternFromString("acquire");
+    try_hold_release_name = PyUnicode_InternFromString("release");
+    if (!try_hold_acquire_name || !try_hold_release_name) return -1;
+    PyObject *name = PyModule_GetNameObject(m);
+    if (!name) return -1;
+    PyObject *fn = PyCFunction_NewEx(&try_hold_def, NULL, name);
+    Py_DECREF(name);
+    if (!fn) return -1;
+    return PyModule_AddObject(m, "try_hold", fn) < 0 ? (Py_DECREF(fn), -1) : 0;
+}
+
 PyMODINIT_FUNC PyInit__ring(void) {
     if (PyType_Ready(&ProducerType) < 0 || PyType_Ready(&ConsumerType) < 0 ||
         PyType_Ready(&RecViewType) < 0 || PyType_Ready(&GateType) < 0)
@@ -2090,5 +2199,6 @@ PyMODINIT_FUNC PyInit__ring(void) {
     PyModule_AddIntConstant(m, "TIMEOUT", W_TIMEOUT);
     PyModule_AddIntConstant(m, "CLOSED", W_CLOSED);
     PyModule_AddIntConstant(m, "SLEPT", W_SLEPT);
+    if (try_hold_add(m) < 0) return NULL;
     return m;
 }
