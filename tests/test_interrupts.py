@@ -13,11 +13,49 @@ return of ``acquire`` itself; without it, an event inside the block that release
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import threading
+import time
+from types import CodeType
+from typing import Iterator
 
 import pytest
 
+from shmclient import EngineConfig, EngineCoreRequest, SamplingParams, make_client, waiting
 from shmclient._ring import try_hold
+from shmclient.channel import REQ_UTILITY, ShmChannel
+from shmclient.errors import EngineDeadError
+from shmclient.messages import UtilityRequest
+
+
+@contextlib.contextmanager
+def ctrl_c_once_held(lock, code: CodeType) -> Iterator[list]:
+    """Within the block, in this thread: KeyboardInterrupt at the first profile event in a
+    frame running ``code`` (or one it called) at which ``lock`` is held; the list yielded
+    gets what the event was. The hook goes once it raised (CPython drops a profile
+    function that raises). On the way out a lock left held is released, so that a failing
+    test still cleans up (and reports the leak instead of hanging)."""
+    fired: list = []
+
+    def hook(frame, event, arg):
+        if fired or not lock.locked():
+            return
+        if frame.f_code is not code and (frame.f_back is None or frame.f_back.f_code is not code):
+            return
+        fired.append((event, frame.f_code.co_name, getattr(arg, "__name__", None)))
+        raise KeyboardInterrupt("Ctrl-C as the lock was taken")
+
+    assert not lock.locked()
+    sys.setprofile(hook)
+    try:
+        yield fired
+    finally:
+        sys.setprofile(None)
+        left_held = lock.locked()
+        if left_held:
+            lock.release()
+        fired.append(("left held", left_held))
 
 
 def test_try_hold_releases_only_what_it_took():
@@ -34,3 +72,58 @@ def test_try_hold_releases_only_what_it_took():
     assert not lock.locked()
     with pytest.raises(TypeError, match="timeout must be a number"):
         try_hold(lock, "1")
+
+
+def _req(rid: str) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=2))
+
+
+def _ids(outputs) -> set[str]:
+    return {o.request_id for o in outputs.outputs}
+
+
+def test_ctrl_c_as_a_sync_waiter_takes_the_read_lead_leaves_it_free():
+    """ThreadReader.wait: the next get_output reads (it waited for the lost leader for
+    ever, outputs unread in the ring) and shutdown does not wait for the lead."""
+    with make_client(True, False, EngineConfig()) as client:
+        lead = client._lead
+        with ctrl_c_once_held(lead, waiting.ThreadReader.wait.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                client.get_output(timeout=5.0)
+            assert not lead.locked(), f"the read lead stays held after a Ctrl-C at {fired}"
+        assert fired[-1] == ("left held", False)
+        client.add_request(_req("r1"))
+        assert "r1" in _ids(client.get_output(timeout=10.0))
+
+
+def _channel_pair(**kw) -> tuple[ShmChannel, ShmChannel]:
+    front, spec = ShmChannel.create(ring_capacity=1 << 16, arena_bytes=1 << 22, spin_us=0, wake_fd=False, **kw)
+    engine = ShmChannel.attach(spec)
+    front.peer_attached()
+    return front, engine
+
+
+def test_ctrl_c_as_reading_what_a_dead_peer_left_takes_the_lead_leaves_it_free(monkeypatch):
+    """ThreadReader.read_remains (a timed acquire): what the peer left is still read by
+    the next call (it waited LEAD_WAIT_S for a lead nobody would give back, then gave up)."""
+    monkeypatch.setattr(waiting.ThreadReader, "LEAD_WAIT_S", 0.5)
+    front, engine = _channel_pair()
+    try:
+        got: list = []
+        dead = threading.Event()
+        reader = waiting.ThreadReader(
+            front, got.extend, lead=threading.Lock(), dead=dead, alive=lambda: not dead.is_set(),
+            closed=lambda: False, dead_error=lambda: EngineDeadError("the peer died"), broken=lambda e: e)
+        engine.send_nowait(REQ_UTILITY, engine.encode(UtilityRequest(0, 1, "echo", ["last words"])))
+        dead.set()
+        with ctrl_c_once_held(reader.lead, waiting.ThreadReader.read_remains.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                reader.read_remains()
+            assert not reader.lead.locked(), f"the read lead stays held after a Ctrl-C at {fired}"
+        t0 = time.monotonic()
+        assert reader.read_remains() is True
+        assert time.monotonic() - t0 < waiting.ThreadReader.LEAD_WAIT_S
+        assert len(got) == 1
+    finally:
+        engine.close()
+        front.close()

@@ -1,13 +1,13 @@
 """``ThreadReader``: the threads that wait on one channel read it by turns, leader and
 followers, and whatever one of them reads is dispatched for all.
 
-Waiting layer (part of ``shmclient.waiting``): imports the package's ``recv`` and errors,
-never the clients, a channel class or asyncio. It owns the leader/follower hand-over, the
-waiter's deadline, the reaction to a dead peer or a broken channel, and reading, once,
-what a dead peer left. What the messages mean (futures, queues) is the caller's: it passes
-``dispatch`` in, and says with ``done()`` when its waiter may stop. Why no reader thread:
-a thread-to-thread hand-off costs several ring hops and a spinning reader holds the GIL
-the caller needs, so the caller's own thread reads.
+Waiting layer (part of ``shmclient.waiting``): imports the package's ``recv``, errors and
+the ring's ``try_hold`` (a lock guard), never the clients, a channel class or asyncio. It
+owns the leader/follower hand-over, the waiter's deadline, the reaction to a dead peer or a
+broken channel, and reading, once, what a dead peer left. What the messages mean (futures,
+queues) is the caller's: it passes ``dispatch`` in, and says with ``done()`` when its
+waiter may stop. Why no reader thread: a thread-to-thread hand-off costs several ring hops
+and a spinning reader holds the GIL the caller needs, so the caller's own thread reads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .._ring import try_hold
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from . import recv
 from .protocols import Channel, Flag
@@ -116,29 +117,36 @@ class ThreadReader:
             expired = left is not None and left <= 0
             if expired and tried:
                 raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
-            if lead.acquire(False):
-                tried = True
-                try:
-                    if done() or dead.is_set():
-                        continue
-                    got = recv(self.channel, timeout=0.0 if expired else left, alive=self._alive_and_flush)
-                    if got:
-                        self._dispatch(got)
-                except PeerNotProducingError:
-                    pass
-                except ProtocolError as e:
-                    raise self._broken(e) from e
-                except (PeerDeadError, ClientClosedError) as e:
-                    if not dead.is_set():
-                        dead.wait(2.0)  # the channel saw the peer go before its owner did
-                    if not dead.is_set():
-                        raise self._dead_error() from e
-                    # Dead: the loop's top reads what is left, then raises.
-                finally:
-                    lead.release()
-                    if self._followers:
-                        self.wake_all()
-            elif expired:  # another thread is reading: nothing more to look at
+            # try_hold, not `if lead.acquire(False): try:`: a KeyboardInterrupt between
+            # that acquire's return and the try would leave the lead held for good (every
+            # later wait would follow a reader that is gone).
+            led = False
+            try:
+                with try_hold(lead) as led:
+                    if led:
+                        tried = True
+                        if done() or dead.is_set():
+                            continue
+                        try:
+                            got = recv(self.channel, timeout=0.0 if expired else left, alive=self._alive_and_flush)
+                            if got:
+                                self._dispatch(got)
+                        except PeerNotProducingError:
+                            pass
+                        except ProtocolError as e:
+                            raise self._broken(e) from e
+                        except (PeerDeadError, ClientClosedError) as e:
+                            if not dead.is_set():
+                                dead.wait(2.0)  # the channel saw the peer go before its owner did
+                            if not dead.is_set():
+                                raise self._dead_error() from e
+                            # Dead: the loop's top reads what is left, then raises.
+            finally:
+                if led and self._followers:  # after the lead's release: they may lead next
+                    self.wake_all()
+            if led:
+                continue
+            if expired:  # another thread is reading: nothing more to look at
                 raise PeerNotProducingError("nothing arrived within the timeout (the peer is alive)")
             else:
                 self._follow(done, left)
@@ -177,18 +185,17 @@ class ThreadReader:
         then up to the grace; nothing once ``closed()``."""
         if self._closed():
             return False
-        if not self.lead.acquire(timeout=self.LEAD_WAIT_S):
-            return False
         got: list[tuple[int, Any]] = []
+        led = False
         try:
-            if self.remains_read or self._closed():
-                return False
-            self.remains_read = True
-            got = take_remains(self.channel, self._grace)
-            if got:
-                self._dispatch(got)
+            with try_hold(self.lead, self.LEAD_WAIT_S) as led:  # (see wait: no gap before the release)
+                if not led or self.remains_read or self._closed():
+                    return False
+                self.remains_read = True
+                got = take_remains(self.channel, self._grace)
+                if got:
+                    self._dispatch(got)
         finally:
-            self.lead.release()
-            if self._followers:
+            if led and self._followers:
                 self.wake_all()
         return bool(got)
