@@ -22,7 +22,7 @@ from typing import Iterator
 
 import pytest
 
-from shmclient import EngineConfig, EngineCoreRequest, SamplingParams, make_client, waiting
+from shmclient import AsyncMPClient, EngineConfig, EngineCoreRequest, SamplingParams, make_client, waiting
 from shmclient._ring import try_hold
 from shmclient.channel import REQ_UTILITY, ShmChannel
 from shmclient.errors import EngineDeadError
@@ -127,3 +127,29 @@ def test_ctrl_c_as_reading_what_a_dead_peer_left_takes_the_lead_leaves_it_free(m
     finally:
         engine.close()
         front.close()
+
+
+@pytest.mark.parametrize("where", ["on_readable", "read_now", "read_remains"])
+async def test_ctrl_c_as_the_async_reader_takes_the_read_lead_leaves_it_free(where):
+    """LoopReader: the loop's callback reads again (it returned at once on every turn,
+    the wake pipe readable: a busy loop reading nothing) and the next get_output_async
+    gets its output."""
+    client = await AsyncMPClient.create(EngineConfig())
+    try:
+        client._bind_loop()  # (get_output_async's first call does it)
+        reader = client._reader
+        method = getattr(reader, where)
+        with ctrl_c_once_held(client._lead, method.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                if where == "read_remains":
+                    await method()
+                else:
+                    method(*(() if where == "on_readable" else (0.0,)))
+            assert not client._lead.locked(), f"the read lead stays held after a Ctrl-C at {fired}"
+        await client.add_request_async(_req("r1"))
+        assert "r1" in _ids(await client.get_output_async(timeout=10.0))
+        wakes = reader.wakes
+        reader.on_readable()
+        assert reader.wakes == wakes + 1  # the callback gets past the lead again
+    finally:
+        await client.shutdown_async()

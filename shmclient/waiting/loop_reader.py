@@ -2,14 +2,15 @@
 for what a reader delivers, each until it is woken or its deadline passes.
 
 Waiting layer (part of ``shmclient.waiting``): imports asyncio, the package's
-``recv_spin``, the spin policy (``doorbell.Spin``) and errors, never the clients or a
-channel class. Like pyzmq's asyncio socket over its sync one, it tries the channel at once
-and waits on a file descriptor only when it would block: ``loop.add_reader`` on the
-channel's ``recv_fd()`` runs a callback that drains the channel into ``dispatch``
-whenever something arrives, so replies and outputs are handled in the loop even with no
-task waiting, without a thread hop per message. A waiting task first spins for at most
-the adaptive budget (never longer than the configured base), then parks. It also owns the
-grace for what a dead peer left. What the messages mean is the caller's (``dispatch``).
+``recv_spin``, the spin policy (``doorbell.Spin``), the ring's ``try_hold`` (a lock guard)
+and errors, never the clients or a channel class. Like pyzmq's asyncio socket over its sync
+one, it tries the channel at once and waits on a file descriptor only when it would block:
+``loop.add_reader`` on the channel's ``recv_fd()`` runs a callback that drains the channel
+into ``dispatch`` whenever something arrives, so replies and outputs are handled in the
+loop even with no task waiting, without a thread hop per message. A waiting task first
+spins for at most the adaptive budget (never longer than the configured base), then parks.
+It also owns the grace for what a dead peer left. What the messages mean is the caller's
+(``dispatch``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import weakref
 from time import perf_counter
 from typing import Any, Callable
 
+from .._ring import try_hold
 from ..doorbell import Spin
 from ..errors import ClientClosedError, PeerDeadError, PeerNotProducingError, ProtocolError
 from . import recv_spin
@@ -182,10 +184,12 @@ class LoopReader:
     def on_readable(self) -> None:
         """The loop's callback: drain the channel (``READ_LIMIT`` at a time) whenever
         something was published, even with no task waiting."""
-        lead = self.lead
-        if not lead.acquire(False):
-            return  # a task is reading right now, or the owner is closing the channel
-        try:
+        # try_hold, not `if lead.acquire(False): try:`: a KeyboardInterrupt between that
+        # acquire's return and the try would leave the lead held for good (this callback
+        # would then return at once on every turn, the wake pipe readable, nothing read).
+        with try_hold(self.lead) as led:
+            if not led:
+                return  # a task is reading right now, or the owner is closing the channel
             if self._closed():
                 return
             self.wakes += 1
@@ -211,8 +215,6 @@ class LoopReader:
                 # read: stop watching a descriptor that now stays readable; its owner
                 # reports the death.
                 self._watch.unwatch()
-        finally:
-            lead.release()
 
     def _arm(self) -> bool:
         """Arm the channel's descriptor; False (and no longer watched) once the channel
@@ -239,18 +241,13 @@ class LoopReader:
         """Read and dispatch what is there, spinning up to ``spin`` seconds for it,
         unless someone else holds the channel or the peer is gone; how many messages
         that brought."""
-        lead = self.lead
-        if not lead.acquire(False):
-            return 0
-        try:
-            if self._closed() or self._dead():
+        with try_hold(self.lead) as led:  # (see on_readable: no gap before the release)
+            if not led or self._closed() or self._dead():
                 return 0
             got = self._take(spin)
             if got:
                 self._deliver(got)
             return len(got)
-        finally:
-            lead.release()
 
     def _deliver(self, got: list[tuple[int, Any]]) -> None:
         self._dispatch(got)
@@ -323,8 +320,9 @@ class LoopReader:
         assert loop is not None, "bind() the reader first"
         end = loop.time() + self._grace
         while not self.remains_read and not self._closed():
-            if self.lead.acquire(False):
-                try:
+            got: list[tuple[int, Any]] = []
+            with try_hold(self.lead) as led:  # (see on_readable: no gap before the release)
+                if led:
                     if self.remains_read or self._closed():
                         return
                     try:
@@ -336,11 +334,9 @@ class LoopReader:
                     elif loop.time() >= end:
                         self.remains_read = True
                         return
-                finally:
-                    self.lead.release()
-                if got:
-                    await asyncio.sleep(0)  # the loop's other tasks run between batches
-                    continue
+            if got:
+                await asyncio.sleep(0)  # the loop's other tasks run between batches
+                continue
             # Parked, not polling: a delivery by the callback wakes it; the slice bounds
             # the wait for a channel held by another thread.
             await self.parking.park(loop, loop.time() + self.REMAINS_POLL_S)
