@@ -313,12 +313,16 @@ class ShmChannel:
         go out with the next message or flush (never lost)."""
         if self._held_release is None and not self._released:
             return  # the common case, without a lock
-        if self.tx.partial_pending or not self._send_lock.acquire(False):
+        if self.tx.partial_pending:
             return
-        try:
-            self._flush_releases_locked()
-        finally:
-            self._send_lock.release()
+        # try_hold, not `if self._send_lock.acquire(False): try:`: a KeyboardInterrupt
+        # between that acquire's return and the try would leave the send lock held, and
+        # every later send blocked for good (send_nowait takes it with no timeout).
+        from ._ring import try_hold
+
+        with try_hold(self._send_lock) as held:
+            if held:
+                self._flush_releases_locked()
 
     def _flush_releases_locked(self) -> None:
         """Send the pending releases, oldest first: those held back before, then new

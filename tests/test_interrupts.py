@@ -14,19 +14,21 @@ return of ``acquire`` itself; without it, an event inside the block that release
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 import time
 from types import CodeType
 from typing import Iterator
 
+import numpy as np
 import pytest
 
 from shmclient import AsyncMPClient, EngineConfig, EngineCoreRequest, SamplingParams, make_client, waiting
 from shmclient._ring import try_hold
-from shmclient.channel import REQ_UTILITY, ShmChannel
+from shmclient.channel import REC_OUTPUTS, REQ_UTILITY, ShmChannel
 from shmclient.errors import EngineDeadError
-from shmclient.messages import UtilityRequest
+from shmclient.messages import EngineCoreOutputs, UtilityOutput, UtilityRequest
 
 
 @contextlib.contextmanager
@@ -153,3 +155,29 @@ async def test_ctrl_c_as_the_async_reader_takes_the_read_lead_leaves_it_free(whe
         assert reader.wakes == wakes + 1  # the callback gets past the lead again
     finally:
         await client.shutdown_async()
+
+
+def test_ctrl_c_as_flush_releases_takes_the_send_lock_leaves_it_free():
+    """ShmChannel.flush_releases: the next send goes (every later send blocked for good,
+    its timeout ignored) and the pending release goes with it."""
+    front, engine = _channel_pair()
+    try:
+        # engine -> front: a big array (out of band, in the engine's arena); the frontend
+        # drops it, so a release is pending
+        out = EngineCoreOutputs(utility_output=UtilityOutput(call_id=1, result=np.arange(200_000)))
+        engine.send_nowait(REC_OUTPUTS, engine.encode(out))
+        got = waiting.recv(front, timeout=2.0)
+        del got, out
+        gc.collect()
+        assert front._released or front._held_release is not None
+        lock = front._send_lock
+        with ctrl_c_once_held(lock, ShmChannel.flush_releases.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                front.flush_releases()
+            assert not lock.locked(), f"the send lock stays held after a Ctrl-C at {fired}"
+        waiting.send(front, REQ_UTILITY, front.encode(UtilityRequest(0, 2, "echo", ["x"])), timeout=1.0)
+        front.flush_releases()
+        assert not front._released and front._held_release is None
+    finally:
+        engine.close()
+        front.close()
