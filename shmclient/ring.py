@@ -234,12 +234,10 @@ class Ring:
         try:
             self._c.close()  # sets the flag, wakes both sides' waiters (and the pipe)
         finally:
-            got = self._lock.acquire(timeout=10.0)
-            try:
+            # (try_hold: a Ctrl-C as the lock is taken cannot leave it held, which would
+            # block this side's later calls that take it, poke and drain_wake_fd included)
+            with _ring.try_hold(self._lock, 10.0):
                 self._finalizer()
-            finally:
-                if got:
-                    self._lock.release()
 
     def __enter__(self: E) -> E:
         return self

@@ -89,24 +89,26 @@ class RingConsumer(Ring):
             return n
         if n == 0 and c.poll() == 0:
             return 0  # nothing there and the producer is still open
-        if not self._lock.acquire(False):
-            raise EndBusy(f"another thread is in a call on this {self.role} end")
-        try:
-            if self._closed:
-                raise self._closed_error()
-            c.held = True
-            n = c.recv_views(handler, 2, limit)  # 2: another thread's call is not waited for
-            if self._closed:  # the handler closed this end
-                raise self._closed_error()
-            if n is None:
+        # try_hold: a Ctrl-C as the lock is taken cannot leave it held (every later call
+        # of this end would find it busy, and close would wait for it)
+        with _ring.try_hold(self._lock) as held:
+            if not held:
                 raise EndBusy(f"another thread is in a call on this {self.role} end")
-            if not n and c.poll() == 2:
-                raise self._peer_dead()
-            return n
-        finally:
-            if not self._closed:
-                c.held = False
-            self._lock.release()
+            try:
+                if self._closed:
+                    raise self._closed_error()
+                c.held = True
+                n = c.recv_views(handler, 2, limit)  # 2: another thread's call is not waited for
+                if self._closed:  # the handler closed this end
+                    raise self._closed_error()
+                if n is None:
+                    raise EndBusy(f"another thread is in a call on this {self.role} end")
+                if not n and c.poll() == 2:
+                    raise self._peer_dead()
+                return n
+            finally:
+                if not self._closed:
+                    c.held = False
 
     def has_data(self) -> bool:
         """Whether a record is waiting (a plain look; never blocks)."""

@@ -1,6 +1,6 @@
 """A KeyboardInterrupt (Ctrl-C) that lands as a lock's non-blocking acquire returns must not
-leave the lock held: the read lead of the sync and async readers, and the channel's send
-lock in ``flush_releases``.
+leave the lock held: the read lead of the sync and async readers, the channel's send
+lock in ``flush_releases``, and a ring end's lock in ``close`` and a locked receive.
 
 CPython runs a Python signal handler at the eval-breaker check right after a call
 returns, so with ``if lock.acquire(False): try: ... finally: lock.release()`` the
@@ -27,8 +27,11 @@ import pytest
 from shmclient import AsyncMPClient, EngineConfig, EngineCoreRequest, SamplingParams, make_client, waiting
 from shmclient._ring import try_hold
 from shmclient.channel import REC_OUTPUTS, REQ_UTILITY, ShmChannel
-from shmclient.errors import EngineDeadError
+from shmclient.errors import EngineDeadError, PeerDeadError
 from shmclient.messages import EngineCoreOutputs, UtilityOutput, UtilityRequest
+from shmclient.ring import Ring
+from shmclient.ring_consumer import RingConsumer
+from shmclient.ring_producer import RingProducer
 
 
 @contextlib.contextmanager
@@ -39,22 +42,25 @@ def ctrl_c_once_held(lock, code: CodeType) -> Iterator[list]:
     function that raises). On the way out a lock left held is released, so that a failing
     test still cleans up (and reports the leak instead of hanging)."""
     fired: list = []
+    # (an RLock, the ring ends' lock, has no locked() on Python 3.11: whether this thread
+    # holds it, which is what a leak here is)
+    locked = getattr(lock, "locked", None) or lock._is_owned
 
     def hook(frame, event, arg):
-        if fired or not lock.locked():
+        if fired or not locked():
             return
         if frame.f_code is not code and (frame.f_back is None or frame.f_back.f_code is not code):
             return
         fired.append((event, frame.f_code.co_name, getattr(arg, "__name__", None)))
         raise KeyboardInterrupt("Ctrl-C as the lock was taken")
 
-    assert not lock.locked()
+    assert not locked()
     sys.setprofile(hook)
     try:
         yield fired
     finally:
         sys.setprofile(None)
-        left_held = lock.locked()
+        left_held = locked()
         if left_held:
             lock.release()
         fired.append(("left held", left_held))
@@ -181,3 +187,54 @@ def test_ctrl_c_as_flush_releases_takes_the_send_lock_leaves_it_free():
     finally:
         engine.close()
         front.close()
+
+
+def test_ctrl_c_as_a_ring_end_takes_its_lock_in_close_leaves_it_free():
+    """Ring.close (a timed acquire, then the finalizer): this side's later calls that take
+    the lock (poke, drain_wake_fd) do not wait for a lock nobody gives back."""
+    rx = RingConsumer.create(1024, consumer_wake_fd=True)
+    tx = RingProducer.attach(rx.spec)
+    try:
+        lock = tx._lock
+        with ctrl_c_once_held(lock, Ring.close.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                tx.close()
+            assert not lock._is_owned(), f"the ring's lock stays held after a Ctrl-C at {fired}"
+        assert fired[-1] == ("left held", False)
+        tx._finalizer()  # what the interrupted close did not get to
+        held_elsewhere = threading.Thread(target=tx.poke)  # another thread: an owned RLock blocks it
+        held_elsewhere.start()
+        held_elsewhere.join(5.0)
+        assert not held_elsewhere.is_alive()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_ctrl_c_as_a_receive_takes_the_ring_ends_lock_leaves_it_free():
+    """RingConsumer.recv_into's locked path (taken once the producer closed): another
+    thread's receive then says the producer is gone, not EndBusy for ever."""
+    rx = RingConsumer.create(1024)
+    tx = RingProducer.attach(rx.spec)
+    try:
+        tx.close()
+        lock = rx._lock
+        with ctrl_c_once_held(lock, RingConsumer.recv_into.__code__) as fired:
+            with pytest.raises(KeyboardInterrupt):
+                rx.recv_into(lambda t, v: None)
+            assert not lock._is_owned(), f"the ring's lock stays held after a Ctrl-C at {fired}"
+        errors: list = []
+
+        def receive() -> None:
+            try:
+                rx.recv_into(lambda t, v: None)
+            except Exception as e:  # noqa: BLE001 - what it raised is the check
+                errors.append(e)
+
+        other = threading.Thread(target=receive)
+        other.start()
+        other.join(5.0)
+        assert not other.is_alive()
+        assert [type(e) for e in errors] == [PeerDeadError]
+    finally:
+        rx.close()

@@ -368,9 +368,6 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
             flag = getattr(self, "_dead_flag", None)
             if flag is not None:
                 flag.closing = True
-            got = self._lead.acquire(timeout=2.0)
-            try:
+            # (try_hold: a Ctrl-C as the lead is taken cannot leave it held)
+            with waiting.try_hold(self._lead, 2.0):
                 self._close_link()
-            finally:
-                if got:
-                    self._lead.release()

@@ -1,9 +1,9 @@
 """The only place above the ring that blocks: waiting on a channel or a ring end, for
 threads and asyncio, and the two readers the clients wait for output with.
 
-Waiting layer: imports errors and asyncio only; it knows channels and ring ends by their
-interface (``waiting.protocols``), never the clients, the engine or those classes
-themselves. It owns every wait with a deadline and a liveness check. Every other module
+Waiting layer: imports errors, asyncio and the ring's lock guard (``try_hold``) only; it
+knows channels and ring ends by their interface (``waiting.protocols``), never the
+clients, the engine or those classes themselves. It owns every wait with a deadline and a liveness check. Every other module
 tries without blocking (``send_nowait`` / ``recv_nowait``, which raise ``WouldBlock``)
 and comes here to wait; both clients and the engine loop do. This module holds the single
 waits (``send``, ``recv``, ``recv_into``, ``recv_spin``, ``wait_fd``, ``send_async``);
@@ -21,6 +21,7 @@ import asyncio
 import time
 from typing import Any, Callable, TypeVar
 
+from .._ring import try_hold  # (re-exported: the lock guard of the readers and their users)
 from ..errors import (EndBusy, PeerDeadError, PeerNotConsumingError, PeerNotProducingError, WouldBlock,
                       mark_not_sent)
 from .protocols import (
@@ -39,7 +40,7 @@ from .protocols import (
 __all__ = ["CAPABILITIES", "FLAGS", "LIVENESS_S", "AsyncSender", "Channel", "ChannelCapabilities", "EarlyWake", "Flag",
            "LoopReader", "OrderedSends", "OrderedSendsAsync", "Parking", "Receiver", "RecordReceiver", "Sender",
            "ThreadReader", "check_timeout", "forget_closed_loops", "recv", "recv_into", "recv_spin", "send",
-           "send_async", "wait_fd"]
+           "send_async", "try_hold", "wait_fd"]
 
 #: Longest a wait sleeps before it checks ``alive()`` again.
 LIVENESS_S = 0.1
