@@ -71,7 +71,7 @@ class RingConsumer(Ring):
         now, in order, and return how many (0: none there). Never waits for data
         (``shmclient.waiting.recv_into`` waits for it). ``view`` points into the ring and
         is valid only during the call (it is released afterwards). A view the handler
-        kept an export of (``numpy.frombuffer``, ``torch.frombuffer``) pins its record:
+        kept an export of (``numpy.frombuffer``; ``torch.from_numpy`` of one) pins its record:
         its space is not reused until that export is dropped (which frees it and wakes
         a producer waiting for it, or, during a receive call, that call's end frees it).
         If the handler raises,
@@ -141,9 +141,12 @@ class RingConsumer(Ring):
         """Consume pending wake bytes; if a record is still unread, the descriptor is
         made readable again at once (so a reader that fails after draining it never
         loses the wake-up of the records it did not get to). ClientClosedError once
-        closed (also by another thread during the call). Never blocks for data (it may wait for another thread of this side to
-        finish its call): the pipe is read under the lock, because a close waits for
-        this lock before it closes the pipe, whose number may be another file's after."""
+        closed (also by another thread during the call; ForkedError in a forked child).
+        Never blocks for data (it may wait for another thread of this side to finish its
+        call): the pipe is read under the lock, because a close waits for this lock
+        before it closes the pipe, whose number may be another file's after."""
+        if self._closed:  # (first without the lock: a forked child's, whose holder may not exist there)
+            raise self._closed_error()
         with self._lock:
             if self._closed:
                 raise self._closed_error()

@@ -193,6 +193,8 @@ class RingProducer(Ring):
         side to finish its non-blocking call: the byte is written under the lock, because
         a close waits for this lock before it closes the pipe, whose number may be
         another file's after (an uncontended lock costs well under a microsecond)."""
+        if self._closed:  # (first without the lock: a forked child's, whose holder may not exist there)
+            return
         with self._lock:
             fd = self._res.wake_w
             if fd < 0 or self._closed:

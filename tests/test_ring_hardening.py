@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -321,6 +322,44 @@ def test_f1_a_forked_child_cannot_use_its_parents_ring(rings):
     waiting.send(p, 3, b"after")
     assert waiting.recv(c, timeout=1) == [(3, b"after")]
 
+
+def test_f1_a_forked_child_pokes_and_drains_without_waiting_for_a_lock_its_parent_held():
+    """poke and drain_wake_fd take the end's lock: in a child forked while another thread
+    of the parent held it (its holder does not exist there), they must not wait for it
+    (poke is a no-op on a closed end, drain_wake_fd raises ForkedError, as before they
+    took the lock)."""
+    rx = RingConsumer.create(1024, consumer_wake_fd=True)
+    tx = RingProducer.attach(rx.spec)
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with rx._lock, tx._lock:
+            held.set()
+            done.wait(10.0)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5.0)
+
+        def child() -> str:
+            signal.alarm(5)  # a hang is interrupted (SIGALRM) and reported instead of hanging the test
+            out = []
+            tx.poke()
+            out.append("poke: returned")
+            try:
+                rx.drain_wake_fd()
+                out.append("drain_wake_fd: returned")
+            except ForkedError:
+                out.append("drain_wake_fd: ForkedError")
+            return "\n".join(out)
+
+        assert _in_child(child).splitlines() == ["poke: returned", "drain_wake_fd: ForkedError"]
+    finally:
+        done.set()
+        holder.join(5.0)
+        tx.close()
+        rx.close()
 
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_f1_a_forked_child_cannot_use_its_parents_client(kind):
