@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import inspect
 import logging
 from typing import Any
 
@@ -48,9 +49,7 @@ class InprocClient(SyncEngineCoreClient):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # Keyword passed explicitly: the contract's make_core(config, *, supports_wait) need
-        # not give it a default.
-        self.engine_core = load_engine(config.engine_module).make_core(config, supports_wait=False)
+        self.engine_core = _make_core(load_engine(config.engine_module).make_core, config)
         self.num_gpu_blocks = self.engine_core.num_gpu_blocks
         self.block_size = self.engine_core.block_size
         self.max_model_len = self.engine_core.max_model_len
@@ -170,3 +169,17 @@ def load_engine(name: str) -> Any:
             f"EngineConfig.engine_module={name!r} is invalid: it has no make_core(config), "
             "the entry point an in-process client calls")
     return module
+
+
+def _make_core(make_core: Any, config: EngineConfig) -> Any:
+    """``make_core(config, supports_wait=False)`` where ``make_core`` takes the keyword
+    (the contract's ``make_core(config, *, supports_wait)`` need not give it a default:
+    nothing steps an in-process core while a ``mode="wait"`` pause drains, hence
+    False), else ``make_core(config)`` (an engine written to take the config only)."""
+    try:
+        params = inspect.signature(make_core).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: a builtin; the keyword is the contract)
+        return make_core(config, supports_wait=False)
+    if any(p.name == "supports_wait" or p.kind is p.VAR_KEYWORD for p in params):
+        return make_core(config, supports_wait=False)
+    return make_core(config)

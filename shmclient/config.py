@@ -127,7 +127,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, metaclass=_config_
       client and the engine process, not by the core).
     * ``engine_module``: the engine a multiprocess client launches (``python -m
       <engine_module>``, given the control address and the frontend's pid) and an
-      in-process client builds (``<engine_module>.make_core(config)``): an importable
+      in-process client builds (``<engine_module>.make_core(config, supports_wait=False)``, or
+      ``make_core(config)`` where it takes no such keyword): an importable
       module path; the project's own engine ``shmclient_engine`` by default (the
       contract an engine module keeps is in that package's docstring). A module that
       cannot be found, or lacks the entry point, is a ``ConfigError`` naming this field

@@ -467,6 +467,26 @@ def test_inproc_passes_supports_wait_to_a_make_core_without_its_default(user_pat
         sys.modules.pop("strict_engine", None)
 
 
+
+def test_inproc_still_builds_an_engine_whose_make_core_takes_the_config_only(user_path, monkeypatch):
+    """An in-process engine written as ``make_core(config)`` (what InprocClient called
+    before it passed ``supports_wait``) is still built, not refused with a TypeError."""
+    from shmclient import InprocClient
+
+    (user_path / "plain_engine.py").write_text(textwrap.dedent("""
+        import third_party_engine
+
+        def make_core(config):
+            return third_party_engine.Core()
+        """))
+    monkeypatch.delitem(sys.modules, "plain_engine", raising=False)
+    try:
+        client = InprocClient(CFG.replace(engine_module="plain_engine"))
+        client.shutdown()
+        assert client.num_gpu_blocks == 7
+    finally:
+        sys.modules.pop("plain_engine", None)
+
 async def test_data_parallel_counts_a_third_party_engines_finished_requests(user_path):
     """The third-party core leaves ``finished_requests`` unset (vLLM's engines set it only
     under data parallelism): the DP client still sees its requests finish by their
