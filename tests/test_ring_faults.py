@@ -633,9 +633,16 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
     front, spec = ShmChannel.create(ring_capacity=4096, arena_bytes=1 << 20, spin_us=0, wake_fd=False)
     engine = ShmChannel.attach(spec)
     front.peer_attached()
-    stuck = threading.Thread(
-        target=lambda: pytest.raises(PeerNotConsumingError, waiting.send, front, REQ_UTILITY, b"x" * 3000, timeout=3)
-    )
+    outcome: list[BaseException | None] = []
+
+    def send_on_full_ring():
+        try:
+            waiting.send(front, REQ_UTILITY, b"x" * 3000, timeout=3)
+            outcome.append(None)
+        except BaseException as e:  # asserted on in the test's own thread
+            outcome.append(e)
+
+    stuck = threading.Thread(target=send_on_full_ring)
     try:
         waiting.send(front, REQ_UTILITY, b"x" * 3000, timeout=1)  # the engine never reads
         stuck.start()
@@ -648,6 +655,9 @@ def test_a_reader_never_waits_behind_a_sender_stuck_on_a_full_ring():
         with pytest.raises(PeerNotProducingError):
             waiting.recv(front, timeout=0.2)
         assert time.monotonic() - t0 < 1.5, "the reader waited behind the stuck sender"
+        stuck.join(10)
+        assert not stuck.is_alive(), "the stuck send never timed out"
+        assert len(outcome) == 1 and isinstance(outcome[0], PeerNotConsumingError), outcome
     finally:
         stuck.join(10)
         engine.close()
