@@ -1,6 +1,8 @@
 """Crash cycles (``slow``): a frontend streams requests and tensors through a shm client
 while the test SIGKILLs either it or its engine at a random moment, 50 times. Afterwards
-/dev/shm and /tmp hold exactly what they held before and no process is left."""
+/dev/shm and the temporary folder (``tempfile.gettempdir()``: the session's private one under
+pytest, where shmclient makes its ``shmc-ipc-*`` folders) hold exactly what they held before and
+no process is left."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -44,7 +47,8 @@ def _ours(names: set[str]) -> set[str]:
 @pytest.mark.timeout(900)
 def test_fifty_crash_cycles_leave_dev_shm_and_tmp_as_they_were():
     rng = random.Random(50)
-    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
+    tmp = tempfile.gettempdir()
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir(tmp))
     for cycle in range(50):
         front = subprocess.Popen([sys.executable, "-c", FRONTEND], stdout=subprocess.PIPE, text=True)
         try:
@@ -72,4 +76,4 @@ def test_fifty_crash_cycles_leave_dev_shm_and_tmp_as_they_were():
                 front.wait(5)
             front.stdout.close()
         assert _ours(set(os.listdir("/dev/shm")) - shm_before) == set(), f"cycle {cycle}"
-        assert _ours(set(os.listdir("/tmp")) - tmp_before) == set(), f"cycle {cycle}"
+        assert _ours(set(os.listdir(tmp)) - tmp_before) == set(), f"cycle {cycle}"

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -51,8 +52,11 @@ FRONTEND = textwrap.dedent(
 
 
 def _entries() -> set[str]:
+    """/dev/shm's entries and the temporary folder's: shmclient makes its ``shmc-ipc-*``
+    folders in ``tempfile.gettempdir()`` (the session's private folder under pytest, not /tmp)."""
+    tmp = tempfile.gettempdir()
     return {f"/dev/shm/{n}" for n in os.listdir("/dev/shm")} | {
-        f"/tmp/{n}" for n in os.listdir("/tmp")}
+        os.path.join(tmp, n) for n in os.listdir(tmp)}
 
 
 def _names_pid(name: str, pids) -> bool:

@@ -13,6 +13,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -490,8 +491,11 @@ def test_a_fork_child_that_exits_leaves_the_parents_engine_alone():
 
 def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path, monkeypatch):
     """The engine hangs before READY (as a slow model load would); the frontend is
-    SIGKILLed then. Nothing may stay in /dev/shm or /tmp, and the engine exits."""
-    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir("/tmp"))
+    SIGKILLed then. Nothing may stay in /dev/shm or the temporary folder (where the control
+    socket's ``shmc-ipc-*`` folder is made: the session's private one under pytest), and the
+    engine exits."""
+    tmp = tempfile.gettempdir()
+    shm_before, tmp_before = set(os.listdir("/dev/shm")), set(os.listdir(tmp))
     script = textwrap.dedent(
         """
         from shmclient.config import EngineConfig
@@ -541,7 +545,7 @@ def test_frontend_killed_during_engine_start_up_leaves_nothing(tmp_path, monkeyp
         pids = (str(front.pid), str(engine.pid))
         new = set(os.listdir("/dev/shm")) - shm_before  # other processes may add their own
         assert {n for n in new if "shmc" in n or any(p in n for p in pids)} == set()
-        assert {n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith("shmc")} == set()
+        assert {n for n in set(os.listdir(tmp)) - tmp_before if n.startswith("shmc")} == set()
     finally:
         if front.poll() is None:
             front.kill()
