@@ -13,6 +13,7 @@ from shmclient import (
     EngineCoreRequest,
     FinishReason,
     InvalidRequestError,
+    PeerNotProducingError,
     PoolingParams,
     SamplingParams,
     ShmClientError,
@@ -202,33 +203,46 @@ async def test_sleep_wake_up(mock_client):
 
 
 async def test_get_output_when_idle(mock_client):
+    """Nothing to read: the in-process client's step returns an empty batch (it never
+    blocks), the others time out with a ``TimeoutError`` that is a ``ShmClientError``."""
+    client = mock_client.client
     if mock_client.is_inproc:
         out = await mock_client.get_output()
         assert isinstance(out, EngineCoreOutputs) and out.outputs == []
-    elif not mock_client.is_async:
-        with pytest.raises(TimeoutError) as ei:
-            mock_client.client.get_output(timeout=0.2)
-        assert isinstance(ei.value, ShmClientError)
+        return
+    with pytest.raises(PeerNotProducingError) as ei:
+        if mock_client.is_async:
+            await client.get_output_async(timeout=0.2)
+        else:
+            client.get_output(timeout=0.2)
+    assert isinstance(ei.value, TimeoutError) and isinstance(ei.value, ShmClientError)
 
 
 async def test_get_output_with_timeout_zero_reads_what_is_there(mock_client):
     """A poll (timeout 0) looks at the ring once before it gives up: polling gets the
-    outputs (it raised at once, never reading, before)."""
-    if mock_client.is_inproc or mock_client.is_async:
-        return
+    outputs (it raised at once, never reading, before). The in-process client's call is
+    one step, so a poll of it is one step too and never raises."""
+    import asyncio
     import time
 
     client = mock_client.client
-    client.add_request(req("polled", max_tokens=2))
+    await mock_client.add(req("polled", max_tokens=2))
     tokens: list[int] = []
     deadline = time.monotonic() + 30
     while len(tokens) < 2:
         try:
-            out = client.get_output(timeout=0)
-        except TimeoutError:
+            if mock_client.is_async:
+                out = await client.get_output_async(timeout=0)
+            else:
+                out = client.get_output(timeout=0)
+        except PeerNotProducingError:
+            assert not mock_client.is_inproc, "the in-process client's poll raised"
             assert time.monotonic() < deadline, "no output came from polling with timeout 0"
+            if mock_client.is_async:
+                await asyncio.sleep(0)  # (a turn of the loop, for the reader's callback)
             continue
         tokens += [t for o in out.outputs if o.request_id == "polled" for t in o.new_token_ids]
+        assert time.monotonic() < deadline, "polling with timeout 0 never got both tokens"
     assert len(tokens) == 2
 
 
