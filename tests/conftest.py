@@ -1,5 +1,6 @@
 """Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, its
-temporary folder, the process table and the thread list as it found them.
+temporary folder, the process table (no child left running, none left unreaped), the
+thread list and this process's file descriptors as it found them.
 
 Tests share a host with other developers' test runs, so everything here counts only what
 this session made:
@@ -13,18 +14,25 @@ this session made:
   names carry it) is a process of this session: the pytest process, a process it started
   (every ``subprocess.Popen`` and ``os.fork`` child is recorded), or a live descendant. A
   stranger's entry, or one of a stranger that exited, is not looked at.
+
+The pytest process is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process whose parent
+died (an engine whose frontend subprocess a test killed) is reparented to it instead of to
+pid 1, so that ``no_leaks`` still sees it among the session's descendants.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import os
 import re
+import select
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 
 import psutil
 import pytest
@@ -42,7 +50,19 @@ VLLM_RPC_DIR = "vllm-rpc"
 
 #: Pids of every process this session started (see ``_record_children``).
 _STARTED: set[int] = set()
+#: (pid, args) of each ``Popen`` dropped while its process had exited and was not reaped:
+#: the owner never waited for it (``Popen.__del__`` reaps it then, which would hide it).
+_UNREAPED: list[tuple[int, object]] = []
 _session: dict = {}
+
+#: ``prctl`` option: orphaned descendants are reparented to this process, not to pid 1.
+PR_SET_CHILD_SUBREAPER = 36
+
+def _set_child_subreaper(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(err)}")
 
 
 # -- the session's private temporary folder --------------------------------------------
@@ -60,6 +80,7 @@ def pytest_configure(config):
     _session.update(rpc_env=os.environ.get("VLLM_RPC_BASE_PATH"))
     os.environ["VLLM_RPC_BASE_PATH"] = rpc
     _record_children()
+    _set_child_subreaper(True)
 
 
 def pytest_unconfigure(config):
@@ -78,6 +99,7 @@ def pytest_unconfigure(config):
     else:
         os.environ["VLLM_RPC_BASE_PATH"] = rpc
     _stop_recording()
+    _set_child_subreaper(False)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -89,11 +111,16 @@ def session_tmp() -> str:
 def _record_children() -> None:
     """Remember the pid of every child this process starts, so that a /dev/shm entry named
     after a child that has already exited is still known as this session's."""
-    popen_init, fork = subprocess.Popen.__init__, os.fork
+    popen_init, popen_del, fork = subprocess.Popen.__init__, subprocess.Popen.__del__, os.fork
 
     def recording_init(self, *args, **kwargs):
         popen_init(self, *args, **kwargs)
         _STARTED.add(self.pid)
+
+    def recording_del(self, *args, **kwargs):
+        if getattr(self, "returncode", 0) is None and _exited_unreaped(self.pid):
+            _UNREAPED.append((self.pid, self.args))
+        popen_del(self, *args, **kwargs)
 
     def recording_fork():
         pid = fork()
@@ -101,15 +128,26 @@ def _record_children() -> None:
             _STARTED.add(pid)
         return pid
 
-    _session["restore"] = (popen_init, fork)
+    _session["restore"] = (popen_init, popen_del, fork)
     subprocess.Popen.__init__ = recording_init
+    subprocess.Popen.__del__ = recording_del
     os.fork = recording_fork
 
 
 def _stop_recording() -> None:
-    popen_init, fork = _session.pop("restore")
+    popen_init, popen_del, fork = _session.pop("restore")
     subprocess.Popen.__init__ = popen_init
+    subprocess.Popen.__del__ = popen_del
     os.fork = fork
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """Is ``pid`` a child of this process that exited and that nobody reaped (a zombie)?
+    Looks without reaping it (``WNOWAIT``)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already, or not a child
+        return False
 
 
 # -- what counts as this session's -----------------------------------------------------
@@ -155,14 +193,19 @@ class LeakCheck:
         self.kids_before = {p.pid for p in self.me.children(recursive=True)}
         self.threads_before = set(threading.enumerate())
         self.memfd_before = _memfd_entries()
+        self.fds_before = _fd_entries()
+        _UNREAPED.clear()
 
     def problems(self) -> list[str]:
         gc.collect()
         problems = []
         new_kids = [p for p in self.me.children(recursive=True) if p.pid not in self.kids_before]
         pids = {os.getpid(), *self.kids_before, *(p.pid for p in new_kids), *_STARTED}
+        exited: list[psutil.Process] = []
         if new_kids:
-            _, alive = psutil.wait_procs(new_kids, timeout=10)
+            # Waited on without reaping them (pidfds): a child the code under test never
+            # reaped must still be a zombie when it is looked at below.
+            exited, alive = _wait_exited(new_kids, timeout=10)
             if alive:
                 problems.append(f"child processes left: {[(p.pid, _cmdline(p)) for p in alive]}")
                 for p in alive:
@@ -179,12 +222,31 @@ class LeakCheck:
         if stuck:
             problems.append(f"threads left: {stuck}")
 
+        # A process this one started (a Popen, a fork) and that exited is the starter's to
+        # reap: one still a zombie now that the test and its threads are done, or whose Popen
+        # was dropped unreaped, is a leak (an orphan reparented here, see
+        # PR_SET_CHILD_SUBREAPER, is nobody's to reap: it is reaped below, silently).
+        unreaped = [(p.pid, _cmdline(p)) for p in exited if p.pid in _STARTED and _exited_unreaped(p.pid)]
+        unreaped += _UNREAPED
+        _UNREAPED.clear()
+        if unreaped:
+            problems.append(f"child not reaped (left a zombie): {sorted(unreaped, key=str)}")
+        if exited:
+            psutil.wait_procs(exited, timeout=5)
+
         held = sorted(_memfd_entries() - self.memfd_before)
         if held:  # (what the joined threads dropped may still wait for a collection)
             gc.collect()
             held = sorted(_memfd_entries() - self.memfd_before)
         if held:
             problems.append(f"shared memory still open or mapped in this process: {held}")
+
+        opened = _fd_entries() - self.fds_before
+        if opened:
+            gc.collect()
+            opened = _fd_entries() - self.fds_before - _lasting_fds()
+        if opened:
+            problems.append(f"file descriptors left open: {sorted(opened)}")
 
         leaked = {n for n in _shm_entries() - self.shm_before if _ours(n, pids)}
         if leaked:
@@ -207,6 +269,71 @@ class LeakCheck:
                     except OSError:
                         pass
         return problems
+
+
+def _wait_exited(procs: list[psutil.Process], timeout: float) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """Wait up to ``timeout`` for ``procs`` to exit, reaping none of them (a pidfd is readable
+    once its process has exited, zombie or not): returns (exited, still running)."""
+    exited, waiting = [], {}
+    try:
+        for p in procs:
+            try:
+                waiting[os.pidfd_open(p.pid)] = p
+            except ProcessLookupError:  # gone already: reaped
+                exited.append(p)
+        deadline = time.monotonic() + timeout
+        poller = select.poll()
+        for fd in waiting:
+            poller.register(fd, select.POLLIN)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                exited.append(waiting.pop(fd))
+                os.close(fd)
+    finally:
+        for fd in waiting:
+            os.close(fd)
+    return exited, list(waiting.values())
+
+
+#: Descriptor kinds the fd check looks at: what a client, a monitor or a channel opens and
+#: must close again (pidfds, pipes, eventfds, sockets, epoll sets); regular files are left to
+#: the temporary-folder and shared-memory checks.
+_FD_KINDS = ("anon_inode:", "pipe:", "socket:")
+
+
+def _fd_entries() -> set[tuple[int, str]]:
+    """This process's descriptors of the kinds ``_FD_KINDS`` names, as (fd, link target)."""
+    out = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # pragma: no cover - non-Linux
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed meanwhile
+            continue
+        if link.startswith(_FD_KINDS):
+            out.add((int(fd), link))
+    return out
+
+
+def _lasting_fds() -> set[tuple[int, str]]:
+    """Descriptors that are meant to outlive the test that opened them: multiprocessing's
+    resource tracker's pipe (started by the first shared memory a process makes, kept for the
+    process's life)."""
+    out = set()
+    from multiprocessing import resource_tracker
+
+    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    return out
 
 
 def _memfd_entries() -> set[str]:

@@ -4,6 +4,7 @@ one host each see their own leaks and not the other's (``conftest.LeakCheck``)."
 from __future__ import annotations
 
 import os
+import select
 import stat
 import subprocess
 import sys
@@ -133,3 +134,90 @@ def test_a_segment_left_open_or_mapped_is_a_leak():
         seg.close()
         seg.release_handle()
     assert check.problems() == []
+
+
+def _wait_exit_unreaped(pid: int) -> None:
+    """Wait (10 s at most) for ``pid`` to exit, without reaping it."""
+    fd = os.pidfd_open(pid)
+    try:
+        assert select.select([fd], [], [], 10)[0], f"process {pid} did not exit"
+    finally:
+        os.close(fd)
+
+
+def test_a_child_left_unreaped_is_a_leak():
+    """A child that exited is its starter's to reap: one left a zombie (its Popen still held,
+    or dropped without a wait, where ``Popen.__del__`` would reap it unseen) is reported."""
+    check = LeakCheck()
+    held = subprocess.Popen([sys.executable, "-c", "pass"])
+    dropped = subprocess.Popen([sys.executable, "-c", "pass"])
+    held_pid, dropped_pid = held.pid, dropped.pid
+    _wait_exit_unreaped(held_pid)
+    _wait_exit_unreaped(dropped_pid)
+    del dropped
+    try:
+        problems = check.problems()
+        assert len(problems) == 1 and problems[0].startswith("child not reaped"), problems
+        assert f"({held_pid}, " in problems[0] and f"({dropped_pid}, " in problems[0]
+    finally:
+        held.wait(10)  # (reaped by the check already)
+    check = LeakCheck()
+    subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=30)
+    assert check.problems() == []
+
+
+def test_a_descriptor_left_open_is_a_leak():
+    """A pipe (or a pidfd, an eventfd, a socket) a test opened and never closed is reported."""
+    check = LeakCheck()
+    r, w = os.pipe()
+    try:
+        problems = check.problems()
+        pipes = sorted((fd, os.readlink(f"/proc/self/fd/{fd}")) for fd in (r, w))
+        assert problems == [f"file descriptors left open: {pipes}"]
+    finally:
+        os.close(r)
+        os.close(w)
+    assert check.problems() == []
+
+
+ORPHANING_FRONTEND = textwrap.dedent(
+    """
+    import sys
+    from shmclient import EngineConfig, SyncMPClient
+    c = SyncMPClient(EngineConfig(model="mock"))
+    print(c.engine_pid, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_an_orphaned_engine_is_still_seen():
+    """A frontend subprocess is SIGKILLed while its engine is stopped (an engine that misses
+    its frontend's death): the engine, an orphan, is reparented to this process (a child
+    subreaper), not to pid 1, so the check sees it left running and kills it."""
+    check = LeakCheck()
+    fe = subprocess.Popen([sys.executable, "-c", ORPHANING_FRONTEND], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+    engine = None
+    try:
+        ready, _, _ = select.select([fe.stdout], [], [], 60)
+        assert ready, "the frontend never reported its engine"
+        engine = psutil.Process(int(fe.stdout.readline()))
+        engine.suspend()
+        fe.kill()
+        fe.wait(10)
+        fe.stdin.close()
+        fe.stdout.close()
+        problems = check.problems()
+        assert len(problems) == 1 and problems[0].startswith("child processes left"), problems
+        assert f"({engine.pid}, " in problems[0]
+        assert not engine.is_running()  # killed and reaped by the check
+    finally:
+        if engine is not None and engine.is_running():
+            engine.kill()
+            psutil.wait_procs([engine], timeout=10)
+        if fe.poll() is None:
+            fe.kill()
+            fe.wait(10)
+        fe.stdin.close()
+        fe.stdout.close()
