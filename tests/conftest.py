@@ -18,6 +18,10 @@ this session made:
 The pytest process is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a process whose parent
 died (an engine whose frontend subprocess a test killed) is reparented to it instead of to
 pid 1, so that ``no_leaks`` still sees it among the session's descendants.
+
+``SHMCLIENT_REQUIRE_VLLM=1`` makes vLLM a requirement: the vLLM tests' import of it
+(``importorskip_vllm``) fails instead of skipping, so that a run meant to test the plug-in
+cannot pass with nothing run.
 """
 
 from __future__ import annotations
@@ -57,6 +61,24 @@ _session: dict = {}
 
 #: ``prctl`` option: orphaned descendants are reparented to this process, not to pid 1.
 PR_SET_CHILD_SUBREAPER = 36
+
+#: The environment switch that makes vLLM a hard requirement (see ``importorskip_vllm``).
+REQUIRE_VLLM_ENV = "SHMCLIENT_REQUIRE_VLLM"
+
+
+def importorskip_vllm():
+    """``pytest.importorskip("vllm")``, except under ``SHMCLIENT_REQUIRE_VLLM=1`` (CI's vLLM
+    steps), where vLLM must import: a failing import is an error, not a skip of every vLLM
+    test (a run that skipped them all would pass having checked nothing)."""
+    if os.environ.get(REQUIRE_VLLM_ENV, "") not in ("", "0"):
+        try:
+            import vllm
+        except Exception as e:
+            raise ImportError(f"{REQUIRE_VLLM_ENV} is set but vLLM does not import: "
+                              f"{type(e).__name__}: {e}") from e
+        return vllm
+    return pytest.importorskip("vllm")
+
 
 def _set_child_subreaper(on: bool) -> None:
     libc = ctypes.CDLL(None, use_errno=True)

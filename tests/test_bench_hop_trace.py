@@ -72,7 +72,8 @@ def test_the_engine_hooks_are_installed_only_with_the_trace_folder_named():
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
 def test_a_traced_run_matches_batches_and_leaves_no_files(tmp_path):
-    pytest.importorskip("vllm")
+    from .conftest import importorskip_vllm
+    importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-hop-trace-*")))
     out = tmp_path / "trace.json"
     run = subprocess.run([sys.executable, "-m", "shmclient_bench.vllm_hop_trace", "--modes", "inline,adaptive",

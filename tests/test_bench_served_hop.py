@@ -252,7 +252,8 @@ def test_bad_arguments_are_refused():
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_a_run_against_two_api_servers_has_every_figure_and_leaves_no_files(tmp_path):
-    pytest.importorskip("vllm")
+    from .conftest import importorskip_vllm
+    importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "shmc-served-hop-*")))
     out = tmp_path / "hop.json"
     run = subprocess.run([sys.executable, "-m", "shmclient_bench.vllm_served_hop", "--api-servers", "2",

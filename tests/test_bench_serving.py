@@ -333,7 +333,8 @@ def test_section_is_registered_with_its_own_time_limit():
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 def test_model_folder_tokenizer_loads_and_round_trips():
-    pytest.importorskip("vllm")
+    from .conftest import importorskip_vllm
+    importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
     from transformers import AutoTokenizer
     from vllm.benchmarks.datasets import RandomDataset
     from vllm.tokenizers import get_tokenizer

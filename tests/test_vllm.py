@@ -26,7 +26,8 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
-vllm = pytest.importorskip("vllm")
+from .conftest import importorskip_vllm  # noqa: E402
+vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 from vllm import LLM, PoolingParams, SamplingParams  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402

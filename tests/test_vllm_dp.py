@@ -19,7 +19,8 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
-vllm = pytest.importorskip("vllm")
+from .conftest import importorskip_vllm  # noqa: E402
+vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 import vllm.v1.engine.coordinator as coordinator_module  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402

@@ -368,7 +368,8 @@ def test_a_frontend_that_breaks_its_request_ring_is_taken_as_gone(channels):
     (EXECUTOR_FAILED: the engine died for every API server)."""
     import queue
 
-    pytest.importorskip("vllm")
+    from .conftest import importorskip_vllm
+    importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
     from vllm.v1.engine import EngineCoreRequestType
 
     from shmclient.vllm.engine import _fatal_if_raises, _read_requests

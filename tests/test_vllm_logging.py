@@ -15,7 +15,8 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
-pytest.importorskip("vllm")
+from .conftest import importorskip_vllm  # noqa: E402
+importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 import shmclient.vllm as plugin  # noqa: E402
 from shmclient_bench import vllm as bench_vllm  # noqa: E402

@@ -20,7 +20,8 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-pytest.importorskip("vllm")
+from .conftest import importorskip_vllm  # noqa: E402
+importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 from shmclient_bench import serving  # noqa: E402
 

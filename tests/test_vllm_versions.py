@@ -98,7 +98,9 @@ def test_known_table_is_whole():
 
 
 #: Folder of downloaded vLLM wheels to check the table against (e.g. ``pip download
-#: --no-deps vllm==0.33.0 -d DIR``); the test is skipped when none is at hand.
+#: --no-deps vllm==0.33.0 -d DIR``); the test is skipped when the variable is not set, and
+#: fails when it is set but names no folder with a vLLM wheel in it (a download that went
+#: wrong must not pass as a check that was never asked for).
 WHEELS_ENV = "SHMCLIENT_TEST_VLLM_WHEELS"
 
 
@@ -106,7 +108,9 @@ WHEELS_ENV = "SHMCLIENT_TEST_VLLM_WHEELS"
                                                                "vllm*.whl"))) or [None])
 def test_a_downloaded_release_matches_its_line(wheel):
     if wheel is None:
-        pytest.skip(f"no vLLM wheel in ${WHEELS_ENV}")
+        if os.environ.get(WHEELS_ENV):
+            pytest.fail(f"${WHEELS_ENV}={os.environ[WHEELS_ENV]!r} holds no vllm*.whl")
+        pytest.skip(f"${WHEELS_ENV} is not set")
     version = re.match(r"vllm(?:_cpu)?-([^-]+)-", os.path.basename(wheel)).group(1)
     line = next((k for k, (tested, _) in KNOWN.items() if version in tested), None)
     assert line is not None, f"{version} is in no line of KNOWN"
@@ -116,7 +120,8 @@ def test_a_downloaded_release_matches_its_line(wheel):
 
 @pytest.mark.vllm
 def test_the_installed_vllm_is_a_known_release():
-    vllm = pytest.importorskip("vllm")
+    from .conftest import importorskip_vllm
+    vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
     v = check(vllm.__version__)
     assert v.ok, v.message
     assert vllm.__version__ in KNOWN[v.line][0]
