@@ -1,6 +1,6 @@
 """Shared fixtures. ``no_leaks`` runs around every test: a test must leave /dev/shm, its
-temporary folder, the process table (no child left running, none left unreaped), the
-thread list and this process's file descriptors as it found them.
+temporary folder, the process table (no child left running, none left unreaped) and the
+thread list as it found them.
 
 Tests share a host with other developers' test runs, so everything here counts only what
 this session made:
@@ -215,7 +215,6 @@ class LeakCheck:
         self.kids_before = {p.pid for p in self.me.children(recursive=True)}
         self.threads_before = set(threading.enumerate())
         self.memfd_before = _memfd_entries()
-        self.fds_before = _fd_entries()
         _UNREAPED.clear()
 
     def problems(self) -> list[str]:
@@ -262,13 +261,6 @@ class LeakCheck:
             held = sorted(_memfd_entries() - self.memfd_before)
         if held:
             problems.append(f"shared memory still open or mapped in this process: {held}")
-
-        opened = _fd_entries() - self.fds_before
-        if opened:
-            gc.collect()
-            opened = _fd_entries() - self.fds_before - _lasting_fds()
-        if opened:
-            problems.append(f"file descriptors left open: {sorted(opened)}")
 
         leaked = {n for n in _shm_entries() - self.shm_before if _ours(n, pids)}
         if leaked:
@@ -319,43 +311,6 @@ def _wait_exited(procs: list[psutil.Process], timeout: float) -> tuple[list[psut
         for fd in waiting:
             os.close(fd)
     return exited, list(waiting.values())
-
-
-#: Descriptor kinds the fd check looks at: what a client, a monitor or a channel opens and
-#: must close again (pidfds, pipes, eventfds, sockets, epoll sets); regular files are left to
-#: the temporary-folder and shared-memory checks.
-_FD_KINDS = ("anon_inode:", "pipe:", "socket:")
-
-
-def _fd_entries() -> set[tuple[int, str]]:
-    """This process's descriptors of the kinds ``_FD_KINDS`` names, as (fd, link target)."""
-    out = set()
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:  # pragma: no cover - non-Linux
-        return out
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own descriptor, closed meanwhile
-            continue
-        if link.startswith(_FD_KINDS):
-            out.add((int(fd), link))
-    return out
-
-
-def _lasting_fds() -> set[tuple[int, str]]:
-    """Descriptors that are meant to outlive the test that opened them: multiprocessing's
-    resource tracker's pipe (started by the first shared memory a process makes, kept for the
-    process's life)."""
-    out = set()
-    from multiprocessing import resource_tracker
-
-    fd = getattr(resource_tracker._resource_tracker, "_fd", None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-    return out
 
 
 def _memfd_entries() -> set[str]:
