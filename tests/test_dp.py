@@ -41,6 +41,7 @@ from shmclient import (
 )
 from shmclient.config import EngineConfig
 
+from .conftest import sigstop
 from .drivers import LoopTurns, add_until_one_parks
 from .test_waiting import Stopped
 
@@ -590,7 +591,7 @@ def test_shutdown_tells_every_engine_at_once_and_a_retry_after_ctrl_c_ends_the_s
     old = signal.signal(signal.SIGINT, on_sigint)
     watcher = threading.Thread(target=interrupt_once_engine_1_exited)
     try:
-        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        sigstop(c.engine_pids[0])
         armed[0] = True
         watcher.start()
         t0 = time.monotonic()
@@ -754,7 +755,7 @@ async def test_a_utility_call_given_up_by_its_caller_logs_nothing():
     c = make_client(True, True, cfg())
     try:
         assert await c.echo_async(1) == 1  # bound to this loop
-        os.kill(c.engine_pids[1], signal.SIGSTOP)
+        sigstop(c.engine_pids[1])
         for _ in range(2):
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(c.is_sleeping_async(), 0.2)
@@ -779,7 +780,7 @@ async def test_a_shutdown_leaves_no_error_unread_in_the_utility_calls_waiting_fo
     c = make_client(True, True, cfg(ring_capacity_bytes=1 << 14))
     try:
         assert await c.echo_async(1) == 1  # bound to this loop
-        os.kill(c.engine_pids[1], signal.SIGSTOP)  # its request ring fills up
+        sigstop(c.engine_pids[1])  # its request ring fills up
         add, _ = await add_until_one_parks(c.add_request_async, lambda i: req(f"fill-{i}", rank=1))
         calls = [asyncio.ensure_future(c.echo_async(k)) for k in range(3)]
         for _ in range(20):  # a few turns: each call's fan-out registers a future on
@@ -806,7 +807,7 @@ async def test_a_cancelled_shutdown_async_after_a_death_is_finished_by_the_next_
     fds = [os.pidfd_open(p) for p in c.engine_pids]
     try:
         assert await c.echo_async(1) == 1  # bound to this loop
-        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        sigstop(c.engine_pids[0])
         os.kill(c.engine_pids[1], signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="engine 1"):
             await c.get_output_async(timeout=5)
@@ -1153,7 +1154,7 @@ async def test_an_abort_is_not_held_up_by_another_engines_full_ring():
     # 10 ms steps: "running" would take 4 s to finish by itself
     async with await DPLBAsyncMPClient.create(cfg(ring_capacity_bytes=4096, step_delay_s=0.01)) as c:
         await c.add_request_async(req("running", max_tokens=400, rank=1))
-        os.kill(c.engine_pids[0], signal.SIGSTOP)
+        sigstop(c.engine_pids[0])
         try:
             add, n = await add_until_one_parks(
                 c.add_request_async, lambda k: req(f"f{k}", max_tokens=1, rank=0, prompt=[1000] * 400))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -207,3 +208,42 @@ def test_an_orphaned_engine_is_still_seen():
             fe.wait(10)
         fe.stdin.close()
         fe.stdout.close()
+
+
+#: A child whose threads keep running (a spinning one, sleeping ones) until it is killed.
+THREADS = textwrap.dedent(
+    """
+    import sys, threading, time
+    def spin():
+        while True:
+            pass
+    def nap():
+        while True:
+            time.sleep(0.001)
+    for target in (spin, nap, nap):
+        threading.Thread(target=target, daemon=True).start()
+    print("up", flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def test_sigstop_returns_once_every_thread_of_the_process_has_stopped():
+    """``kill`` returns before the stop takes effect (a busy host delays it long enough
+    for a process to go on reading its rings): ``sigstop`` waits until every thread is
+    stopped, and the process runs on after SIGCONT."""
+    child = subprocess.Popen([sys.executable, "-c", THREADS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        assert len(conftest._thread_states(child.pid)) == 4
+        conftest.sigstop(child.pid)
+        assert set(conftest._thread_states(child.pid)) == {"T"}
+        os.kill(child.pid, signal.SIGCONT)
+        conftest.sigstop(child.pid)  # (stops again: it ran on)
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
+    assert conftest._thread_states(child.pid) == []
+    conftest.sigstop(child.pid)  # a process that is gone counts as stopped

@@ -24,6 +24,7 @@ import pytest
 from shmclient.config import EngineConfig
 from shmclient import EngineDeadError, make_client
 
+from .conftest import sigstop
 from .drivers import ctrl_c_when, req
 
 TRANSPORTS = ("shm", "zmq")
@@ -243,7 +244,7 @@ def test_ctrl_c_while_an_add_waits_for_room_gives_its_tensors_blocks_back():
         return real_wait(*args, **kwargs)
 
     try:
-        os.kill(c.engine_pid, signal.SIGSTOP)
+        sigstop(c.engine_pid)
         n = 0
         with pytest.raises(PeerNotConsumingError):
             while True:  # fill the request ring

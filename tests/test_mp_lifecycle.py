@@ -28,6 +28,7 @@ from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDead
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
+from .conftest import sigstop
 from .drivers import KINDS, Driver, add_until_one_parks, build, ctrl_c_when, req
 
 TRANSPORTS = ("shm", "zmq")
@@ -166,7 +167,7 @@ def test_a_request_ring_the_engine_broke_makes_the_client_dead_saying_why(kind):
 
     off_tail = 256  # the tail's place in the ring header (tests/test_ring_hardening.py)
     c = (SyncMPClient if kind == "sync" else AsyncMPClient)(cfg(ring_capacity_bytes=4096))
-    os.kill(c.engine_pid, signal.SIGSTOP)
+    sigstop(c.engine_pid)
     try:
         struct.pack_into("<Q", c.channel.tx._res.seg.buf, off_tail, 3 * 4096)
 
@@ -379,7 +380,7 @@ async def test_utility_calls_waiting_for_room_when_the_engine_dies_leave_no_erro
     loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
     c = make_client(True, True, cfg(ring_capacity_bytes=1 << 14))
     try:
-        os.kill(c.engine_pid, signal.SIGSTOP)  # the request ring fills up
+        sigstop(c.engine_pid)  # the request ring fills up
         add, _ = await add_until_one_parks(c.add_request_async, lambda i: req(f"fill-{i}"))
         calls = [asyncio.ensure_future(c.echo_async(k)) for k in range(3)]
         await asyncio.sleep(0)  # (each registers its future and parks behind the add)
@@ -429,7 +430,7 @@ def test_garbage_collection_stops_engine():
 def test_shutdown_escalates_when_engine_ignores_it():
     c = SyncMPClient(cfg())
     try:
-        os.kill(c.engine_pid, signal.SIGSTOP)  # a hung engine: answers nothing
+        sigstop(c.engine_pid)  # a hung engine: answers nothing
         t0 = time.monotonic()
         c.shutdown(timeout=0.5)
         assert time.monotonic() - t0 < 5
@@ -461,7 +462,7 @@ def test_a_retry_after_ctrl_c_in_shutdown_waits_for_the_engines_stop(monkeypatch
 
     monkeypatch.setattr(launcher.engine_process, "stop", stop)
     try:
-        os.kill(c.engine_pid, signal.SIGSTOP)
+        sigstop(c.engine_pid)
         with ctrl_c_when(stopping), pytest.raises(KeyboardInterrupt):
             c.shutdown(timeout=1)  # (the engine's stop takes 1 s at least: it lands)
         assert not _exited(fd), "the interrupt landed after the engine had exited"
@@ -481,7 +482,7 @@ async def test_a_cancelled_shutdown_async_goes_on_and_a_retry_waits_for_it():
     c = await AsyncMPClient.create(cfg())
     fd = os.pidfd_open(c.engine_pid)
     try:
-        os.kill(c.engine_pid, signal.SIGSTOP)
+        sigstop(c.engine_pid)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(c.shutdown_async(timeout=1), 0.2)
         assert not _exited(fd)
@@ -634,7 +635,7 @@ def test_cuda_device_without_gpu_is_the_documented_config_error_on_every_client(
 def test_add_blocked_on_a_full_ring_at_shutdown_gets_engine_dead_error():
     # The ring's own "this producer end of the ring was closed" must not reach the caller.
     c = SyncMPClient(EngineConfig(model="mock", ring_capacity_bytes=4096, max_model_len=4096))
-    os.kill(c.engine_pid, signal.SIGSTOP)  # the engine stops reading requests
+    sigstop(c.engine_pid)  # the engine stops reading requests
     res: dict[str, BaseException] = {}
     big = req("big", prompt=[1000 + i % 20 for i in range(3000)], max_tokens=1)
 

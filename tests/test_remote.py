@@ -43,6 +43,7 @@ from shmclient.channel import ShmChannel
 from shmclient.channel_zmq import ZmqChannel
 from shmclient.config import EngineConfig
 
+from .conftest import sigstop
 from .fault_engine import FAULT_ENV, MODULE as FAULT_MODULE
 
 ROOT = __file__.rsplit("/tests/", 1)[0]
@@ -613,7 +614,7 @@ async def test_remote_engine_that_hangs_is_declared_dead_by_its_missing_heartbea
         reap(engine)
         raise
     try:
-        os.kill(engine.pid, signal.SIGSTOP)
+        sigstop(engine.pid)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match="sent no heartbeat"):
             await asyncio.wait_for(c.get_output_async(), 5)

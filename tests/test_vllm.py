@@ -26,7 +26,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
-from .conftest import importorskip_vllm  # noqa: E402
+from .conftest import importorskip_vllm, sigstop  # noqa: E402
 vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 from vllm import LLM, PoolingParams, SamplingParams  # noqa: E402
@@ -243,7 +243,7 @@ def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_l
     pid = client.resources.engine_manager.processes[0].pid
     monkeypatch.setattr(frontend, "SEND_TIMEOUT_S", 0.3)
     before = arena_stats(client)
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     try:
         _fill_request_ring(client._link.channel)
         with pytest.raises(PeerNotConsumingError):
@@ -829,7 +829,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
 
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0)  # the ticker's first timestamp
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         stopped = time.monotonic()
         try:
             calls = [asyncio.ensure_future(client.call_utility_async("no_such_method", big, i)) for i in range(8)]
@@ -895,7 +895,7 @@ def test_async_sends_that_never_went_give_their_arena_blocks_back(async_pair, mo
         assert [type(r) for r in results] == [PeerNotConsumingError] * 2, results
         return arena_stats(client)
 
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     try:
         _fill_request_ring(client._link.channel)
         after = loop.run_until_complete(scenario())

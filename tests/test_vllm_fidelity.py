@@ -29,6 +29,7 @@ from shmclient import (
 from shmclient import client as client_module
 
 from . import fault_engine, user_utilities
+from .conftest import sigstop
 from .drivers import KINDS, Driver, build, req
 
 MP_KINDS = tuple(k for k in KINDS if k != "inproc")
@@ -392,7 +393,7 @@ def test_shutdown_with_default_timeout_never_waits_forever_on_a_hung_engine(kind
     monkeypatch.setattr(client_module, "DEFAULT_SHUTDOWN_TIMEOUT_S", 0.3)
     client = build(kind, EngineConfig(model="mock", max_model_len=256))
     pid = client.engine_pid
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     args = {} if kind.startswith("sync") else {"timeout": None}
     t = threading.Thread(target=client.shutdown, kwargs=args)
     t0 = time.monotonic()

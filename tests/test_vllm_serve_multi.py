@@ -43,7 +43,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-from .conftest import importorskip_vllm  # noqa: E402
+from .conftest import importorskip_vllm, sigstop  # noqa: E402
 importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 from shmclient_bench import serving  # noqa: E402
@@ -526,7 +526,7 @@ def test_a_stopped_api_server_holds_back_neither_the_engine_nor_the_other(model,
             others = [s for s, pid in zip(live, by_server) if pid != victim]
             wait_until(lambda: all(s.chunks or s.done or s.error for s in live), 60,
                        "every stream has its first chunk", every=0.002)
-            os.kill(victim, signal.SIGSTOP)
+            sigstop(victim)
             stopped = victim
             before = sum(s.chunks for s in others)
             try:

@@ -31,6 +31,7 @@ from shmclient.channel import REQ_UTILITY, ShmChannel
 from shmclient.ring_consumer import RingConsumer
 from shmclient.ring_producer import RingProducer
 
+from .conftest import sigstop
 from .drivers import add_until_one_parks, ctrl_c_when, req
 
 
@@ -46,7 +47,7 @@ class Stopped:
         self.pid = pid
 
     def __enter__(self) -> "Stopped":
-        os.kill(self.pid, signal.SIGSTOP)
+        sigstop(self.pid)
         return self
 
     def __exit__(self, *exc) -> None:

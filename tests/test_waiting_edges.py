@@ -15,6 +15,7 @@ import pytest
 from shmclient import AsyncMPClient, EngineConfig, WouldBlock, _ring, waiting
 from shmclient.channel import ShmChannel
 
+from .conftest import sigstop
 from .drivers import add_until_one_parks, req
 
 
@@ -109,7 +110,7 @@ def test_a_loop_closed_with_a_send_half_way_does_not_wedge_the_next_loop():
         EngineConfig(ring_capacity_bytes=4096, max_model_len=100_000)))
     try:
         pid = client.engine_pid
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             async def park_a_big_one() -> None:
                 task, _ = await add_until_one_parks(client.add_request_async, lambda n: _request(f"f{n}", 50))
