@@ -91,14 +91,27 @@ def _group_members(pgid: int) -> set[int]:
     return out
 
 
+#: Where the processes' states are read (a test points it elsewhere).
+_PROC = "/proc"
+
+
 def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped by a signal (or gone)."""
+    """Whether every thread of process ``pid`` is stopped by a signal (or it is gone). A
+    stop takes effect thread by thread: the process's own state (its first thread's)
+    can say stopped while another thread still runs (a polling worker's)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        tids = os.listdir(f"{_PROC}/{pid}/task")
+    except OSError:
         return True
-    return state in (b"T", b"t", b"Z", b"X")
+    for tid in tids:
+        try:
+            with open(f"{_PROC}/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):  # (that thread ended)
+            continue
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
+    return True
 
 
 def _pause(proc: subprocess.Popen, timeout_s: float = PAUSE_TIMEOUT_S) -> None:

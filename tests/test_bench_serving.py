@@ -324,6 +324,29 @@ def test_pause_stops_a_servers_whole_group_and_stop_ends_a_paused_one_cleanly(tm
     assert proc.poll() == -signal.SIGTERM
 
 
+def test_a_process_counts_as_stopped_only_once_every_thread_has(tmp_path, monkeypatch):
+    """A stop reaches a process's threads one by one: with its first thread stopped and
+    another still running (what ``/proc/PID/stat`` alone showed as stopped), a server is
+    not paused yet."""
+    from shmclient_bench import serving_servers
+
+    def thread(tid: int, state: str) -> None:
+        d = tmp_path / "123" / "task" / str(tid)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "stat").write_text(f"{tid} (python (x)) {state} 1 1 1 0 -1\n")
+
+    thread(123, "T")
+    (tmp_path / "123" / "stat").write_text("123 (python (x)) T 1 1 1 0 -1\n")
+    thread(124, "R")
+    monkeypatch.setattr(serving_servers, "_PROC", str(tmp_path))
+    assert not serving_servers._stopped(123)
+    thread(124, "S")
+    assert not serving_servers._stopped(123)
+    thread(124, "t")
+    assert serving_servers._stopped(123)
+    assert serving_servers._stopped(999)  # gone
+
+
 def test_section_is_registered_with_its_own_time_limit():
     assert "serving" in bench_main.SECTIONS and "serving" in bench_main.EXTERNAL
     for kind in ("quick", "full"):
