@@ -58,7 +58,7 @@ def test_ready_timeout_names_the_setting(monkeypatch):
     with pytest.raises(TimeoutError) as ei:
         SyncMPClient(cfg(**fault_engine.inject(monkeypatch, "hang_before_ready")))
     elapsed = time.monotonic() - t0
-    assert 0.9 * 1.5 <= elapsed <= 1.5 * 1.5, elapsed
+    assert 0.9 * 1.5 <= elapsed <= 1.5 + 2.0, elapsed  # (start-up and the engine's stop on top)
     msg = str(ei.value)
     assert "Timed out waiting for engine core processes to start" in msg
     assert READY_TIMEOUT_ENV in msg and "1.5" in msg
@@ -69,7 +69,7 @@ def test_ready_timeout_from_config(monkeypatch):
     with pytest.raises(TimeoutError):
         SyncMPClient(cfg(engine_ready_timeout_s=1.0,
                          **fault_engine.inject(monkeypatch, "hang_before_ready")))
-    assert 0.9 <= time.monotonic() - t0 <= 1.5
+    assert 0.9 <= time.monotonic() - t0 <= 1.0 + 2.0  # (the default is 600 s)
 
 
 def test_the_private_socket_folder_goes_once_the_engine_connected_not_after_its_load(monkeypatch):
@@ -228,7 +228,7 @@ def test_sigkill_engine_sync(transport):
             c.add_request(req("late", max_tokens=1))
         with pytest.raises(EngineDeadError):
             c.echo(1)
-        assert time.monotonic() - t0 < 0.01
+        assert time.monotonic() - t0 < 0.5  # at once: no timeout waited out
         c.abort_requests(["long"])
     finally:
         c.shutdown()

@@ -810,7 +810,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     would tick once or not at all in that second and one gap would be >= 1 s). A busy
     host may deschedule the test for a while (a gap of 0.16 s was seen once on a 2-vCPU
     machine), so the checks are the number of ticks inside the stopped second and a gap
-    well under that second, not the sleeper's precision (the benchmark measures that)."""
+    shorter than that second, not the sleeper's precision (the benchmark measures that)."""
     loop, stock, shm = async_pair
     client = shm.engine_core
     pid = client.resources.engine_manager.processes[0].pid
@@ -848,7 +848,7 @@ def test_async_full_request_ring_never_holds_the_event_loop(async_pair):
     inside = [t for t in ticks if stopped <= t <= resumed]
     gaps = [b - a for a, b in zip([stopped] + inside, inside + [resumed])]
     assert len(inside) >= 50, (len(inside), max(gaps))
-    assert max(gaps) < stall_s / 2, (max(gaps), len(inside))
+    assert max(gaps) < 0.9 * stall_s, (max(gaps), len(inside))  # held: one gap of the whole stall
     assert all("Call to no_such_method method failed" in str(r) for r in results), results
     assert not client._link.sends.queued()
     assert loop.run_until_complete(stream(shm, "after-full", [5, 6, 7, 8], 4)) == loop.run_until_complete(
@@ -1028,7 +1028,7 @@ def test_async_output_handler_yields_while_the_engine_is_ahead(async_pair):
     finally:
         processor.process_outputs = process
     assert took >= n * work_s  # one batch a step at least: the frontend was the slower
-    assert gap < 0.5, (gap, took)  # held: about ``took`` (seen: 4.0 s of 4.0; 0.08 s yielding)
+    assert gap < 1.5, (gap, took)  # held: about ``took`` (seen: 4.0 s of 4.0; 0.08 s yielding)
     assert got == loop.run_until_complete(concurrent(stock, "slow-ref", prompts, n))
     assert all(len(t) == n for t in got)
 
