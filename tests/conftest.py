@@ -81,7 +81,6 @@ def importorskip_vllm():
     return pytest.importorskip("vllm")
 
 
-
 def _thread_states(pid: int) -> list[str]:
     """The state letter of each of ``pid``'s threads (``/proc``); [] once it is gone."""
     states = []
@@ -91,21 +90,22 @@ def _thread_states(pid: int) -> list[str]:
         return []
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:  # (a name may be any bytes)
                 stat = f.read()
         except OSError:  # (that thread ended)
             continue
-        states.append(stat[stat.rindex(")") + 2])
+        states.append(chr(stat[stat.rindex(b")") + 2]))
     return states
 
 
 def sigstop(pid: int, timeout: float = 10.0) -> None:
     """Stop ``pid`` (SIGSTOP) and return once every thread of it has stopped: ``kill``
-    returns before that, and on a busy host the stop can take effect a long while later
-    (over 0.3 s was seen on a 2-vCPU machine under load), time in which the process goes on
-    reading its rings. A process that is gone (or a zombie) counts as stopped. Raises
-    TimeoutError after ``timeout`` seconds (the process continued). There is no event to wait on for another
-    process's stop: its threads' states are polled."""
+    returns before that (each thread stops itself once it runs), and on a busy host the
+    stop can take effect a long while later (over 0.3 s was seen on a 2-vCPU machine
+    under load), time in which the process goes on reading its rings. A process that is
+    gone (or a zombie) counts as stopped. Raises TimeoutError after ``timeout`` seconds
+    (the process continued). There is no event to wait on for another process's stop:
+    its threads' states are polled."""
     try:
         os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
@@ -117,11 +117,15 @@ def sigstop(pid: int, timeout: float = 10.0) -> None:
         if all(s in "TtZX" for s in states):
             return
         if time.monotonic() >= deadline:
-            os.kill(pid, signal.SIGCONT)  # (not left stopped for the teardown)
+            try:
+                os.kill(pid, signal.SIGCONT)  # (not left stopped for the teardown)
+            except ProcessLookupError:
+                return
             raise TimeoutError(f"process {pid} did not stop within {timeout} s of SIGSTOP "
                                f"(its threads' states: {''.join(states)})")
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
+
 
 def _set_child_subreaper(on: bool) -> None:
     libc = ctypes.CDLL(None, use_errno=True)

@@ -11,8 +11,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import psutil
+import pytest
 
 from . import conftest
 from .conftest import LeakCheck, session_tmp
@@ -190,7 +192,7 @@ def test_an_orphaned_engine_is_still_seen():
         ready, _, _ = select.select([fe.stdout], [], [], 60)
         assert ready, "the frontend never reported its engine"
         engine = psutil.Process(int(fe.stdout.readline()))
-        engine.suspend()
+        conftest.sigstop(engine.pid)  # (stopped late, it would see its frontend die and end)
         fe.kill()
         fe.wait(10)
         fe.stdin.close()
@@ -228,6 +230,13 @@ THREADS = textwrap.dedent(
 )
 
 
+def _wait_for(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
 def test_sigstop_returns_once_every_thread_of_the_process_has_stopped():
     """``kill`` returns before the stop takes effect (a busy host delays it long enough
     for a process to go on reading its rings): ``sigstop`` waits until every thread is
@@ -239,11 +248,37 @@ def test_sigstop_returns_once_every_thread_of_the_process_has_stopped():
         conftest.sigstop(child.pid)
         assert set(conftest._thread_states(child.pid)) == {"T"}
         os.kill(child.pid, signal.SIGCONT)
-        conftest.sigstop(child.pid)  # (stops again: it ran on)
+        _wait_for(lambda: set(conftest._thread_states(child.pid)) != {"T"}, "it never ran on")
+        conftest.sigstop(child.pid)
+        assert set(conftest._thread_states(child.pid)) == {"T"}
         os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        _wait_for(lambda: conftest._thread_states(child.pid) == ["Z"], "no zombie")  # not reaped yet
+        conftest.sigstop(child.pid)  # a zombie counts as stopped
     finally:
         child.kill()
         child.wait()
         child.stdout.close()
-    assert conftest._thread_states(child.pid) == []
-    conftest.sigstop(child.pid)  # a process that is gone counts as stopped
+    conftest.sigstop(int(open("/proc/sys/kernel/pid_max").read()) + 1)  # no such process: stopped
+
+
+def test_sigstop_polls_until_the_last_thread_has_stopped_and_gives_up_at_its_timeout(monkeypatch):
+    """The threads stop one by one: ``sigstop`` returns only once the last has; one that
+    never stops is continued and reported after the timeout."""
+    child = subprocess.Popen([sys.executable, "-c", THREADS], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        polls = iter([["T", "R", "S"], ["T", "T", "R"], ["T", "T", "T"]])
+        seen = []
+        monkeypatch.setattr(conftest, "_thread_states", lambda pid: seen.append(pid) or next(polls))
+        conftest.sigstop(child.pid)
+        assert seen == [child.pid] * 3
+        monkeypatch.setattr(conftest, "_thread_states", lambda pid: ["T", "R"])
+        with pytest.raises(TimeoutError, match=f"process {child.pid} did not stop within 0.05 s"):
+            conftest.sigstop(child.pid, timeout=0.05)
+        monkeypatch.undo()
+        _wait_for(lambda: set(conftest._thread_states(child.pid)) != {"T"}, "it was left stopped")
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()
