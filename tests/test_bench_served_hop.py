@@ -122,9 +122,10 @@ def test_the_run_queue_wait_is_the_time_a_thread_sharing_its_cpu_did_not_run():
             if fd >= 0:
                 os.close(fd)
     # A spinning thread is either on its CPU or waiting for it: the wait is the wall time
-    # it did not run (not its CPU time, not zero).
+    # it did not run (not its CPU time, ~0.15 s of the 0.45, not zero). On a VM the time
+    # the host took the vCPU away (steal) is neither: up to 0.1 s of the 0.45 is allowed.
     assert waited > 0.1, (waited, ran, wall)
-    assert abs(wall - ran - waited) < 0.05, (waited, ran, wall)
+    assert abs(wall - ran - waited) < 0.1, (waited, ran, wall)
 
 
 def test_the_run_queue_wait_is_unknown_without_schedstat(monkeypatch):
