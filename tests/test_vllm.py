@@ -927,6 +927,7 @@ def test_async_reader_wakes_once_per_batch_and_early(model_dir, async_pair, monk
         reader, prewake = shm.engine_core._reader.loop_reader, shm.engine_core._reader.early
         for gate in ("always", "never"):
             wakes, empty, early = reader.wakes, reader.empty_wakes, prewake.hits + prewake.misses
+            missed = prewake.misses
             old = _ring.gate.mode
             _ring.gate.mode = gate  # the frontend's own gate (the engine's keeps its own)
             try:
@@ -934,7 +935,9 @@ def test_async_reader_wakes_once_per_batch_and_early(model_dir, async_pair, monk
             finally:
                 _ring.gate.mode = old
             assert reader.wakes - wakes >= 20, gate
-            assert reader.empty_wakes - empty <= (reader.wakes - wakes) // 4, gate
+            # (an early wake whose spin ended before the publish is an empty wake too: on
+            # a busy host the engine can be that late; the spin backs off from those)
+            assert reader.empty_wakes - empty - (prewake.misses - missed) <= (reader.wakes - wakes) // 4, gate
             if gate == "always":
                 assert prewake.hits + prewake.misses > early
             else:
