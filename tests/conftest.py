@@ -81,6 +81,18 @@ def importorskip_vllm():
     return pytest.importorskip("vllm")
 
 
+def wait_until(check, timeout: float, what: str, every: float = 0.1):
+    """Poll ``check()`` every ``every`` seconds until it returns something true (returned);
+    an AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(every)
+
+
 def _thread_states(pid: int) -> list[str]:
     """The state letter of each of ``pid``'s threads (``/proc``); [] once it is gone."""
     states = []

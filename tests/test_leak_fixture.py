@@ -11,13 +11,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import psutil
 import pytest
 
 from . import conftest
-from .conftest import LeakCheck, session_tmp
+from .conftest import LeakCheck, session_tmp, wait_until
 from .test_tensors import _resource_tracker  # noqa: F401 - shared memory starts it: before the test
 
 #: A stranger: a process that is not this session's and writes where a parallel run would,
@@ -230,13 +229,6 @@ THREADS = textwrap.dedent(
 )
 
 
-def _wait_for(cond, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
-
-
 def test_sigstop_returns_once_every_thread_of_the_process_has_stopped():
     """``kill`` returns before the stop takes effect (a busy host delays it long enough
     for a process to go on reading its rings): ``sigstop`` waits until every thread is
@@ -248,12 +240,12 @@ def test_sigstop_returns_once_every_thread_of_the_process_has_stopped():
         conftest.sigstop(child.pid)
         assert set(conftest._thread_states(child.pid)) == {"T"}
         os.kill(child.pid, signal.SIGCONT)
-        _wait_for(lambda: set(conftest._thread_states(child.pid)) != {"T"}, "it never ran on")
+        wait_until(lambda: set(conftest._thread_states(child.pid)) != {"T"}, 10, "it never ran on", every=0.001)
         conftest.sigstop(child.pid)
         assert set(conftest._thread_states(child.pid)) == {"T"}
         os.kill(child.pid, signal.SIGCONT)
         child.kill()
-        _wait_for(lambda: conftest._thread_states(child.pid) == ["Z"], "no zombie")  # not reaped yet
+        wait_until(lambda: conftest._thread_states(child.pid) == ["Z"], 10, "no zombie", every=0.001)  # not reaped yet
         conftest.sigstop(child.pid)  # a zombie counts as stopped
     finally:
         child.kill()
@@ -277,7 +269,7 @@ def test_sigstop_polls_until_the_last_thread_has_stopped_and_gives_up_at_its_tim
         with pytest.raises(TimeoutError, match=f"process {child.pid} did not stop within 0.05 s"):
             conftest.sigstop(child.pid, timeout=0.05)
         monkeypatch.undo()
-        _wait_for(lambda: set(conftest._thread_states(child.pid)) != {"T"}, "it was left stopped")
+        wait_until(lambda: set(conftest._thread_states(child.pid)) != {"T"}, 10, "it was left stopped", every=0.001)
     finally:
         child.kill()
         child.wait()

@@ -43,7 +43,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-from .conftest import importorskip_vllm, sigstop  # noqa: E402
+from .conftest import importorskip_vllm, sigstop, wait_until  # noqa: E402
 importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 from shmclient_bench import serving  # noqa: E402
@@ -308,16 +308,6 @@ def running(port: int) -> float | None:
 def generated(port: int) -> float:
     """vLLM's count of the tokens its engines generated."""
     return metric(port, "vllm:generation_tokens_total") or 0.0
-
-
-def wait_until(check, timeout: float, what: str, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
-        time.sleep(every)
 
 
 # -- kills: each starts its own server, before any shared one runs -------------------------------
