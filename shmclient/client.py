@@ -240,11 +240,16 @@ class SyncEngineCoreClient(EngineCoreClient):
         e.g. a single id not wrapped in a list."""
 
     @abstractmethod
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call an engine method by name and return its result. Raises UtilityCallError
         ("Call to <method> method failed: <message>", as vLLM), InvalidRequestError for
-        a ``method`` that is not a non-empty str, SerializationError for arguments that
-        cannot cross, or EngineDeadError."""
+        a ``method`` that is not a non-empty str or a ``timeout`` that is not a number
+        >= 0 or None, SerializationError for arguments that cannot cross, or
+        EngineDeadError. A multiprocess client waits ``timeout`` seconds at most (None,
+        as vLLM: as long as the engine lives) for room in the request ring and the
+        reply together, then raises a ``TimeoutError``: PeerNotConsumingError (the call
+        was not sent) or PeerNotProducingError (sent and not answered: it may still run
+        in the engine; its reply is dropped)."""
 
     # -- named utilities: one line each over call_utility ------------------------------
     def echo(self, x: Any) -> Any:

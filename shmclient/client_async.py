@@ -260,14 +260,18 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         await reader.wait(outputs.__len__, None if timeout is None else loop.time() + timeout)
         return outputs.popleft()
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` in the engine and await its result; see
-        ``EngineCoreClient.call_utility`` for the errors."""
+    async def call_utility_async(self, method: str, *args: Any,
+                                 timeout: float | None = None) -> Any:
+        """Call ``method(*args)`` in the engine and await its result, ``timeout``
+        seconds at most (None: as long as the engine lives); see
+        ``SyncEngineCoreClient.call_utility`` for the errors."""
+        timeout = _check_timeout("call_utility_async", timeout)
         loop = self._bind_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         fut = loop.create_future()
         call_id, payload = self._register_call(method, args, fut)
         try:
-            await self._send_async(REQ_UTILITY, payload)
+            await self._send_async(REQ_UTILITY, payload, timeout)
         except BaseException:
             self._futures.pop(call_id, None)
             # Nobody awaits ``fut`` now. The engine's death may have failed it while the
@@ -279,7 +283,22 @@ class AsyncMPClient(AsyncUtilities, MPClient):
             else:
                 fut.cancel()
             raise
-        return await fut
+        if deadline is None:
+            return await fut
+        try:
+            # (shielded: the timeout's cancellation must not cancel ``fut`` itself
+            # before it is unregistered; a reply that lands meanwhile still counts)
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            self._futures.pop(call_id, None)  # (a late reply is dropped)
+            if fut.done():
+                return fut.result()
+            fut.cancel()
+            raise self._no_reply(method, timeout) from None
+        except asyncio.CancelledError:
+            self._futures.pop(call_id, None)
+            fut.cancel()  # (nobody reads it now: an error set later would be logged)
+            raise
 
     async def _utility(self, method: str, *args: Any) -> Any:
         return await self.call_utility_async(method, *args)

@@ -115,12 +115,14 @@ class InprocClient(SyncEngineCoreClient):
                 log.warning("dropped an abort of %d request(s) that the engine core refused",
                             len(ids), exc_info=True)
 
-    def call_utility(self, method: str, *args: Any) -> Any:
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         """Call the engine method ``method(*args)`` and return its result. Raises
         UtilityCallError ("Call to <method> method failed: <e>"), except for
         ``mode="wait"`` of ``sleep`` / ``pause_scheduler``, which the engine refuses
         in-process with InvalidRequestError (a ``ValueError``, as vLLM's
-        ``InprocClient.sleep``): nothing else steps the engine while this thread waits."""
+        ``InprocClient.sleep``): nothing else steps the engine while this thread waits.
+        ``timeout`` is checked and unused: the method runs in this thread."""
+        check_timeout("call_utility", timeout)
         self._check_open()
         check_utility_call(method)
         try:

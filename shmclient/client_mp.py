@@ -247,6 +247,12 @@ class MPClient(EngineCoreClient):
             f"request ring within {timeout} s: it is stalled or too busy; the message was "
             "not sent")
 
+    def _no_reply(self, method: str, timeout: float | None) -> PeerNotProducingError:
+        return PeerNotProducingError(
+            f"the engine core process (pid {self.engine_pid}) did not answer the call to "
+            f"{method} within {timeout} s: it is stalled or the call is slow; the call may "
+            "still run in the engine, and its reply is dropped")
+
     def _admit(self, request: EngineCoreRequest, checked: bool = False) -> None:
         """Checks before a request travels (``checked``: ``check_request`` ran already,
         against this engine's limits or stricter ones; only the live-id check is left);
@@ -434,15 +440,18 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             except EngineDeadError:
                 pass
 
-    def call_utility(self, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` in the engine and wait for its result; see
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method(*args)`` in the engine and wait for its result, ``timeout``
+        seconds at most (None: as long as the engine lives); see
         ``SyncEngineCoreClient.call_utility`` for the errors."""
+        timeout = _check_timeout("call_utility", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         fut: concurrent.futures.Future = concurrent.futures.Future()
         call_id, payload = self._register_call(method, args, fut)
         try:
             # Death may have failed every registered future just before ours went in.
             self._ensure_alive()
-            self._sends.send(REQ_UTILITY, payload, None)
+            self._sends.send(REQ_UTILITY, payload, timeout)
         except PeerDeadError as e:
             self._futures.pop(call_id, None)
             self.channel.discard(REQ_UTILITY, payload)
@@ -454,10 +463,18 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             self._futures.pop(call_id, None)
             if not_sent(e):
                 self.channel.discard(REQ_UTILITY, payload)
+            if isinstance(e, PeerNotConsumingError):
+                raise self._stalled(timeout) from e
             raise
         try:
-            self._reader.wait(fut.done, None)
+            self._reader.wait(fut.done, deadline)
+        except PeerNotProducingError as e:
+            self._futures.pop(call_id, None)  # (a late reply is dropped)
+            if fut.done():  # (it came as the wait gave up)
+                return fut.result()
+            raise self._no_reply(method, timeout) from e
         except BaseException:
             self._futures.pop(call_id, None)
             raise
         return fut.result()
+

@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import EngineDeadError, UtilityCallError
 from .messages import LoRARequest
-from .validate import check_utility_call
+from .validate import check_timeout, check_utility_call
 
 __all__ = ["AsyncUtilities", "DPUtilities", "DP_RULES"]
 
@@ -172,21 +172,27 @@ class DPUtilities(AsyncUtilities):
         _abandon(fut)
         raise self._dead_error()
 
-    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+    async def call_utility_all_async(self, method: str, *args: Any,
+                                     timeout: float | None = None) -> list[Any]:
         """Call ``method(*args)`` on every engine at once; their results in rank order.
         Raises UtilityCallError when it failed on an engine, InvalidRequestError for a
-        ``method`` that is not a non-empty str, SerializationError for arguments that
-        cannot cross, EngineDeadError when an engine died (also while waiting)."""
+        ``method`` that is not a non-empty str or a bad ``timeout``, SerializationError
+        for arguments that cannot cross, EngineDeadError when an engine died (also
+        while waiting), a ``TimeoutError`` when an engine took no call or gave no reply
+        within ``timeout`` seconds (None: no limit; see
+        ``SyncEngineCoreClient.call_utility``)."""
+        timeout = check_timeout("call_utility_all_async", timeout)
         self._bind()
         self._ensure_alive()
         check_utility_call(method)
-        calls = [asyncio.ensure_future(self._call_on(i, method, args))
+        calls = [asyncio.ensure_future(self._call_on(i, method, args, timeout))
                  for i in range(len(self.engines))]
         return await self._guard(asyncio.gather(*calls))
 
-    async def _call_on(self, pos: int, method: str, args: tuple) -> Any:
+    async def _call_on(self, pos: int, method: str, args: tuple,
+                       timeout: float | None) -> Any:
         try:
-            return await self.engines[pos].call_utility_async(method, *args)
+            return await self.engines[pos].call_utility_async(method, *args, timeout=timeout)
         except EngineDeadError as e:
             # Its engine's death, said as the client says it (which engine, why).
             if self._closed or self._dead_reason is not None or self._death is not None:
@@ -195,17 +201,19 @@ class DPUtilities(AsyncUtilities):
                 f"data-parallel engine {self.engine_ranks[pos]} (pid "
                 f"{self.engine_pids[pos]}) died: {e}") from e
 
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
+    async def call_utility_async(self, method: str, *args: Any,
+                                 timeout: float | None = None) -> Any:
         """Call ``method(*args)`` on this client's engine (``DPLBAsyncMPClient``: on
-        every engine, returning the first's result, as vLLM). Errors as
-        ``call_utility_all_async``."""
-        return (await self.call_utility_all_async(method, *args))[0]
+        every engine, returning the first's result, as vLLM). Errors and ``timeout``
+        as ``call_utility_all_async``."""
+        return (await self.call_utility_all_async(method, *args, timeout=timeout))[0]
 
-    async def call_utility_consensus_async(self, method: str, *args: Any) -> Any:
+    async def call_utility_consensus_async(self, method: str, *args: Any,
+                                           timeout: float | None = None) -> Any:
         """Call ``method(*args)`` on every engine; their common result.
         UtilityCallError when the engines disagree (vLLM raises a RuntimeError, which
         UtilityCallError is), else as ``call_utility_all_async``."""
-        results = await self.call_utility_all_async(method, *args)
+        results = await self.call_utility_all_async(method, *args, timeout=timeout)
         if any(r != results[0] for r in results):
             raise UtilityCallError(f"Engines returned different {method} results: {results}")
         return results[0]

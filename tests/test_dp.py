@@ -1165,3 +1165,28 @@ async def test_an_abort_is_not_held_up_by_another_engines_full_ring():
         finally:
             os.kill(c.engine_pids[0], signal.SIGCONT)
         await asyncio.wait_for(asyncio.gather(add, abort), 20)
+
+
+async def test_a_dp_utility_call_to_a_stalled_engine_gives_up_at_its_timeout():
+    """One engine of two stopped: ``call_utility_all_async(..., timeout=)`` (and the
+    first-result and consensus forms) raise PeerNotProducingError naming that engine
+    at the timeout, with nothing left registered; once it goes on, calls are answered
+    by both."""
+    c = make_client(True, True, cfg())
+    try:
+        assert await c.echo_async(1) == 1  # bound to this loop
+        with Stopped(c.engine_pids[1]):
+            for call in (c.call_utility_all_async, c.call_utility_async,
+                         c.call_utility_consensus_async):
+                t0 = time.monotonic()
+                with pytest.raises(PeerNotProducingError,
+                                   match=f"pid {c.engine_pids[1]}.*call to is_sleeping"):
+                    await call("is_sleeping", timeout=0.2)
+                assert 0.2 <= time.monotonic() - t0 < 5
+            with pytest.raises(InvalidRequestError, match=r"call_utility_all_async\(\): timeout="):
+                await c.call_utility_all_async("echo", 1, timeout=-1)
+            assert [e._futures for e in c.engines] == [{}, {}]
+        assert await c.call_utility_all_async("echo", 2, timeout=30) == [2, 2]
+        assert [e._futures for e in c.engines] == [{}, {}]
+    finally:
+        await c.shutdown_async()

@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from shmclient.config import EngineConfig
-from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDeadError, SyncMPClient,
-                       make_client, waiting)
+from shmclient import (AsyncMPClient, ClientClosedError, ConfigError, EngineDeadError,
+                       InvalidRequestError, SyncMPClient, make_client, waiting)
 from shmclient.launcher import READY_TIMEOUT_ENV
 
 from . import fault_engine
 from .conftest import sigstop
 from .drivers import KINDS, Driver, add_until_one_parks, build, ctrl_c_when, req
+from .test_waiting import Stopped
 
 TRANSPORTS = ("shm", "zmq")
 
@@ -1058,3 +1059,97 @@ async def test_create_builds_a_subclass_whose_constructor_takes_the_config_only(
         assert await c.echo_async("here") == "here"
     finally:
         await c.shutdown_async()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_utility_call_to_a_stalled_engine_gives_up_at_its_timeout(transport):
+    """A stopped engine answers nothing: ``call_utility`` waited for the reply without
+    bound (it took no timeout). Now it raises PeerNotProducingError naming the call at
+    its timeout; once the engine goes on, its late reply is dropped and the next call
+    gets its own."""
+    c = SyncMPClient(cfg(transport))
+    try:
+        assert c.echo("bound") == "bound"
+        with Stopped(c.engine_pid):
+            t0 = time.monotonic()
+            with pytest.raises(waiting.PeerNotProducingError, match="call to echo within 0.3 s"):
+                c.call_utility("echo", "late", timeout=0.3)
+            assert 0.3 <= time.monotonic() - t0 < 5
+        assert c._futures == {}
+        assert c.call_utility("echo", "next", timeout=30) == "next"
+        assert c.echo("after") == "after"
+        assert c._futures == {}
+    finally:
+        c.shutdown()
+
+
+def test_a_utility_call_behind_a_full_request_ring_gives_up_unsent():
+    """A stopped engine's request ring is full: the call's send waits for room, then
+    raises PeerNotConsumingError within its timeout (the call was not sent)."""
+    c = SyncMPClient(cfg(ring_capacity_bytes=1 << 14))
+    try:
+        with Stopped(c.engine_pid):
+            with pytest.raises(waiting.PeerNotConsumingError):
+                for i in range(10_000):  # the ring fills up
+                    c.add_request(req(f"fill-{i}", max_tokens=1), timeout=0.05)
+            t0 = time.monotonic()
+            with pytest.raises(waiting.PeerNotConsumingError, match="was not sent"):
+                c.call_utility("echo", "x", timeout=0.2)
+            assert 0.2 <= time.monotonic() - t0 < 5
+        assert c._futures == {}
+        assert c.echo("after") == "after"
+    finally:
+        c.shutdown()
+
+
+async def test_an_async_utility_call_to_a_stalled_engine_gives_up_at_its_timeout():
+    """``call_utility_async(..., timeout=)``: PeerNotProducingError at the timeout, the
+    loop free meanwhile, nothing left registered; a call cancelled while it waits with a
+    timeout leaves nothing registered either; the late replies are dropped."""
+    c = await AsyncMPClient.create(cfg())
+    try:
+        assert await c.echo_async("bound") == "bound"
+        with Stopped(c.engine_pid):
+            ticks = 0
+
+            async def tick():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.ensure_future(tick())
+            t0 = time.monotonic()
+            with pytest.raises(waiting.PeerNotProducingError, match="call to echo within 0.3 s"):
+                await c.call_utility_async("echo", "late", timeout=0.3)
+            assert 0.3 <= time.monotonic() - t0 < 5
+            ticker.cancel()
+            assert ticks >= 3  # (the loop ran meanwhile)
+            call = asyncio.ensure_future(c.call_utility_async("echo", "cancelled", timeout=30))
+            await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert c._futures == {}
+        assert await c.call_utility_async("echo", "next", timeout=30) == "next"
+        assert c._futures == {}
+    finally:
+        await c.shutdown_async()
+
+
+@pytest.mark.parametrize("kind", ["inproc", "sync", "async"])
+def test_a_utility_timeout_that_is_not_a_number_of_seconds_is_refused(kind):
+    c = make_client(kind != "inproc", kind == "async", cfg())
+    try:
+        for bad in (-1, float("nan"), "1", True):
+            with pytest.raises(InvalidRequestError, match=r"call_utility(_async)?\(\): timeout="):
+                if kind == "async":
+                    asyncio.run(c.call_utility_async("echo", 1, timeout=bad))
+                else:
+                    c.call_utility("echo", 1, timeout=bad)
+        if kind == "inproc":
+            assert c.call_utility("echo", 1, timeout=0) == 1
+        else:
+            assert c._futures == {}
+    finally:
+        c.shutdown()
