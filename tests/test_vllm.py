@@ -256,6 +256,35 @@ def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_l
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
 
 
+def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stock_llm, monkeypatch, caplog):
+    """``LLM.generate`` whose request's ADD gives up on a full request ring (the engine
+    stopped; SEND_TIMEOUT_S shortened): vLLM had registered the request before the send,
+    so it stayed unfinished and every later ``generate`` waited on it for ever. Now the
+    request finishes with vLLM's request-scoped error in the next step's outputs, and
+    the engine serves on."""
+    from shmclient.errors import PeerNotConsumingError
+    from shmclient.vllm import frontend
+
+    engine = shm_llm.llm_engine
+    client = engine.engine_core
+    pid = client.resources.engine_manager.processes[0].pid
+    monkeypatch.setattr(frontend, "SEND_TIMEOUT_S", 0.3)
+    sigstop(pid)
+    try:
+        _fill_request_ring(client._link.channel)
+        with pytest.raises(PeerNotConsumingError):
+            shm_llm.generate([tokens([5, 6, 7, 8])], greedy(4), use_tqdm=False)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert engine.has_unfinished_requests()
+    assert len(client._pending) == 1  # (else the step below would wait for ever)
+    finished = [o for o in engine.step() if o.finished]
+    assert [o.outputs[0].finish_reason for o in finished] == ["error"]
+    assert not engine.has_unfinished_requests()
+    assert any("did not reach engine 0 (PeerNotConsumingError)" in r.message for r in caplog.records)
+    assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
+
+
 class _Interrupted(BaseException):
     """Stands in for a signal handler's exception (KeyboardInterrupt)."""
 
@@ -905,6 +934,41 @@ def test_async_sends_that_never_went_give_their_arena_blocks_back(async_pair, mo
     assert after.blocks_in_flight == before.blocks_in_flight  # and given back
     assert loop.run_until_complete(stream(shm, "after-discard", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-discard", [5, 6, 7, 8], 4))
+
+
+def test_async_request_whose_add_timed_out_finishes_with_an_error(async_pair, monkeypatch):
+    """``AsyncLLM.generate`` whose request's ADD gives up on a full request ring (the
+    engine stopped; SEND_TIMEOUT_S shortened) raises, and vLLM had registered the
+    request before the send: it stayed in the output processor for good (counted
+    unfinished). Now it finishes with vLLM's request-scoped error as the send gives up;
+    once the engine runs again it serves on."""
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from shmclient.errors import PeerNotConsumingError
+    from shmclient.vllm import frontend_async
+
+    loop, stock, shm = async_pair
+    client = shm.engine_core
+    pid = client.resources.engine_manager.processes[0].pid
+    monkeypatch.setattr(frontend_async, "SEND_TIMEOUT_S", 0.3)
+    before = shm.output_processor.get_num_unfinished_requests()
+
+    async def scenario():
+        with pytest.raises(EngineGenerateError) as raised:
+            await asyncio.wait_for(stream(shm, "undelivered", [5, 6, 7, 8], 4), 30)
+        assert isinstance(raised.value.__cause__, PeerNotConsumingError)
+        await asyncio.sleep(0)
+        return shm.output_processor.get_num_unfinished_requests()
+
+    sigstop(pid)
+    try:
+        _fill_request_ring(client._link.channel)
+        unfinished = loop.run_until_complete(scenario())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert unfinished == before
+    assert loop.run_until_complete(stream(shm, "after-undelivered", [5, 6, 7, 8], 4)) == loop.run_until_complete(
+        stream(stock, "ref-after-undelivered", [5, 6, 7, 8], 4))
 
 
 def test_async_reader_wakes_once_per_batch_and_early(model_dir, async_pair, monkeypatch):

@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
-from .conftest import importorskip_vllm  # noqa: E402
+from .conftest import importorskip_vllm, sigstop  # noqa: E402
 vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 import vllm.v1.engine.coordinator as coordinator_module  # noqa: E402
@@ -35,6 +35,7 @@ from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-engine tests
     ENGINE_KW,
     STREAM_PROMPTS,
+    _fill_request_ring,
     _shutdown_async,
     concurrent,
     greedy,
@@ -162,6 +163,41 @@ def test_dp_abort_goes_to_the_owning_engine_and_utilities_to_every_engine(dp_pai
     assert other == loop.run_until_complete(stream(stock, "dp-ref-after", [5, 6, 7, 8], 6))
     assert reset is True
     assert [a - b for a, b in zip(ua, ub)] == [1] * DP  # one utility call to each engine
+
+
+def test_dp_request_whose_add_timed_out_leaves_no_request_in_flight(dp_pair, monkeypatch):
+    """A request for engine 1 whose ADD gives up on that engine's full request ring (the
+    engine stopped; SEND_TIMEOUT_S shortened): vLLM's DP client had counted it in flight
+    on engine 1 and its output processor had registered it, for good. Now it finishes
+    with an error through vLLM's per-output hook: neither keeps it."""
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from shmclient.vllm import frontend_async
+
+    loop, stock, shm = dp_pair
+    client = shm.engine_core
+    pid = engine_pids(client)[1]
+    monkeypatch.setattr(frontend_async, "SEND_TIMEOUT_S", 0.3)
+    before = shm.output_processor.get_num_unfinished_requests()
+
+    async def scenario():
+        with pytest.raises(EngineGenerateError):
+            gen = shm.generate(tokens([5, 6, 7, 8]), greedy(4), request_id="dp-undelivered",
+                               data_parallel_rank=1)
+            await asyncio.wait_for(gen.__anext__(), 30)
+        await asyncio.sleep(0)
+        return (shm.output_processor.get_num_unfinished_requests(),
+                [r for r in client.reqs_in_flight if r.startswith("dp-undelivered")])
+
+    sigstop(pid)
+    try:
+        _fill_request_ring(client._links[(1).to_bytes(2, "little")].channel)
+        unfinished, in_flight = loop.run_until_complete(scenario())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert unfinished == before and in_flight == []
+    got = loop.run_until_complete(concurrent(shm, "dp-after-undelivered", STREAM_PROMPTS[:4], 6))
+    assert got == loop.run_until_complete(concurrent(stock, "dp-ref-undelivered", STREAM_PROMPTS[:4], 6))
 
 
 def test_dp_sigkill_of_one_engine_raises_engine_dead(model_dir, _resource_tracker):

@@ -89,6 +89,24 @@ def _bad_reply(bad: BadMessage, utility_results: dict, engine_index: int) -> boo
     return type(raw) is list
 
 
+def _undelivered(engine_index: int, request_id: str, why: BaseException) -> EngineCoreOutputs:
+    """The output that finishes a request that never reached its engine (its ADD was not
+    sent: the request ring stayed full for SEND_TIMEOUT_S, or a signal interrupted the
+    wait), with vLLM's request-scoped error, as vLLM's engine answers a request it could
+    not add. vLLM's frontend registered the request before the send (its output
+    processor, a DP client's in-flight count): without this it stayed unfinished for
+    good, and ``LLM``'s next ``generate`` waited on it for ever."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    from . import log
+
+    log.warning("shmclient.vllm: request %s did not reach engine %d (%s): it finishes with an error",
+                request_id, engine_index, type(why).__name__)
+    return EngineCoreOutputs(
+        engine_index=engine_index, finished_requests={request_id},
+        outputs=[EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR)])
+
+
 def _dispatch_failed(engine_index: int, rtype: int, obj: Any) -> None:
     """Log the error of a message whose handling raised (in an ``except`` block); the
     reader goes on with the next."""
@@ -347,7 +365,15 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
-        self._ring_send(request_type, request)
+        try:
+            self._ring_send(request_type, request)
+        except BaseException as e:
+            # An ADD that did not go (a timeout, a signal while it waited; not the
+            # engine's death): the request finishes with an error in the outputs.
+            if (request_type == EngineCoreRequestType.ADD and not_sent(e)
+                    and not isinstance(e, EngineDeadError)):
+                self._pending.append(_undelivered(self._link.engine_index, request.request_id, e))
+            raise
 
     def call_utility(self, method: str, *args) -> Any:
         import uuid

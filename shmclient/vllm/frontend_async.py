@@ -23,13 +23,13 @@ import asyncio
 import functools
 import weakref
 
-from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
-from ..errors import ClientClosedError, PeerDeadError, ProtocolError
+from ..errors import ClientClosedError, PeerDeadError, PeerNotConsumingError, ProtocolError
 from . import wire
-from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO, _message
+from .frontend import NOT_SENT, SEND_TIMEOUT_S, _LinkIO, _message, _undelivered
 from .link import _Link
 from .reader import _EngineReader, _Inbox, _own_reader, park_all, reader_task_ended
 
@@ -120,7 +120,8 @@ class _AsyncRings(_LinkIO):
             return super()._send_input(request_type, request, engine)
         self.ensure_alive()
         link = self._link_for(engine)
-        return self._send_frames(link, request_type.value[0], *self._encode(link, request))
+        add = request.request_id if request_type == EngineCoreRequestType.ADD else None
+        return self._send_frames(link, request_type.value[0], *self._encode(link, request), add)
 
     def _send_input_message(self, message, engine):
         # vLLM builds (type, *frames) itself for utility calls.
@@ -131,7 +132,8 @@ class _AsyncRings(_LinkIO):
         link = self._link_for(engine)
         return self._send_frames(link, bytes(request_type)[0], frames, self._placed_by(link))
 
-    def _send_frames(self, link: _Link, kind: int, frames, placed: list) -> asyncio.Future:
+    def _send_frames(self, link: _Link, kind: int, frames, placed: list,
+                     add: "str | None" = None) -> asyncio.Future:
         """Send one message to ``link``'s engine (``placed``: the handles its encode
         placed in the link's arena) without holding the loop: at once when its request
         ring has room and nothing waits before it; else it takes its turn behind the
@@ -139,10 +141,12 @@ class _AsyncRings(_LinkIO):
         and a task sends it, parked on the ring's space pipe, at most SEND_TIMEOUT_S
         from now, then PeerNotConsumingError. The returned future says how it went; a
         caller that stops waiting for it (cancelled) does not stop the send. Raises
-        EngineDeadError at once when the engine is gone."""
+        EngineDeadError at once when the engine is gone. ``add``: the message is that
+        request's ADD; one that times out finishes the request with an error in the
+        outputs (``frontend._undelivered``)."""
         rtype, payload = _message(link, kind, frames, placed)
         try:
-            pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload))
+            pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload, add))
         except (PeerDeadError, ClientClosedError):
             link.channel.discard(rtype, payload)
             raise self._dead() from None
@@ -150,13 +154,16 @@ class _AsyncRings(_LinkIO):
             raise self._request_ring_broken(e) from None
         return _done(asyncio.get_running_loop()) if pending is None else pending
 
-    def _send_failed(self, link: _Link, rtype: int, payload):
+    def _send_failed(self, link: _Link, rtype: int, payload, add: "str | None" = None):
         """What a queued send of ``payload`` raises for what ended it; a message that
-        never went gives its tensors' blocks back."""
+        never went gives its tensors' blocks back, and a request's ADD that timed out
+        finishes that request with an error (loop thread)."""
 
         def failed(e: BaseException) -> BaseException:
             if isinstance(e, (*NOT_SENT, ClientClosedError, asyncio.CancelledError)):
                 link.channel.discard(rtype, payload)  # its tensors' blocks come back now
+            if add is not None and isinstance(e, PeerNotConsumingError):
+                self._finish_undelivered(link, add, e)
             if isinstance(e, asyncio.CancelledError):  # (shutdown)
                 return EngineDeadError()
             if isinstance(e, (PeerDeadError, ClientClosedError)):
@@ -166,6 +173,16 @@ class _AsyncRings(_LinkIO):
             return e
 
         return failed
+
+    def _finish_undelivered(self, link: _Link, request_id: str, e: BaseException) -> None:
+        """Hand ``link``'s reader the output that finishes ``request_id`` with an error
+        (vLLM's per-output hook runs on it: a DP client's in-flight count drops)."""
+        self._ensure_output_queue_task()
+        reader = next((r for r in self._readers if r.link is link), None)
+        if reader is None or reader.stopped:
+            return  # (its engine is gone: its requests end with EngineDeadError)
+        reader._dispatch(_undelivered(link.engine_index, request_id, e))
+        self.outputs_queue.parking.wake()
 
     def shutdown(self, timeout: float | None = None) -> None:
         if self.resources.engine_dead:
