@@ -277,12 +277,14 @@ def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stoc
     finally:
         os.kill(pid, signal.SIGCONT)
     assert engine.has_unfinished_requests()
-    assert len(client._pending) == 1  # (else the step below would wait for ever)
-    finished = [o for o in engine.step() if o.finished]
-    assert [o.outputs[0].finish_reason for o in finished] == ["error"]
-    assert not engine.has_unfinished_requests()
+    assert len(client._pending) == 1  # (else the generate below would wait for ever)
     assert any("did not reach engine 0 (PeerNotConsumingError)" in r.message for r in caplog.records)
-    assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
+    # The next generate() returns the errored request among its own (as the README says).
+    outs = shm_llm.generate([tokens([5, 6, 7, 8])], greedy(6), use_tqdm=False)
+    assert sorted(o.outputs[0].finish_reason for o in outs) == ["error", "length"]
+    assert [list(o.outputs[0].token_ids) for o in outs if o.outputs[0].finish_reason == "length"] == run(
+        stock_llm, [[5, 6, 7, 8]], 6)
+    assert not engine.has_unfinished_requests()
 
 
 class _Interrupted(BaseException):
