@@ -131,9 +131,11 @@ class Ring:
         _check_spin(spin_us)
         res = Resources(owner=False)
         try:
-            res.seg = Segment.attach(spec.segment, populate=True)
-            if res.seg.size < HEADER_BYTES + spec.capacity:
-                raise ValueError(f"{spec.segment!r} is not a version-{VERSION} ring of {spec.capacity} bytes")
+            if not isinstance(spec.capacity, int) or not MIN_CAPACITY <= spec.capacity <= MAX_CAPACITY:
+                raise ValueError(f"a ring's capacity must be {MIN_CAPACITY}..{MAX_CAPACITY} bytes, "
+                                 f"got {spec.capacity!r}")
+            # (its size checked before it is mapped, every page at once)
+            res.seg = Segment.attach(spec.segment, populate=True, size=HEADER_BYTES + spec.capacity)
             try:
                 counters, _ = _ring.stats(res.seg.buf)
             except ValueError:

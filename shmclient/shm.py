@@ -341,17 +341,27 @@ class Segment:
             raise
 
     @classmethod
-    def attach(cls, name: str, *, populate: bool = False) -> "Segment":
+    def attach(cls, name: str, *, populate: bool = False, size: int | None = None) -> "Segment":
         """Map the segment behind a handle (peer side). ``FileNotFoundError`` if it is gone,
         ValueError if ``name`` is not a handle or names anything but a memfd sealed
-        against shrinking and growing (as ``create`` makes). ``populate`` as for
-        ``create``. Does not block."""
+        against shrinking and growing (as ``create`` makes), one of another ``size``
+        than the one given, or, with ``populate``, one whose memory is not all allocated
+        (``create`` allocates it whole: mapping every page of a sparse file would take
+        its memory here, from this process's limit). Both are checked before anything is
+        mapped. ``populate`` as for ``create``. Does not block."""
         fd = open_handle(name)
         try:
             _check_sealed_memfd(fd, name, parse_handle(name)[3])
-            size = os.fstat(fd).st_size
-            if size < 1:
+            st = os.fstat(fd)
+            found = st.st_size
+            if found < 1:
                 raise FileNotFoundError(f"shared memory {name!r} is empty")
+            if size is not None and found != size:
+                raise ValueError(f"{name!r} is {found} bytes, not the {size} expected")
+            if populate and st.st_blocks * 512 < found:
+                raise ValueError(f"{name!r} has only {st.st_blocks * 512} of its {found} bytes allocated: "
+                                 "not a segment its creator reserved")
+            size = found
             mm = _map(fd, size, _flags(populate))
         finally:
             os.close(fd)

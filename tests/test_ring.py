@@ -784,9 +784,17 @@ def test_attach_checks_the_segment_is_a_ring():
     p = RingProducer.create(1024)
     try:
         spec = p.spec
-        with pytest.raises(ValueError, match="not a version"):
+        # (a segment of another size than the ring's is refused before it is mapped)
+        with pytest.raises(ValueError, match=r"bytes, not the \d+ expected"):
             RingConsumer.attach(RingSpec(spec.segment, 2048))
         seg = Segment.create(8192)
+        try:
+            with pytest.raises(ValueError, match=r"bytes, not the \d+ expected"):
+                RingConsumer.attach(RingSpec(seg.name, 1024))
+        finally:
+            seg.close()
+            seg.unlink()
+        seg = Segment.create(ring_mod.HEADER_BYTES + 1024)  # the right size, not a ring
         try:
             with pytest.raises(ValueError, match="not a version"):
                 RingConsumer.attach(RingSpec(seg.name, 1024))

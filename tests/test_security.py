@@ -556,6 +556,42 @@ def test_a_segment_handle_must_name_a_sealed_memfd():
         f.close()
 
 
+@pytest.mark.parametrize("case", ["larger", "smaller", "sparse", "bad-capacity"])
+def test_a_ring_handle_of_the_wrong_size_or_not_allocated_is_refused_before_mapping(case, monkeypatch):
+    """A ring's segment is mapped with every page at once (MAP_POPULATE). Its size was
+    checked only after that (and only as a lower bound): a peer's handle to a sealed
+    memfd sized far beyond the ring, and never allocated, made this process allocate
+    all of it (in a container: killed by its memory limit). Now the size must be the
+    ring's exactly and the memory allocated, both before anything is mapped."""
+    import fcntl
+    import os
+
+    from shmclient import shm
+    from shmclient.ring import HEADER_BYTES, RingSpec
+    from shmclient.ring_consumer import RingConsumer
+
+    capacity = 1 << 16
+    size = {"larger": HEADER_BYTES + (capacity << 4), "smaller": HEADER_BYTES + capacity // 2}.get(
+        case, HEADER_BYTES + capacity)
+    fd = os.memfd_create("shmc-hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    mapped = []
+    real_map = shm._map
+    monkeypatch.setattr(shm, "_map", lambda *a, **k: mapped.append(a) or real_map(*a, **k))
+    try:
+        os.ftruncate(fd, size)
+        if case != "sparse":
+            os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, shm.SEALS)
+        handle = f"memfd:{os.getpid()}:{fd}:{os.fstat(fd).st_ino}"
+        spec = RingSpec(handle, 1 << 41 if case == "bad-capacity" else capacity)
+        with pytest.raises(ValueError, match={"sparse": "allocated", "bad-capacity": "capacity must be"}.get(
+                case, "bytes, not the")):
+            RingConsumer.attach(spec)
+        assert mapped == []
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------- ipc sockets
 
 
