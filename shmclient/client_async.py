@@ -286,19 +286,17 @@ class AsyncMPClient(AsyncUtilities, MPClient):
         if deadline is None:
             return await fut
         try:
-            # (shielded: the timeout's cancellation must not cancel ``fut`` itself
-            # before it is unregistered; a reply that lands meanwhile still counts)
-            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            self._futures.pop(call_id, None)  # (a late reply is dropped)
-            if fut.done():
-                return fut.result()
-            fut.cancel()
-            raise self._no_reply(method, timeout) from None
+            # (``asyncio.wait`` never cancels ``fut``: it is unregistered first)
+            await asyncio.wait((fut,), timeout=max(0.0, deadline - loop.time()))
         except asyncio.CancelledError:
             self._futures.pop(call_id, None)
             fut.cancel()  # (nobody reads it now: an error set later would be logged)
             raise
+        if fut.done():
+            return fut.result()
+        self._futures.pop(call_id, None)  # (a late reply is dropped)
+        fut.cancel()
+        raise self._no_reply(method, timeout)
 
     async def _utility(self, method: str, *args: Any) -> Any:
         return await self.call_utility_async(method, *args)

@@ -477,4 +477,3 @@ class SyncMPClient(MPClient, SyncEngineCoreClient):
             self._futures.pop(call_id, None)
             raise
         return fut.result()
-
