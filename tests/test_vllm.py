@@ -256,7 +256,7 @@ def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_l
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
 
 
-def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stock_llm, monkeypatch, caplog):
+def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stock_llm, monkeypatch):
     """``LLM.generate`` whose request's ADD gives up on a full request ring (the engine
     stopped; SEND_TIMEOUT_S shortened): vLLM had registered the request before the send,
     so it stayed unfinished and every later ``generate`` waited on it for ever. Now the
@@ -272,19 +272,52 @@ def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stoc
     sigstop(pid)
     try:
         _fill_request_ring(client._link.channel)
-        with pytest.raises(PeerNotConsumingError):
+        with _PluginErrors(logging.WARNING) as logged, pytest.raises(PeerNotConsumingError):
             shm_llm.generate([tokens([5, 6, 7, 8])], greedy(4), use_tqdm=False)
     finally:
         os.kill(pid, signal.SIGCONT)
     assert engine.has_unfinished_requests()
     assert len(client._pending) == 1  # (else the generate below would wait for ever)
-    assert any("did not reach engine 0 (PeerNotConsumingError)" in r.message for r in caplog.records)
     # The next generate() returns the errored request among its own (as the README says).
     outs = shm_llm.generate([tokens([5, 6, 7, 8])], greedy(6), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
     assert sorted(o.outputs[0].finish_reason for o in outs) == ["error", "length"]
     assert [list(o.outputs[0].token_ids) for o in outs if o.outputs[0].finish_reason == "length"] == run(
         stock_llm, [[5, 6, 7, 8]], 6)
-    assert not engine.has_unfinished_requests()
+    assert any("did not reach engine 0 (PeerNotConsumingError)" in m for m in logged.messages), logged.messages
+
+
+def test_only_a_request_that_cannot_be_live_in_the_engine_is_finished_when_its_add_fails():
+    """Which ADDs that do not go finish their request with an error: a generation
+    request's; not a pooling request's (vLLM's output processor fails on an output
+    without a pooling result for it), nor those of a streaming-input session (vLLM's
+    resumable chunks and the final request under the same id: the session may be live
+    in the engine); an abort ends a session's record. Other messages: never."""
+    from types import SimpleNamespace
+
+    from shmclient.vllm.frontend import _LinkIO
+
+    io = SimpleNamespace(_sessions=set())
+
+    def finishable(kind, request):
+        return _LinkIO._finishable(io, kind, request)
+
+    def add(rid, resumable=False, pooling=None):
+        return SimpleNamespace(request_id=rid, resumable=resumable, pooling_params=pooling)
+
+    ADD, ABORT = EngineCoreRequestType.ADD, EngineCoreRequestType.ABORT
+    assert finishable(ADD, add("plain")) == "plain"
+    assert finishable(ADD, add("pooled", pooling=PoolingParams(task="embed"))) is None
+    assert finishable(ADD, add("s", resumable=True)) is None
+    assert finishable(ADD, add("s", resumable=True)) is None
+    assert io._sessions == {"s"}
+    assert finishable(ADD, add("s")) is None  # the session's final request
+    assert io._sessions == set()
+    assert finishable(ADD, add("s")) == "s"  # a new request under that id
+    assert finishable(ADD, add("t", resumable=True)) is None
+    assert finishable(ABORT, ["t", "other"]) is None
+    assert io._sessions == set() and finishable(ADD, add("t")) == "t"
+    assert finishable(EngineCoreRequestType.UTILITY, (0, 1, "echo", ())) is None
 
 
 class _Interrupted(BaseException):
@@ -643,10 +676,11 @@ def test_wrong_shaped_requests_are_refused_and_the_engine_keeps_serving(shm_llm,
 
 
 class _PluginErrors(logging.Handler):
-    """The plug-in's log records of level ERROR, while in a ``with``."""
+    """The plug-in's log records of level ERROR (or ``level``), while in a ``with`` (vLLM's
+    logger does not propagate to pytest's handler)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+    def __init__(self, level: int = logging.ERROR) -> None:
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:

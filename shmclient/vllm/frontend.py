@@ -91,11 +91,12 @@ def _bad_reply(bad: BadMessage, utility_results: dict, engine_index: int) -> boo
 
 def _undelivered(engine_index: int, request_id: str, why: BaseException) -> EngineCoreOutputs:
     """The output that finishes a request that never reached its engine (its ADD was not
-    sent: the request ring stayed full for SEND_TIMEOUT_S, or a signal interrupted the
-    wait), with vLLM's request-scoped error, as vLLM's engine answers a request it could
-    not add. vLLM's frontend registered the request before the send (its output
-    processor, a DP client's in-flight count): without this it stayed unfinished for
-    good, and ``LLM``'s next ``generate`` waited on it for ever."""
+    sent: the request ring stayed full for SEND_TIMEOUT_S; in the sync client also a
+    signal that interrupted the wait), with vLLM's request-scoped error, as vLLM's engine
+    answers a request it could not add. vLLM's frontend registered the request before the
+    send (its output processor, a DP client's in-flight count): without this it stayed
+    unfinished for good, and ``LLM``'s next ``generate`` waited on it for ever. Only for
+    what ``_LinkIO._finishable`` names."""
     from vllm.v1.engine import EngineCoreOutput, FinishReason
 
     from . import log
@@ -132,6 +133,8 @@ class _LinkIO:
         engines) with their specs in the environment; or, with ``frontend_specs`` (an
         API server of several), attach to the channels the launcher made."""
         links: list[_Link] = []
+        #: ids of the streaming-input sessions sent (``_finishable``)
+        self._sessions: set[str] = set()
         self._link_finalizer = weakref.finalize(self, _close_links, links)
         threads = set(threading.enumerate())
         try:
@@ -170,6 +173,30 @@ class _LinkIO:
             # (``_encode``); vLLM's encoder (utility calls, and everything to an engine on
             # another node) keeps tensors in line.
             self.encoder = links[0].framing.encoder
+
+    def _finishable(self, request_type: EngineCoreRequestType, request: Any) -> "str | None":
+        """The id of the request that ``request`` (about to be sent) adds and that an
+        ADD which does not go may finish with an error (``_undelivered``); None for
+        every other message. Left out: pooling requests (vLLM's output processor takes
+        an output without a pooling result for a generation one and fails), and the
+        ADDs of a streaming-input session (vLLM's ``resumable`` chunks, and the final
+        request that closes the session under the same id): the session may be live in
+        the engine, which an error finish would hide from a later abort. The sessions
+        are known by their chunks' ids until that final request or an abort."""
+        if request_type == EngineCoreRequestType.ABORT:
+            if self._sessions:
+                self._sessions.difference_update(request)
+            return None
+        if request_type != EngineCoreRequestType.ADD:
+            return None
+        request_id = request.request_id
+        if getattr(request, "resumable", False):
+            self._sessions.add(request_id)
+            return None
+        if request_id in self._sessions:
+            self._sessions.discard(request_id)  # (the session's final request)
+            return None
+        return None if request.pooling_params is not None else request_id
 
     def _link_for(self, engine) -> _Link:
         return self._link if engine is None else self._links[engine]
@@ -365,14 +392,14 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        finishable = self._finishable(request_type, request)
         try:
             self._ring_send(request_type, request)
         except BaseException as e:
             # An ADD that did not go (a timeout, a signal while it waited; not the
             # engine's death): the request finishes with an error in the outputs.
-            if (request_type == EngineCoreRequestType.ADD and not_sent(e)
-                    and not isinstance(e, EngineDeadError)):
-                self._pending.append(_undelivered(self._link.engine_index, request.request_id, e))
+            if finishable is not None and not_sent(e) and not isinstance(e, EngineDeadError):
+                self._pending.append(_undelivered(self._link.engine_index, finishable, e))
             raise
 
     def call_utility(self, method: str, *args) -> Any:

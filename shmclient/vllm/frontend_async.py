@@ -23,7 +23,7 @@ import asyncio
 import functools
 import weakref
 
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -120,7 +120,7 @@ class _AsyncRings(_LinkIO):
             return super()._send_input(request_type, request, engine)
         self.ensure_alive()
         link = self._link_for(engine)
-        add = request.request_id if request_type == EngineCoreRequestType.ADD else None
+        add = self._finishable(request_type, request)
         return self._send_frames(link, request_type.value[0], *self._encode(link, request), add)
 
     def _send_input_message(self, message, engine):
@@ -142,8 +142,8 @@ class _AsyncRings(_LinkIO):
         from now, then PeerNotConsumingError. The returned future says how it went; a
         caller that stops waiting for it (cancelled) does not stop the send. Raises
         EngineDeadError at once when the engine is gone. ``add``: the message is that
-        request's ADD; one that times out finishes the request with an error in the
-        outputs (``frontend._undelivered``)."""
+        request's ADD (``_finishable``); one that times out finishes the request with an
+        error in the outputs (``frontend._undelivered``)."""
         rtype, payload = _message(link, kind, frames, placed)
         try:
             pending = link.sends.start(rtype, payload, SEND_TIMEOUT_S, self._send_failed(link, rtype, payload, add))
