@@ -8,6 +8,7 @@ module (each start costs ~10-40 s); the kill tests start their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -226,6 +227,18 @@ def _fill_request_ring(channel) -> None:
                 break
 
 
+@contextlib.contextmanager
+def full_request_ring(pid: int, channel):
+    """For the block: the engine core ``pid`` stopped and its request ring (the frontend's
+    ``channel``) full (``_fill_request_ring``); the engine continued after it."""
+    sigstop(pid)
+    try:
+        _fill_request_ring(channel)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def _utility_call(method: str, *args) -> tuple:
     """A utility call's request as vLLM's clients build it (its reply awaited by nobody)."""
     return (0, 2, method, args)
@@ -243,14 +256,10 @@ def test_a_send_that_times_out_gives_its_arena_blocks_back_sync(shm_llm, stock_l
     pid = client.resources.engine_manager.processes[0].pid
     monkeypatch.setattr(frontend, "SEND_TIMEOUT_S", 0.3)
     before = arena_stats(client)
-    sigstop(pid)
-    try:
-        _fill_request_ring(client._link.channel)
+    with full_request_ring(pid, client._link.channel):
         with pytest.raises(PeerNotConsumingError):
             client._send_input(EngineCoreRequestType.UTILITY, _utility_call("no_such_method", embeds(100, 5)))
         after = arena_stats(client)
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert after.sent_arena == before.sent_arena + 1  # it was placed in the arena
     assert after.blocks_in_flight == before.blocks_in_flight  # and given back
     assert run(shm_llm, [[5, 6, 7, 8]], 6) == run(stock_llm, [[5, 6, 7, 8]], 6)
@@ -269,13 +278,9 @@ def test_a_request_whose_add_timed_out_finishes_with_an_error_sync(shm_llm, stoc
     client = engine.engine_core
     pid = client.resources.engine_manager.processes[0].pid
     monkeypatch.setattr(frontend, "SEND_TIMEOUT_S", 0.3)
-    sigstop(pid)
-    try:
-        _fill_request_ring(client._link.channel)
+    with full_request_ring(pid, client._link.channel):
         with _PluginErrors(logging.WARNING) as logged, pytest.raises(PeerNotConsumingError):
             shm_llm.generate([tokens([5, 6, 7, 8])], greedy(4), use_tqdm=False)
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert engine.has_unfinished_requests()
     assert len(client._pending) == 1  # (else the generate below would wait for ever)
     # The next generate() returns the errored request among its own (as the README says).
@@ -960,12 +965,8 @@ def test_async_sends_that_never_went_give_their_arena_blocks_back(async_pair, mo
         assert [type(r) for r in results] == [PeerNotConsumingError] * 2, results
         return arena_stats(client)
 
-    sigstop(pid)
-    try:
-        _fill_request_ring(client._link.channel)
+    with full_request_ring(pid, client._link.channel):
         after = loop.run_until_complete(scenario())
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert after.sent_arena == before.sent_arena + 2  # both were placed in the arena
     assert after.blocks_in_flight == before.blocks_in_flight  # and given back
     assert loop.run_until_complete(stream(shm, "after-discard", [5, 6, 7, 8], 4)) == loop.run_until_complete(
@@ -996,12 +997,8 @@ def test_async_request_whose_add_timed_out_finishes_with_an_error(async_pair, mo
         await asyncio.sleep(0)
         return shm.output_processor.get_num_unfinished_requests()
 
-    sigstop(pid)
-    try:
-        _fill_request_ring(client._link.channel)
+    with full_request_ring(pid, client._link.channel):
         unfinished = loop.run_until_complete(scenario())
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert unfinished == before
     assert loop.run_until_complete(stream(shm, "after-undelivered", [5, 6, 7, 8], 4)) == loop.run_until_complete(
         stream(stock, "ref-after-undelivered", [5, 6, 7, 8], 4))

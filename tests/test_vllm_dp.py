@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
-from .conftest import importorskip_vllm, sigstop  # noqa: E402
+from .conftest import importorskip_vllm  # noqa: E402
 vllm = importorskip_vllm()  # an error, not a skip, under SHMCLIENT_REQUIRE_VLLM=1
 
 import vllm.v1.engine.coordinator as coordinator_module  # noqa: E402
@@ -35,7 +35,7 @@ from .conftest import sweep_orphaned_vllm_segments  # noqa: E402
 from .test_vllm import (  # noqa: E402,F401 - fixtures and helpers of the one-engine tests
     ENGINE_KW,
     STREAM_PROMPTS,
-    _fill_request_ring,
+    full_request_ring,
     _shutdown_async,
     concurrent,
     greedy,
@@ -189,12 +189,8 @@ def test_dp_request_whose_add_timed_out_leaves_no_request_in_flight(dp_pair, mon
         return (shm.output_processor.get_num_unfinished_requests(),
                 [r for r in client.reqs_in_flight if r.startswith("dp-undelivered")])
 
-    sigstop(pid)
-    try:
-        _fill_request_ring(client._links[(1).to_bytes(2, "little")].channel)
+    with full_request_ring(pid, client._links[(1).to_bytes(2, "little")].channel):
         unfinished, in_flight = loop.run_until_complete(scenario())
-    finally:
-        os.kill(pid, signal.SIGCONT)
     assert unfinished == before and in_flight == []
     got = loop.run_until_complete(concurrent(shm, "dp-after-undelivered", STREAM_PROMPTS[:4], 6))
     assert got == loop.run_until_complete(concurrent(stock, "dp-ref-undelivered", STREAM_PROMPTS[:4], 6))
