@@ -323,6 +323,7 @@ def test_only_a_request_that_cannot_be_live_in_the_engine_is_finished_when_its_a
     assert finishable(ABORT, ["t", "other"]) is None
     assert io._sessions == set() and finishable(ADD, add("t")) == "t"
     assert finishable(EngineCoreRequestType.UTILITY, (0, 1, "echo", ())) is None
+    assert finishable(ADD, None) is None  # (not a request: its send fails as vLLM's does)
 
 
 class _Interrupted(BaseException):

@@ -187,16 +187,16 @@ class _LinkIO:
             if self._sessions:
                 self._sessions.difference_update(request)
             return None
-        if request_type != EngineCoreRequestType.ADD:
-            return None
-        request_id = request.request_id
+        request_id = getattr(request, "request_id", None)
+        if request_type != EngineCoreRequestType.ADD or type(request_id) is not str:
+            return None  # (not an ADD; or not a request: its encode fails as vLLM's does)
         if getattr(request, "resumable", False):
             self._sessions.add(request_id)
             return None
         if request_id in self._sessions:
             self._sessions.discard(request_id)  # (the session's final request)
             return None
-        return None if request.pooling_params is not None else request_id
+        return None if getattr(request, "pooling_params", None) is not None else request_id
 
     def _link_for(self, engine) -> _Link:
         return self._link if engine is None else self._links[engine]
@@ -392,6 +392,7 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        self.ensure_alive()  # (EngineDeadError first, whatever ``request`` is)
         finishable = self._finishable(request_type, request)
         try:
             self._ring_send(request_type, request)
