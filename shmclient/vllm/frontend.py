@@ -392,7 +392,6 @@ class ShmSyncMPClient(_LinkIO, SyncMPClient):
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
-        self.ensure_alive()  # (EngineDeadError first, whatever ``request`` is)
         finishable = self._finishable(request_type, request)
         try:
             self._ring_send(request_type, request)
