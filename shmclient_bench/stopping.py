@@ -131,23 +131,38 @@ def stop_group_left(pgid: int, grace_s: float = 2.0) -> bool:
     SIGKILL: its children were not stopped by its clean-up, and they are no longer this
     process's descendants): SIGTERM, then SIGKILL after ``grace_s``. The group's id is
     safe to signal where recorded pids are not (a pid is not reused while a group of
-    that id exists). Returns whether anything was left."""
+    that id exists). The leader must have been reaped already. Returns whether anything
+    was left."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
+        _reap_group(pgid)
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.02)  # (not our children: nothing to wait on)
+        time.sleep(0.02)  # (mostly not our children: nothing to wait on)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     return True
+
+
+def _reap_group(pgid: int) -> None:
+    """Reap the members of group ``pgid`` that exited and are this process's children
+    (orphans it took as a child subreaper): a zombie still belongs to its group, so until
+    it is reaped the group looks alive."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
+        except ChildProcessError:  # none of the group is ours
+            return
+        if pid == 0:
+            return
 
 
 def busy_process(*popen_args: Any, **popen_kw: Any) -> subprocess.Popen:
