@@ -276,7 +276,8 @@ class LeakCheck:
         self.memfd_before = _memfd_entries()
         _UNREAPED.clear()
 
-    def problems(self) -> list[str]:
+    def problems(self, exit_wait_s: float = 10.0) -> list[str]:
+        """``exit_wait_s``: how long a child the test started may take to exit."""
         gc.collect()
         problems = []
         new_kids = [p for p in self.me.children(recursive=True) if p.pid not in self.kids_before]
@@ -285,7 +286,7 @@ class LeakCheck:
         if new_kids:
             # Waited on without reaping them (pidfds): a child the code under test never
             # reaped must still be a zombie when it is looked at below.
-            exited, alive = _wait_exited(new_kids, timeout=10)
+            exited, alive = _wait_exited(new_kids, timeout=exit_wait_s)
             if alive:
                 problems.append(f"child processes left: {[(p.pid, _cmdline(p)) for p in alive]}")
                 for p in alive:

@@ -196,7 +196,7 @@ def test_an_orphaned_engine_is_still_seen():
         fe.wait(10)
         fe.stdin.close()
         fe.stdout.close()
-        problems = check.problems()
+        problems = check.problems(exit_wait_s=0.5)  # (stopped: it cannot exit meanwhile)
         assert len(problems) == 1 and problems[0].startswith("child processes left"), problems
         assert f"({engine.pid}, " in problems[0]
         assert not engine.is_running()  # killed and reaped by the check
