@@ -8,6 +8,7 @@ after processes that are gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -129,27 +130,35 @@ def stop_group(proc: subprocess.Popen, pids: set[int], grace_s: float = 5.0) -> 
 def stop_group_left(pgid: int, grace_s: float = 2.0) -> bool:
     """Stop what is left of a process group whose leader has exited (e.g. killed with
     SIGKILL: its children were not stopped by its clean-up, and they are no longer this
-    process's descendants): SIGTERM, then SIGKILL after ``grace_s``. The group's id is
-    safe to signal where recorded pids are not (a pid is not reused while a group of
-    that id exists). The leader must have been reaped already. Returns whether anything
-    was left."""
+    process's descendants, unless it is a child subreaper: then they are its children,
+    and reaped here): SIGTERM, then SIGKILL after ``grace_s``. The group's id is safe to
+    signal where recorded pids are not (a pid is not reused while a group of that id
+    exists). The leader must have been reaped already. Returns whether anything was
+    left."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    if not _group_gone(pgid, grace_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        _group_gone(pgid, 1.0)  # (SIGKILL: at once, but for a process in D state)
+    return True
+
+
+def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for group ``pgid`` to have no process left, reaping those
+    of its members that are this process's children; whether it has none."""
+    deadline = time.monotonic() + timeout_s
+    while True:
         _reap_group(pgid)
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.02)  # (mostly not our children: nothing to wait on)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return True
 
 
 def _reap_group(pgid: int) -> None:

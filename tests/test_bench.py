@@ -888,14 +888,20 @@ def test_a_busy_process_ends_with_the_process_that_started_it():
         raise AssertionError("the busy process outlived its parent") from None
 
 
-def test_what_is_left_of_a_group_whose_leader_died_is_stopped():
+@pytest.mark.parametrize("left_does", ["sleep", "ignore SIGTERM"])
+def test_what_is_left_of_a_group_whose_leader_died_is_stopped(left_does):
     """A section child that died (SIGKILL, the OOM killer) left the processes of its
-    group running: they were stopped only while the child itself still ran."""
+    group running: they were stopped only while the child itself still ran. One that
+    ignores SIGTERM is killed once the grace is over."""
     from shmclient_bench import stopping
 
+    body = ("import time; time.sleep(120)" if left_does == "sleep" else
+            "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print(flush=True); time.sleep(120)")
     code = ("import subprocess, sys\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-            "print(p.pid, flush=True)\n")
+            f"p = subprocess.Popen([sys.executable, '-c', {body!r}], stdout=subprocess.PIPE)\n"
+            "p.stdout.readline() if %r else None\n"
+            "print(p.pid, flush=True)\n") % (left_does != "sleep",)
     leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     left = psutil.Process(int(leader.stdout.readline()))
@@ -904,8 +910,8 @@ def test_what_is_left_of_a_group_whose_leader_died_is_stopped():
     try:
         assert left.is_running() and os.getpgid(left.pid) == leader.pid
         # This process is a child subreaper (conftest): the orphan is its child, and its
-        # zombie kept the group alive until the grace ended; it is reaped once it exits.
-        assert stopping.stop_group_left(leader.pid, grace_s=10)
+        # zombie, unreaped, would keep the group alive until the grace ended.
+        assert stopping.stop_group_left(leader.pid, grace_s=10 if left_does == "sleep" else 0.2)
         assert not psutil.pid_exists(left.pid), "the group's orphan was not reaped"
         assert not stopping.stop_group_left(leader.pid)
     finally:
