@@ -280,17 +280,21 @@ class LeakCheck:
         """Nothing the checks below look at has changed since the picture: no child, no
         thread, no segment, no entry. Cheap (a full garbage collection, with torch
         loaded, is not): most tests start nothing and are done here."""
-        if _UNREAPED or any(p.pid not in self.kids_before for p in self.me.children(recursive=True)):
-            return False
+        # Threads first: one still running may start a child or drop a Popen meanwhile.
         if any(t not in self.threads_before for t in threading.enumerate()):
+            return False
+        if any(p.pid not in self.kids_before for p in self.me.children(recursive=True)):
             return False
         if _memfd_entries() != self.memfd_before or _tmp_entries() - self.tmp_before:
             return False
         pids = {os.getpid(), *self.kids_before, *_STARTED}
-        return not any(_ours(n, pids) for n in _shm_entries() - self.shm_before)
+        if any(_ours(n, pids) for n in _shm_entries() - self.shm_before):
+            return False
+        return not _UNREAPED
 
-    def problems(self, exit_wait_s: float = 10.0) -> list[str]:
-        """``exit_wait_s``: how long a child the test started may take to exit."""
+    def problems(self, exit_wait_s: float = 10.0, thread_wait_s: float = 5.0) -> list[str]:
+        """``exit_wait_s``: how long a child the test started may take to exit;
+        ``thread_wait_s``: a thread, to end."""
         if self._nothing_new():
             return []
         gc.collect()
@@ -312,8 +316,9 @@ class LeakCheck:
                 psutil.wait_procs(alive, timeout=5)
 
         new_threads = [t for t in threading.enumerate() if t not in self.threads_before]
+        deadline = time.monotonic() + thread_wait_s
         for t in new_threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         stuck = [t.name for t in new_threads if t.is_alive()]
         if stuck:
             problems.append(f"threads left: {stuck}")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -166,6 +167,31 @@ def test_a_child_left_unreaped_is_a_leak():
     check = LeakCheck()
     subprocess.run([sys.executable, "-c", "pass"], check=True, timeout=30)
     assert check.problems() == []
+
+
+def test_a_zombie_alone_or_a_thread_alone_is_seen_past_the_quick_look():
+    """The check first looks, without a garbage collection, whether anything is new: a
+    zombie its Popen still holds, or a thread still running, each on its own, is."""
+    check = LeakCheck()
+    held = subprocess.Popen([sys.executable, "-c", "pass"])
+    _wait_exit_unreaped(held.pid)
+    try:
+        assert not check._nothing_new()
+        problems = check.problems()
+        assert len(problems) == 1 and problems[0].startswith("child not reaped"), problems
+    finally:
+        held.wait(10)  # (reaped by the check already)
+    check = LeakCheck()
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, args=(60,), name="left-running")
+    t.start()
+    try:
+        assert not check._nothing_new()
+        assert check.problems(thread_wait_s=0.1) == ["threads left: ['left-running']"]
+    finally:
+        stop.set()
+        t.join(10)
+    assert check._nothing_new() and check.problems() == []
 
 
 ORPHANING_FRONTEND = textwrap.dedent(
