@@ -1,9 +1,10 @@
 """A client leaves no file descriptor behind (the leak fixture checks processes, threads,
 segments and files, not pipes, sockets, pidfds or eventfds): every client kind, started,
 used and shut down a second time in one process, ends with the descriptors it began
-with. (The arenas' segments, opened when a tensor crosses, are memfds: the fixture's.) The
-first round opens what the process keeps for good (zmq's context, torch's and the
-event loop's own), so the picture is taken after it."""
+with, without a garbage collection: shutdown() closes them. (The arenas' segments,
+opened when a tensor crosses, are memfds: the fixture's.) The first round opens what the
+process keeps for good (the spin gate's /proc/loadavg), so the picture is taken after
+it."""
 
 from __future__ import annotations
 
@@ -58,10 +59,9 @@ async def _round(kind: str, n: int) -> None:
 @pytest.mark.parametrize("kind", (*KINDS, *DP_KINDS))
 async def test_a_client_started_used_and_shut_down_leaves_no_descriptor(kind):
     await _round(kind, 0)  # what the process keeps for good
-    gc.collect()
+    gc.collect()  # (the first round's garbage: the picture holds still)
     before = _descriptors()
     await _round(kind, 1)
-    gc.collect()
     after = _descriptors()
     left = {fd: what for fd, what in after.items() if before.get(fd) != what}
     assert not left, f"{kind}: descriptors a client left open: {sorted(left.items())}"

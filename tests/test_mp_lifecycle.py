@@ -7,6 +7,7 @@ fixture checks that no process, thread or /dev/shm entry survives any of them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -115,7 +116,8 @@ def test_the_private_socket_folder_goes_once_the_engine_connected_not_after_its_
         # once, naming its exit) rather than wait for that.
         for p in psutil.Process().children():
             if p.pid not in kids_before:
-                p.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
         t.join(30)
     assert not t.is_alive()
     assert isinstance(errors[0], EngineDeadError) and "SIGKILL" in str(errors[0]), errors
