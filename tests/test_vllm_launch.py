@@ -15,7 +15,7 @@ from shmclient.shm import Segment, make_pipe, parse_handle
 from shmclient.vllm import wire
 from shmclient.vllm.engine_link import entry_dropping_inherited
 from shmclient.vllm.launch import _Rings
-from shmclient.vllm.link import _start_with_links, notify_attached
+from shmclient.vllm.link import VLLM_MONITOR, _start_with_links, new_monitors, notify_attached, own_monitor
 
 from .forked import in_child
 
@@ -227,6 +227,59 @@ def test_a_second_client_makes_its_links_only_once_the_first_has_started_its_eng
     assert {k: wire._decode(v, dict, "") for k, v in seen.items()} == {
         "first": [{"link": "first"}], "second": [{"link": "second"}]}
     assert wire.ENV_SPEC not in os.environ
+
+
+def test_each_client_takes_its_own_engine_monitor_when_two_are_made_at_once():
+    """vLLM's engine monitor thread of a client is the one the plug-in waits on before it
+    shuts the client down (its engine died). Two clients made at once in one process
+    each see both monitors start during their construction: each takes the one that
+    watches its own engine manager (the first by name was the other's, for one of them),
+    and the only one where none can be told."""
+    from types import SimpleNamespace
+
+    stop = threading.Event()
+    managers = {"a": SimpleNamespace(), "b": SimpleNamespace()}
+    started: dict[str, threading.Thread] = {}
+    b_constructing, a_started, b_started = threading.Event(), threading.Event(), threading.Event()
+
+    def start_monitor(name: str) -> None:
+        manager = managers[name]
+
+        def monitor_engine_cores() -> None:  # (vLLM's holds its engine manager)
+            assert manager is not None and stop.wait(30)
+
+        started[name] = threading.Thread(target=monitor_engine_cores, name=VLLM_MONITOR, daemon=True)
+        started[name].start()
+
+    def construct_a() -> None:
+        assert b_constructing.wait(30)
+        start_monitor("a")
+        a_started.set()
+        assert b_started.wait(30)
+
+    def construct_b() -> None:
+        b_constructing.set()
+        assert a_started.wait(30)
+        start_monitor("b")
+        b_started.set()
+
+    seen_by_b: list = []
+    b = threading.Thread(target=lambda: seen_by_b.extend(new_monitors(construct_b)))
+    b.start()
+    try:
+        seen_by_a = new_monitors(construct_a)
+        b.join(30)
+        assert set(seen_by_a) == set(seen_by_b) == set(started.values())
+        assert seen_by_b[0] is started["a"]  # (what the first by name gave b)
+        assert own_monitor(seen_by_a, managers["a"]) is started["a"]
+        assert own_monitor(seen_by_b, managers["b"]) is started["b"]
+        assert own_monitor(seen_by_b, object()) is None  # two, neither known
+        assert own_monitor([started["b"]], None) is started["b"]  # the only one
+        assert own_monitor([], managers["a"]) is None  # vLLM started none
+    finally:
+        stop.set()
+        for t in (b, *started.values()):
+            t.join(30)
 
 
 def test_the_noted_pipes_are_pruned_of_closed_ones_as_they_grow(monkeypatch):

@@ -29,7 +29,7 @@ from .. import waiting
 from ..channel import BadMessage
 from ..errors import NOT_SENT, ClientClosedError, PeerDeadError, ProtocolError, not_sent
 from . import wire
-from .link import _close_links, _engine_pids, _Link, _start_with_links
+from .link import _close_links, _engine_pids, _Link, _start_with_links, new_monitors, own_monitor
 
 __all__ = ["ShmSyncMPClient"]
 
@@ -136,22 +136,26 @@ class _LinkIO:
         #: ids of the streaming-input sessions sent (``_finishable``)
         self._sessions: set[str] = set()
         self._link_finalizer = weakref.finalize(self, _close_links, links)
-        threads = set(threading.enumerate())
+        monitors: list[threading.Thread] = []
+
+        def construct_watching() -> None:
+            monitors.extend(new_monitors(construct))
+
         try:
             if frontend_specs is not None:
                 for spec in frontend_specs:
                     links.append(_Link(wake_fd, frontend_spec=spec))
-                construct()
+                construct_watching()
             else:
                 def make() -> None:
                     for index in engine_indexes:
                         links.append(_Link(wake_fd, index))
 
-                _start_with_links(links, make, construct)
-            #: vLLM's engine monitor thread (None where vLLM started none: engines it
-            #: did not launch), see ``_mark_engine_dead``
-            self._vllm_monitor = next((t for t in threading.enumerate()
-                                       if t not in threads and t.name == _VLLM_MONITOR), None)
+                _start_with_links(links, make, construct_watching)
+            #: vLLM's engine monitor thread of this client (None where vLLM started
+            #: none: engines it did not launch), see ``_mark_engine_dead``
+            resources = getattr(self, "resources", None)
+            self._vllm_monitor = own_monitor(monitors, getattr(resources, "engine_manager", None))
             pids = _engine_pids(self)
             for link in links:
                 link.attached(pids.get(link.engine_index))
@@ -279,9 +283,6 @@ def _message(link: _Link, kind: int, frames, placed: list) -> tuple[int, Any]:
 
 
 #: The name of vLLM's engine monitor thread (``MPClient.start_engine_core_monitor``).
-_VLLM_MONITOR = "MPClientEngineMonitor"
-
-
 def _shutdown_after(monitor: threading.Thread, client_ref) -> None:
     """Shut the client down as vLLM's engine monitor would have, once it has returned
     (it found the engine-dead flag set by the plug-in, and left the client as it was)."""

@@ -277,6 +277,35 @@ def _start_with_links(links: "list[_Link]", make, construct) -> None:
             os.environ.pop(wire.ENV_SPEC, None)
 
 
+#: The name of vLLM's engine monitor thread (``MPClient.start_engine_core_monitor``).
+VLLM_MONITOR = "MPClientEngineMonitor"
+
+
+def new_monitors(construct) -> "list[threading.Thread]":
+    """Run ``construct`` (vLLM's client construction); the threads named as vLLM's engine
+    monitor that were started meanwhile (another client's construction, in another
+    thread, may have started one too: ``own_monitor``)."""
+    before = set(threading.enumerate())
+    construct()
+    return [t for t in threading.enumerate() if t not in before and t.name == VLLM_MONITOR]
+
+
+def own_monitor(monitors: "list[threading.Thread]", engine_manager: Any) -> "threading.Thread | None":
+    """Of ``monitors``, the one that watches ``engine_manager``'s engines (vLLM's monitor
+    function holds its client's engine manager; read while the thread runs), else the
+    only one; None where neither is known (vLLM started none, or it cannot be told)."""
+    for t in monitors:
+        cells = getattr(getattr(t, "_target", None), "__closure__", None) or ()
+        for cell in cells:
+            try:
+                held = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            if engine_manager is not None and held is engine_manager:
+                return t
+    return monitors[0] if len(monitors) == 1 else None
+
+
 def _engine_pids(client) -> dict[int, int]:
     """Engine index -> pid of the engine core processes vLLM started here (named
     ``EngineCore`` alone, ``EngineCore_DP<index>`` with data parallelism)."""
