@@ -407,7 +407,11 @@ class ShmChannel:
             self._raise_deferred()
         self.flush_releases()
         try:
-            self.rx.recv_into(self._on_record, limit)
+            # The limit counts records, tensor releases among them, which are no message:
+            # read on while only those came (a reader that takes "nothing" for "empty"
+            # would leave the messages behind them).
+            while self.rx.recv_into(self._on_record, limit) and limit and not self._got:
+                pass
         except WouldBlock:  # another thread of ours is reading this ring right now
             raise EndBusy("another thread is reading this channel") from None
         except Exception as e:
