@@ -284,7 +284,11 @@ class AsyncMPClient(AsyncUtilities, MPClient):
                 fut.cancel()
             raise
         if deadline is None:
-            return await fut
+            try:
+                return await fut
+            except asyncio.CancelledError:  # (the caller's; a reply now would be dropped)
+                self._futures.pop(call_id, None)
+                raise
         try:
             # (``asyncio.wait`` never cancels ``fut``: it is unregistered first)
             await asyncio.wait((fut,), timeout=max(0.0, deadline - loop.time()))

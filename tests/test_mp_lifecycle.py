@@ -1113,8 +1113,9 @@ def test_a_utility_call_behind_a_full_request_ring_gives_up_unsent():
 
 async def test_an_async_utility_call_to_a_stalled_engine_gives_up_at_its_timeout():
     """``call_utility_async(..., timeout=)``: PeerNotProducingError at the timeout, the
-    loop free meanwhile, nothing left registered; a call cancelled while it waits with a
-    timeout leaves nothing registered either; the late replies are dropped."""
+    loop free meanwhile, nothing left registered; a call cancelled while it waits, with a
+    timeout or without, leaves nothing registered either (without, its entry stayed
+    until a reply that a hung engine never sends); the late replies are dropped."""
     c = await AsyncMPClient.create(cfg())
     try:
         assert await c.echo_async("bound") == "bound"
@@ -1134,12 +1135,13 @@ async def test_an_async_utility_call_to_a_stalled_engine_gives_up_at_its_timeout
             assert 0.3 <= time.monotonic() - t0 < 5
             ticker.cancel()
             assert ticks >= 3  # (the loop ran meanwhile)
-            call = asyncio.ensure_future(c.call_utility_async("echo", "cancelled", timeout=30))
-            await asyncio.sleep(0.05)
-            call.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await call
-            assert c._futures == {}
+            for timeout in (30, None):  # (None: as long as the engine lives)
+                call = asyncio.ensure_future(c.call_utility_async("echo", "cancelled", timeout=timeout))
+                await asyncio.sleep(0.05)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert c._futures == {}, f"timeout={timeout}: the cancelled call stays registered"
         assert await c.call_utility_async("echo", "next", timeout=30) == "next"
         assert c._futures == {}
     finally:
