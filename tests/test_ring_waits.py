@@ -319,6 +319,22 @@ def test_a_spin_never_outlasts_a_positive_timeout(monkeypatch):
 
 def test_a_timeout_past_any_float_is_no_limit_and_an_infinite_spin_is_refused():
     assert waiting.check_timeout(10**400) is None
+    # Seconds of another number type are a float's (a wait adds them to monotonic()):
+    # a Decimal was handed back as it came, and the wait raised TypeError.
+    from decimal import Decimal
+    from fractions import Fraction
+
+    for seconds in (Decimal("0.05"), Fraction(1, 20), 1):
+        got = waiting.check_timeout(seconds)
+        assert type(got) is float and got == float(seconds)
+    p = RingProducer.create(4096, spin_us=0)
+    c = RingConsumer.attach(p.spec, spin_us=0)
+    try:
+        with pytest.raises(PeerNotProducingError):
+            waiting.recv(c, timeout=Decimal("0.05"))
+    finally:
+        c.close()
+        p.close()
     with pytest.raises(ValueError, match="finite"):
         RingProducer.create(4096, spin_us=float("inf"))
 

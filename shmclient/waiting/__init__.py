@@ -65,7 +65,7 @@ def check_timeout(timeout: float | None) -> float | None:
         seconds = float(timeout)
     except OverflowError:  # an int past any float: no limit, as inf
         return None
-    return None if seconds == float("inf") else timeout
+    return None if seconds == float("inf") else seconds
 
 
 #: The longest pause between the tries of a wait whose end another thread's call holds.
