@@ -273,9 +273,15 @@ def test_each_client_takes_its_own_engine_monitor_when_two_are_made_at_once():
         assert seen_by_b[0] is started["a"]  # (what the first by name gave b)
         assert own_monitor(seen_by_a, managers["a"]) is started["a"]
         assert own_monitor(seen_by_b, managers["b"]) is started["b"]
-        assert own_monitor(seen_by_b, object()) is None  # two, neither known
-        assert own_monitor([started["b"]], None) is started["b"]  # the only one
+        assert own_monitor(seen_by_b, object()) is None  # two, neither this client's
+        assert own_monitor([started["b"]], managers["a"]) is None  # the only one, another's
+        assert own_monitor([started["b"]], None) is None  # vLLM starts none without a manager
         assert own_monitor([], managers["a"]) is None  # vLLM started none
+        silent = threading.Thread(target=stop.wait, args=(30,), name=VLLM_MONITOR)
+        silent.start()  # (what its function holds cannot be read)
+        started["silent"] = silent
+        assert own_monitor([silent], managers["a"]) is silent  # the only one
+        assert own_monitor([silent, started["b"]], managers["a"]) is None
     finally:
         stop.set()
         for t in (b, *started.values()):

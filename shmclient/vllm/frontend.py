@@ -282,7 +282,6 @@ def _message(link: _Link, kind: int, frames, placed: list) -> tuple[int, Any]:
         raise
 
 
-#: The name of vLLM's engine monitor thread (``MPClient.start_engine_core_monitor``).
 def _shutdown_after(monitor: threading.Thread, client_ref) -> None:
     """Shut the client down as vLLM's engine monitor would have, once it has returned
     (it found the engine-dead flag set by the plug-in, and left the client as it was)."""

@@ -293,17 +293,24 @@ def new_monitors(construct) -> "list[threading.Thread]":
 def own_monitor(monitors: "list[threading.Thread]", engine_manager: Any) -> "threading.Thread | None":
     """Of ``monitors``, the one that watches ``engine_manager``'s engines (vLLM's monitor
     function holds its client's engine manager; read while the thread runs), else the
-    only one; None where neither is known (vLLM started none, or it cannot be told)."""
+    only one if what it holds cannot be read; None where vLLM started none for this
+    client (no engine manager: engines it did not launch) or it cannot be told."""
+    if engine_manager is None:
+        return None
+    unreadable = []
     for t in monitors:
-        cells = getattr(getattr(t, "_target", None), "__closure__", None) or ()
+        cells = getattr(getattr(t, "_target", None), "__closure__", None)
+        if not cells:  # (the thread has ended, or a vLLM whose monitor holds nothing)
+            unreadable.append(t)
+            continue
         for cell in cells:
             try:
                 held = cell.cell_contents
             except ValueError:  # (an empty cell)
                 continue
-            if engine_manager is not None and held is engine_manager:
+            if held is engine_manager:
                 return t
-    return monitors[0] if len(monitors) == 1 else None
+    return unreadable[0] if len(monitors) == 1 and unreadable else None
 
 
 def _engine_pids(client) -> dict[int, int]:
