@@ -327,6 +327,9 @@ def test_a_timeout_past_any_float_is_no_limit_and_an_infinite_spin_is_refused():
     for seconds in (Decimal("0.05"), Fraction(1, 20), 1):
         got = waiting.check_timeout(seconds)
         assert type(got) is float and got == float(seconds)
+    for bad in (Decimal("NaN"), Decimal("-1"), float("nan")):
+        with pytest.raises(ValueError, match="timeout must be"):
+            waiting.check_timeout(bad)
     p = RingProducer.create(4096, spin_us=0)
     c = RingConsumer.attach(p.spec, spin_us=0)
     try:

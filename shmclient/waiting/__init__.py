@@ -57,7 +57,7 @@ def check_timeout(timeout: float | None) -> float | None:
         return None
     try:
         ok = timeout >= 0
-    except TypeError:
+    except (TypeError, ArithmeticError):  # (a Decimal NaN raises on comparison)
         ok = False
     if not ok or isinstance(timeout, bool):
         raise ValueError(f"timeout must be None or a number of seconds >= 0 (inf: no limit), got {timeout!r}")
