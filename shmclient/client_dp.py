@@ -490,7 +490,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
             return
         self._begin_shutdown()
         self._stop_engines(range(len(self.engines)), timeout)
-        self._stops.join(timeout + _STOP_GRACE_S)
+        self._stops.join(timeout, _STOP_GRACE_S)
 
     async def shutdown_async(self, timeout: float | None = None) -> None:
         """As ``shutdown``, without blocking the loop (the wait for the engines' stops
@@ -502,7 +502,7 @@ class DPAsyncMPClient(DPUtilities, EngineCoreClient):
         self._begin_shutdown()
         self._stop_engines(range(len(self.engines)), timeout)
         if not self._stops.over():
-            await asyncio.to_thread(self._stops.join, timeout + _STOP_GRACE_S)
+            await asyncio.to_thread(self._stops.join, timeout, _STOP_GRACE_S)
 
     def _stop_engines(self, positions: Any, timeout: float) -> None:
         """Start stopping the engines at ``positions`` (``EngineStops``: each in a

@@ -174,18 +174,21 @@ class EngineStops:
         for job in inline:
             job.run()
 
-    def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for every stop started; True once all are
-        over (a stop still running after that is logged)."""
-        deadline = time.monotonic() + timeout
+    def join(self, timeout: float, grace: float = 0.0) -> bool:
+        """Wait for every stop started: ``timeout + grace`` seconds, or, for a stop
+        started earlier with a longer timeout (a retry with a shorter one after Ctrl-C),
+        until that stop's own timeout and ``grace`` have passed. True once all are over
+        (a stop still running after that is logged)."""
+        deadline = time.monotonic() + timeout + grace
         with self._lock:
             stops = list(self._over.items())
         for _, job in stops:
-            job.over.wait(max(0.0, deadline - time.monotonic()))
+            until = max(deadline, job.begun + job.timeout + grace)
+            job.over.wait(max(0.0, until - time.monotonic()))
         left = [str(pos) for pos, job in stops if not job.over.is_set()]
         if left:
             logger.warning("the stop of data-parallel engine(s) at position %s is still "
-                           "running after %.1f s", ", ".join(left), timeout)
+                           "running after %.1f s", ", ".join(left), timeout + grace)
         return not left
 
     def over(self) -> bool:
@@ -198,11 +201,13 @@ class _Stop:
     """One engine client's stop: ``run`` (in whichever thread claims it first) calls its
     ``shutdown(timeout)`` and sets ``over``; a later ``run`` does nothing."""
 
-    __slots__ = ("client", "timeout", "over", "started", "claimed", "_claim")
+    __slots__ = ("client", "timeout", "begun", "over", "started", "claimed", "_claim")
 
     def __init__(self, client: Any, timeout: float) -> None:
         self.client = client
         self.timeout = timeout
+        #: When the stop was asked for (``monotonic``).
+        self.begun = time.monotonic()
         self.over = threading.Event()
         #: A thread to run it was started (``Thread.start`` returned).
         self.started = False

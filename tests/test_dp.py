@@ -691,6 +691,32 @@ def test_a_stop_interrupted_while_its_thread_starts_is_waited_for(monkeypatch, t
     assert over and engine.calls == 1
 
 
+def test_a_retry_with_a_shorter_timeout_waits_for_the_stop_under_way():
+    """``shutdown(timeout=60)`` interrupted by Ctrl-C leaves the engines' stops running
+    with their 60 s; a retry ``shutdown(timeout=0)`` waited only 0 s and the grace, and
+    returned with the engines still running (the single-engine client waits for the
+    longer stop). Now the join waits for each stop's own timeout and the grace."""
+    from shmclient import dp_engines
+
+    class HungEngine:  # its shutdown takes its whole timeout (SIGTERM ignored, say)
+        def __init__(self) -> None:
+            self.never = threading.Event()
+
+        def shutdown(self, timeout):
+            self.never.wait(timeout)
+
+    stops = dp_engines.EngineStops([HungEngine(), HungEngine()])
+    try:
+        stops.stop(range(2), 0.6)  # the first call's timeout; its join interrupted
+        stops.stop(range(2), 0.0)  # the retry's: starts nothing new
+        assert stops.join(0.0, grace=0.2), "the retry returned before the stops under way"
+        assert stops.over()
+    finally:
+        for t in threading.enumerate():
+            if t.name.startswith("dp-stop-engine-"):
+                t.join(5)
+
+
 async def test_a_death_seen_off_the_loop_leaves_the_apps_new_sockets_watched():
     """Engine 1 dies while the loop is busy: the survivor's stop ran in the monitor's
     thread and closed its channel at once, the loop still watching its descriptor; the
