@@ -105,11 +105,7 @@ class Handshake:
         self._timeout = timeout
         clock = self.clock
         while True:
-            if abandon is not None and abandon.is_set():
-                raise PeerNotProducingError(
-                    f"the start of the engine of data-parallel rank "
-                    f"{self.config.data_parallel_rank or 0} was abandoned: another engine "
-                    "of its group failed to start")
+            self._check_abandoned(abandon)
             wait = max(0.0, deadline - time.monotonic())
             if clock is not None and self.hello:
                 clock.beat(self.ctl)
@@ -137,13 +133,27 @@ class Handshake:
                 raise self._failed(msg)
             self._on(msg)
 
-    def watch_until(self, done: Callable[[float], bool], timeout: float, what: str) -> None:
+    def _check_abandoned(self, abandon: threading.Event | None) -> None:
+        if abandon is not None and abandon.is_set():
+            raise PeerNotProducingError(
+                f"the start of the engine of data-parallel rank "
+                f"{self.config.data_parallel_rank or 0} was abandoned: another engine "
+                "of its group failed to start")
+
+    def remaining(self) -> float:
+        """Seconds left of ``run``'s timeout (0 once it passed)."""
+        return max(0.0, self._deadline - time.monotonic())
+
+    def watch_until(self, done: Callable[[float], bool], timeout: float, what: str,
+                    abandon: threading.Event | None = None) -> None:
         """After ``Ready``: until ``done(slice_s)`` (which may wait that long), keep the
         start-up's watch of the engine (its exit, its ``EngineCoreDead``, its heartbeats,
-        ours), then PeerNotProducingError(``what``) after ``timeout`` seconds."""
+        ours), then PeerNotProducingError(``what``) after ``timeout`` seconds; ``abandon``
+        set: as in ``run``, within a slice."""
         deadline = time.monotonic() + timeout
         clock = self.clock
         while not done(_POLL_S):
+            self._check_abandoned(abandon)
             if clock is not None:
                 clock.beat(self.ctl)
             while True:

@@ -207,9 +207,13 @@ class EngineResources:
         info = handshake.run(timeout, abandon)
         channel = self.channel
         if channel.wait_registered is not None:
-            # (registered before its Ready: only a death or a lost connection holds it up)
-            handshake.watch_until(lambda slice_s: _registered(channel, slice_s), max(1.0, timeout),
-                                  "engine did not connect to the request socket")
+            # (registered before its Ready: only a death, a lost connection or a data
+            # port it cannot reach holds it up) What is left of the start-up's timeout.
+            handshake.watch_until(
+                lambda slice_s: _registered(channel, slice_s), max(1.0, handshake.remaining()),
+                f"the engine of data-parallel rank {rank} said it was ready but did not "
+                f"connect to the request socket ({spec.input_address}; it and "
+                f"{spec.output_address} must be reachable from the engine)", abandon)
         if channel.peer_attached is not None:
             channel.peer_attached()
         if self.ipc_dir is not None:

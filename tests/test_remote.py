@@ -342,6 +342,37 @@ def test_the_start_up_judges_the_engines_silence_only_with_nothing_unread():
         ctx.term()
 
 
+def test_the_wait_for_the_data_connection_after_ready_keeps_the_start_ups_bounds():
+    """An engine that said Ready but never connects its data sockets (a remote engine
+    that cannot reach the frontend's data ports): the frontend then waited a second full
+    ready timeout, and another rank's failure (``abandon``) did not end the wait. Now it
+    waits what is left of the start-up's timeout, and stops within a slice once the
+    start is abandoned."""
+    from shmclient.handshake import Handshake
+
+    ctx = zmq.Context()
+    ours = ctx.socket(zmq.PAIR)
+    try:
+        ours.bind("inproc://ready-then-silent")
+        hs = Handshake(ours, EngineConfig(model="mock"), None, address="tcp://engine",
+                       proc=None, secret=None, clock=None)
+        hs._deadline = time.monotonic() + 0.3  # (as run() leaves it, 0.3 s to go)
+        assert 0.0 < hs.remaining() <= 0.3
+        never = lambda slice_s: ours.poll(int(slice_s * 1000)) and False  # noqa: E731
+        abandon = threading.Event()
+        abandon.set()
+        t0 = time.monotonic()
+        with pytest.raises(PeerNotProducingError, match="rank 0 was abandoned"):
+            hs.watch_until(never, 60.0, "not connected", abandon)
+        assert time.monotonic() - t0 < 5.0  # (a slice: 0.1 s)
+        with pytest.raises(PeerNotProducingError, match="not connected"):
+            hs.watch_until(never, hs.remaining(), "not connected", threading.Event())
+        assert hs.remaining() == 0.0
+    finally:
+        ours.close(0)
+        ctx.term()
+
+
 def test_a_local_start_up_failure_in_a_mixed_group_is_reported_at_once(monkeypatch):
     """Rank 0 (here) fails to start while rank 1 (remote) is awaited: the failure came
     only once rank 1's ready timeout had passed (600 s by default), as the group waited
